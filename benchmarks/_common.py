@@ -1,0 +1,51 @@
+"""Shared conventions of benchmarks/*.py: one JSON object per line on stdout, `--quick` for CI smoke runs.
+
+Each line: {"bench": str, "params": {...}, "metric": str, "value": float, "unit": str}.
+Timings use the median of repeated runs; CPU figures should be quoted as ratios measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke run)")
+    ap.add_argument("--plot", action="store_true", help="also write a PNG under benchmarks/out/")
+    return ap
+
+
+def emit(bench: str, params: dict[str, Any], metric: str, value: float, unit: str) -> None:
+    print(json.dumps({"bench": bench, "params": params, "metric": metric, "value": value, "unit": unit}), flush=True)
+
+
+def time_it(fn: Callable[[], Any], repeat: int = 5, number: int = 1, warmup: int = 1) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` batches of ``number`` calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+def out_path(name: str) -> Path:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    return OUT_DIR / name
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

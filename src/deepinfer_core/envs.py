@@ -1,0 +1,110 @@
+"""DeepInfer's ``DEEPINFER_*`` switches, parsed and validated in one place.
+
+This is the only module in the library that reads environment variables. Components never read it
+themselves: the engine (or the caller) reads :func:`get_envs` once and passes plain values down, so a
+component can be used with explicit arguments and no environment at all.
+
+=====================================  =========  ============================================================
+variable                               default    meaning
+=====================================  =========  ============================================================
+``DEEPINFER_ENABLE_MTP_VARLEN``        1          verify a variable number of drafts per request (MTPVarlen)
+``DEEPINFER_USE_NEXTN_DECODE``         5          maximum drafts per request; 0 turns speculation off
+``DEEPINFER_MAX_BACKTRACKING_TOKENS``  drafts+1   extra SWA ring slots kept so rejected drafts can roll back
+``DEEPINFER_BATCH_INVARIANT``          0          batch-invariant kernels and deterministic sampling
+``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` 140        suffix recomputed by SWA bounded replay after a prefix hit
+=====================================  =========  ============================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+
+import attrs
+
+__all__ = ["EnvError", "Envs", "get_envs"]
+
+MAX_DRAFTS = 16  # a bound on the draft length that no drafter in the seeds approaches (DSpark uses 5)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class EnvError(ValueError):
+    """A DEEPINFER_* variable holds a value outside what it allows; the message names the variable."""
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise EnvError(f"{name}={raw!r}: expected one of 0/1/true/false/yes/no/on/off")
+
+
+def _parse_int(name: str, raw: str, lo: int, hi: int | None) -> int:
+    try:
+        v = int(raw.strip(), 10)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r}: expected an integer") from None
+    if v < lo or (hi is not None and v > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise EnvError(f"{name}={v}: must be {allowed}")
+    return v
+
+
+@attrs.frozen(kw_only=True)
+class Envs:
+    """Validated switches. Construct directly for tests, or with :meth:`from_environ`."""
+
+    enable_mtp_varlen: bool = True
+    use_nextn_decode: int = 5
+    max_backtracking_tokens: int = attrs.field()
+    batch_invariant: bool = False
+    yoco_prefill_keep_tokens: int = 140
+
+    @max_backtracking_tokens.default
+    def _default_backtracking(self) -> int:
+        # One slot per draft that may be rolled back, plus the bonus token of the verify step.
+        return self.use_nextn_decode + 1
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.use_nextn_decode <= MAX_DRAFTS:
+            raise EnvError(f"DEEPINFER_USE_NEXTN_DECODE={self.use_nextn_decode}: must be in [0, {MAX_DRAFTS}]")
+        if self.max_backtracking_tokens < self.use_nextn_decode:
+            raise EnvError(
+                f"DEEPINFER_MAX_BACKTRACKING_TOKENS={self.max_backtracking_tokens}: must be >= "
+                f"DEEPINFER_USE_NEXTN_DECODE={self.use_nextn_decode}, or a rejected draft could not be rolled back"
+            )
+        if self.yoco_prefill_keep_tokens < 1:
+            raise EnvError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={self.yoco_prefill_keep_tokens}: must be >= 1")
+
+    @property
+    def speculative(self) -> bool:
+        """True when drafts are produced and verified at all."""
+        return self.use_nextn_decode > 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Envs:
+        """Parse the switches from ``environ`` (default ``os.environ``); unset variables take defaults."""
+        env = os.environ if environ is None else environ
+        kw: dict[str, object] = {}
+        if (raw := env.get("DEEPINFER_ENABLE_MTP_VARLEN")) is not None:
+            kw["enable_mtp_varlen"] = _parse_bool("DEEPINFER_ENABLE_MTP_VARLEN", raw)
+        if (raw := env.get("DEEPINFER_USE_NEXTN_DECODE")) is not None:
+            kw["use_nextn_decode"] = _parse_int("DEEPINFER_USE_NEXTN_DECODE", raw, 0, MAX_DRAFTS)
+        if (raw := env.get("DEEPINFER_MAX_BACKTRACKING_TOKENS")) is not None:
+            kw["max_backtracking_tokens"] = _parse_int("DEEPINFER_MAX_BACKTRACKING_TOKENS", raw, 0, None)
+        if (raw := env.get("DEEPINFER_BATCH_INVARIANT")) is not None:
+            kw["batch_invariant"] = _parse_bool("DEEPINFER_BATCH_INVARIANT", raw)
+        if (raw := env.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")) is not None:
+            kw["yoco_prefill_keep_tokens"] = _parse_int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", raw, 1, None)
+        return cls(**kw)  # type: ignore[arg-type]
+
+
+@functools.cache
+def get_envs() -> Envs:
+    """The process-wide switches, read from ``os.environ`` once on first call."""
+    return Envs.from_environ()

@@ -1,0 +1,45 @@
+"""Seams of structured outputs (``deepinfer_core.structured``)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class GrammarMatcher(Protocol):
+    """Per-request grammar state over token ids."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token. False (state unchanged) if the grammar does not allow it."""
+        ...
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into int32 ``bitmask[row]`` (bit set = allowed)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar has accepted its stop token / reached its end."""
+        ...
+
+    def reset(self) -> None:
+        """Back to the initial state."""
+        ...
+
+
+@runtime_checkable
+class GrammarBackend(Protocol):
+    """A grammar engine (xgrammar, llguidance) bound to one tokenizer."""
+
+    def compile(self, spec: Any) -> Any:
+        """Compile a GrammarSpec; raises ``ValueError`` with the backend's message if the spec is invalid."""
+        ...
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher for a compiled grammar."""
+        ...

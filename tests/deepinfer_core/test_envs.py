@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_core.envs import EnvError, Envs
+
+
+def test_defaults() -> None:
+    e = Envs.from_environ({})
+    assert e.enable_mtp_varlen is True
+    assert e.use_nextn_decode == 5
+    assert e.max_backtracking_tokens == 6  # drafts + 1: the SWA ring is 128 + 6 = 134 tokens
+    assert e.batch_invariant is False
+    assert e.yoco_prefill_keep_tokens == 140
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "value"),
+    [
+        ({"DEEPINFER_ENABLE_MTP_VARLEN": "0"}, "enable_mtp_varlen", False),
+        ({"DEEPINFER_ENABLE_MTP_VARLEN": " True "}, "enable_mtp_varlen", True),
+        ({"DEEPINFER_USE_NEXTN_DECODE": "3"}, "use_nextn_decode", 3),
+        ({"DEEPINFER_USE_NEXTN_DECODE": "3"}, "max_backtracking_tokens", 4),  # default follows drafts
+        ({"DEEPINFER_USE_NEXTN_DECODE": "0"}, "speculative", False),
+        ({"DEEPINFER_MAX_BACKTRACKING_TOKENS": "9"}, "max_backtracking_tokens", 9),
+        ({"DEEPINFER_BATCH_INVARIANT": "yes"}, "batch_invariant", True),
+        ({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "128"}, "yoco_prefill_keep_tokens", 128),
+    ],
+)
+def test_good_values(env: dict[str, str], field: str, value: object) -> None:
+    assert getattr(Envs.from_environ(env), field) == value
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"DEEPINFER_ENABLE_MTP_VARLEN": "maybe"}, "DEEPINFER_ENABLE_MTP_VARLEN"),
+        ({"DEEPINFER_USE_NEXTN_DECODE": "-1"}, "DEEPINFER_USE_NEXTN_DECODE"),
+        ({"DEEPINFER_USE_NEXTN_DECODE": "99"}, "DEEPINFER_USE_NEXTN_DECODE"),
+        ({"DEEPINFER_USE_NEXTN_DECODE": "five"}, "DEEPINFER_USE_NEXTN_DECODE"),
+        ({"DEEPINFER_MAX_BACKTRACKING_TOKENS": "2"}, "DEEPINFER_MAX_BACKTRACKING_TOKENS"),  # < 5 drafts
+        ({"DEEPINFER_MAX_BACKTRACKING_TOKENS": "1.5"}, "DEEPINFER_MAX_BACKTRACKING_TOKENS"),
+        ({"DEEPINFER_BATCH_INVARIANT": "2"}, "DEEPINFER_BATCH_INVARIANT"),
+        ({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "0"}, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
+    ],
+)
+def test_bad_values_name_the_variable(env: dict[str, str], name: str) -> None:
+    with pytest.raises(EnvError, match=name):
+        Envs.from_environ(env)
+
+
+def test_direct_construction_validates() -> None:
+    with pytest.raises(EnvError, match="DEEPINFER_MAX_BACKTRACKING_TOKENS"):
+        Envs(use_nextn_decode=5, max_backtracking_tokens=1)
