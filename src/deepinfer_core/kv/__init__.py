@@ -1,0 +1,25 @@
+"""KV memory: paged block pool, per-sequence state pool, prefix index, byte-exact cache formats.
+
+``formats`` (torch) is imported lazily so that the pools stay cheap to import (the scheduler only
+needs the pools).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from deepinfer_core.kv.pool import PagedKVPool, compression_fires, num_compressed_entries
+
+__all__ = [
+    "PagedKVPool",
+    "compression_fires",
+    "formats",
+    "num_compressed_entries",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("formats", "planner", "ring"):
+        return importlib.import_module(f"deepinfer_core.kv.{name}")
+    raise AttributeError(f"module 'deepinfer_core.kv' has no attribute {name!r}")
