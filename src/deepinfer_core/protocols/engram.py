@@ -22,6 +22,8 @@ class EngramTable(Protocol):
         ...
 
     def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """Rows for int ``row_ids`` of any shape, returned [*row_ids.shape, row_dim] in the caller's order
-        on the caller's device. Ids outside [0, num_rows) raise ``IndexError``."""
+        """Rows for int ``row_ids`` of any shape (duplicates allowed), returned [*row_ids.shape, row_dim]
+        in the caller's order, dequantised (bf16 by default), on the device the table serves (host tables:
+        the device they copy to). Ids outside [0, num_rows) raise ``IndexError`` naming the id; a sharded
+        table still takes part in the collective before raising, so one bad fetch fails alone."""
         ...
