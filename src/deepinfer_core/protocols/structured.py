@@ -16,7 +16,11 @@ class GrammarMatcher(Protocol):
         ...
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into int32 ``bitmask[row]`` (bit set = allowed)."""
+        """Write the allowed next tokens into int32 ``bitmask[row]`` (bit set = allowed).
+
+        Bit ``t % 32`` of word ``t // 32`` is token ``t``. Control tokens other than EOS are never
+        allowed; EOS is allowed exactly where the grammar may end; after EOS nothing is allowed.
+        """
         ...
 
     def rollback(self, num_tokens: int) -> None:
@@ -24,7 +28,7 @@ class GrammarMatcher(Protocol):
         ...
 
     def is_terminated(self) -> bool:
-        """True once the grammar has accepted its stop token / reached its end."""
+        """True once the grammar has accepted the end-of-sequence token."""
         ...
 
     def reset(self) -> None:
@@ -36,10 +40,15 @@ class GrammarMatcher(Protocol):
 class GrammarBackend(Protocol):
     """A grammar engine (xgrammar, llguidance) bound to one tokenizer."""
 
+    @property
+    def vocab_size(self) -> int:
+        """Mask width in tokens (the logits width); bitmask rows have ``ceil(vocab_size / 32)`` words."""
+        ...
+
     def compile(self, spec: Any) -> Any:
         """Compile a GrammarSpec; raises ``ValueError`` with the backend's message if the spec is invalid."""
         ...
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
-        """A fresh matcher for a compiled grammar."""
+        """A fresh matcher (initial state) for a compiled grammar; many may share one compiled grammar."""
         ...

@@ -1,0 +1,58 @@
+"""Structured outputs: regex, JSON-schema, EBNF and choice constraints as per-token bitmasks.
+
+``GrammarSpec`` says what a request wants; a :class:`~deepinfer_core.protocols.GrammarBackend`
+(``XGrammarBackend``, the default, or ``LLGuidanceBackend``) compiles it against the library's tokenizer;
+``StructuredOutputManager`` keeps one matcher per request, compiles in the background, and fills batch
+bitmasks including one row per speculative draft. The engines are imported lazily, only when a backend
+is built, so importing this package needs neither xgrammar nor llguidance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer_core.structured.manager import BatchMask, StructuredOutputManager
+from deepinfer_core.structured.spec import KINDS, FinishReason, GrammarSpec
+from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab
+
+BACKENDS = ("xgrammar", "llguidance")
+
+__all__ = [
+    "BACKENDS",
+    "KINDS",
+    "BatchMask",
+    "FinishReason",
+    "GrammarSpec",
+    "GrammarVocab",
+    "LLGuidanceBackend",
+    "StructuredOutputManager",
+    "XGrammarBackend",
+    "grammar_vocab",
+    "make_backend",
+]
+
+
+def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:
+    """``"xgrammar"`` (default choice of the engine) or ``"llguidance"``, bound to ``tokenizer``."""
+    if name == "xgrammar":
+        from deepinfer_core.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, **kwargs)
+    if name == "llguidance":
+        from deepinfer_core.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, **kwargs)
+    raise ValueError(f"backend={name!r}: must be one of {list(BACKENDS)}")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the backend classes import their engine only when asked for.
+    if name == "XGrammarBackend":
+        from deepinfer_core.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend
+    if name == "LLGuidanceBackend":
+        from deepinfer_core.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

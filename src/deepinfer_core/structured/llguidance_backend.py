@@ -1,0 +1,139 @@
+"""The second grammar backend, over llguidance's public API (``LLTokenizer`` / ``LLMatcher``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import attrs
+import torch
+
+from deepinfer_core.protocols import Tokenizer
+from deepinfer_core.structured._bitmask import check_bitmask
+from deepinfer_core.structured.spec import GrammarSpec
+from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab, llguidance_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(slots=True)
+class LLGuidanceGrammar:
+    """A validated llguidance grammar: a template matcher that each request deep-copies."""
+
+    grammar: str
+    template: object = attrs.field(repr=False)
+
+
+class LLGuidanceMatcher:
+    """One request's grammar state (llguidance ``LLMatcher``).
+
+    ``LLMatcher.consume_token`` puts the matcher into a permanent error state on a rejected token, so
+    tokens go through ``try_consume_tokens`` (which refuses without side effects); EOS is taken only in
+    an accepting state. llguidance reports
+    "stopped" as soon as only EOS can follow; we call a matcher terminated only once EOS was accepted,
+    as xgrammar does, and track that ourselves (EOS is always the last accepted token).
+    """
+
+    __slots__ = ("_eos", "_m", "_terminated", "_words")
+
+    def __init__(self, matcher: object, words: int, eos: int) -> None:
+        self._m = matcher
+        self._words = words
+        self._eos = eos
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        t = int(token_id)
+        if t == self._eos:
+            # try_consume_tokens refuses EOS once the parser has stopped (only EOS can follow), so EOS
+            # is checked against the accepting state and then consumed directly.
+            if not self._m.is_accepting() or not self._m.consume_token(t):
+                return False
+            self._terminated = True
+            return True
+        return self._m.try_consume_tokens([t]) == 1
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        check_bitmask(bitmask, row, self._words)
+        self.fill_unchecked(bitmask, row)
+
+    def fill_unchecked(self, bitmask: torch.Tensor, row: int) -> None:
+        """``fill_next_token_bitmask`` without argument checks (the manager validated its own buffer)."""
+        if self._terminated:  # nothing follows EOS (xgrammar's behaviour too)
+            bitmask[row].zero_()
+            return
+        nbytes = self._words * 4
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * nbytes, nbytes)
+        if self._m.is_error():
+            raise RuntimeError(f"llguidance matcher error: {self._m.get_error()}")
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if not self._m.rollback(int(num_tokens)):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self._m.get_error()}")
+        self._terminated = False
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._terminated = False
+
+
+class LLGuidanceBackend:
+    """Compiles :class:`GrammarSpec` s with llguidance against one tokenizer.
+
+    EBNF arrives in GBNF (xgrammar's dialect) and is converted to Lark with llguidance's own converter;
+    a grammar already in Lark syntax passes through. JSON is compact by default, like
+    :class:`~deepinfer_core.structured.XGrammarBackend`.
+    """
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int | None = None, json_any_whitespace: bool = False) -> None:
+        import llguidance as llg
+
+        self._vocab: GrammarVocab = grammar_vocab(tokenizer, vocab_size)
+        self._tok = llguidance_tokenizer(self._vocab, tokenizer)
+        self._json_opts = {"whitespace_flexible": bool(json_any_whitespace), "item_separator": ",", "key_separator": ":"}
+        self._llg = llg
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._vocab.eos_token_id
+
+    def _grammar_text(self, spec: GrammarSpec) -> str:
+        llg = self._llg
+        if spec.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec.text)
+        if spec.kind == "json_schema":
+            return llg.LLMatcher.grammar_from_json_schema(spec.text, overrides=self._json_opts)
+        if spec.kind == "ebnf":
+            return llg.grammar_from("ebnf", spec.text)
+        return llg.grammar_from("choice", json.dumps(list(spec.choices)))
+
+    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        spec = GrammarSpec.of(spec)
+        try:
+            grammar = self._grammar_text(spec)
+        except ValueError as e:
+            raise ValueError(f"llguidance could not compile the {spec.kind}: {e}") from None
+        # Building the matcher parses and checks the grammar (with the GIL released), so the template
+        # doubles as validation; each request then gets a cheap deep copy.
+        template = self._llg.LLMatcher(self._tok, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"llguidance could not compile the {spec.kind}: {template.get_error().strip()}")
+        return LLGuidanceGrammar(grammar=grammar, template=template)
+
+    def matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
+        if not isinstance(compiled, LLGuidanceGrammar):
+            raise TypeError(f"compiled: expected an LLGuidanceGrammar from compile(), got {type(compiled).__name__}")
+        return LLGuidanceMatcher(compiled.template.deep_copy(), self._vocab.bitmask_words, self._vocab.eos_token_id)

@@ -1,0 +1,259 @@
+"""``StructuredOutputManager``: per-request matchers, async compilation, and batch masks with drafts.
+
+Lifecycle of a constrained request::
+
+    add_request(rid, spec)          # validates now, compiles on the pool (cached by spec)
+    ready(rids) / wait(rids)        # schedule a request only once its grammar is ready
+    fill_bitmask([(rid, drafts)])   # rows 0..k: mask before each draft position
+    advance(rid, accepted_tokens)   # after verification, commit what was accepted
+    finish_reason(rid)              # STOP / DEAD_END / INVALID_GRAMMAR / REJECTED_TOKEN or None
+    remove_request(rid)
+
+Speculative rows: a request with drafts ``d1..dk`` gets rows ``r0..rk``; ``r0`` is the mask at its
+committed state, ``ri`` the mask after accepting ``d1..di``. The matcher accepts the drafts one by one,
+filling each row ("accept-draft-then-fill"), and is rolled back to its committed state afterwards. A draft
+the grammar rejects (or one that leads to a state no token can continue) cuts the draft there: later
+drafts are not verified, and the unused rows repeat the last valid row so that sampling from them is
+harmless. ``BatchMask.num_drafts`` tells the verifier how many drafts survived.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from deepinfer_core.protocols import GrammarBackend, GrammarMatcher
+from deepinfer_core.structured.spec import FinishReason, GrammarSpec
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(slots=True)
+class BatchMask:
+    """Masks of one batch: request ``i`` owns rows ``offsets[i]:offsets[i + 1]``."""
+
+    bitmask: torch.Tensor  # int32 [rows, ceil(vocab / 32)], bit set = allowed
+    offsets: np.ndarray  # int64 [n + 1]
+    num_drafts: np.ndarray  # int64 [n]: drafts that survive the grammar (<= drafts given)
+    dead_end: np.ndarray  # bool [n]: row 0 allows nothing; the request was finished with DEAD_END
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets[-1])
+
+
+class _Request:
+    __slots__ = ("finish", "future", "matcher", "spec")
+
+    def __init__(self, spec: GrammarSpec, future: cf.Future[Any]) -> None:
+        self.spec = spec
+        self.future = future
+        self.matcher: GrammarMatcher | None = None
+        self.finish: FinishReason | None = None
+
+
+class StructuredOutputManager:
+    """Grammar state for every constrained request of an engine, over one :class:`GrammarBackend`."""
+
+    def __init__(self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256) -> None:
+        if compile_workers < 1:
+            raise ValueError(f"compile_workers={compile_workers}: must be >= 1")
+        if cache_size < 1:
+            raise ValueError(f"cache_size={cache_size}: must be >= 1")
+        self._backend = backend
+        self._vocab_size = int(backend.vocab_size)
+        self._words = (self._vocab_size + 31) // 32
+        self._pool = cf.ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[GrammarSpec, cf.Future[Any]] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._requests: dict[Hashable, _Request] = {}
+        self._errors: dict[Hashable, str] = {}
+        self._buf = torch.empty((0, self._words), dtype=torch.int32)
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    # ----- submission and compilation -------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def _compiled_future(self, spec: GrammarSpec) -> cf.Future[Any]:
+        with self._lock:
+            fut = self._cache.get(spec)
+            if fut is not None:
+                self._cache.move_to_end(spec)
+                self.cache_hits += 1
+                return fut
+            self.cache_misses += 1
+            fut = self._pool.submit(self._backend.compile, spec)
+            self._cache[spec] = fut
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)  # running requests keep their own future
+            return fut
+
+    def add_request(self, request_id: Hashable, spec: GrammarSpec | Mapping[str, Any]) -> None:
+        """Validate ``spec`` (``ValueError`` naming the field) and start compiling it in the background."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r}: already registered")
+        spec = GrammarSpec.of(spec)
+        self._requests[request_id] = _Request(spec, self._compiled_future(spec))
+
+    def _get(self, request_id: Hashable) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request_id={request_id!r}: not registered (add_request first)") from None
+
+    def _resolve(self, req: _Request, request_id: Hashable) -> bool:
+        """Make the matcher once the compile finished; False while still compiling."""
+        if req.matcher is not None or req.finish is not None:
+            return True
+        if not req.future.done():
+            return False
+        try:
+            req.matcher = self._backend.matcher(req.future.result())
+        except ValueError as e:  # the backend's own message: the request fails alone
+            req.finish = FinishReason.INVALID_GRAMMAR
+            self._errors[request_id] = str(e)
+            log.info("request %r: %s", request_id, e)
+        return True
+
+    def ready(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
+        """Those of ``request_ids`` whose grammar is compiled (or failed; see ``finish_reason``)."""
+        return [rid for rid in request_ids if self._resolve(self._get(rid), rid)]
+
+    def wait(self, request_ids: Iterable[Hashable], timeout: float | None = None) -> list[Hashable]:
+        """Block until the given requests' grammars are compiled (or ``timeout``); return the ready ones."""
+        ids = list(request_ids)
+        cf.wait([self._get(r).future for r in ids], timeout=timeout)
+        return self.ready(ids)
+
+    def finish_reason(self, request_id: Hashable) -> FinishReason | None:
+        req = self._get(request_id)
+        self._resolve(req, request_id)
+        return req.finish
+
+    def error(self, request_id: Hashable) -> str | None:
+        """The backend's message for a request finished with INVALID_GRAMMAR."""
+        return self._errors.get(request_id)
+
+    def matcher(self, request_id: Hashable) -> GrammarMatcher:
+        req = self._get(request_id)
+        if not self._resolve(req, request_id) or req.matcher is None:
+            raise RuntimeError(f"request_id={request_id!r}: grammar is not ready (finish_reason={req.finish})")
+        return req.matcher
+
+    def remove_request(self, request_id: Hashable) -> None:
+        self._requests.pop(request_id, None)
+        self._errors.pop(request_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----- per step ----------------------------------------------------------------------------------
+    def _active_matcher(self, rid: Hashable) -> GrammarMatcher:
+        req = self._get(rid)
+        if not self._resolve(req, rid):
+            raise RuntimeError(f"request_id={rid!r}: grammar still compiling; schedule it once ready() lists it")
+        if req.finish is not None or req.matcher is None:
+            raise RuntimeError(f"request_id={rid!r}: already finished ({req.finish}); it has no next mask")
+        return req.matcher
+
+    def fill_bitmask(
+        self, batch: Sequence[tuple[Hashable, Sequence[int]]], out: torch.Tensor | None = None
+    ) -> BatchMask:
+        """Masks for ``batch`` = [(request_id, draft_tokens), ...], ``1 + len(drafts)`` rows each.
+
+        ``out`` (int32 CPU, contiguous, at least that many rows) is reused when given; otherwise an
+        internal buffer grows as needed (the returned tensor is a view of it, valid until the next call).
+        Requests whose row 0 allows nothing are finished with ``DEAD_END`` and flagged in ``dead_end``.
+        """
+        n = len(batch)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        for i, (_, drafts) in enumerate(batch):
+            offsets[i + 1] = offsets[i] + 1 + len(drafts)
+        rows = int(offsets[-1])
+        if out is None:
+            if self._buf.shape[0] < rows:
+                self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
+            bm = self._buf[:rows]
+        else:
+            if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or not out.is_contiguous():
+                raise ValueError(f"out: must be a contiguous 2-D int32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
+            if out.shape[1] != self._words or out.shape[0] < rows:
+                raise ValueError(f"out: shape {tuple(out.shape)}; needs at least [{rows}, {self._words}]")
+            bm = out[:rows]
+        num_drafts = np.zeros(n, dtype=np.int64)
+        matchers = [self._active_matcher(rid) for rid, _ in batch]  # fail before touching any state
+        for i, (m, (_, drafts)) in enumerate(zip(matchers, batch)):
+            num_drafts[i] = _fill_request(m, bm, int(offsets[i]), drafts)
+        # One vectorised pass finds rows that allow nothing: row 0 is a dead end of the request, a
+        # later row is a state the draft reached but no token can continue, so the draft is cut before it.
+        live = bm.ne(0).any(dim=1).numpy()
+        dead_end = np.zeros(n, dtype=bool)
+        for i in np.flatnonzero(~live[offsets[:-1]] | (num_drafts > 0)):
+            base, k = int(offsets[i]), int(num_drafts[i])
+            if not live[base]:
+                dead_end[i] = True
+                num_drafts[i] = 0
+                req = self._requests[batch[i][0]]
+                req.finish = FinishReason.DEAD_END
+                log.info("request %r: grammar dead end (no token can continue)", batch[i][0])
+                continue
+            seg = live[base : base + k + 1]
+            if not seg.all():
+                cut = int(np.argmin(seg)) - 1  # drafts up to the one before the dead state survive
+                num_drafts[i] = cut
+                end = int(offsets[i + 1])
+                bm[base + cut + 1 : end] = bm[base + cut]
+        return BatchMask(bitmask=bm, offsets=offsets, num_drafts=num_drafts, dead_end=dead_end)
+
+    def advance(self, request_id: Hashable, tokens: Sequence[int]) -> int:
+        """Commit the tokens verification accepted; returns how many the grammar took.
+
+        Ends the request with STOP once the grammar accepted EOS, or REJECTED_TOKEN if a token was not
+        allowed (the engine sampled outside the mask); tokens after that are ignored.
+        """
+        m = self._active_matcher(request_id)
+        req = self._requests[request_id]
+        for j, t in enumerate(tokens):
+            if not m.accept_token(int(t)):
+                req.finish = FinishReason.REJECTED_TOKEN
+                log.warning("request %r: grammar rejected committed token %d", request_id, int(t))
+                return j
+            if m.is_terminated():
+                req.finish = FinishReason.STOP
+                return j + 1
+        return len(tokens)
+
+
+def _fill_request(m: GrammarMatcher, bm: torch.Tensor, base: int, drafts: Sequence[int]) -> int:
+    """Accept-draft-then-fill rows ``base..base+k``; roll back; return how many drafts were accepted."""
+    fill = getattr(m, "fill_unchecked", m.fill_next_token_bitmask)
+    fill(bm, base)
+    accepted = 0
+    for t in drafts:
+        if not m.accept_token(int(t)):
+            break
+        accepted += 1
+        if m.is_terminated():
+            # An accepted EOS draft ends the text: nothing is sampled after it, so the draft ends
+            # here, and its row repeats the previous one rather than being all-masked.
+            bm[base + accepted] = bm[base + accepted - 1]
+            break
+        fill(bm, base + accepted)
+    m.rollback(accepted)
+    # Unused rows repeat the last valid one: never all-masked, never looser than the grammar.
+    end = base + 1 + len(drafts)
+    if base + accepted + 1 < end:
+        bm[base + accepted + 1 : end] = bm[base + accepted]
+    return accepted

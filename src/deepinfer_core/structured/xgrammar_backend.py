@@ -1,0 +1,113 @@
+"""The default grammar backend, over xgrammar's public API (``GrammarCompiler`` / ``GrammarMatcher``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deepinfer_core.protocols import Tokenizer
+from deepinfer_core.structured._bitmask import check_bitmask
+from deepinfer_core.structured.spec import GrammarSpec
+from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab, xgrammar_tokenizer_info
+
+log = logging.getLogger(__name__)
+
+
+class XGrammarMatcher:
+    """One request's grammar state (xgrammar ``GrammarMatcher``)."""
+
+    __slots__ = ("_m", "_words")
+
+    def __init__(self, matcher: object, words: int) -> None:
+        self._m = matcher
+        self._words = words
+
+    def accept_token(self, token_id: int) -> bool:
+        # xgrammar refuses (state unchanged) tokens the grammar rejects, specials, ids out of range,
+        # and anything after termination: exactly our contract.
+        return bool(self._m.accept_token(int(token_id)))
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        check_bitmask(bitmask, row, self._words)
+        self.fill_unchecked(bitmask, row)
+
+    def fill_unchecked(self, bitmask: torch.Tensor, row: int) -> None:
+        """``fill_next_token_bitmask`` without argument checks (the manager validated its own buffer)."""
+        if self._m.is_terminated():  # xgrammar raises here; nothing may follow EOS
+            bitmask[row].zero_()
+            return
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._m.rollback(int(num_tokens))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def reset(self) -> None:
+        self._m.reset()
+
+
+class XGrammarBackend:
+    """Compiles :class:`GrammarSpec` s with xgrammar against one tokenizer.
+
+    JSON is compiled compact (``,`` and ``:`` separators, no free whitespace) so both backends accept the
+    same language and a random-logit model cannot pad forever with spaces; pass ``json_any_whitespace``
+    to allow whitespace. Compiling is thread-safe (the manager runs it on a pool).
+    """
+
+    name = "xgrammar"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int | None = None,
+        compile_threads: int = 1,
+        json_any_whitespace: bool = False,
+    ) -> None:
+        import xgrammar as xgr
+
+        self._vocab: GrammarVocab = grammar_vocab(tokenizer, vocab_size)
+        self._info = xgrammar_tokenizer_info(self._vocab)
+        # The manager caches compiled grammars by spec; xgrammar's own cache would duplicate memory.
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=compile_threads, cache_enabled=False)
+        self._json_any_ws = json_any_whitespace
+        self._xgr = xgr
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._vocab.eos_token_id
+
+    def compile(self, spec: GrammarSpec) -> object:
+        spec = GrammarSpec.of(spec)
+        c = self._compiler
+        try:
+            if spec.kind == "regex":
+                return c.compile_regex(spec.text)
+            if spec.kind == "json_schema":
+                seps = None if self._json_any_ws else (",", ":")
+                return c.compile_json_schema(spec.text, any_whitespace=self._json_any_ws, separators=seps)
+            if spec.kind == "ebnf":
+                return c.compile_grammar(spec.text)
+            return c.compile_grammar(spec.choice_ebnf())
+        except (RuntimeError, ValueError) as e:  # xgrammar reports parse errors as RuntimeError
+            raise ValueError(f"xgrammar could not compile the {spec.kind}: {_strip_location(str(e))}") from None
+
+    def matcher(self, compiled: object) -> XGrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words)
+
+
+def _strip_location(msg: str) -> str:
+    # "[23:03:34] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the part users need.
+    _, sep, tail = msg.partition(".cc:")
+    if sep:
+        _, _, rest = tail.partition(": ")
+        return rest.strip() or msg.strip()
+    return msg.strip()
