@@ -118,7 +118,9 @@ def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.nd
     return best, s, hg
 
 
-def refine_swaps(weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAULT_REFINE_PASSES) -> np.ndarray:
+def refine_swaps(
+    weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAULT_REFINE_PASSES, target: np.ndarray | None = None
+) -> np.ndarray:
     """Lower heavy packs by swapping one of their items with a lighter item of another pack.
 
     A swap between packs a (heavier) and b moves ``d = w_x - w_y > 0`` from a to b and is taken only if
@@ -126,6 +128,9 @@ def refine_swaps(weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAUL
     a row's maximum never rises and pack sizes never change. Each pass pairs the k-th heaviest pack with
     the (k + pass)-th lightest (disjoint pairs, all swapped at once); when no pair improves, the heaviest pack tries
     every other pack. Stops when neither finds a swap. ``slots`` [rows, packs, cap] is updated in place.
+
+    With ``target`` [rows], only packs heavier than their row's target are relieved and a row stops once
+    its maximum is at or below the target (the migration planner uses this to swap no more than needed).
     """
     rows, packs, cap = slots.shape
     if packs < 2 or max_passes <= 0:
@@ -145,6 +150,8 @@ def refine_swaps(weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAUL
         wh, wl = item_w[r[:, None], heavy], item_w[r[:, None], light]  # [rows, half, cap]
         best, s, _ = _best_swap(np.broadcast_to(hg[..., None], wl.shape), wh, wl, None)
         ok = s < hg - tol
+        if target is not None:
+            ok &= np.take_along_axis(loads, heavy, axis=1) > target[:, None]
         if ok.any():
             rr, kk = np.nonzero(ok)
             ia, ib = np.divmod(best[rr, kk], cap)
@@ -156,6 +163,8 @@ def refine_swaps(weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAUL
         hg1 = (loads[r, h][:, None] - lg) / 2  # <= 0 for h's own items, so they never qualify
         best, s, hgb = _best_swap(hg1, item_w[r, h], item_w.reshape(rows, -1), lg / 2)
         ok = s < hgb - tol[:, 0]
+        if target is not None:
+            ok &= loads[r, h] > target
         if not ok.any():
             break
         rr = np.nonzero(ok)[0]
