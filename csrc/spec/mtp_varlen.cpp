@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -69,6 +70,12 @@ std::string check_curve(const double* x, const double* y, size_t k) {
   return {};
 }
 
+std::string fmt(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
 // Cumulative rates of the valid drafts, row-major; returns an error message or "".
 std::string cumulative(const double* a, const int32_t* nd, size_t R, size_t D, std::vector<double>& c) {
   c.assign(R * D, -1.0);
@@ -81,7 +88,7 @@ std::string cumulative(const double* a, const int32_t* nd, size_t R, size_t D, s
     for (int32_t k = 0; k < n; ++k) {
       const double v = a[i * D + k];
       if (!(v >= 0.0 && v <= 1.0))  // also rejects NaN
-        return "acceptance[" + std::to_string(i) + ", " + std::to_string(k) + "]=" + std::to_string(v) +
+        return "acceptance[" + std::to_string(i) + ", " + std::to_string(k) + "]=" + fmt(v) +
                ": must be a probability in [0, 1]";
       run *= v;
       c[i * D + k] = run;
