@@ -1,0 +1,143 @@
+// _C.scheduler: the step planner (StepScheduler over a _C.kv.BlockPool) and the cost-model solver.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "core/buffers.h"
+#include "core/registry.h"
+#include "scheduler/step_scheduler.h"
+
+namespace nb = nanobind;
+using di::sched::CostModel;
+using di::sched::StepScheduler;
+
+namespace {
+
+template <typename T>
+nb::ndarray<nb::numpy, T> to_np(const std::vector<T>& v) {
+  auto a = di::new_array<T>({v.size()});
+  if (!v.empty()) std::memcpy(a.data(), v.data(), v.size() * sizeof(T));
+  return a;
+}
+
+CostModel make_cost(double base, double token, double quad, double ctx) {
+  CostModel c{base, token, quad, ctx};
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block pool, cost-model chunking") {
+  m.attr("MAX_STEP_TOKENS") = di::sched::kMaxStepTokens;
+
+  m.def(
+      "max_chunk",
+      [](double base, double token, double quad, double ctx, int64_t c, double spent, double budget, int64_t cap) {
+        return make_cost(base, token, quad, ctx).max_chunk(c, spent, budget, cap);
+      },
+      nb::arg("base_ns"), nb::arg("token_ns"), nb::arg("quad_ns"), nb::arg("ctx_ns"), nb::arg("c"),
+      nb::arg("spent_ns"), nb::arg("budget_ns"), nb::arg("cap"),
+      "Largest q in [0, cap] with spent_ns + chunk_ns(q, c) <= budget_ns.");
+  m.def(
+      "chunk_ns",
+      [](double base, double token, double quad, double ctx, int64_t q, int64_t c) {
+        return make_cost(base, token, quad, ctx).chunk_ns(q, c);
+      },
+      nb::arg("base_ns"), nb::arg("token_ns"), nb::arg("quad_ns"), nb::arg("ctx_ns"), nb::arg("q"), nb::arg("c"));
+
+  nb::class_<StepScheduler>(m, "StepScheduler", "Per-step planner over a di::kv::BlockPool (see step_scheduler.h).")
+      .def(
+          "__init__",
+          [](StepScheduler* self, di::kv::BlockPool& pool, int32_t engine_type, int32_t max_num_seqs,
+             int64_t max_num_batched_tokens, int64_t max_model_len, int32_t eos_token_id, double time_budget_ns,
+             int32_t prefill_attempt_interval, int32_t prefill_any_attempt_interval, bool async_mode,
+             int32_t watermark_blocks, std::vector<double> cost) {
+            di::require(engine_type >= 0 && engine_type <= 2, "SchedulerConfig.engine_type: must be 0, 1 or 2");
+            di::require(cost.size() == 4, "cost: expected (base_ns, token_ns, quad_ns, ctx_ns)");
+            di::sched::Config cfg;
+            cfg.engine_type = static_cast<di::sched::EngineType>(engine_type);
+            cfg.max_num_seqs = max_num_seqs;
+            cfg.max_num_batched_tokens = max_num_batched_tokens;
+            cfg.max_model_len = max_model_len;
+            cfg.eos_token_id = eos_token_id;
+            cfg.time_budget_ns = time_budget_ns;
+            cfg.prefill_attempt_interval = prefill_attempt_interval;
+            cfg.prefill_any_attempt_interval = prefill_any_attempt_interval;
+            cfg.async_mode = async_mode;
+            cfg.watermark_blocks = watermark_blocks;
+            cfg.cost = CostModel{cost[0], cost[1], cost[2], cost[3]};
+            new (self) StepScheduler(pool, cfg);
+          },
+          nb::arg("pool"), nb::arg("engine_type"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
+          nb::arg("max_model_len"), nb::arg("eos_token_id"), nb::arg("time_budget_ns"),
+          nb::arg("prefill_attempt_interval"), nb::arg("prefill_any_attempt_interval"), nb::arg("async_mode"),
+          nb::arg("watermark_blocks"), nb::arg("cost"),
+          nb::keep_alive<1, 2>())  // the pool outlives the scheduler that holds a reference to it
+      .def(
+          "add_request",
+          [](StepScheduler& s, int64_t seq_id, di::CArray1<int32_t> prompt, int64_t max_tokens, int64_t min_tokens,
+             bool ignore_eos, std::vector<int32_t> stop_ids) {
+            s.add_request(seq_id, prompt.data(), static_cast<int64_t>(prompt.shape(0)), max_tokens, min_tokens,
+                          ignore_eos, stop_ids);
+          },
+          nb::arg("seq_id"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("min_tokens"), nb::arg("ignore_eos"),
+          nb::arg("stop_ids"))
+      .def("abort", &StepScheduler::abort, nb::arg("seq_id"))
+      .def("wish", &StepScheduler::wish, "(has prefill work startable now, has decode work)")
+      .def(
+          "decide",
+          [](const StepScheduler& s, bool all, bool any, bool dec) { return static_cast<int32_t>(s.decide(all, any, dec)); },
+          nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"))
+      .def(
+          "schedule",
+          [](StepScheduler& s, bool all, bool any, bool dec) {
+            di::sched::PlanOut p;
+            {
+              nb::gil_scoped_release release;
+              p = s.schedule(all, any, dec);
+            }
+            const size_t n = p.seq_ids.size();
+            auto bt = di::new_array<int32_t>({n, static_cast<size_t>(p.width)});
+            if (!p.block_tables.empty())
+              std::memcpy(bt.data(), p.block_tables.data(), p.block_tables.size() * sizeof(int32_t));
+            return nb::make_tuple(p.step_id, static_cast<int32_t>(p.type), to_np(p.seq_ids), to_np(p.num_tokens),
+                                  to_np(p.start), to_np(p.sample), to_np(p.token_ids), bt, to_np(p.preempted),
+                                  to_np(p.kv_load_ids), to_np(p.kv_load_tokens), p.predicted_ns);
+          },
+          nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"),
+          "(step_id, step_type, seq_ids, num_tokens, start, sample, token_ids, block_tables, preempted, "
+          "kv_load_ids, kv_load_tokens, predicted_ns)")
+      .def(
+          "update",
+          [](StepScheduler& s, int64_t step_id, di::CArray1<int32_t> sampled) {
+            std::vector<di::sched::Ended> ended;
+            {
+              nb::gil_scoped_release release;
+              ended = s.update(step_id, sampled.data(), static_cast<int64_t>(sampled.shape(0)));
+            }
+            nb::list out;
+            for (auto& e : ended) {
+              nb::object blocks = e.reason == di::sched::FinishReason::HANDOFF ? nb::cast(to_np(e.handoff_blocks))
+                                                                               : nb::none();
+              out.append(nb::make_tuple(e.seq_id, static_cast<int32_t>(e.reason), to_np(e.output), blocks,
+                                        e.num_preemptions));
+            }
+            return out;
+          },
+          nb::arg("step_id"), nb::arg("sampled"),
+          "Apply the oldest outstanding plan's samples; [(seq_id, reason, output, handoff_blocks, preemptions)].")
+      .def("has_unfinished", &StepScheduler::has_unfinished)
+      .def_prop_ro("num_live", &StepScheduler::num_live)
+      .def_prop_ro("num_waiting", &StepScheduler::num_waiting)
+      .def_prop_ro("num_running", &StepScheduler::num_running)
+      .def_prop_ro("num_outstanding", &StepScheduler::num_outstanding)
+      .def_prop_ro("decode_steps_since_prefill", &StepScheduler::decode_steps_since_prefill)
+      .def("contains", &StepScheduler::contains, nb::arg("seq_id"))
+      .def("request_info", &StepScheduler::request_info, nb::arg("seq_id"),
+           "[status, num_computed, pending, schedule_cnt, process_cnt, num_preemptions, output_len]")
+      .def("output_tokens", &StepScheduler::output_tokens, nb::arg("seq_id"))
+      .def("check_invariants", &StepScheduler::check_invariants);
+}

@@ -1,0 +1,484 @@
+// StepScheduler: see step_scheduler.h for the token accounting every rule here refers to.
+#include "scheduler/step_scheduler.h"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace di::sched {
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
+
+std::string s(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+StepScheduler::StepScheduler(kv::BlockPool& pool, const Config& cfg) : pool_(pool), cfg_(cfg) {
+  const std::string p = "SchedulerConfig.";
+  if (cfg.max_num_seqs < 1) bad(p + "max_num_seqs=" + s(cfg.max_num_seqs) + ": must be >= 1");
+  if (cfg.max_num_batched_tokens < 1 || cfg.max_num_batched_tokens > kMaxStepTokens)
+    bad(p + "max_num_batched_tokens=" + s(cfg.max_num_batched_tokens) + ": must be in [1, " + s(kMaxStepTokens) + "]");
+  if (cfg.max_model_len < 2) bad(p + "max_model_len=" + s(cfg.max_model_len) + ": must be >= 2");
+  if (cfg.prefill_attempt_interval < 0)
+    bad(p + "prefill_attempt_interval=" + s(cfg.prefill_attempt_interval) + ": must be >= 0");
+  if (cfg.prefill_any_attempt_interval < cfg.prefill_attempt_interval)
+    bad(p + "prefill_any_attempt_interval=" + s(cfg.prefill_any_attempt_interval) +
+        ": must be >= prefill_attempt_interval=" + s(cfg.prefill_attempt_interval));
+  if (cfg.watermark_blocks < 0) bad(p + "watermark_blocks=" + s(cfg.watermark_blocks) + ": must be >= 0");
+  if (cfg.eos_token_id < -1) bad(p + "eos_token_id=" + s(cfg.eos_token_id) + ": must be >= 0, or -1 for none");
+  cfg_.cost.validate();
+  if (!(cfg.time_budget_ns > 0.0)) cfg_.time_budget_ns = std::numeric_limits<double>::infinity();
+  // Every prefill step must be able to compute at least one token of any admissible request, or a
+  // long prompt could never be scheduled under the budget.
+  const double worst = cfg_.cost.base_ns + cfg_.cost.chunk_ns(1, cfg.max_model_len - 1);
+  if (!(worst <= cfg_.time_budget_ns))
+    bad(p + "time_budget_ns=" + std::to_string(cfg.time_budget_ns) + ": must be >= cost(1, max_model_len - 1) = " +
+        std::to_string(worst) + " ns so that one token of the longest request fits a step");
+}
+
+void StepScheduler::add_request(int64_t seq_id, const int32_t* prompt, int64_t n, int64_t max_tokens,
+                                int64_t min_tokens, bool ignore_eos, const std::vector<int32_t>& stop_ids) {
+  if (slot_of_.count(seq_id)) bad("seq_id=" + s(seq_id) + ": already exists");
+  if (n < 1) bad("prompt_token_ids: must not be empty");
+  for (int64_t i = 0; i < n; ++i)
+    if (prompt[i] < 0) bad("prompt_token_ids[" + s(i) + "]=" + s(prompt[i]) + ": token ids must be >= 0");
+  if (max_tokens < 1) bad("max_tokens=" + s(max_tokens) + ": must be >= 1");
+  if (min_tokens < 0 || min_tokens > max_tokens)
+    bad("min_tokens=" + s(min_tokens) + ": must be in [0, max_tokens=" + s(max_tokens) + "]");
+  for (int32_t t : stop_ids)
+    if (t < 0) bad("stop_token_ids: " + s(t) + " must be >= 0");
+  // A PROMPT engine samples exactly one token before handing the request off.
+  const int64_t gen = cfg_.engine_type == EngineType::PROMPT ? 1 : max_tokens;
+  if (n + gen > cfg_.max_model_len)
+    bad("max_tokens=" + s(max_tokens) + ": prompt (" + s(n) + ") + max_tokens (" + s(gen) +
+        ") must be <= max_model_len=" + s(cfg_.max_model_len));
+  // KV slots the request can ever need: every token but the last sampled one is fed to the model.
+  const int64_t need = pool_.blocks_for_tokens(n + gen - 1);
+  if (need > pool_.num_blocks() - 1)
+    bad("max_tokens=" + s(max_tokens) + ": prompt + output need " + s(need) + " KV blocks but the pool has only " +
+        s(pool_.num_blocks() - 1));
+
+  auto r = std::make_unique<Req>();
+  r->seq_id = seq_id;
+  r->arrival = next_arrival_++;
+  r->tokens.assign(prompt, prompt + n);
+  r->prompt_len = n;
+  r->max_tokens = max_tokens;
+  r->min_tokens = min_tokens;
+  r->ignore_eos = ignore_eos;
+  r->stop_ids = stop_ids;
+  int32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+    slots_[slot] = std::move(r);
+  } else {
+    slot = static_cast<int32_t>(slots_.size());
+    slots_.push_back(std::move(r));
+  }
+  slot_of_[seq_id] = slot;
+  waiting_.push_back(slot);  // arrival is increasing, so waiting_ stays sorted by arrival
+  ++live_;
+}
+
+bool StepScheduler::abort(int64_t seq_id) {
+  auto it = slot_of_.find(seq_id);
+  if (it == slot_of_.end()) return false;
+  const int32_t slot = it->second;
+  if (at(slot).status == Status::ENDED) return false;
+  end(slot, FinishReason::ABORT);
+  compact_lists();
+  erase_if_done(slot);
+  return true;
+}
+
+bool StepScheduler::fits_with_watermark(int64_t num_tokens) const {
+  const int64_t blocks = pool_.blocks_for_tokens(num_tokens);
+  const int64_t keep = num_running() == 0 ? 0 : cfg_.watermark_blocks;  // a lone request may use all
+  return blocks + keep <= pool_.num_free_blocks();
+}
+
+bool StepScheduler::admissible_prefill_head() const {
+  if (num_running() >= cfg_.max_num_seqs) return false;
+  for (int32_t slot : waiting_) {
+    const Req& r = at(slot);
+    if (r.pending > 0) continue;  // its last step's tokens are still in flight
+    // COMPLETION admission reserves KV for every known token (the KV it loads plus the decode slot).
+    return fits_with_watermark(r.total());
+  }
+  return false;
+}
+
+std::pair<bool, bool> StepScheduler::wish() const {
+  switch (cfg_.engine_type) {
+    case EngineType::PROMPT:
+      return {!prefilling_.empty() || admissible_prefill_head(), false};
+    case EngineType::COMPLETION:
+      return {false, !decoding_.empty() || admissible_prefill_head()};
+    default:
+      return {!prefilling_.empty() || admissible_prefill_head(), !decoding_.empty()};
+  }
+}
+
+StepType StepScheduler::decide(bool all_prefill, bool any_prefill, bool any_decode) const {
+  if (cfg_.engine_type == EngineType::PROMPT) return any_prefill ? StepType::PREFILL : StepType::IDLE;
+  if (cfg_.engine_type == EngineType::COMPLETION) return any_decode ? StepType::DECODE : StepType::IDLE;
+  if (!any_decode) return any_prefill ? StepType::PREFILL : StepType::IDLE;
+  // Decode is running somewhere. Prefill interrupts it only after enough decode steps: sooner when
+  // every rank has prompts (no rank idles), later when only some do (the bound a lone prompt waits).
+  if (any_prefill && decode_since_prefill_ >= cfg_.prefill_any_attempt_interval) return StepType::PREFILL;
+  if (all_prefill && decode_since_prefill_ >= cfg_.prefill_attempt_interval) return StepType::PREFILL;
+  return StepType::DECODE;
+}
+
+void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample) {
+  Req& r = at(slot);
+  out.seq_ids.push_back(r.seq_id);
+  out.num_tokens.push_back(static_cast<int32_t>(q));
+  out.start.push_back(static_cast<int32_t>(r.num_computed));
+  out.sample.push_back(sample ? 1 : 0);
+  const int64_t known = static_cast<int64_t>(r.tokens.size());
+  for (int64_t p = r.num_computed; p < r.num_computed + q; ++p) out.token_ids.push_back(p < known ? r.tokens[p] : -1);
+  r.num_computed += q;
+  if (sample) ++r.pending;
+  ++r.in_flight;
+  ++r.schedule_cnt;
+  rec.slots.push_back(slot);
+  rec.seq_ids.push_back(r.seq_id);
+  rec.sample.push_back(sample ? 1 : 0);
+}
+
+void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
+  const double budget = cfg_.time_budget_ns;
+  int64_t tokens_left = cfg_.max_num_batched_tokens;
+  double spent = 0.0;
+  bool started = false;
+  // Largest chunk of request r that fits what is left of the step (token cap and time budget).
+  auto chunk = [&](const Req& r, int64_t remaining) -> int64_t {
+    const double base = started ? spent : cfg_.cost.base_ns;
+    const int64_t q = cfg_.cost.max_chunk(r.num_computed, base, budget, std::min(remaining, tokens_left));
+    if (q > 0) {
+      spent = base + cfg_.cost.chunk_ns(q, r.num_computed);
+      started = true;
+      tokens_left -= q;
+    }
+    return q;
+  };
+  auto finish_prefill = [&](int32_t slot) {
+    Req& r = at(slot);
+    if (cfg_.engine_type == EngineType::PROMPT) {
+      r.status = Status::HANDOFF;
+    } else {
+      r.status = Status::DECODING;
+      decoding_.push_back(slot);
+    }
+  };
+
+  // 1) Continue requests already being chunked (they hold their blocks), in admission order.
+  std::vector<int32_t> still;
+  bool stop = false;
+  for (int32_t slot : prefilling_) {
+    Req& r = at(slot);
+    const int64_t q = stop ? 0 : chunk(r, r.prefill_target - r.num_computed);
+    if (q == 0) {
+      stop = true;
+      still.push_back(slot);
+      continue;
+    }
+    const bool last = r.num_computed + q == r.prefill_target;
+    add_row(out, rec, slot, q, last);
+    if (last) finish_prefill(slot); else still.push_back(slot);
+  }
+  prefilling_.swap(still);
+
+  // 2) Admit waiting requests first-come first-served; the first that does not fit stops admission
+  //    (no overtaking, so a long prompt is not starved by short ones behind it).
+  if (stop || tokens_left == 0) {
+    out.predicted_ns = spent;
+    return;
+  }
+  std::vector<int32_t> keep;
+  keep.reserve(waiting_.size());
+  size_t k = 0;
+  for (; k < waiting_.size(); ++k) {
+    const int32_t slot = waiting_[k];
+    Req& r = at(slot);
+    if (r.pending > 0) {
+      keep.push_back(slot);
+      continue;
+    }
+    if (num_running() >= cfg_.max_num_seqs || tokens_left == 0) break;
+    const int64_t target = r.total();
+    if (!fits_with_watermark(target)) break;
+    r.num_computed = 0;
+    const int64_t q = chunk(r, target);
+    if (q == 0) break;
+    if (!pool_.allocate(r.seq_id, target)) throw std::logic_error("scheduler: allocate failed after a fit check");
+    r.prefill_target = target;
+    r.status = Status::PREFILLING;
+    const bool last = q == target;
+    add_row(out, rec, slot, q, last);
+    if (last) finish_prefill(slot); else prefilling_.push_back(slot);
+  }
+  for (; k < waiting_.size(); ++k) keep.push_back(waiting_[k]);
+  waiting_.swap(keep);
+  out.predicted_ns = spent;
+}
+
+void StepScheduler::sort_decoding() {
+  // Insertion sort: every scheduled request grows by one token per step, so the order is almost
+  // always unchanged and this is one linear pass; newly decoding requests (short output) move up.
+  auto less = [&](int32_t a, int32_t b) {
+    const Req& x = at(a);
+    const Req& y = at(b);
+    const int64_t lx = x.output_len(), ly = y.output_len();
+    return lx < ly || (lx == ly && x.arrival < y.arrival);
+  };
+  for (size_t i = 1; i < decoding_.size(); ++i) {
+    const int32_t v = decoding_[i];
+    size_t j = i;
+    while (j > 0 && less(v, decoding_[j - 1])) {
+      decoding_[j] = decoding_[j - 1];
+      --j;
+    }
+    decoding_[j] = v;
+  }
+}
+
+void StepScheduler::preempt(int32_t slot, PlanOut& out) {
+  Req& r = at(slot);
+  if (pool_.contains(r.seq_id)) pool_.free(r.seq_id);
+  // Output tokens (and any still in flight) are kept: the request is recomputed from prompt + output.
+  r.num_computed = 0;
+  r.prefill_target = 0;
+  r.status = Status::WAITING;
+  ++r.num_preemptions;
+  auto pos = std::lower_bound(waiting_.begin(), waiting_.end(), r.arrival,
+                              [&](int32_t w, int64_t arr) { return at(w).arrival < arr; });
+  waiting_.insert(pos, slot);
+  out.preempted.push_back(r.seq_id);
+}
+
+void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
+  sort_decoding();
+  int64_t tokens_left = cfg_.max_num_batched_tokens;
+  int64_t rows = 0;
+  int64_t l = static_cast<int64_t>(decoding_.size()) - 1;  // decoding_[l + 1 ..] were preempted
+  int64_t i = 0;
+  // Shortest output first; when blocks run out, preempt from the longest end (DeepInfer's
+  // _schedule_decode), and as a last resort the request itself.
+  while (i <= l && rows < cfg_.max_num_seqs && tokens_left > 0) {
+    const int32_t slot = decoding_[i];
+    Req& r = at(slot);
+    if (r.output_len() >= r.max_tokens) {  // its last token is in flight: it ends at update
+      ++i;
+      continue;
+    }
+    const int64_t need = r.num_computed + 1 - pool_.num_tokens(r.seq_id);
+    bool ok = need <= 0 || pool_.append_slots(r.seq_id, need);
+    while (!ok && l > i) {
+      preempt(decoding_[l], out);
+      --l;
+      ok = pool_.append_slots(r.seq_id, need);
+    }
+    if (!ok) {
+      preempt(slot, out);
+      --l;
+      break;
+    }
+    add_row(out, rec, slot, 1, true);
+    ++rows;
+    --tokens_left;
+    ++i;
+  }
+  decoding_.resize(static_cast<size_t>(l + 1));
+
+  if (cfg_.engine_type != EngineType::COMPLETION) return;
+  // COMPLETION: admit waiting requests (their prompt KV is loaded by the caller into the blocks
+  // reserved here), shortest output first. Requests with tokens in flight wait one more step.
+  std::vector<int32_t> cand;
+  for (int32_t slot : waiting_)
+    if (at(slot).pending == 0) cand.push_back(slot);
+  std::stable_sort(cand.begin(), cand.end(),
+                   [&](int32_t a, int32_t b) { return at(a).output_len() < at(b).output_len(); });
+  bool admitted = false;
+  for (int32_t slot : cand) {
+    Req& r = at(slot);
+    if (num_running() >= cfg_.max_num_seqs || rows >= cfg_.max_num_seqs || tokens_left == 0) break;
+    const int64_t total = r.total();
+    if (!fits_with_watermark(total)) break;
+    if (!pool_.allocate(r.seq_id, total)) throw std::logic_error("scheduler: allocate failed after a fit check");
+    r.num_computed = total - 1;
+    r.status = Status::DECODING;
+    out.kv_load_ids.push_back(r.seq_id);
+    out.kv_load_tokens.push_back(static_cast<int32_t>(total - 1));
+    decoding_.push_back(slot);
+    add_row(out, rec, slot, 1, true);
+    ++rows;
+    --tokens_left;
+    admitted = true;
+  }
+  if (admitted) {
+    waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
+                                  [&](int32_t w) { return at(w).status != Status::WAITING; }),
+                   waiting_.end());
+  }
+}
+
+PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_decode) {
+  const size_t max_out = cfg_.async_mode ? 2 : 1;
+  if (plans_.size() >= max_out)
+    throw std::runtime_error(std::string("schedule: ") + s(static_cast<int64_t>(plans_.size())) +
+                             " plan(s) not yet updated; " + (cfg_.async_mode ? "async" : "sync") +
+                             " mode allows " + s(static_cast<int64_t>(max_out - 1)) + " before scheduling again");
+  PlanOut out;
+  PlanRec rec;
+  out.step_id = rec.step_id = next_step_++;
+  out.type = decide(all_prefill, any_prefill, any_decode);
+  if (out.type == StepType::PREFILL) {
+    decode_since_prefill_ = 0;
+    schedule_prefill(out, rec);
+  } else if (out.type == StepType::DECODE) {
+    if (decode_since_prefill_ < std::numeric_limits<int32_t>::max()) ++decode_since_prefill_;
+    schedule_decode(out, rec);
+  }
+  const int64_t n = static_cast<int64_t>(out.seq_ids.size());
+  int64_t width = 0;
+  for (int64_t k = 0; k < n; ++k)
+    width = std::max<int64_t>(width, static_cast<int64_t>(pool_.block_table(out.seq_ids[k]).size()));
+  out.width = width;
+  out.block_tables.assign(static_cast<size_t>(n * width), 0);
+  if (n > 0 && width > 0) pool_.fill_block_tables(out.seq_ids.data(), n, out.block_tables.data(), width);
+  plans_.push_back(std::move(rec));
+  return out;
+}
+
+FinishReason StepScheduler::stop_reason(const Req& r, int32_t tok) const {
+  const int64_t n_out = static_cast<int64_t>(r.tokens.size()) - r.prompt_len;
+  if (n_out >= r.min_tokens) {
+    if (!r.ignore_eos && cfg_.eos_token_id >= 0 && tok == cfg_.eos_token_id) return FinishReason::STOP;
+    for (int32_t t : r.stop_ids)
+      if (t == tok) return FinishReason::STOP;
+  }
+  if (n_out >= r.max_tokens || static_cast<int64_t>(r.tokens.size()) >= cfg_.max_model_len)
+    return FinishReason::LENGTH;
+  return FinishReason::NONE;
+}
+
+void StepScheduler::end(int32_t slot, FinishReason reason) {
+  Req& r = at(slot);
+  Ended e;
+  e.seq_id = r.seq_id;
+  e.reason = reason;
+  e.num_preemptions = r.num_preemptions;
+  e.output.assign(r.tokens.begin() + r.prompt_len, r.tokens.end());
+  if (pool_.contains(r.seq_id)) {
+    if (reason == FinishReason::HANDOFF) e.handoff_blocks = pool_.block_table(r.seq_id);
+    pool_.free(r.seq_id);  // exactly once: ENDED requests are never freed again
+  }
+  r.status = Status::ENDED;
+  r.reason = reason;
+  --live_;
+  lists_dirty_ = true;
+  ended_.push_back(std::move(e));
+}
+
+void StepScheduler::compact_lists() {
+  if (!lists_dirty_) return;
+  auto gone = [&](int32_t slot) { return at(slot).status == Status::ENDED; };
+  for (auto* v : {&waiting_, &prefilling_, &decoding_}) v->erase(std::remove_if(v->begin(), v->end(), gone), v->end());
+  lists_dirty_ = false;
+}
+
+void StepScheduler::erase_if_done(int32_t slot) {
+  if (!slots_[slot]) return;
+  const Req& r = at(slot);
+  if (r.status != Status::ENDED || r.in_flight > 0) return;
+  slot_of_.erase(r.seq_id);
+  slots_[slot].reset();
+  free_slots_.push_back(slot);
+}
+
+std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled, int64_t n) {
+  if (plans_.empty()) throw std::runtime_error("update: no plan is outstanding");
+  const PlanRec& front = plans_.front();
+  if (front.step_id != step_id)
+    bad("plan.step_id=" + s(step_id) + ": updates must come in schedule order; the oldest outstanding plan is step " +
+        s(front.step_id));
+  if (n != static_cast<int64_t>(front.slots.size()))
+    bad("result: expected " + s(static_cast<int64_t>(front.slots.size())) + " sampled tokens (one per plan row), got " +
+        s(n));
+  PlanRec rec = std::move(plans_.front());
+  plans_.pop_front();
+  for (size_t k = 0; k < rec.slots.size(); ++k) {
+    const int32_t slot = rec.slots[k];
+    Req& r = at(slot);
+    if (r.seq_id != rec.seq_ids[k]) throw std::logic_error("scheduler: plan row points at a reused slot");
+    --r.in_flight;
+    ++r.process_cnt;
+    if (r.status == Status::ENDED) continue;  // ended after this step was scheduled: slot discarded
+    if (!rec.sample[k]) continue;
+    --r.pending;
+    const int32_t tok = sampled[k];
+    if (tok < 0) {  // a bad sample fails its own request, not the batch
+      end(slot, FinishReason::FAILED);
+      continue;
+    }
+    r.tokens.push_back(tok);
+    const FinishReason why = stop_reason(r, tok);
+    if (why != FinishReason::NONE) end(slot, why);
+    else if (r.status == Status::HANDOFF) end(slot, FinishReason::HANDOFF);
+  }
+  compact_lists();
+  for (int32_t slot : rec.slots) erase_if_done(slot);
+  std::vector<Ended> out;
+  out.swap(ended_);
+  return out;
+}
+
+std::vector<int64_t> StepScheduler::request_info(int64_t seq_id) const {
+  auto it = slot_of_.find(seq_id);
+  if (it == slot_of_.end()) bad("seq_id=" + s(seq_id) + ": unknown (never added, or ended and processed)");
+  const Req& r = at(it->second);
+  return {static_cast<int64_t>(r.status), r.num_computed, r.pending, r.schedule_cnt, r.process_cnt,
+          r.num_preemptions, r.output_len()};
+}
+
+std::vector<int32_t> StepScheduler::output_tokens(int64_t seq_id) const {
+  auto it = slot_of_.find(seq_id);
+  if (it == slot_of_.end()) bad("seq_id=" + s(seq_id) + ": unknown (never added, or ended and processed)");
+  const Req& r = at(it->second);
+  return std::vector<int32_t>(r.tokens.begin() + r.prompt_len, r.tokens.end());
+}
+
+void StepScheduler::check_invariants() const {
+  auto fail = [](const std::string& m) { throw std::logic_error("scheduler invariant: " + m); };
+  int64_t live = 0;
+  std::vector<int> where(slots_.size(), 0);
+  for (int32_t x : waiting_) where[x] |= 1;
+  for (int32_t x : prefilling_) where[x] |= 2;
+  for (int32_t x : decoding_) where[x] |= 4;
+  for (size_t slot = 0; slot < slots_.size(); ++slot) {
+    if (!slots_[slot]) continue;
+    const Req& r = *slots_[slot];
+    const std::string id = "seq " + s(r.seq_id) + ": ";
+    const int want = r.status == Status::WAITING ? 1 : r.status == Status::PREFILLING ? 2
+                   : r.status == Status::DECODING ? 4 : 0;
+    if (where[slot] != want) fail(id + "list membership does not match its status");
+    const bool holds = r.status == Status::PREFILLING || r.status == Status::DECODING || r.status == Status::HANDOFF;
+    if (holds != pool_.contains(r.seq_id)) fail(id + "holds blocks iff running");
+    if (holds && pool_.num_tokens(r.seq_id) < r.num_computed) fail(id + "fewer KV slots than computed tokens");
+    if (r.num_computed > r.total()) fail(id + "computed beyond its tokens");
+    if (r.status == Status::DECODING && r.num_computed != r.total() - 1) fail(id + "decoding but not one token behind");
+    if (r.pending < 0 || r.pending > r.in_flight) fail(id + "pending tokens without an outstanding row");
+    if (r.in_flight > static_cast<int32_t>(plans_.size())) fail(id + "in flight in more plans than outstanding");
+    if (r.schedule_cnt - r.process_cnt != r.in_flight) fail(id + "schedule_cnt - process_cnt != in_flight");
+    if (r.status != Status::ENDED) ++live;
+  }
+  if (live != live_) fail("live count");
+  if (num_running() > cfg_.max_num_seqs) fail("more running requests than max_num_seqs");
+}
+
+}  // namespace di::sched

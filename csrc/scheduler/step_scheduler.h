@@ -1,0 +1,169 @@
+// The per-step planner. One object per DP rank; driven from Python once per step:
+//   wish()              -> what this rank would like to run (has prefill work, has decode work)
+//   schedule(group)     -> the plan for the step type the DP group agreed on
+//   update(step, toks)  -> apply the step's sampled tokens, stop checks, end requests
+// Everything per request stays in C++ and talks to the KV pool directly (di::kv::BlockPool), so a step
+// never calls back into Python per request.
+//
+// Token accounting of a request (the numbers every rule below refers to):
+//   tokens         prompt + output tokens whose values are known
+//   pending        tokens already scheduled to be sampled whose values are not known yet (async mode)
+//   total          tokens.size() + pending
+//   num_computed   tokens whose KV is computed or scheduled to be computed
+//   output length  total - prompt_len: output tokens generated so far, counting kept output from
+//                  before a preemption and tokens still in flight. Decode admission is
+//                  shortest-output-first and preemption takes the longest-output request first; ties
+//                  go by arrival (earlier arrival = admitted first, preempted last).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kv/block_pool.h"
+#include "scheduler/cost_model.h"
+
+namespace di::sched {
+
+enum class EngineType : int32_t { NORMAL = 0, PROMPT = 1, COMPLETION = 2 };
+enum class StepType : int32_t { IDLE = 0, PREFILL = 1, DECODE = 2 };
+enum class Status : int32_t { WAITING = 0, PREFILLING = 1, DECODING = 2, HANDOFF = 3, ENDED = 4 };
+enum class FinishReason : int32_t { NONE = 0, STOP = 1, LENGTH = 2, ABORT = 3, HANDOFF = 4, FAILED = 5 };
+
+struct Config {
+  EngineType engine_type = EngineType::NORMAL;
+  int32_t max_num_seqs = 256;               // requests holding KV (prefilling + decoding) at once
+  int64_t max_num_batched_tokens = kMaxStepTokens;  // token cap of one step, <= kMaxStepTokens
+  int64_t max_model_len = 8192;             // prompt + output tokens of one request
+  int32_t eos_token_id = -1;                // -1: no EOS
+  double time_budget_ns = 0.0;              // prefill step budget; <= 0 or inf: no time budget
+  int32_t prefill_attempt_interval = 2;     // decode steps before asking "do all ranks have prefill?"
+  int32_t prefill_any_attempt_interval = 16;  // decode steps before asking "does any rank?"
+  bool async_mode = false;                  // allow schedule(N+1) before update(N)
+  int32_t watermark_blocks = 0;             // blocks kept free when admitting next to running work
+  CostModel cost;
+};
+
+struct Req {
+  int64_t seq_id = 0;
+  int64_t arrival = 0;
+  std::vector<int32_t> tokens;  // prompt + known output
+  int64_t prompt_len = 0;
+  int64_t pending = 0;
+  int64_t num_computed = 0;
+  int64_t prefill_target = 0;  // tokens to compute before the first sample of this admission
+  int64_t max_tokens = 1;
+  int64_t min_tokens = 0;
+  bool ignore_eos = false;
+  std::vector<int32_t> stop_ids;
+  Status status = Status::WAITING;
+  FinishReason reason = FinishReason::NONE;
+  int32_t in_flight = 0;     // outstanding plans holding a row of this request
+  int64_t schedule_cnt = 0;  // rows scheduled (DeepInfer's schedule_cnt)
+  int64_t process_cnt = 0;   // rows processed by update (DeepInfer's process_cnt)
+  int32_t num_preemptions = 0;
+
+  int64_t total() const { return static_cast<int64_t>(tokens.size()) + pending; }
+  int64_t output_len() const { return total() - prompt_len; }
+};
+
+// What schedule() hands back (copied into numpy arrays by the binding).
+struct PlanOut {
+  int64_t step_id = 0;
+  StepType type = StepType::IDLE;
+  std::vector<int64_t> seq_ids;
+  std::vector<int32_t> num_tokens;
+  std::vector<int32_t> start;        // num_computed before the step = position of the first new token
+  std::vector<uint8_t> sample;       // row samples a token (decode rows, last prefill chunk)
+  std::vector<int32_t> token_ids;    // flat, sum(num_tokens); -1 = placeholder (previous step's sample)
+  std::vector<int32_t> block_tables; // [n, width], padded with the null block 0
+  int64_t width = 0;
+  std::vector<int64_t> preempted;
+  std::vector<int64_t> kv_load_ids;  // COMPLETION: admitted requests whose KV the caller must load
+  std::vector<int32_t> kv_load_tokens;
+  double predicted_ns = 0.0;         // cost model's prediction (prefill steps)
+};
+
+struct Ended {
+  int64_t seq_id = 0;
+  FinishReason reason = FinishReason::NONE;
+  std::vector<int32_t> output;
+  std::vector<int32_t> handoff_blocks;  // PROMPT engine: the block table at hand-off time
+  int32_t num_preemptions = 0;
+};
+
+class StepScheduler {
+ public:
+  StepScheduler(kv::BlockPool& pool, const Config& cfg);
+  StepScheduler(const StepScheduler&) = delete;
+  StepScheduler& operator=(const StepScheduler&) = delete;
+
+  void add_request(int64_t seq_id, const int32_t* prompt, int64_t n, int64_t max_tokens, int64_t min_tokens,
+                   bool ignore_eos, const std::vector<int32_t>& stop_ids);
+  bool abort(int64_t seq_id);
+
+  // This rank's preference: (has prefill work it can start now, has decode work).
+  std::pair<bool, bool> wish() const;
+  // The step type every rank of the group derives from the same group facts and the same counter.
+  StepType decide(bool all_prefill, bool any_prefill, bool any_decode) const;
+  PlanOut schedule(bool all_prefill, bool any_prefill, bool any_decode);
+  // Sampled tokens of the oldest outstanding plan, one per row (rows that do not sample: ignored).
+  std::vector<Ended> update(int64_t step_id, const int32_t* sampled, int64_t n);
+
+  bool has_unfinished() const { return live_ > 0 || !plans_.empty() || !ended_.empty(); }
+  int64_t num_live() const { return live_; }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_running() const { return static_cast<int64_t>(prefilling_.size() + decoding_.size()); }
+  int64_t num_outstanding() const { return static_cast<int64_t>(plans_.size()); }
+  int32_t decode_steps_since_prefill() const { return decode_since_prefill_; }
+  const Config& config() const { return cfg_; }
+  // Per-request facts for inspection and tests: (status, num_computed, pending, schedule_cnt,
+  // process_cnt, num_preemptions, output_len). std::invalid_argument if unknown.
+  std::vector<int64_t> request_info(int64_t seq_id) const;
+  std::vector<int32_t> output_tokens(int64_t seq_id) const;
+  bool contains(int64_t seq_id) const { return slot_of_.count(seq_id) != 0; }
+  void check_invariants() const;  // throws std::logic_error
+
+ private:
+  struct PlanRec {
+    int64_t step_id;
+    std::vector<int32_t> slots;
+    std::vector<int64_t> seq_ids;
+    std::vector<uint8_t> sample;
+  };
+
+  Req& at(int32_t slot) { return *slots_[slot]; }
+  const Req& at(int32_t slot) const { return *slots_[slot]; }
+  bool admissible_prefill_head() const;
+  bool fits_with_watermark(int64_t num_tokens) const;
+  void sort_decoding();
+  void preempt(int32_t slot, PlanOut& out);
+  void end(int32_t slot, FinishReason reason);
+  void add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample);
+  void schedule_prefill(PlanOut& out, PlanRec& rec);
+  void schedule_decode(PlanOut& out, PlanRec& rec);
+  void erase_if_done(int32_t slot);
+  void compact_lists();
+  FinishReason stop_reason(const Req& r, int32_t tok) const;
+
+  kv::BlockPool& pool_;
+  Config cfg_;
+  std::vector<std::unique_ptr<Req>> slots_;
+  std::vector<int32_t> free_slots_;
+  std::unordered_map<int64_t, int32_t> slot_of_;
+  std::vector<int32_t> waiting_;     // by arrival
+  std::vector<int32_t> prefilling_;  // by admission
+  std::vector<int32_t> decoding_;    // by (output length, arrival), re-sorted each decode step
+  std::deque<PlanRec> plans_;
+  std::vector<Ended> ended_;         // ended since the last update() returned
+  int64_t next_arrival_ = 0;
+  int64_t next_step_ = 0;
+  int64_t live_ = 0;
+  int32_t decode_since_prefill_ = 0;
+  bool lists_dirty_ = false;
+};
+
+}  // namespace di::sched
