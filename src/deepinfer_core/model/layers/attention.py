@@ -1,0 +1,111 @@
+"""Attention of one layer: low-rank queries, one shared KV head (MQA), attention sinks, grouped output.
+
+Every layer owns a sliding-window KV (``wkv``, one vector per token, value = key, RoPE on the last dims).
+Layers with compress ratio > 0 also attend to compressed entries of their group's Full layer, selected
+by the lightning indexer. The projections live here; which keys a query sees is decided by the caller
+(the full forward with masks, the executor from its caches), and :func:`sink_attention` does the maths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, ModelConfig
+from deepinfer_core.model.layers.compressor import Compressor
+from deepinfer_core.model.layers.indexer import IndexerQuery
+from deepinfer_core.model.layers.norm import RMSNorm
+from deepinfer_core.model.layers.rope import apply_rope, rope_inv_freq
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.kind = cfg.layer_kind(layer_id)
+        self.ratio = cfg.ratio(layer_id)
+        h, d, r = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+        self.n_heads, self.head_dim, self.rope_dim, self.o_groups = h, d, r, cfg.o_groups
+        self.scale = 1.0 / math.sqrt(d)
+        self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.hidden_size))
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Parameter(torch.empty(h * d, cfg.q_lora_rank))
+        self.wkv = nn.Parameter(torch.empty(d, cfg.hidden_size))
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # grouped output projection: each group of heads -> o_lora_rank, then all groups -> hidden
+        self.wo_a = nn.Parameter(torch.empty(cfg.o_groups, cfg.o_lora_rank, (h // cfg.o_groups) * d))
+        self.wo_b = nn.Parameter(torch.empty(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank))
+        self.attn_sink = nn.Parameter(torch.empty(h))
+        # (choice) compressed layers use compress_rope_theta (+ YaRN); SWA-only layers use rope_theta
+        if self.ratio > 0 and cfg.compress_rope_theta is not None:
+            inv = rope_inv_freq(r, cfg.compress_rope_theta, cfg.rope_scaling)
+        else:
+            inv = rope_inv_freq(r, cfg.rope_theta, None)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        if self.kind == LAYER_FULL:
+            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position)
+            self.index_compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position)
+        if self.kind in (LAYER_FULL, LAYER_REINDEX):
+            self.indexer = IndexerQuery(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, r)
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        for p in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        for n in (self.q_norm, self.kv_norm):
+            n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen))
+        self.attn_sink.copy_(torch.randn(self.attn_sink.shape, generator=gen) * 0.5)
+        for m in ("compressor", "index_compressor", "indexer"):
+            if hasattr(self, m):
+                getattr(self, m).reset_parameters(gen)
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [N, H, d] roped, query latent [N, q_lora_rank] for the indexer)."""
+        lat = self.q_norm(x @ self.wq_a.t())
+        q = (lat @ self.wq_b.t()).view(-1, self.n_heads, self.head_dim)
+        return apply_rope(q, positions, self.inv_freq, self.rope_dim), lat
+
+    def swa_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Sliding-window KV [N, d] (normed, roped)."""
+        return apply_rope(self.kv_norm(x @ self.wkv.t()), positions, self.inv_freq, self.rope_dim)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """[N, H, d] -> [N, hidden] through the grouped low-rank output projection."""
+        n = o.shape[0]
+        og = o.reshape(n, self.o_groups, -1)
+        mid = torch.einsum("ngk,grk->ngr", og, self.wo_a)
+        return mid.reshape(n, -1) @ self.wo_b.t()
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    k_b: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One softmax over two key sets plus a per-head sink logit; values are the keys (shared KV).
+
+    q [N, H, d]; k_a [A, d] shared by all rows with mask_a [N, A]; k_b either [B, d] (shared) or
+    [N, B, d] (per row) with mask_b [N, B]. The sink adds exp(sink_h) to each head's denominator.
+    """
+    la = torch.einsum("nhd,ad->nha", q, k_a) * scale
+    la = la.masked_fill(~mask_a[:, None, :], float("-inf"))
+    parts = [la]
+    if k_b is not None and k_b.shape[-2] > 0:
+        eq = "nhd,bd->nhb" if k_b.dim() == 2 else "nhd,nbd->nhb"
+        lb = torch.einsum(eq, q, k_b) * scale
+        parts.append(lb.masked_fill(~mask_b[:, None, :], float("-inf")))  # type: ignore[index]
+    sink_col = sink.to(q.dtype)[None, :, None].expand(q.shape[0], -1, 1)
+    logits = torch.cat([*parts, sink_col], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    out = torch.einsum("nha,ad->nhd", p[..., : k_a.shape[0]], k_a)
+    if len(parts) == 2:
+        pb = p[..., k_a.shape[0] : -1]
+        eq = "nhb,bd->nhd" if k_b.dim() == 2 else "nhb,nbd->nhd"  # type: ignore[union-attr]
+        out = out + torch.einsum(eq, pb, k_b)
+    return out

@@ -1,0 +1,71 @@
+"""The compressor: pools ``ratio`` consecutive tokens into one compressed KV entry.
+
+Each token contributes a value ``wkv(x)`` and a gate score ``wgate(x) + ape[pos % ratio]``; an entry is
+the per-dimension softmax-weighted sum of its group's values, then RMSNorm and RoPE at the entry's
+position. Entry j covers tokens [j*ratio, (j+1)*ratio) and exists once token (j+1)*ratio - 1 is seen
+(ratio 2 fires on odd positions). Ratio 1 is one entry per token (a plain projection).
+
+A partial group's per-token (value, score) pairs are the compressor state kept in the state pool
+between steps; :meth:`Compressor.project` makes them and :meth:`Compressor.pool` turns whole groups into
+entries, so the full forward and the cached executor share the maths but not the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepinfer_core.model.layers.norm import RMSNorm
+from deepinfer_core.model.layers.rope import apply_rope
+
+
+class Compressor(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, ratio: int, rope_dim: int, eps: float, rope_at: str) -> None:
+        super().__init__()
+        self.ratio, self.out_dim, self.rope_dim, self.rope_at = ratio, out_dim, rope_dim, rope_at
+        self.wkv = nn.Parameter(torch.empty(out_dim, in_dim))
+        if ratio > 1:
+            self.wgate = nn.Parameter(torch.empty(out_dim, in_dim))
+            self.ape = nn.Parameter(torch.empty(ratio, out_dim))
+        self.norm = RMSNorm(out_dim, eps)
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        self.wkv.copy_(torch.randn(self.wkv.shape, generator=gen) / math.sqrt(self.wkv.shape[1]))
+        if self.ratio > 1:
+            self.wgate.copy_(torch.randn(self.wgate.shape, generator=gen) / math.sqrt(self.wgate.shape[1]))
+            self.ape.copy_(torch.randn(self.ape.shape, generator=gen) * 0.5)
+        self.norm.weight.copy_(1 + 0.1 * torch.randn(self.norm.weight.shape, generator=gen))
+
+    @property
+    def state_dim(self) -> int:
+        """Floats of per-token state: value, plus gate score when ratio > 1."""
+        return self.out_dim * (2 if self.ratio > 1 else 1)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token pre-pooling state [N, state_dim] (value | score without the positional bias)."""
+        v = x @ self.wkv.t()
+        if self.ratio == 1:
+            return v
+        return torch.cat((v, x @ self.wgate.t()), dim=-1)
+
+    def pool(self, state: torch.Tensor, first_entry: int, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Entries [G, out_dim] from the states [G*ratio, state_dim] of G whole groups.
+
+        ``first_entry`` is the index of the first group's entry (for its RoPE position).
+        """
+        r, d = self.ratio, self.out_dim
+        g = state.shape[0] // r
+        assert state.shape[0] == g * r, "pool() takes whole groups"
+        if r == 1:
+            ent = state
+        else:
+            s = state.view(g, r, 2 * d)
+            v, sc = s[..., :d], s[..., d:] + self.ape.to(state.dtype)[None]
+            ent = (torch.softmax(sc, dim=1) * v).sum(1)
+        ent = self.norm(ent)
+        idx = torch.arange(first_entry, first_entry + g, device=state.device)
+        pos = idx * r + (r - 1 if self.rope_at == "last" else 0)
+        return apply_rope(ent, pos, inv_freq, self.rope_dim)

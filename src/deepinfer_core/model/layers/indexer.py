@@ -1,0 +1,83 @@
+"""The lightning indexer: score(t, e) = sum_h w_h(t) * relu(q_h(t) . k_e), top-k per query row.
+
+Selection is by a *stable* descending sort, so ties (e.g. rows where every relu is 0) are broken by
+the lower entry index in every code path: the full forward and the cached executor pick identical sets.
+Hierarchical candidates: entries are grouped in blocks of ``block_size`` scored by their max; the top
+``topk_blocks`` blocks (the newest partial block always kept, counting against the budget) form the pool
+in which later Reindex layers pick their top-k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepinfer_core.model.layers.rope import apply_rope
+
+NEG = float("-inf")
+
+
+class IndexerQuery(nn.Module):
+    """Per-layer indexer queries (from the query latent) and head weights (from the hidden state)."""
+
+    def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, rope_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
+        self.wq = nn.Parameter(torch.empty(n_heads * head_dim, q_lora))
+        self.weights_proj = nn.Parameter(torch.empty(n_heads, hidden))
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        for p in (self.wq, self.weights_proj):
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [N, heads, dim] roped, weights [N, heads] with the 1/sqrt(heads * dim) scale folded in)."""
+        q = (q_latent @ self.wq.t()).view(-1, self.n_heads, self.head_dim)
+        q = apply_rope(q, positions, inv_freq, self.rope_dim)
+        w = (x @ self.weights_proj.t()) / math.sqrt(self.n_heads * self.head_dim)
+        return q, w
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scores [N, E] of queries [N, H, d] (weights [N, H]) against keys [E, d]."""
+    return torch.einsum("nh,nhe->ne", w, torch.relu(torch.einsum("nhd,ed->nhe", q, keys)))
+
+
+def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return scores.masked_fill(~allowed, NEG)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entry ids [N, k'] (k' = min(k, E)) and validity [N, k'] of the top-k finite scores per row."""
+    k = min(k, scores.shape[1])
+    s, ids = torch.sort(scores, dim=1, descending=True, stable=True)
+    return ids[:, :k], torch.isfinite(s[:, :k])
+
+
+def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean [N, E]: the entries :func:`select_topk` picks."""
+    ids, valid = select_topk(scores, k)
+    m = torch.zeros_like(scores, dtype=torch.bool)
+    m.scatter_(1, ids, valid)
+    return m
+
+
+def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
+    """Boolean [N, E] pool of the hierarchical candidate blocks.
+
+    ``scores`` [N, E] are -inf where not visible; ``visible`` [N] is the number of visible entries.
+    """
+    n, e = scores.shape
+    nb = -(-e // block_size)
+    pad = torch.full((n, nb * block_size - e), NEG, dtype=scores.dtype, device=scores.device)
+    bmax = torch.cat((scores, pad), 1).view(n, nb, block_size).amax(-1)
+    partial = (visible % block_size) != 0
+    rows = torch.nonzero(partial).flatten()
+    bmax[rows, visible[rows] // block_size] = float("inf")
+    bsel = topk_mask(bmax, topk_blocks)  # [N, nb]
+    pool = bsel.repeat_interleave(block_size, dim=1)[:, :e]
+    return pool & torch.isfinite(scores)
+
