@@ -9,8 +9,9 @@ from typing import Any, Protocol, runtime_checkable
 class Scheduler(Protocol):
     """Per-step planner: requests in, a plan ``{request_id: num_new_tokens}`` out, results back.
 
-    Contract of one step: ``plan = schedule()``; run the model on it; ``finished = update(plan, result)``.
-    In asynchronous mode ``schedule()`` may be called again before the previous plan's ``update``.
+    Contract of one step: ``plan = schedule()``; run the model on it; ``ended = update(plan, result)``.
+    In asynchronous mode ``schedule()`` may be called again before the previous plan's ``update``
+    (one step ahead); updates always follow schedule order.
     """
 
     def add_request(self, request: Any) -> None:
@@ -21,16 +22,25 @@ class Scheduler(Protocol):
         """End a request now, whatever its state. Returns False if it is unknown or already ended."""
         ...
 
-    def schedule(self) -> Any:
-        """Plan the next step: tokens per request, preempted and finished ids, block tables."""
+    def step_wish(self) -> tuple[bool, bool]:
+        """This rank's preference for the DP vote: (has prefill work it can start now, has decode work)."""
+        ...
+
+    def schedule(self, group: tuple[bool, bool, bool] | None = None) -> Any:
+        """Plan the next step: tokens per request, preempted ids, block tables.
+
+        ``group`` is what the DP group decided from every rank's ``step_wish``: (all ranks have
+        prefill work, any rank has prefill work, any rank has decode work); ``None`` votes alone.
+        """
         ...
 
     def update(self, plan: Any, result: Any) -> list[Any]:
-        """Apply a step's sampled tokens to the requests of ``plan``; return the requests that ended."""
+        """Apply a step's sampled tokens to the requests of ``plan``; return every request that ended
+        since the previous ``update`` (finished, aborted or failed), each exactly once."""
         ...
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running."""
+        """True while any request is waiting or running, or a plan or an ended request awaits ``update``."""
         ...
 
 
@@ -38,6 +48,7 @@ class Scheduler(Protocol):
 class StepVote(Protocol):
     """How the ranks of one DP group agree on the next step type (a NORMAL engine never mixes them)."""
 
-    def decide(self, want_prefill: bool, want_any_prefill: bool) -> tuple[bool, bool]:
-        """Given this rank's wishes, return the group's (all ranks want prefill, any rank wants prefill)."""
+    def decide(self, has_prefill: bool, has_decode: bool) -> tuple[bool, bool, bool]:
+        """Given this rank's wishes, return the group's (all ranks have prefill work, any rank has
+        prefill work, any rank has decode work). Every rank of the group must call it each step."""
         ...

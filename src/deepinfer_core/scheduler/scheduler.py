@@ -1,0 +1,195 @@
+"""Python face of the C++ step planner (``_C.scheduler.StepScheduler``).
+
+All per-request work (admission, chunking, block appends, preemption, stop checks) runs in C++ with the
+GIL released; Python only maps string request ids to the pool's int64 sequence ids and wraps arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from deepinfer_core import _C
+from deepinfer_core.protocols.scheduler import StepVote
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler.cost_model import CostModel
+from deepinfer_core.scheduler.types import (
+    FinishedRequest,
+    FinishReason,
+    Plan,
+    Request,
+    SchedulerConfig,
+    StepType,
+)
+from deepinfer_core.scheduler.vote import LocalVote
+
+logger = logging.getLogger(__name__)
+
+_INT32_MAX = 2**31 - 1
+
+
+class Scheduler:
+    """Per-step planner of one DP rank over a KV block pool.
+
+    ``pool`` is a ``deepinfer_core.kv.PagedKVPool`` (its C++ ``.impl`` is used directly) or a raw
+    ``_C.kv.BlockPool``. The scheduler creates and frees the pool sequences of its requests; give it a
+    pool that nothing else allocates sequence ids in, or set ``first_seq_id`` past them.
+
+    One step: ``plan = schedule()``; run the model; ``ended = update(plan, sampled)`` where ``sampled``
+    holds one token per plan row (ignored for rows that do not sample). With ``async_mode`` the next
+    ``schedule()`` may come before the previous ``update`` (one step ahead, placeholders ``-1`` in
+    ``plan.token_ids``); updates must follow schedule order.
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        config: SchedulerConfig | None = None,
+        *,
+        cost_model: CostModel | None = None,
+        vote: StepVote | None = None,
+        first_seq_id: int = 1,
+    ) -> None:
+        self.config = config if config is not None else SchedulerConfig()
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.vote: StepVote = vote if vote is not None else LocalVote()
+        impl = getattr(pool, "impl", pool)
+        if not isinstance(impl, _C.kv.BlockPool):
+            raise TypeError(f"pool: expected a PagedKVPool or _C.kv.BlockPool, got {type(pool).__name__}")
+        self.pool = pool
+        cfg = self.config
+        self._impl = _C.scheduler.StepScheduler(
+            impl,
+            int(cfg.engine_type),
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.max_model_len,
+            -1 if cfg.eos_token_id is None else cfg.eos_token_id,
+            0.0 if cfg.time_budget_ns is None else float(cfg.time_budget_ns),
+            cfg.prefill_attempt_interval,
+            cfg.prefill_any_attempt_interval,
+            cfg.async_mode,
+            cfg.watermark_blocks,
+            list(self.cost_model.as_tuple()),
+        )
+        self._next_seq = int(first_seq_id)
+        self._seq_of: dict[str, int] = {}  # live (not yet reported ended) request id -> seq id
+        self._id_of: dict[int, str] = {}  # seq id -> request id, kept while any plan may mention it
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; invalid input raises ``ValueError`` naming the field, nothing is queued."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request: expected a scheduler.Request, got {type(request).__name__}")
+        rid = request.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id: must be a non-empty str, got {rid!r}")
+        if rid in self._seq_of:
+            raise ValueError(f"request_id={rid!r}: already queued or running")
+        sp = request.sampling_params
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"request {rid!r}: sampling_params must be a SamplingParams")
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        if prompt.size and (prompt.min() < 0 or prompt.max() > _INT32_MAX):
+            raise ValueError(f"request {rid!r}: prompt_token_ids must be in [0, {_INT32_MAX}]")
+        seq = self._next_seq
+        try:
+            self._impl.add_request(
+                seq,
+                np.ascontiguousarray(prompt, dtype=np.int32),
+                sp.max_tokens,
+                sp.min_tokens,
+                sp.ignore_eos,
+                [int(t) for t in sp.stop_token_ids],
+            )
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
+        self._next_seq += 1
+        self._seq_of[rid] = seq
+        self._id_of[seq] = rid
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now (its blocks are freed at once); reported by the next ``update``."""
+        seq = self._seq_of.get(request_id)
+        return seq is not None and bool(self._impl.abort(seq))
+
+    def has_unfinished(self) -> bool:
+        """True while a request is waiting or running, a plan awaits ``update``, or an ended request
+        awaits being reported by ``update``."""
+        return bool(self._impl.has_unfinished())
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step_wish(self) -> tuple[bool, bool]:
+        """This rank's (has prefill work it can start now, has decode work), for the group vote."""
+        return tuple(self._impl.wish())  # type: ignore[return-value]
+
+    def schedule(self, group: tuple[bool, bool, bool] | None = None) -> Plan:
+        """Plan the next step. ``group`` is the DP group's (all have prefill, any has prefill, any has
+        decode); by default this rank's wish goes through ``self.vote``."""
+        if group is None:
+            group = self.vote.decide(*self._impl.wish())
+        all_p, any_p, any_d = group
+        t = self._impl.schedule(bool(all_p), bool(any_p), bool(any_d))
+        preempted = tuple(self._id_of[s] for s in t[8].tolist())
+        if preempted:
+            logger.debug("step %d preempted %s", t[0], preempted)
+        return Plan(
+            step_id=t[0],
+            step_type=StepType(t[1]),
+            seq_ids=t[2],
+            num_tokens=t[3],
+            start=t[4],
+            sample=t[5],
+            token_ids=t[6],
+            block_tables=t[7],
+            preempted=preempted,
+            kv_load_seq_ids=t[9],
+            kv_load_num_tokens=t[10],
+            predicted_ns=t[11],
+            names=self._id_of,
+        )
+
+    def update(self, plan: Plan, result: Any) -> list[FinishedRequest]:
+        """Apply ``plan``'s sampled tokens (one per row); return every request that ended since the
+        previous ``update`` (stopped, length, handed off, aborted or failed), each exactly once."""
+        sampled = np.ascontiguousarray(np.asarray(result).reshape(-1), dtype=np.int32)
+        ended = self._impl.update(plan.step_id, sampled)
+        out: list[FinishedRequest] = []
+        for seq, reason, output, blocks, npre in ended:
+            rid = self._id_of.pop(seq)
+            del self._seq_of[rid]
+            fr = FinishReason(reason)
+            if fr is FinishReason.FAILED:
+                logger.warning("request %r failed: the executor returned an invalid token for it", rid)
+            out.append(FinishedRequest(rid, fr, tuple(output.tolist()), int(npre), blocks))
+        return out
+
+    # ---- inspection -----------------------------------------------------------------------------
+    def seq_id(self, request_id: str) -> int:
+        return self._seq_of[request_id]
+
+    def request_info(self, request_id: str) -> dict[str, int]:
+        """status, num_computed, pending, schedule_cnt, process_cnt, num_preemptions, output_len."""
+        keys = ("status", "num_computed", "pending", "schedule_cnt", "process_cnt", "num_preemptions", "output_len")
+        return dict(zip(keys, self._impl.request_info(self._seq_of[request_id])))
+
+    def output_token_ids(self, request_id: str) -> list[int]:
+        return list(self._impl.output_tokens(self._seq_of[request_id]))
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self._impl.num_waiting)
+
+    @property
+    def num_running(self) -> int:
+        return int(self._impl.num_running)
+
+    @property
+    def decode_steps_since_prefill(self) -> int:
+        return int(self._impl.decode_steps_since_prefill)
+
+    def check_invariants(self) -> None:
+        """Full consistency check of the C++ state (tests); raises RuntimeError on a violation."""
+        self._impl.check_invariants()
