@@ -97,7 +97,9 @@ class MTPVarlen:
         a, n = _inputs(acceptance, num_drafts, self.max_drafts)
         return _plan(_C.spec.plan(a, n, self.profile.knots_x, self.profile.knots_y))
 
-    def plan_total(self, acceptance: np.ndarray, total: int, num_drafts: np.ndarray | None = None) -> VerifyPlan:
+    def plan_total(
+        self, acceptance: np.ndarray, total: int, num_drafts: np.ndarray | None = None
+    ) -> VerifyPlan:
         """The greedy restricted to exactly ``total`` drafts: the best ``total`` drafts by cumulative rate.
 
         This is what asynchronous mode runs on the device (``redistribute``) with fresher confidences.

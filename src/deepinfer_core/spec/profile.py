@@ -13,7 +13,12 @@ __all__ = ["PUBLISHED_DECODE_CURVE", "StepTimeProfile"]
 
 # DeepInfer's published decode chart (EP64, 131K context, fixed three-draft verification) read back as
 # milliseconds per step: (query tokens per rank, ms). From the seed code-reading.txt ("reasoned").
-PUBLISHED_DECODE_CURVE: tuple[tuple[float, float], ...] = ((32.0, 9.99), (256.0, 13.20), (512.0, 18.21), (1024.0, 31.53))
+PUBLISHED_DECODE_CURVE: tuple[tuple[float, float], ...] = (
+    (32.0, 9.99),
+    (256.0, 13.20),
+    (512.0, 18.21),
+    (1024.0, 31.53),
+)
 
 
 def _as_knots(name: str, v: object) -> np.ndarray:
@@ -65,7 +70,9 @@ class StepTimeProfile:
         if np.any(y <= 0):
             raise ValueError(f"knots_y: every step time must be > 0 ms, got {y.tolist()}")
         if np.any(np.diff(y) < 0):
-            raise ValueError(f"knots_y: must be non-decreasing (step time is monotone in tokens), got {y.tolist()}")
+            raise ValueError(
+                f"knots_y: must be non-decreasing (step time is monotone in tokens), got {y.tolist()}"
+            )
         x.flags.writeable = False
         y.flags.writeable = False
 

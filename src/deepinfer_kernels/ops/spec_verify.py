@@ -30,7 +30,9 @@ def _check(
         )
     V = target_probs.shape[2]
     if draft_probs is not None and tuple(draft_probs.shape) != (R, D, V):
-        raise ValueError(f"draft_probs: must be [requests, drafts, vocab] = [{R}, {D}, {V}], got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"draft_probs: must be [requests, drafts, vocab] = [{R}, {D}, {V}], got {tuple(draft_probs.shape)}"
+        )
     if verify_lengths.shape != (R,):
         raise ValueError(f"verify_lengths: must have shape ({R},), got {tuple(verify_lengths.shape)}")
     # Value checks synchronise with the device; acceptable in the reference, which is the ground truth.

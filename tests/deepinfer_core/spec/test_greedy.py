@@ -24,7 +24,9 @@ def cases(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     n = np.array(draw(st.lists(st.integers(0, D), min_size=R, max_size=R)), dtype=np.int32)
     # A random monotone (generally non-convex) curve whose knots fall inside the token range in play.
     k = draw(st.integers(1, 5))
-    xs = np.array(sorted(draw(st.sets(st.integers(1, R * (D + 1) + 2), min_size=k, max_size=k))), dtype=np.float64)
+    xs = np.array(
+        sorted(draw(st.sets(st.integers(1, R * (D + 1) + 2), min_size=k, max_size=k))), dtype=np.float64
+    )
     steps = draw(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 5.0)), min_size=k - 1, max_size=k - 1))
     ys = draw(st.floats(0.5, 5.0)) + np.concatenate([[0.0], np.cumsum(steps)])
     return a, n, xs, ys
@@ -57,7 +59,9 @@ def test_greedy_equals_brute_force_random_batches() -> None:
         a = rng.beta(3.0, 1.0, size=(R, D))
         n = rng.integers(0, D + 1, size=R).astype(np.int32)
         k = int(rng.integers(2, 6))
-        xs = np.sort(rng.choice(np.arange(1, R * (D + 1) + 3), size=min(k, R * (D + 1) + 2), replace=False)).astype(float)
+        xs = np.sort(
+            rng.choice(np.arange(1, R * (D + 1) + 3), size=min(k, R * (D + 1) + 2), replace=False)
+        ).astype(float)
         ys = rng.uniform(0.5, 3.0) + np.concatenate([[0.0], np.cumsum(rng.exponential(1.0, xs.size - 1))])
         _check_optimal(a, n, xs, ys)
 
@@ -120,12 +124,16 @@ def test_fixed_length_and_off_accounting() -> None:
     fixed = FixedLength(prof, max_drafts=3).plan(a, n)
     assert fixed.lengths.tolist() == np.minimum(n, 3).tolist()
     assert fixed.expected_tokens == pytest.approx(expected_tokens(a, np.minimum(n, 3)), rel=1e-12)
-    assert fixed.step_ms == pytest.approx(float(curve_ms(prof.knots_x, prof.knots_y, np.array(fixed.query_tokens))))
+    assert fixed.step_ms == pytest.approx(
+        float(curve_ms(prof.knots_x, prof.knots_y, np.array(fixed.query_tokens)))
+    )
     off = NoSpec(prof).plan(a, n)
     assert off.lengths.tolist() == [0] * 40 and off.query_tokens == 40 and off.expected_tokens == 40.0
     best = MTPVarlen(prof).plan(a, n)
     # The greedy's feasible set contains both other policies' choices.
-    assert best.tokens_per_ms >= fixed.tokens_per_ms - 1e-12 and best.tokens_per_ms >= off.tokens_per_ms - 1e-12
+    assert (
+        best.tokens_per_ms >= fixed.tokens_per_ms - 1e-12 and best.tokens_per_ms >= off.tokens_per_ms - 1e-12
+    )
 
 
 def test_make_policy_follows_switches() -> None:
