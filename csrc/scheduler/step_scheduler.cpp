@@ -170,6 +170,7 @@ void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
     Req& r = at(slot);
     if (cfg_.engine_type == EngineType::PROMPT) {
       r.status = Status::HANDOFF;
+      ++num_handoff_;
     } else {
       r.status = Status::DECODING;
       decoding_.push_back(slot);
@@ -378,6 +379,7 @@ void StepScheduler::end(int32_t slot, FinishReason reason) {
     if (reason == FinishReason::HANDOFF) e.handoff_blocks = pool_.block_table(r.seq_id);
     pool_.free(r.seq_id);  // exactly once: ENDED requests are never freed again
   }
+  if (r.status == Status::HANDOFF) --num_handoff_;
   r.status = Status::ENDED;
   r.reason = reason;
   --live_;
@@ -455,7 +457,7 @@ std::vector<int32_t> StepScheduler::output_tokens(int64_t seq_id) const {
 
 void StepScheduler::check_invariants() const {
   auto fail = [](const std::string& m) { throw std::logic_error("scheduler invariant: " + m); };
-  int64_t live = 0;
+  int64_t live = 0, handoff = 0;
   std::vector<int> where(slots_.size(), 0);
   for (int32_t x : waiting_) where[x] |= 1;
   for (int32_t x : prefilling_) where[x] |= 2;
@@ -476,8 +478,10 @@ void StepScheduler::check_invariants() const {
     if (r.in_flight > static_cast<int32_t>(plans_.size())) fail(id + "in flight in more plans than outstanding");
     if (r.schedule_cnt - r.process_cnt != r.in_flight) fail(id + "schedule_cnt - process_cnt != in_flight");
     if (r.status != Status::ENDED) ++live;
+    if (r.status == Status::HANDOFF) ++handoff;
   }
   if (live != live_) fail("live count");
+  if (handoff != num_handoff_) fail("hand-off count");
   if (num_running() > cfg_.max_num_seqs) fail("more running requests than max_num_seqs");
 }
 

@@ -116,7 +116,8 @@ class StepScheduler {
   bool has_unfinished() const { return live_ > 0 || !plans_.empty() || !ended_.empty(); }
   int64_t num_live() const { return live_; }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
-  int64_t num_running() const { return static_cast<int64_t>(prefilling_.size() + decoding_.size()); }
+  // Requests holding KV: prefilling, decoding, and PROMPT requests awaiting their hand-off token.
+  int64_t num_running() const { return static_cast<int64_t>(prefilling_.size() + decoding_.size()) + num_handoff_; }
   int64_t num_outstanding() const { return static_cast<int64_t>(plans_.size()); }
   int32_t decode_steps_since_prefill() const { return decode_since_prefill_; }
   const Config& config() const { return cfg_; }
@@ -162,6 +163,7 @@ class StepScheduler {
   int64_t next_arrival_ = 0;
   int64_t next_step_ = 0;
   int64_t live_ = 0;
+  int64_t num_handoff_ = 0;
   int32_t decode_since_prefill_ = 0;
   bool lists_dirty_ = false;
 };

@@ -179,6 +179,11 @@ class Scheduler:
         return list(self._impl.output_tokens(self._seq_of[request_id]))
 
     @property
+    def num_live(self) -> int:
+        """Requests not ended (waiting, prefilling, decoding or awaiting their hand-off token)."""
+        return int(self._impl.num_live)
+
+    @property
     def num_waiting(self) -> int:
         return int(self._impl.num_waiting)
 

@@ -1,0 +1,171 @@
+"""Deterministic fake executor, an independent token-stream oracle, and a step driver for the tests.
+
+The fake model's next token depends only on (request, position, previous token), so a request's
+stream is fixed by its prompt no matter how it is chunked, batched, preempted or scheduled ahead. The
+executor also checks every input token it is given against the oracle, which catches a wrong
+placeholder, a lost or duplicated token, or a recompute from the wrong place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler import (
+    EngineType,
+    FinishedRequest,
+    FinishReason,
+    Plan,
+    Request,
+    Scheduler,
+    StepType,
+)
+
+VOCAB = 40
+EOS = 0
+
+
+def next_token(req_no: int, pos: int, prev: int) -> int:
+    """The fake model: token at position ``pos`` of request ``req_no`` given the token before it."""
+    h = (req_no * 1_000_003 + pos * 7_919 + prev * 31 + 12_345) * 2_654_435_761
+    return int(h % (1 << 32)) % VOCAB
+
+
+@attrs.define
+class Spec:
+    """One request of a workload: when it arrives, its prompt, its stop rules; optional abort step."""
+
+    no: int
+    arrive: int
+    prompt: list[int]
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_ids: tuple[int, ...] = ()
+    abort_at: int | None = None
+
+    @property
+    def rid(self) -> str:
+        return f"req-{self.no}"
+
+    def request(self) -> Request:
+        sp = SamplingParams(
+            max_tokens=self.max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_ids
+        )
+        return Request(self.rid, self.prompt, sp)
+
+
+class Oracle:
+    """Expected tokens by position, and the expected final output, computed straight from the rules."""
+
+    def __init__(self, specs: list[Spec]) -> None:
+        self.specs = {s.rid: s for s in specs}
+        self._seq: dict[str, list[int]] = {s.rid: list(s.prompt) for s in specs}
+
+    def token(self, rid: str, pos: int) -> int:
+        seq = self._seq[rid]
+        no = self.specs[rid].no
+        while len(seq) <= pos:
+            seq.append(next_token(no, len(seq), seq[-1]))
+        return seq[pos]
+
+    def expected(self, rid: str, engine: EngineType) -> tuple[list[int], FinishReason]:
+        s = self.specs[rid]
+        p = len(s.prompt)
+        out: list[int] = []
+        while True:
+            tok = self.token(rid, p + len(out))
+            out.append(tok)
+            n = len(out)
+            if n >= s.min_tokens and ((not s.ignore_eos and tok == EOS) or tok in s.stop_ids):
+                return out, FinishReason.STOP
+            if n >= s.max_tokens:
+                return out, FinishReason.LENGTH
+            if engine is EngineType.PROMPT:
+                return out, FinishReason.HANDOFF
+
+
+class FakeExecutor:
+    """Runs a plan: resolves placeholders from its own previous samples, checks inputs, samples."""
+
+    def __init__(self, oracle: Oracle) -> None:
+        self.oracle = oracle
+        self.last: dict[str, int] = {}
+
+    def run(self, plan: Plan) -> np.ndarray:
+        out = np.full(plan.num_rows, -7, dtype=np.int32)  # non-sampling rows: a value update must ignore
+        off = 0
+        rids = plan.request_ids
+        for i, rid in enumerate(rids):
+            q = int(plan.num_tokens[i])
+            start = int(plan.start[i])
+            toks = plan.token_ids[off : off + q].copy()
+            off += q
+            if toks[0] == -1:
+                assert plan.step_type is StepType.DECODE and q == 1, "placeholder outside a decode row"
+                toks[0] = self.last[rid]
+            assert (toks >= 0).all(), f"{rid}: placeholder not at the row's first token"
+            for j, t in enumerate(toks.tolist()):
+                assert t == self.oracle.token(rid, start + j), f"{rid}: wrong input token at position {start + j}"
+            if plan.sample[i]:
+                no = self.oracle.specs[rid].no
+                out[i] = next_token(no, start + q, int(toks[-1]))
+                self.last[rid] = int(out[i])
+        assert off == plan.token_ids.shape[0]
+        return out
+
+
+@attrs.define
+class RunResult:
+    finished: list[FinishedRequest]
+    plans: int
+    max_steps_hit: bool
+
+
+def drive(
+    sched: Scheduler,
+    specs: list[Spec],
+    *,
+    lag: int,
+    on_plan: Callable[[Scheduler, Plan], None] | None = None,
+    before_schedule: Callable[[Scheduler], None] | None = None,
+    max_steps: int = 5000,
+) -> RunResult:
+    """Step ``sched`` until every request ended. ``lag`` 0: synchronous; 1: one step ahead."""
+    oracle = Oracle(specs)
+    ex = FakeExecutor(oracle)
+    arrivals: dict[int, list[Spec]] = {}
+    aborts: dict[int, list[Spec]] = {}
+    for s in specs:
+        arrivals.setdefault(s.arrive, []).append(s)
+        if s.abort_at is not None:
+            aborts.setdefault(s.abort_at, []).append(s)
+    last_event = max([s.arrive for s in specs] + [s.abort_at or 0 for s in specs] + [0])
+    inflight: deque[tuple[Plan, np.ndarray]] = deque()
+    finished: list[FinishedRequest] = []
+    plans = 0
+    for step in range(max_steps):
+        for s in arrivals.get(step, []):
+            sched.add_request(s.request())
+        for s in aborts.get(step, []):
+            sched.abort(s.rid)
+        live = sched.num_live > 0
+        if live or (not inflight and sched.has_unfinished()):
+            if before_schedule is not None:
+                before_schedule(sched)
+            plan = sched.schedule()
+            plans += 1
+            if on_plan is not None:
+                on_plan(sched, plan)
+            inflight.append((plan, ex.run(plan)))
+        if inflight and (len(inflight) > lag or sched.num_live == 0):
+            p, r = inflight.popleft()
+            finished.extend(sched.update(p, r))
+        sched.check_invariants()
+        if step > last_event and not inflight and not sched.has_unfinished():
+            return RunResult(finished, plans, False)
+    return RunResult(finished, plans, True)
