@@ -1,0 +1,93 @@
+"""Plain data across the executor seam: the batch a step runs and what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+
+
+def _i64(a: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.int64))
+
+
+def _i32_2d(a: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(a, dtype=np.int32)
+    if arr.ndim == 1 and arr.size == 0:
+        arr = arr.reshape(0, 0)
+    return np.ascontiguousarray(arr)
+
+
+class BatchError(ValueError):
+    """A request of the batch is invalid. ``request`` is its index (None: the batch as a whole).
+
+    Raised before any cache is touched, so the caller can drop that request and run the rest.
+    """
+
+    def __init__(self, request: int | None, field: str, msg: str) -> None:
+        self.request, self.field = request, field
+        where = "batch" if request is None else f"request {request}"
+        super().__init__(f"{where}: {field}: {msg}")
+
+
+@attrs.frozen(kw_only=True)
+class ForwardBatch:
+    """One step: a flat list of query tokens, request by request (prefill chunks, decodes, drafts).
+
+    Request i owns rows [offset_i, offset_i + query_lens[i]) at positions start_pos[i] + 0, 1, ...;
+    ``start_pos`` is how many tokens of the sequence are already in its caches (a smaller value than
+    last time rolls the last tokens back). ``block_tables`` [R, W] int32 (null block 0 as padding) and
+    ``state_slots`` [R] come from the KV block pool and the state pool. The last ``num_logits[i]`` rows
+    of request i get logits (1 for a decode or a final prefill chunk, 1 + drafts when verifying, 0 for
+    an intermediate chunk).
+    """
+
+    token_ids: np.ndarray = attrs.field(converter=_i64)
+    query_lens: np.ndarray = attrs.field(converter=_i64)
+    start_pos: np.ndarray = attrs.field(converter=_i64)
+    block_tables: np.ndarray = attrs.field(converter=_i32_2d)
+    state_slots: np.ndarray = attrs.field(converter=_i64)
+    num_logits: np.ndarray = attrs.field(converter=_i64)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.query_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Row offset of each request, [R + 1]."""
+        return np.concatenate(([0], np.cumsum(self.query_lens)))
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Position of every row [N]."""
+        if self.num_requests == 0:
+            return np.zeros(0, np.int64)
+        return np.concatenate([s + np.arange(n, dtype=np.int64) for s, n in zip(self.start_pos, self.query_lens)])
+
+    def logit_rows(self) -> np.ndarray:
+        """Flat row index of every row that gets logits, request by request."""
+        off = self.offsets
+        rows = [np.arange(off[i + 1] - k, off[i + 1]) for i, k in enumerate(self.num_logits)]
+        return np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+
+
+@attrs.frozen(kw_only=True)
+class ForwardOutput:
+    """Logits [M, V] for ``logit_rows`` (flat row ids, request by request) and expert load.
+
+    ``expert_counts`` [num_layers, n_routed_experts] int64: tokens each routed expert received in
+    this step, layer by layer (the load source of EPLB). ``request_of_logit`` [M] maps a logits row
+    back to its request index.
+    """
+
+    logits: torch.Tensor
+    logit_rows: np.ndarray
+    request_of_logit: np.ndarray
+    expert_counts: torch.Tensor

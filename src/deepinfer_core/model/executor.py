@@ -1,0 +1,227 @@
+"""ModelExecutor: one step of the model over a flat batch, with KV kept in the executor's caches.
+
+The caller (engine, tests) owns the bookkeeping: block ids from the KV block pool, one state slot per
+sequence from the state pool, and each request's start position. The executor owns the device tensors
+(see :mod:`deepinfer_core.model.cache`) and writes every new KV through the byte formats before reading
+it back, so the attention sees exactly what a later step will see.
+
+Per layer the dense work (projections, MoE) runs on all rows at once; attention loops over requests,
+because each has its own window, compressed entries and top-k.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from deepinfer_core.model.batch import BatchError, ForwardBatch, ForwardOutput
+from deepinfer_core.model.cache import CacheFormats
+from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
+from deepinfer_core.model.layers.attention import Attention, sink_attention
+from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
+from deepinfer_core.model.model import DeepSeekV41
+
+log = logging.getLogger(__name__)
+
+
+class ModelExecutor:
+    """Runs :class:`ForwardBatch` steps of ``model`` (satisfies ``protocols.ModelExecutor``).
+
+    ``num_blocks`` / ``block_size`` must match the KV block pool whose tables the batches carry;
+    ``num_state_slots`` the state pool. ``backtrack_tokens`` is how far a sequence may be rolled back
+    (DEEPINFER_MAX_BACKTRACKING_TOKENS; default drafts + 1 = 6). ``quantize`` stores KV as FP4 (main),
+    FP8 (SWA ring) and MXFP4 (indexer keys); off stores exact raw values.
+    """
+
+    def __init__(self, model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int,
+                 backtrack_tokens: int = 6, quantize: bool = True) -> None:
+        for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
+                            ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
+        self.model, self.cfg = model, model.cfg
+        cfg = self.cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_state_slots
+        self.backtrack = backtrack_tokens
+        self.fmt = CacheFormats.make(cfg.head_dim, cfg.index_head_dim, quantize, self.dtype)
+        self.swa_ring = cfg.sliding_window + backtrack_tokens
+        dev, u8 = self.device, torch.uint8
+        n_layers = cfg.num_hidden_layers
+        self.swa = [torch.zeros(num_state_slots, self.swa_ring, self.fmt.swa.bytes_per_token, dtype=u8, device=dev)
+                    for _ in range(n_layers)]
+        self.kv: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+        self.comp_state: dict[int, torch.Tensor] = {}
+        self.comp_ring: dict[int, int] = {}
+        for s in cfg.kv_source_layer_ids:
+            self.kv[s] = torch.zeros(num_blocks, block_size, self.fmt.main.bytes_per_token, dtype=u8, device=dev)
+            self.index_keys[s] = torch.zeros(num_blocks, block_size, self.fmt.index.bytes_per_token, dtype=u8, device=dev)
+            a = model.layers[s].attn
+            ring = cfg.ratio(s) + backtrack_tokens
+            self.comp_ring[s] = ring
+            width = a.compressor.state_dim + a.index_compressor.state_dim
+            self.comp_state[s] = torch.zeros(num_state_slots, ring, width, dtype=self.dtype, device=dev)
+        # end position written per slot, to refuse steps the rings cannot serve (a gap, or a rollback
+        # deeper than backtrack_tokens); a step at position 0 always (re)starts a sequence
+        self._slot_end = np.zeros(num_state_slots, np.int64)
+        self.min_ratio = min((r for r in cfg.compress_ratios[: n_layers] if r > 0), default=0)
+
+    # ------------------------------------------------------------------ memory accounting
+    def cache_bytes(self) -> dict[str, int]:
+        """Bytes held by each cache kind."""
+        return {
+            "main_kv": sum(t.numel() for t in self.kv.values()),
+            "index_keys": sum(t.numel() for t in self.index_keys.values()),
+            "swa_ring": sum(t.numel() for t in self.swa),
+            "compressor_state": sum(t.numel() * t.element_size() for t in self.comp_state.values()),
+        }
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, b: ForwardBatch) -> None:
+        """Raise :class:`BatchError` naming the first bad request and field; touches nothing."""
+        r = b.num_requests
+        for name in ("start_pos", "state_slots", "num_logits"):
+            if getattr(b, name).shape != (r,):
+                raise BatchError(None, name, f"shape {getattr(b, name).shape}, expected ({r},) (one per request)")
+        if b.block_tables.ndim != 2 or b.block_tables.shape[0] != r:
+            raise BatchError(None, "block_tables", f"shape {b.block_tables.shape}, expected ({r}, W)")
+        if int(b.query_lens.sum()) != b.num_tokens:
+            raise BatchError(None, "query_lens", f"sum {int(b.query_lens.sum())} != {b.num_tokens} token_ids")
+        slots_seen: dict[int, int] = {}
+        off = b.offsets
+        v = self.cfg.vocab_size
+        for i in range(r):
+            n, s, slot, k = (int(b.query_lens[i]), int(b.start_pos[i]), int(b.state_slots[i]), int(b.num_logits[i]))
+            if n < 1:
+                raise BatchError(i, "query_lens", f"{n}: must be >= 1")
+            toks = b.token_ids[off[i] : off[i + 1]]
+            if toks.min() < 0 or toks.max() >= v:
+                raise BatchError(i, "token_ids", f"values must be in [0, vocab_size={v})")
+            if not 0 <= k <= n:
+                raise BatchError(i, "num_logits", f"{k}: must be in [0, query_lens={n}]")
+            if not 0 <= slot < self.num_slots:
+                raise BatchError(i, "state_slots", f"{slot}: must be in [0, {self.num_slots})")
+            if slot in slots_seen:
+                raise BatchError(i, "state_slots", f"{slot} is also used by request {slots_seen[slot]}")
+            slots_seen[slot] = i
+            end = int(self._slot_end[slot])
+            if s < 0 or (s > 0 and not end - self.backtrack <= s <= end):
+                raise BatchError(i, "start_pos", f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
+                                 f"(restart) or [{max(end - self.backtrack, 0)}, {end}] (rollback <= {self.backtrack})")
+            if self.min_ratio:
+                need = -(-((s + n) // self.min_ratio) // self.block_size)
+                row = b.block_tables[i]
+                if row.shape[0] < need:
+                    raise BatchError(i, "block_tables", f"{row.shape[0]} blocks, {need} needed for {s + n} tokens")
+                used = row[:need]
+                if (used <= 0).any() or (used >= self.num_blocks).any():
+                    raise BatchError(i, "block_tables", f"first {need} ids must be in [1, {self.num_blocks}) (0 is the null block)")
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def execute(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step; returns logits for the requested rows and per-layer expert counts."""
+        self.validate(batch)
+        dev = self.device
+        tokens = torch.as_tensor(batch.token_ids, device=dev)
+        positions = torch.as_tensor(batch.positions, device=dev)
+        off = batch.offsets.tolist()
+        reqs = [(off[i], off[i + 1], int(batch.start_pos[i]), int(batch.state_slots[i]),
+                 torch.as_tensor(batch.block_tables[i], dtype=torch.long, device=dev)) for i in range(batch.num_requests)]
+        sel: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        pools: dict[int, torch.Tensor] = {}
+
+        def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+            return self._attend(lid, a, x, positions, reqs, sel, pools)
+
+        hidden, counts = self.model.run_layers(tokens, attend)
+        rows = batch.logit_rows()
+        logits = self.model.logits(hidden[torch.as_tensor(rows, device=dev)])
+        for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
+            self._slot_end[slot] = s + int(n)
+        req_of = np.repeat(np.arange(batch.num_requests), batch.num_logits)
+        return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts)
+
+    # ------------------------------------------------------------------ attention over the caches
+    def _slots(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Flat cache slots of logical entries ``idx`` through a block table."""
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+
+    def _attend(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, reqs: list,
+                sel: dict, pools: dict) -> torch.Tensor:
+        cfg, fmt = self.cfg, self.fmt
+        w = cfg.sliding_window
+        q, lat = a.queries(x, positions)
+        swa_bytes = fmt.swa.quantize(a.swa_kv(x, positions))
+        kswa = fmt.swa.dequantize(swa_bytes).to(self.dtype)  # attend to exactly what the ring will hold
+        if a.kind == LAYER_FULL:
+            cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+        if a.kind in (LAYER_FULL, LAYER_REINDEX):
+            qi, wi = a.indexer(x, lat, positions, a.inv_freq)
+        outs = []
+        for i, (r0, r1, s, slot, table) in enumerate(reqs):
+            n = r1 - r0
+            qp = positions[r0:r1]
+            # ---- sliding window: history from the ring, then this chunk's keys
+            ring = self.swa[lid]
+            hist = torch.arange(max(0, s - (w - 1)), s, device=self.device)
+            k_hist = fmt.swa.dequantize(ring[slot, hist % self.swa_ring]).to(self.dtype)
+            keys_a = torch.cat((k_hist, kswa[r0:r1]))
+            kp = torch.cat((hist, qp))
+            mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w)
+            keep = slice(max(0, n - self.swa_ring), n)
+            ring[slot, qp[keep] % self.swa_ring] = swa_bytes[r0:r1][keep]
+            if a.kind == LAYER_SWA:
+                outs.append(sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
+                continue
+            src = cfg.kv_source_of(lid)
+            ratio = a.ratio
+            if a.kind == LAYER_FULL:
+                self._compress(lid, a, cstate[r0:r1], s, n, slot, table)
+            e_total = (s + n) // ratio
+            if a.kind in (LAYER_FULL, LAYER_REINDEX):
+                ent = torch.arange(e_total, device=self.device)
+                flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
+                ik = fmt.index.dequantize(flat[self._slots(table, ent)]).to(self.dtype)
+                visible = (qp + 1) // ratio
+                sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
+                if cfg.uses_candidates(lid):
+                    sc = mask_scores(sc, pools[i])
+                if lid == cfg.candidate_source_layer_id:
+                    pools[i] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                sel[(lid, i)] = select_topk(sc, cfg.index_topk)
+            ids, valid = sel[(cfg.index_source_of(lid), i)]
+            flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
+            kb = fmt.main.dequantize(flat[self._slots(table, ids.reshape(-1))]).to(self.dtype)
+            kb = kb.view(n, ids.shape[1], -1)
+            outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
+        return torch.cat(outs)
+
+    def _compress(self, lid: int, a: Attention, new_state: torch.Tensor, s: int, n: int, slot: int,
+                  table: torch.Tensor) -> None:
+        """Pool the groups this chunk completes into the paged caches; keep the newest per-token state."""
+        r = a.ratio
+        dm = a.compressor.state_dim
+        e0, e1 = s // r, (s + n) // r
+        if r > 1:
+            ring, cring = self.comp_state[lid], self.comp_ring[lid]
+            g0 = e0 * r  # first token of the group that is partial at s
+            old = ring[slot, torch.arange(g0, s, device=self.device) % cring]
+            st = torch.cat((old, new_state))  # per-token state of positions [g0, s + n)
+            keep = slice(max(0, n - cring), n)
+            pos = torch.arange(s, s + n, device=self.device)
+            ring[slot, pos[keep] % cring] = new_state[keep]
+        else:
+            st = new_state
+        if e1 == e0:
+            return
+        whole = st[: (e1 - e0) * r]
+        main = a.compressor.pool(whole[:, :dm], e0, a.inv_freq)
+        idx = a.index_compressor.pool(whole[:, dm:], e0, a.inv_freq)
+        slots = self._slots(table, torch.arange(e0, e1, device=self.device))
+        self.kv[lid].view(-1, self.fmt.main.bytes_per_token)[slots] = self.fmt.main.quantize(main)
+        self.index_keys[lid].view(-1, self.fmt.index.bytes_per_token)[slots] = self.fmt.index.quantize(idx)
