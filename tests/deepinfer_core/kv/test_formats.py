@@ -212,3 +212,12 @@ def test_raw_formats_are_exact(name: str, dtype: torch.dtype) -> None:
     f = F.get_format(name, dim=96)
     x = torch.randn(5, 7, 96).to(dtype)
     assert torch.equal(f.dequantize(f.quantize(x)), x.float())
+
+
+@pytest.mark.parametrize("name", F.FORMATS)
+def test_torch_free_sizes_agree(name: str) -> None:
+    from deepinfer_core.kv.sizes import bytes_per_token
+
+    dims = [576, 704] if name == "v32" else [64, 128, 512]
+    for d in dims:
+        assert bytes_per_token(name, d) == F.get_format(name, d).bytes_per_token
