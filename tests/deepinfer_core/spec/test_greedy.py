@@ -23,7 +23,7 @@ def cases(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     a = np.array(draw(st.lists(st.lists(prob, min_size=D, max_size=D), min_size=R, max_size=R)))
     n = np.array(draw(st.lists(st.integers(0, D), min_size=R, max_size=R)), dtype=np.int32)
     # A random monotone (generally non-convex) curve whose knots fall inside the token range in play.
-    k = draw(st.integers(1, 5))
+    k = draw(st.integers(1, min(5, R * (D + 1) + 2)))
     xs = np.array(
         sorted(draw(st.sets(st.integers(1, R * (D + 1) + 2), min_size=k, max_size=k))), dtype=np.float64
     )
