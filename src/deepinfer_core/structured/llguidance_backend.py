@@ -31,25 +31,31 @@ class LLGuidanceMatcher:
     tokens go through ``try_consume_tokens`` (which refuses without side effects); EOS is taken only in
     an accepting state. llguidance reports
     "stopped" as soon as only EOS can follow; we call a matcher terminated only once EOS was accepted,
-    as xgrammar does, and track that ourselves (EOS is always the last accepted token).
+    as xgrammar does, and track that ourselves (EOS is always the last accepted token). See
+    ``accept_token`` for how EOS interacts with llguidance's rollback history.
     """
 
-    __slots__ = ("_eos", "_m", "_terminated", "_words")
+    __slots__ = ("_eos", "_eos_recorded", "_m", "_terminated", "_words")
 
     def __init__(self, matcher: object, words: int, eos: int) -> None:
         self._m = matcher
         self._words = words
         self._eos = eos
         self._terminated = False
+        self._eos_recorded = False
 
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
             return False
         t = int(token_id)
         if t == self._eos:
-            # try_consume_tokens refuses EOS once the parser has stopped (only EOS can follow), so EOS
-            # is checked against the accepting state and then consumed directly.
-            if not self._m.is_accepting() or not self._m.consume_token(t):
+            if not self._m.is_accepting():
+                return False
+            # Once the parser has stopped (only EOS can follow) llguidance takes EOS as a no-op that is
+            # not in its rollback history (and try_consume_tokens refuses it); otherwise EOS is a
+            # recorded token. Remember which, so rollback undoes exactly what was consumed.
+            self._eos_recorded = not self._m.is_stopped()
+            if self._eos_recorded and self._m.try_consume_tokens([t]) != 1:
                 return False
             self._terminated = True
             return True
@@ -72,7 +78,10 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
-        if not self._m.rollback(int(num_tokens)):
+        n = int(num_tokens)
+        if self._terminated and not self._eos_recorded:
+            n -= 1  # the EOS taken after a stop is not in llguidance's history
+        if n > 0 and not self._m.rollback(n):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self._m.get_error()}")
         self._terminated = False
 

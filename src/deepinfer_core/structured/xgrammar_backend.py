@@ -17,16 +17,21 @@ log = logging.getLogger(__name__)
 class XGrammarMatcher:
     """One request's grammar state (xgrammar ``GrammarMatcher``)."""
 
-    __slots__ = ("_m", "_words")
+    __slots__ = ("_m", "_refuse", "_words")
 
-    def __init__(self, matcher: object, words: int) -> None:
+    def __init__(self, matcher: object, words: int, refuse: frozenset[int]) -> None:
         self._m = matcher
         self._words = words
+        self._refuse = refuse
 
     def accept_token(self, token_id: int) -> bool:
         # xgrammar refuses (state unchanged) tokens the grammar rejects, specials, ids out of range,
-        # and anything after termination: exactly our contract.
-        return bool(self._m.accept_token(int(token_id)))
+        # and anything after termination: exactly our contract. Control tokens are refused here first
+        # because xgrammar logs a warning line for each one.
+        t = int(token_id)
+        if t in self._refuse:
+            return False
+        return bool(self._m.accept_token(t))
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         check_bitmask(bitmask, row, self._words)
@@ -75,6 +80,7 @@ class XGrammarBackend:
         # The manager caches compiled grammars by spec; xgrammar's own cache would duplicate memory.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=compile_threads, cache_enabled=False)
         self._json_any_ws = json_any_whitespace
+        self._refuse = self._vocab.special_ids - {self._vocab.eos_token_id}
         self._xgr = xgr
 
     @property
@@ -101,7 +107,7 @@ class XGrammarBackend:
             raise ValueError(f"xgrammar could not compile the {spec.kind}: {_strip_location(str(e))}") from None
 
     def matcher(self, compiled: object) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words)
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words, self._refuse)
 
 
 def _strip_location(msg: str) -> str:
