@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from _common import emit, log, out_path, parser, time_it
 from tqdm import tqdm
 
+from _common import emit, log, out_path, parser, time_it
 from deepinfer_core import _C
 from deepinfer_core.spec import FixedLength, MTPVarlen, StepTimeProfile
 from deepinfer_core.spec.simulate import AcceptanceModel, simulate
@@ -100,7 +100,9 @@ def bench_greedy(quick: bool, rng: np.random.Generator) -> list[tuple[int, float
 
 
 def bench_load(quick: bool, rng: np.random.Generator) -> dict[str, list[tuple[int, float, float]]]:
-    loads = (8, 32, 60, 96, 128, 256) if quick else (8, 16, 24, 32, 48, 60, 64, 80, 96, 128, 160, 192, 224, 256)
+    loads = (
+        (8, 32, 60, 96, 128, 256) if quick else (8, 16, 24, 32, 48, 60, 64, 80, 96, 128, 160, 192, 224, 256)
+    )
     steps = 40 if quick else 400
     models = {
         "iid k=4 (default)": AcceptanceModel(),
@@ -128,7 +130,13 @@ def bench_load(quick: bool, rng: np.random.Generator) -> dict[str, list[tuple[in
             emit(BENCH, p, "varlen_tokens_per_s_per_rank", v.tokens_per_s, "tokens/s")
             emit(BENCH, p, "fixed5_tokens_per_s_per_rank", f.tokens_per_s, "tokens/s")
             # What "full-acceptance accounting" (1 + drafts per request per step) would have reported.
-            emit(BENCH, p, "fixed5_full_acceptance_overstatement", f.full_acceptance_tokens / f.tokens_emitted, "ratio")
+            emit(
+                BENCH,
+                p,
+                "fixed5_full_acceptance_overstatement",
+                f.full_acceptance_tokens / f.tokens_emitted,
+                "ratio",
+            )
             series[label].append((R, v.drafts_per_request, gain))
     return series
 
@@ -145,16 +153,29 @@ def plot(greedy: list[tuple[int, float]], series: dict[str, list[tuple[int, floa
         style = "-o" if "default" in label else "--"
         ax[0].plot(r, d, style, label=label, ms=3)
         ax[1].plot(r, g, style, label=label, ms=3)
-    for src, pts, mk in (("Q&A (EP64 data)", SEED_QA, "k*"), ("code-reading reconstruction", SEED_RECON, "rX")):
+    for src, pts, mk in (
+        ("Q&A (EP64 data)", SEED_QA, "k*"),
+        ("code-reading reconstruction", SEED_RECON, "rX"),
+    ):
         ax[0].plot(list(pts), [v[0] for v in pts.values()], mk, ms=10, label=src)
         ax[1].plot(list(pts), [v[1] for v in pts.values()], mk, ms=10, label=src)
-    ax[0].set(xlabel="requests per rank", ylabel="drafts verified per request", title="MTPVarlen drafts verified (of 5)")
-    ax[1].set(xlabel="requests per rank", ylabel="throughput gain over fixed-five (%)", title="gain, accepted tokens counted")
+    ax[0].set(
+        xlabel="requests per rank",
+        ylabel="drafts verified per request",
+        title="MTPVarlen drafts verified (of 5)",
+    )
+    ax[1].set(
+        xlabel="requests per rank",
+        ylabel="throughput gain over fixed-five (%)",
+        title="gain, accepted tokens counted",
+    )
     ax[1].axhline(0, color="gray", lw=0.5)
     ax[0].legend(fontsize=7)
     r, us = zip(*greedy)
     ax[2].plot(r, us, "-o")
-    ax[2].set(xscale="log", xlabel="requests (x 5 drafts)", ylabel="us per request", title="C++ greedy cost (CPU)")
+    ax[2].set(
+        xscale="log", xlabel="requests (x 5 drafts)", ylabel="us per request", title="C++ greedy cost (CPU)"
+    )
     fig.tight_layout()
     path = out_path("mtp_varlen.png")
     fig.savefig(path, dpi=120)

@@ -123,4 +123,6 @@ def simulate(
             t[1] += accepted + requests
             t[2] += prof.step_ms(requests + int(lengths.sum()))
             t[3] += requests + int(lengths.sum())
-    return {k: PolicyStats(requests, steps, int(v[0]), int(v[1]), float(v[2]), int(v[3])) for k, v in acc.items()}
+    return {
+        k: PolicyStats(requests, steps, int(v[0]), int(v[1]), float(v[2]), int(v[3])) for k, v in acc.items()
+    }
