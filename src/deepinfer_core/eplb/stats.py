@@ -139,6 +139,18 @@ def moe_lb(load: Any, placement: ExpertPlacement, *, per_layer: bool = False) ->
     return float(mx.sum() / total) if total > 0 else 1.0
 
 
+def moe_lb_steps(counts: Any, placement: ExpertPlacement) -> np.ndarray:
+    """:func:`moe_lb` of each of many steps at once: counts [steps, layers, experts] -> [steps]."""
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim != 3 or c.shape[1:] != (placement.num_layers, placement.num_experts):
+        raise ValueError(f"counts must be [steps, {placement.num_layers}, {placement.num_experts}], got {c.shape}")
+    per_replica = np.take_along_axis(c / placement.logcnt, placement.phy2log[None], axis=2)
+    loads = per_replica.reshape(c.shape[0], placement.num_layers, placement.num_gpus, -1).sum(axis=3)
+    total_mean = loads.mean(axis=2).sum(axis=1)
+    total_max = loads.max(axis=2).sum(axis=1)
+    return np.where(total_mean > 0, total_max / np.where(total_mean > 0, total_mean, 1.0), 1.0)
+
+
 class ExpertLoadWindow:
     """Per-layer, per-expert token counts summed over the last ``window_steps`` recorded steps.
 
@@ -179,6 +191,28 @@ class ExpertLoadWindow:
         self._sum += arr - self._ring[slot]
         self._ring[slot] = arr
         self._steps += 1
+
+    def record_many(self, counts: Any) -> None:
+        """Record several steps at once, counts [steps, layers, experts] in step order."""
+        arr = np.asarray(counts)
+        if arr.ndim != 3 or arr.shape[1:] != (self.num_layers, self.num_experts):
+            raise ValueError(f"counts must be [steps, {self.num_layers}, {self.num_experts}], got {arr.shape}")
+        if arr.dtype.kind not in "iu" or np.any(arr < 0):
+            raise ValueError("counts must be non-negative integer token counts")
+        n = arr.shape[0]
+        if n == 0:
+            return
+        if n >= self.window_steps:
+            # Only the last window_steps survive; lay them out as if recorded one by one.
+            last = arr[n - self.window_steps:]
+            pos = (self._steps + n - self.window_steps + np.arange(self.window_steps)) % self.window_steps
+            self._ring[pos] = last
+            self._sum = last.sum(axis=0, dtype=np.int64)
+        else:
+            pos = (self._steps + np.arange(n)) % self.window_steps  # distinct since n < window
+            self._sum += arr.sum(axis=0, dtype=np.int64) - self._ring[pos].sum(axis=0)
+            self._ring[pos] = arr
+        self._steps += n
 
     def load(self) -> np.ndarray:
         """Token counts [layers, experts] over the window (a copy)."""
