@@ -34,6 +34,31 @@ def _build() -> None:
     print(f"  {get_envs()}")
 
 
+# Each component ships `deepinfer_core/<component>/demo.py` with a `demo()` that prints its own result.
+COMPONENTS = (
+    ("KV byte accounting, pools and prefix index", "kv"),
+    ("EPLB on a skewed expert load", "eplb"),
+    ("MTPVarlen verify plan (DSpark)", "spec"),
+    ("step scheduler", "scheduler"),
+    ("structured outputs", "structured"),
+    ("Engram hashing and tables", "engram"),
+    ("model executor (tiny config)", "model"),
+)
+
+
+def _component_section(module: str) -> Section:
+    def run() -> None:
+        import importlib
+
+        importlib.import_module(f"deepinfer_core.{module}.demo").demo()
+
+    return run
+
+
+for _title, _module in COMPONENTS:
+    SECTIONS.append((_title, _component_section(_module)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepinfer_core", description=__doc__)
     ap.add_argument("--only", help="run only sections whose title contains this text")
