@@ -51,10 +51,10 @@ def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entry ids [N, k'] (k' = min(k, E)) and validity [N, k'] of the top-k finite scores per row."""
+    """Entry ids [N, k'] (k' = min(k, E)) and validity [N, k'] of the top-k unmasked scores per row."""
     k = min(k, scores.shape[1])
     s, ids = torch.sort(scores, dim=1, descending=True, stable=True)
-    return ids[:, :k], torch.isfinite(s[:, :k])
+    return ids[:, :k], s[:, :k] > NEG  # +inf (a forced block) is valid, -inf (masked) is not
 
 
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -79,5 +79,5 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
     bmax[rows, visible[rows] // block_size] = float("inf")
     bsel = topk_mask(bmax, topk_blocks)  # [N, nb]
     pool = bsel.repeat_interleave(block_size, dim=1)[:, :e]
-    return pool & torch.isfinite(scores)
+    return pool & (scores > NEG)
 
