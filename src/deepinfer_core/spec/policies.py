@@ -46,7 +46,8 @@ class VerifyPlan:
         return self.total_drafts / self.num_requests if self.num_requests else 0.0
 
 
-def _inputs(acceptance: object, num_drafts: object | None, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
+def _inputs(acceptance: object, num_drafts: object | None, max_drafts: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validated float64 acceptance and int32 drafts per request capped at max_drafts (None: all D)."""
     a = np.asarray(acceptance)
     if a.ndim != 2:
         raise ValueError(f"acceptance: must be a 2-D [requests, drafts] array, got shape {a.shape}")
@@ -55,6 +56,8 @@ def _inputs(acceptance: object, num_drafts: object | None, max_drafts: int) -> t
     a = np.ascontiguousarray(a, dtype=np.float64)
     R, D = a.shape
     if num_drafts is None:
+        if max_drafts >= D:
+            return a, None  # the common case: no per-request array to build (saves ~10 us per step)
         n = np.full(R, D, dtype=np.int64)
     else:
         n = np.asarray(num_drafts)
@@ -120,6 +123,7 @@ class FixedLength:
     def plan(self, acceptance: np.ndarray, num_drafts: np.ndarray | None = None) -> VerifyPlan:
         """Every request verifies min(num_drafts, max_drafts) drafts."""
         a, n = _inputs(acceptance, num_drafts, self.max_drafts)
+        n = np.full(a.shape[0], a.shape[1], dtype=np.int32) if n is None else n
         return _plan((n, *_C.spec.evaluate(a, n, self.profile.knots_x, self.profile.knots_y)))
 
 
@@ -132,6 +136,7 @@ class NoSpec:
     def plan(self, acceptance: np.ndarray, num_drafts: np.ndarray | None = None) -> VerifyPlan:
         """Zero drafts for every request."""
         a, n = _inputs(acceptance, num_drafts, 0)
+        n = np.zeros(a.shape[0], dtype=np.int32) if n is None else n
         return _plan((n, *_C.spec.evaluate(a, n, self.profile.knots_x, self.profile.knots_y)))
 
 
