@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepinfer_core.eplb import DECODE, PREFILL, EPLBConfig, ExpertLoadWindow, ExpertPlacement, moe_lb
+from deepinfer_core.eplb.stats import moe_lb_steps
 
 
 @given(st.integers(1, 7), st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=25))
@@ -91,3 +92,24 @@ def test_presets_follow_the_seeds() -> None:
     assert PREFILL.num_replicas(384, 4) == 400
     with pytest.raises(ValueError, match="redundant_per_gpu"):
         EPLBConfig(window_steps=1, replan_interval=1, redundant_per_gpu=-1)
+
+
+@given(st.integers(1, 6), st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(0, 2**31 - 1))
+def test_record_many_equals_recording_one_by_one(window: int, chunks: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    a, b = ExpertLoadWindow(2, 3, window_steps=window), ExpertLoadWindow(2, 3, window_steps=window)
+    for n in chunks:
+        counts = rng.integers(0, 100, (n, 2, 3))
+        a.record_many(counts)
+        for c in counts:
+            b.record(c)
+        assert np.array_equal(a.load(), b.load()) and a.steps_recorded == b.steps_recorded
+
+
+def test_moe_lb_steps_equals_per_step_moe_lb() -> None:
+    rng = np.random.default_rng()
+    pl = ExpertPlacement.plan(rng.integers(0, 100, (3, 16)), 20, 1, 1, 4)
+    counts = rng.integers(0, 50, (7, 3, 16))
+    counts[2] = 0
+    expect = [moe_lb(c, pl) for c in counts]
+    assert np.allclose(moe_lb_steps(counts, pl), expect, rtol=1e-12)
