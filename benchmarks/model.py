@@ -1,0 +1,112 @@
+"""Model executor: prefill and decode tokens/s of the tiny config on CPU (reference backend).
+
+(a) Prefill: one request of T tokens in one chunk through ``ModelExecutor.execute`` (caches written),
+    next to the cache-free ``forward_full`` of the same tokens, and with KV quantisation on and off.
+(b) Decode: B requests with a 128-token context each, one token per request per step, for B in a sweep;
+    quantisation on (FP4 / FP8 / MXFP4 caches) and off. Side by side in one run, float32, 1 thread.
+
+    python benchmarks/model.py [--quick] [--plot] [--threads N]
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from _common import emit, log, out_path, parser, time_it
+from deepinfer_core.kv import PagedKVPool
+from deepinfer_core.model import DeepSeekV41, ForwardBatch, ModelExecutor, tiny_config
+
+BENCH = "model"
+BLOCK = 16
+
+
+def _executor(model: DeepSeekV41, quantize: bool, slots: int, tokens: int) -> tuple[ModelExecutor, PagedKVPool]:
+    blocks = slots * (-(-tokens // BLOCK) + 1) + 1
+    return ModelExecutor(model, blocks, BLOCK, slots, quantize=quantize), PagedKVPool(blocks, BLOCK)
+
+
+def bench_prefill(model: DeepSeekV41, t: int, repeat: int) -> None:
+    toks = torch.randint(0, model.cfg.vocab_size, (t,))
+    params = {"config": "tiny", "tokens": t, "dtype": "float32"}
+    sec_full = time_it(lambda: model.forward_full(toks), repeat=repeat)
+    emit(BENCH, {**params, "path": "forward_full"}, "prefill_tokens_per_s", t / sec_full, "tok/s")
+    for q in (False, True):
+        ex, pool = _executor(model, q, 1, t)
+        pool.allocate(0, t)
+        b = ForwardBatch(token_ids=toks.numpy(), query_lens=[t], start_pos=[0], block_tables=pool.block_tables([0]),
+                         state_slots=[0], num_logits=[1])
+        sec = time_it(lambda ex=ex, b=b: ex.execute(b), repeat=repeat)
+        emit(BENCH, {**params, "path": "executor", "kv_quant": q}, "prefill_tokens_per_s", t / sec, "tok/s")
+        emit(BENCH, {**params, "path": "executor", "kv_quant": q}, "prefill_time_ratio_vs_forward_full", sec / sec_full, "x")
+
+
+def bench_decode(model: DeepSeekV41, batch: int, ctx: int, steps: int) -> dict[bool, float]:
+    res = {}
+    for q in (False, True):
+        ex, pool = _executor(model, q, batch, ctx + steps + 1)
+        toks = torch.randint(0, model.cfg.vocab_size, (batch, ctx + steps))
+        ids = list(range(batch))
+        for i in ids:
+            pool.allocate(i, ctx + steps)
+        tables = pool.block_tables(ids)
+        ex.execute(ForwardBatch(token_ids=toks[:, :ctx].reshape(-1).numpy(), query_lens=[ctx] * batch,
+                                start_pos=[0] * batch, block_tables=tables, state_slots=ids, num_logits=[1] * batch))
+
+        def step(s: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables) -> None:
+            ex.execute(ForwardBatch(token_ids=toks[:, s].numpy(), query_lens=[1] * batch, start_pos=[s] * batch,
+                                    block_tables=tables, state_slots=list(range(batch)), num_logits=[1] * batch))
+
+        step(ctx)  # warm-up at ctx, then roll back to ctx and time `steps` steps
+        t0 = time.perf_counter()
+        for s in range(ctx, ctx + steps):
+            step(s)
+        sec = (time.perf_counter() - t0) / steps
+        res[q] = batch / sec
+        emit(BENCH, {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": q, "dtype": "float32"},
+             "decode_tokens_per_s", batch / sec, "tok/s")
+        emit(BENCH, {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": q, "dtype": "float32"},
+             "decode_step_ms", sec * 1e3, "ms")
+    return res
+
+
+def main() -> None:
+    ap = parser(__doc__ or "")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: shared CPU)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = DeepSeekV41.from_config(tiny_config(), seed=0, dtype=torch.float32)
+    prefill = [128] if args.quick else [128, 512, 1024]
+    batches = [1, 4] if args.quick else [1, 4, 16, 32]
+    steps = 3 if args.quick else 16
+    repeat = 1 if args.quick else 3
+    for t in tqdm(prefill, desc="prefill", disable=args.quick):
+        bench_prefill(model, t, repeat)
+    curve = {}
+    for b in tqdm(batches, desc="decode", disable=args.quick):
+        curve[b] = bench_decode(model, b, 128, steps)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for q in (False, True):
+            ax.plot(batches, [curve[b][q] for b in batches], marker="o", label=f"kv_quant={q}")
+        ax.set_xlabel("decode batch (requests)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("tiny config decode, CPU, 1 thread")
+        ax.legend()
+        fig.tight_layout()
+        p = out_path("model_decode.png")
+        fig.savefig(p, dpi=120)
+        log(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()
