@@ -126,51 +126,62 @@ def refine_swaps(
     A swap between packs a (heavier) and b moves ``d = w_x - w_y > 0`` from a to b and is taken only if
     ``max(load_a - d, load_b + d) < load_a``: no pack ever exceeds the previous load of the heavier one, so
     a row's maximum never rises and pack sizes never change. Each pass pairs the k-th heaviest pack with
-    the (k + pass)-th lightest (disjoint pairs, all swapped at once); when no pair improves, the heaviest pack tries
-    every other pack. Stops when neither finds a swap. ``slots`` [rows, packs, cap] is updated in place.
+    the (k + pass)-th lightest (disjoint pairs, all swapped at once); in a row where no pair improves, the
+    heaviest pack tries the lightest quarter of the packs (at least 8), and a row where that fails too stops.
+    ``slots`` [rows, packs, cap] is updated in place.
 
-    With ``target`` [rows], only packs heavier than their row's target are relieved and a row stops once
-    its maximum is at or below the target (the migration planner uses this to swap no more than needed).
+    Only packs heavier than their row's ``target`` are relieved, and a row stops once its maximum is at or
+    below it. The default target is the mean pack load x (1 + 1e-4): closer to perfect is noise next to
+    any per-step routing variation. The migration planner passes a looser target to move no more than needed.
     """
     rows, packs, cap = slots.shape
     if packs < 2 or max_passes <= 0:
         return slots
     item_w = np.take_along_axis(weight, slots.reshape(rows, -1), axis=1).reshape(rows, packs, cap)
     loads = item_w.sum(axis=2)
+    mean = loads.mean(axis=1)
+    if target is None:
+        target = mean * (1 + 1e-4)
     # Improvements smaller than this are float noise: accepting them could cycle.
-    tol = (1e-9 * np.maximum(loads.mean(axis=1), 1e-300))[:, None]
-    r = np.arange(rows)
+    tol = 1e-9 * np.maximum(mean, 1e-300)
     half = packs // 2
-    pack_of = np.repeat(np.arange(packs), cap)
+    n_partners = min(packs - 1, max(8, packs // 4))
+    alive = np.ones(rows, dtype=bool)
     for it in range(max_passes):
-        order = np.argsort(loads, axis=1)
+        act = np.flatnonzero(alive & (loads.max(axis=1) > target))
+        if act.size == 0:
+            break
+        la, k = loads[act], np.arange(act.size)
+        order = np.argsort(la, axis=1)
         # Rotate the pairing each pass so a heavy pack meets a different light partner next time.
         heavy, light = order[:, ::-1][:, :half], np.roll(order[:, :half], -(it % half), axis=1)
-        hg = (np.take_along_axis(loads, heavy, axis=1) - np.take_along_axis(loads, light, axis=1)) / 2
-        wh, wl = item_w[r[:, None], heavy], item_w[r[:, None], light]  # [rows, half, cap]
-        best, s, _ = _best_swap(np.broadcast_to(hg[..., None], wl.shape), wh, wl, None)
-        ok = s < hg - tol
-        if target is not None:
-            ok &= np.take_along_axis(loads, heavy, axis=1) > target[:, None]
-        if ok.any():
-            rr, kk = np.nonzero(ok)
+        lh = np.take_along_axis(la, heavy, axis=1)
+        hg = (lh - np.take_along_axis(la, light, axis=1)) / 2
+        wh, wl = item_w[act[:, None], heavy], item_w[act[:, None], light]  # [k, half, cap]
+        best, sc, _ = _best_swap(np.broadcast_to(hg[..., None], wl.shape), wh, wl, None)
+        ok = (sc < hg - tol[act, None]) & (lh > target[act, None])
+        rr, kk = np.nonzero(ok)
+        if rr.size:
             ia, ib = np.divmod(best[rr, kk], cap)
-            _apply_swaps(slots, item_w, loads, rr, heavy[rr, kk], ia, light[rr, kk], ib)
+            _apply_swaps(slots, item_w, loads, act[rr], heavy[rr, kk], ia, light[rr, kk], ib)
+        # Rows where no pair helped: the heaviest pack tries every other pack.
+        stuck = ~ok.any(axis=1)
+        if not stuck.any():
             continue
-        # No paired swap helps: let the heaviest pack try every other pack.
-        h = order[:, -1]
-        lg = loads[:, pack_of]  # load of each item's pack
-        hg1 = (loads[r, h][:, None] - lg) / 2  # <= 0 for h's own items, so they never qualify
-        best, s, hgb = _best_swap(hg1, item_w[r, h], item_w.reshape(rows, -1), lg / 2)
-        ok = s < hgb - tol[:, 0]
-        if target is not None:
-            ok &= loads[r, h] > target
-        if not ok.any():
-            break
-        rr = np.nonzero(ok)[0]
-        ia, jb = np.divmod(best[rr], packs * cap)
-        pb, ib = np.divmod(jb, cap)
-        _apply_swaps(slots, item_w, loads, rr, h[rr], ia, pb, ib)
+        b, kb = act[stuck], k[stuck]
+        h = order[kb, -1]
+        partners = order[kb, :n_partners]  # the lightest packs: where a heavy pack's best swap lies
+        lb = loads[b]
+        lg = np.repeat(np.take_along_axis(lb, partners, axis=1), cap, axis=1)  # per partner item
+        hg1 = (lb[np.arange(b.size), h][:, None] - lg) / 2
+        wg = item_w[b[:, None], partners].reshape(b.size, -1)
+        best, sc, hgb = _best_swap(hg1, item_w[b, h], wg, lg / 2)
+        okb = sc < hgb - tol[b]
+        alive[b[~okb]] = False  # local optimum for this row's maximum (among these partners)
+        if okb.any():
+            ia, jb = np.divmod(best[okb], n_partners * cap)
+            pj, ib = np.divmod(jb, cap)
+            _apply_swaps(slots, item_w, loads, b[okb], h[okb], ia, partners[okb, pj], ib)
     return slots
 
 
