@@ -50,6 +50,9 @@ class ForwardBatch:
     block_tables: np.ndarray = attrs.field(converter=_i32_2d)
     state_slots: np.ndarray = attrs.field(converter=_i64)
     num_logits: np.ndarray = attrs.field(converter=_i64)
+    # CED prefix prefill: run the encoder and write the first decoder layer's global KV, nothing more
+    # (decoder SWA rings are left for bounded replay); no logits are produced.
+    encoder_only: bool = False
 
     @property
     def num_requests(self) -> int:

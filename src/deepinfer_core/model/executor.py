@@ -89,6 +89,8 @@ class ModelExecutor:
                 raise BatchError(None, name, f"shape {getattr(b, name).shape}, expected ({r},) (one per request)")
         if b.block_tables.ndim != 2 or b.block_tables.shape[0] != r:
             raise BatchError(None, "block_tables", f"shape {b.block_tables.shape}, expected ({r}, W)")
+        if b.encoder_only and (self.cfg.encoder_layers >= self.cfg.num_hidden_layers or b.num_logits.any()):
+            raise BatchError(None, "encoder_only", "needs a model with a decoder (CED split) and num_logits all 0")
         if int(b.query_lens.sum()) != b.num_tokens:
             raise BatchError(None, "query_lens", f"sum {int(b.query_lens.sum())} != {b.num_tokens} token_ids")
         slots_seen: dict[int, int] = {}
@@ -138,6 +140,19 @@ class ModelExecutor:
         def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
             return self._attend(lid, a, x, positions, reqs, sel, pools)
 
+        if batch.encoder_only:
+            def source(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+                cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+                for r0, r1, s, slot, table in reqs:
+                    self._compress(lid, a, cstate[r0:r1], s, r1 - r0, slot, table)
+                return x
+
+            _, counts = self.model.run_layers(tokens, attend, source_only=source)
+            for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
+                self._slot_end[slot] = s + int(n)
+            empty = np.zeros(0, np.int64)
+            return ForwardOutput(logits=torch.zeros(0, self.cfg.vocab_size, dtype=self.dtype, device=dev),
+                                 logit_rows=empty, request_of_logit=empty, expert_counts=counts)
         hidden, counts = self.model.run_layers(tokens, attend)
         rows = batch.logit_rows()
         logits = self.model.logits(hidden[torch.as_tensor(rows, device=dev)])

@@ -89,8 +89,14 @@ class DeepSeekV41(nn.Module):
             b.ffn.reset_parameters(gen)
 
     # ------------------------------------------------------------------ shared layer loop
-    def run_layers(self, token_ids: torch.Tensor, attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states [N, D] (after the final norm) and expert counts [layers, experts]."""
+    def run_layers(self, token_ids: torch.Tensor, attend: AttendFn,
+                   source_only: AttendFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [N, D] (after the final norm) and expert counts [layers, experts].
+
+        With ``source_only`` (CED prefix prefill), the loop stops at the first decoder layer: that
+        layer's input goes to ``source_only`` (which writes the decoder's global KV) and the returned
+        hidden state is that input; counts cover the encoder layers only.
+        """
         state = self.residual.begin(self.embed[token_ids])
         counts = []
         for blk in self.layers:
@@ -98,6 +104,9 @@ class DeepSeekV41(nn.Module):
             if str(lid) in self.engram:
                 state = self.engram[str(lid)](state, token_ids)
             x = blk.attn_norm(self.residual.sublayer_input(state, lid, 0))
+            if source_only is not None and lid == self.cfg.encoder_layers:
+                source_only(lid, blk.attn, x)
+                return x, torch.stack(counts)
             o = attend(lid, blk.attn, x)
             state = self.residual.sublayer_output(state, blk.attn.output(o), lid, 0)
             y, c = blk.ffn(blk.ffn_norm(self.residual.sublayer_input(state, lid, 1)))

@@ -150,3 +150,22 @@ def test_expert_counts_match_routing(model64: DeepSeekV41, seq: torch.Tensor) ->
     assert out.expert_counts.shape == (cfg.num_hidden_layers, cfg.n_routed_experts)
     assert (out.expert_counts.sum(1) == T * cfg.num_experts_per_tok).all()
     assert torch.equal(out.expert_counts, model64.forward_full(seq)[1])
+
+
+def test_encoder_only_prefill_writes_the_decoder_global_kv(model64: DeepSeekV41, seq: torch.Tensor) -> None:
+    """CED: the first decoder layer's compressed KV depends only on the encoder, so a prefix prefill can
+    stop there; its bytes equal those of a full prefill, and the decoder SWA rings stay untouched."""
+    enc = model64.cfg.encoder_layers
+    full, part = Session(model64), Session(model64)
+    full.run(0, seq, [T])
+    part._ensure(0, T)
+    out = part.ex.execute(ForwardBatch(token_ids=seq.numpy(), query_lens=[T], start_pos=[0],
+                                       block_tables=part.pool.block_tables([0]), state_slots=[0], num_logits=[0],
+                                       encoder_only=True))
+    assert out.logits.shape[0] == 0 and out.expert_counts.shape[0] == enc
+    table = torch.as_tensor(full.pool.block_tables([0])[0], dtype=torch.long)
+    for cache in ("kv", "index_keys"):
+        a, b = getattr(full.ex, cache)[enc][table], getattr(part.ex, cache)[enc][table]
+        assert torch.equal(a.view(-1)[: T * a.shape[-1]], b.view(-1)[: T * b.shape[-1]])
+    assert not part.ex.swa[enc].any() and full.ex.swa[enc].any()
+    assert torch.equal(full.ex.swa[enc - 1], part.ex.swa[enc - 1])
