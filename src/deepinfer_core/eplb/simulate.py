@@ -9,7 +9,8 @@ move in a serving system is *what* is being asked, not token-level noise alone:
   ``rho * global + sqrt(1 - rho^2) * own`` where ``own`` is another Zipf permutation, so topics agree on part
   of the popularity and differ on the rest.
 - Drift: topic shares are ``softmax(z)`` with ``z`` an Ornstein-Uhlenbeck process (stationary sd
-  ``drift_sd``, correlation time ``drift_steps``): the traffic mix wanders on the scale of thousands of steps.
+  ``drift_sd``, correlation time ``drift_steps``): the traffic mix wanders over ~30 minutes of wall clock,
+  which is ~2,500 prefill steps but ~140,000 decode steps.
 - A step: ``requests_per_step`` requests draw topics from the current shares (few long prompts per prefill
   step, thousands of short decode requests), each routes ``tokens_per_request * top_k`` assignments;
   per-expert counts are Poisson around that expectation (routing noise).
@@ -42,10 +43,17 @@ class TraceConfig:
     drift_steps: float = 5_000.0
 
 
+# The traffic mix drifts in wall-clock time, so drift_steps = DRIFT_SECONDS / step time. Step times from the
+# seeds' charts: decode at ~60 requests x 4 query tokens per rank ~13 ms; prefill at 65,536 tokens 731.7 ms.
+DRIFT_SECONDS = 1_800.0
+DECODE_STEP_SECONDS = 0.013
+PREFILL_STEP_SECONDS = 0.7317
 # Decode at EP64: 64 ranks x 60 requests, each verifying 1 + 3 tokens a step.
-DECODE_TRACE = TraceConfig(requests_per_step=64 * 60, tokens_per_request=4)
-# Prefill at EP4/DP4: 4 ranks x 2 prompts of 8,192 tokens a step.
-PREFILL_TRACE = TraceConfig(requests_per_step=8, tokens_per_request=8_192)
+DECODE_TRACE = TraceConfig(requests_per_step=64 * 60, tokens_per_request=4,
+                           drift_steps=DRIFT_SECONDS / DECODE_STEP_SECONDS)
+# Prefill at EP4/DP4: 4 ranks x 2 prompts of 8,192 tokens a step (65,536 tokens).
+PREFILL_TRACE = TraceConfig(requests_per_step=8, tokens_per_request=8_192,
+                            drift_steps=DRIFT_SECONDS / PREFILL_STEP_SECONDS)
 
 
 def _zipf_logits(rng: np.random.Generator, shape: tuple[int, ...], skew: float) -> np.ndarray:
