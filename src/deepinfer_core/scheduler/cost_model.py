@@ -64,13 +64,16 @@ class CostModel:
         return int(_C.scheduler.max_chunk(*self.as_tuple(), int(c), spent, float(budget_ns), int(cap)))
 
     @classmethod
-    def fit(cls, q: np.ndarray, c: np.ndarray, ns: np.ndarray) -> CostModel:
+    def fit(cls, q: np.ndarray, c: np.ndarray, ns: np.ndarray, *, relative: bool = True) -> CostModel:
         """Least-squares fit from measured single-chunk prefill steps (q new tokens, c cached, ns time).
 
         Non-negative least squares, solved exactly: with four coefficients we solve the ordinary
         least-squares problem on every subset of columns and keep the best one whose coefficients are
         all >= 0 (the NNLS optimum is the unconstrained optimum on its own support). Columns are scaled
         to unit norm first because q^2 and q*c are many orders of magnitude larger than 1.
+
+        ``relative=True`` (default) minimises relative error, sum(((pred - ns) / ns)^2): step-time noise
+        grows with the step, so a plain fit would let the longest steps drown the short ones.
         """
         qa = np.asarray(q, dtype=np.float64).reshape(-1)
         ca = np.asarray(c, dtype=np.float64).reshape(-1)
@@ -82,6 +85,10 @@ class CostModel:
         if not (np.all(qa >= 1) and np.all(ca >= 0) and np.all(np.isfinite(ya)) and np.all(ya >= 0)):
             raise ValueError("CostModel.fit: need q >= 1, c >= 0 and finite ns >= 0 in every sample")
         a = np.stack([np.ones_like(qa), qa, qa * qa, qa * ca], axis=1)
+        if relative:
+            w = 1.0 / np.maximum(ya, np.finfo(np.float64).tiny)
+            a = a * w[:, None]
+            ya = ya * w
         norms = np.linalg.norm(a, axis=0)
         norms[norms == 0] = 1.0
         an = a / norms
@@ -98,6 +105,5 @@ class CostModel:
                     best = (res, coef)
         coef = np.zeros(4) if best is None else best[1] / norms
         model = cls(*[float(max(x, 0.0)) for x in coef])
-        rms = float(np.sqrt(np.mean((model.predict(qa, ca) - ya) ** 2)))
-        logger.info("fitted %s from %d samples, rms error %.3g ns", model, qa.size, rms)
+        logger.info("fitted %s from %d samples (relative=%s)", model, qa.size, relative)
         return model
