@@ -78,13 +78,15 @@ def test_hash_equals_tile_kernels_bit_for_bit(name: str) -> None:
     h, toks, cu = _inputs(cfg, 65536)
     grams = h.ngram_token_ids(toks.cuda(), cu.cuda())
     mult, primes, offsets = h.device_params("cuda")
-    ours = get_op("engram_hash", "cuda")(grams, mult, primes, offsets)
+    ours = get_op("engram_hash", "reference")(grams, mult, primes, offsets)  # the torch reference, on the GPU
     theirs = tk_hash(grams.to(torch.int32).contiguous(), mult.contiguous(), primes.contiguous(), offsets.contiguous())
     assert theirs.dtype == torch.int32 and theirs.shape == ours.shape
     mism = int((ours != theirs).sum())
     assert mism == 0, f"{mism} of {ours.numel()} row ids differ from tile_kernels.engram_hash"
-    # the hasher end to end (its own ngram builder) also equals the kernel's output
+    # the hasher end to end (its own ngram builder) also equals the kernel's output, and the "cuda"
+    # backend (which dispatches to tile_kernels) gives the same
     assert torch.equal(h.hash(toks.cuda(), cu.cuda()), theirs)
+    assert torch.equal(h.hash(toks.cuda(), cu.cuda(), backend="cuda"), theirs)
 
 
 def test_full_range_multipliers_against_tile_kernels() -> None:
@@ -97,7 +99,7 @@ def test_full_range_multipliers_against_tile_kernels() -> None:
     primes = torch.from_numpy(rng.integers(1_000_000, 2_000_000, (layers, n - 1, heads)).astype(np.int32)).cuda()
     offsets = torch.from_numpy(rng.integers(0, 10_000, (layers, (n - 1) * heads)).astype(np.int32)).cuda()
     ids = torch.from_numpy(rng.integers(0, 129_280, (t, n)).astype(np.int32)).cuda()
-    ours = get_op("engram_hash", "cuda")(ids, mult, primes, offsets)
+    ours = get_op("engram_hash", "reference")(ids, mult, primes, offsets)
     theirs = tk_hash(ids, mult, primes, offsets)
     bad = ours != theirs
     if not bool(bad.any()):
@@ -140,7 +142,7 @@ def test_throughput() -> None:
         toks, cu = toks.cuda(), cu.cuda()
         grams = h.ngram_token_ids(toks, cu)
         mult, primes, offsets = h.device_params("cuda")
-        op = get_op("engram_hash", "cuda")
+        op = get_op("engram_hash", "reference")  # torch on the GPU
         p = {"tokens": t, "layers": 2, "cols": cfg.num_columns}
         s = _cuda_time(partial(h.hash, toks, cu))
         _emit("hash_end_to_end_torch", p, t / s, "tokens/s")

@@ -209,3 +209,10 @@ def test_op_bad_shapes() -> None:
         op(ids, torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2, 1, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="vocab_sizes"):
         op(ids, torch.ones(2, 3, dtype=torch.int64), torch.zeros(2, 2, 1, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32))
+
+
+def test_cuda_backend_on_cpu_tensors_is_the_reference() -> None:
+    cfg = _cfg()
+    h = EngramHasher(cfg)
+    x = torch.randint(0, cfg.vocab_size, (64,))
+    assert torch.equal(h.hash(x, backend="cuda"), h.hash(x))
