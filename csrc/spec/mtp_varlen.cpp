@@ -25,6 +25,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -100,47 +101,69 @@ std::string cumulative(const double* a, const int32_t* nd, size_t R, size_t D, s
 
 // Flat indices of the valid drafts, best first (c descending, index ascending).
 //
-// LSD radix sort on the IEEE bits: for doubles >= 0 the bit pattern orders like the value, so sorting
-// ~bits ascending sorts c descending, and LSD radix is stable, so equal c keep index order (the same
-// order as a stable descending torch.sort of the row-major matrix). Eight 8-bit passes, all histograms
-// from one read, passes where every key shares the digit skipped: about 4x faster than a comparison
-// sort at 1,024 x 5 drafts.
-void order_drafts(const std::vector<double>& c, std::vector<int64_t>& idx) {
-  std::vector<uint64_t> key, key2;
-  std::vector<int64_t> idx2;
-  key.reserve(c.size());
+// For doubles >= 0 the IEEE bit pattern orders like the value, so ~bits ascending is c descending.
+// Under 96 drafts: a comparison sort (the measured crossover). Otherwise: a stable LSD radix sort
+// (4 x 8 bits) on the high 32 bits of the key, then each run of equal high halves (rare, short; exact
+// ties) insertion-sorted by the full key and index. Both give exactly the order of a stable descending
+// sort of the row-major matrix, which the torch reference of `redistribute` reproduces. In a CPU-time
+// micro-benchmark at 1,024 x 5 drafts the radix path was ~4.5x faster than std::sort.
+void order_drafts(const std::vector<double>& c, std::vector<int32_t>& idx) {
+  const size_t N = c.size();
+  std::vector<uint64_t> full(N);
+  std::vector<uint32_t> hi;
+  hi.reserve(N);
   idx.clear();
-  for (size_t j = 0; j < c.size(); ++j) {
+  for (size_t j = 0; j < N; ++j) {
     if (!(c[j] >= 0.0)) continue;  // padding beyond a request's drafts
     const double v = c[j] + 0.0;   // -0.0 -> +0.0, so it sorts as the zero it equals
     uint64_t bits;
     std::memcpy(&bits, &v, sizeof bits);
-    key.push_back(~bits);
-    idx.push_back(static_cast<int64_t>(j));
+    full[j] = ~bits;
+    hi.push_back(static_cast<uint32_t>(full[j] >> 32));
+    idx.push_back(static_cast<int32_t>(j));
   }
-  const size_t n = key.size();
-  if (n < 2) return;
-  size_t hist[8][256] = {};
-  for (uint64_t k : key)
-    for (int b = 0; b < 8; ++b) ++hist[b][(k >> (8 * b)) & 0xff];
-  key2.resize(n);
-  idx2.resize(n);
-  for (int b = 0; b < 8; ++b) {
-    size_t* h = hist[b];
-    if (h[(key[0] >> (8 * b)) & 0xff] == n) continue;  // every key has this digit
-    size_t sum = 0;
+  const size_t n = idx.size();
+  auto before = [&full](int32_t p, int32_t q) { return full[p] < full[q] || (full[p] == full[q] && p < q); };
+  if (n < 96) {
+    std::sort(idx.begin(), idx.end(), before);
+    return;
+  }
+  uint32_t hist[4][256] = {};
+  for (uint32_t k : hi) {
+    ++hist[0][k & 0xff];
+    ++hist[1][(k >> 8) & 0xff];
+    ++hist[2][(k >> 16) & 0xff];
+    ++hist[3][k >> 24];
+  }
+  std::vector<uint32_t> hi2(n);
+  std::vector<int32_t> idx2(n);
+  for (int b = 0; b < 4; ++b) {
+    uint32_t* h = hist[b];
+    if (h[(hi[0] >> (8 * b)) & 0xff] == n) continue;  // every key has this digit
+    uint32_t sum = 0;
     for (int d = 0; d < 256; ++d) {
-      const size_t cnt = h[d];
+      const uint32_t cnt = h[d];
       h[d] = sum;
       sum += cnt;
     }
     for (size_t j = 0; j < n; ++j) {
-      const size_t pos = h[(key[j] >> (8 * b)) & 0xff]++;
-      key2[pos] = key[j];
+      const uint32_t pos = h[(hi[j] >> (8 * b)) & 0xff]++;
+      hi2[pos] = hi[j];
       idx2[pos] = idx[j];
     }
-    key.swap(key2);
+    hi.swap(hi2);
     idx.swap(idx2);
+  }
+  for (size_t s = 0; s < n;) {
+    size_t e = s + 1;
+    while (e < n && hi[e] == hi[s]) ++e;
+    for (size_t i = s + 1; i < e; ++i) {  // stable insertion sort of the run by the full key
+      const int32_t x = idx[i];
+      size_t j = i;
+      for (; j > s && before(x, idx[j - 1]); --j) idx[j] = idx[j - 1];
+      idx[j] = x;
+    }
+    s = e;
   }
 }
 
@@ -168,7 +191,9 @@ PlanResult plan(CArray2<double> acceptance, std::optional<CArray1<int32_t>> num_
     nb::gil_scoped_release release;
     err = check_curve(curve.x, curve.y, curve.k);
     std::vector<double> c;
-    std::vector<int64_t> idx;
+    std::vector<int32_t> idx;
+    if (err.empty() && R * D >= static_cast<size_t>(INT32_MAX))
+      err = "acceptance: " + std::to_string(R * D) + " entries; at most 2^31 - 1 are supported";
     if (err.empty()) err = cumulative(a, nd, R, D, c);
     if (err.empty()) {
       order_drafts(c, idx);
@@ -200,7 +225,7 @@ PlanResult plan(CArray2<double> acceptance, std::optional<CArray1<int32_t>> num_
       }
       if (err.empty()) {
         std::fill(len, len + R, 0);
-        for (int64_t m = 0; m < best_m; ++m) ++len[idx[m] / static_cast<int64_t>(D)];
+        for (int64_t m = 0; m < best_m; ++m) ++len[static_cast<size_t>(idx[m]) / D];
       }
     }
   }

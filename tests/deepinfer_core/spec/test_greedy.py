@@ -96,8 +96,9 @@ def test_cut_is_prefix_of_cumulative_rates_and_drops_low_tail_first() -> None:
 
 def test_plan_total_is_top_total_by_cumulative_rate_with_ties() -> None:
     rng = np.random.default_rng()
-    for _ in range(50):
-        R, D = int(rng.integers(1, 30)), int(rng.integers(1, 6))
+    for _ in range(60):
+        # up to 1,500 drafts: covers both the comparison-sort (< 512) and the radix path of the C++
+        R, D = int(rng.integers(1, 300)), int(rng.integers(1, 6))
         a = rng.choice([0.0, 0.5, 0.8, 1.0], size=(R, D)) if rng.random() < 0.5 else rng.random((R, D))
         n = rng.integers(0, D + 1, size=R).astype(np.int32)
         total = int(rng.integers(0, n.sum() + 1))
