@@ -35,14 +35,18 @@ class LLGuidanceMatcher:
     ``accept_token`` for how EOS interacts with llguidance's rollback history.
     """
 
-    __slots__ = ("_eos", "_eos_recorded", "_m", "_terminated", "_words")
+    __slots__ = ("_eos", "_eos_recorded", "_history", "_m", "_template", "_terminated", "_words")
 
-    def __init__(self, matcher: object, words: int, eos: int) -> None:
-        self._m = matcher
+    def __init__(self, template: object, words: int, eos: int) -> None:
+        self._template = template
+        self._m = template.deep_copy()
         self._words = words
         self._eos = eos
         self._terminated = False
         self._eos_recorded = False
+        # Accepted tokens (EOS excluded): llguidance turns a state with no allowed token into a
+        # permanent error, so after such a dead end the matcher is rebuilt by replaying these.
+        self._history: list[int] = []
 
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
@@ -59,7 +63,10 @@ class LLGuidanceMatcher:
                 return False
             self._terminated = True
             return True
-        return self._m.try_consume_tokens([t]) == 1
+        if self._m.try_consume_tokens([t]) != 1:
+            return False
+        self._history.append(t)
+        return True
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         check_bitmask(bitmask, row, self._words)
@@ -73,16 +80,28 @@ class LLGuidanceMatcher:
         nbytes = self._words * 4
         self._m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * nbytes, nbytes)
         if self._m.is_error():
-            raise RuntimeError(f"llguidance matcher error: {self._m.get_error()}")
+            # No token can continue ("NoExtensionBias"): report a dead end as an all-zero row, as
+            # xgrammar does, and rebuild the matcher at the same (dead) state so rollback still works.
+            log.debug("llguidance dead end: %s", self._m.get_error().splitlines()[0])
+            bitmask[row].zero_()
+            self._m = self._template.deep_copy()
+            if self._history and not self._m.consume_tokens(self._history):
+                raise RuntimeError(f"llguidance could not replay {len(self._history)} tokens: {self._m.get_error()}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
-        n = int(num_tokens)
-        if self._terminated and not self._eos_recorded:
-            n -= 1  # the EOS taken after a stop is not in llguidance's history
-        if n > 0 and not self._m.rollback(n):
+        n = int(num_tokens)  # tokens to drop from our history (EOS is never in it)
+        llg_n = n
+        if self._terminated:
+            n -= 1
+            llg_n = n + self._eos_recorded  # the EOS taken after a stop is not in llguidance's history
+        if n > len(self._history):
+            raise ValueError(f"num_tokens={num_tokens}: only {len(self._history) + self._terminated} tokens were accepted")
+        if llg_n > 0 and not self._m.rollback(llg_n):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self._m.get_error()}")
+        if n > 0:
+            del self._history[-n:]
         self._terminated = False
 
     def is_terminated(self) -> bool:
@@ -90,6 +109,7 @@ class LLGuidanceMatcher:
 
     def reset(self) -> None:
         self._m.reset()
+        self._history.clear()
         self._terminated = False
 
 
@@ -145,4 +165,4 @@ class LLGuidanceBackend:
     def matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
         if not isinstance(compiled, LLGuidanceGrammar):
             raise TypeError(f"compiled: expected an LLGuidanceGrammar from compile(), got {type(compiled).__name__}")
-        return LLGuidanceMatcher(compiled.template.deep_copy(), self._vocab.bitmask_words, self._vocab.eos_token_id)
+        return LLGuidanceMatcher(compiled.template, self._vocab.bitmask_words, self._vocab.eos_token_id)

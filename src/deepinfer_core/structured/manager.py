@@ -78,6 +78,10 @@ class StructuredOutputManager:
         self._requests: dict[Hashable, _Request] = {}
         self._errors: dict[Hashable, str] = {}
         self._buf = torch.empty((0, self._words), dtype=torch.int32)
+        # Bits past vocab_size in the last word are padding; backends disagree on them (xgrammar sets
+        # them), so the manager clears them and a mask means the same whichever backend filled it.
+        tail = self._vocab_size % 32
+        self._tail_keep = None if tail == 0 else int(np.int32(np.uint32((1 << tail) - 1)))
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -196,6 +200,8 @@ class StructuredOutputManager:
         matchers = [self._active_matcher(rid) for rid, _ in batch]  # fail before touching any state
         for i, (m, (_, drafts)) in enumerate(zip(matchers, batch)):
             num_drafts[i] = _fill_request(m, bm, int(offsets[i]), drafts)
+        if self._tail_keep is not None and rows:
+            bm[:, -1] &= self._tail_keep
         # One vectorised pass finds rows that allow nothing: row 0 is a dead end of the request, a
         # later row is a state the draft reached but no token can continue, so the draft is cut before it.
         live = bm.ne(0).any(dim=1).numpy()

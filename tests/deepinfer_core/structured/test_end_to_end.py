@@ -64,15 +64,15 @@ def _is_arith(text: str) -> bool:
 def _text(tok, ids: list[int], backend: str = "llguidance") -> str:
     assert ids and ids[-1] == tok.eos_token_id, "a finished request ends with EOS"
     data = b"".join(tok.token_bytes()[i] for i in ids[:-1])
-    # Strict UTF-8: the grammar admits only whole characters. Known difference: xgrammar's JSON strings
-    # admit UTF-8-encoded surrogates (U+D800..DFFF), which strict UTF-8 forbids.
+    # Strict UTF-8: the grammar admits only whole characters. Known difference: xgrammar's maxLength JSON
+    # strings admit UTF-8-encoded surrogates (U+D800..DFFF), which strict UTF-8 forbids.
     return data.decode("utf-8", errors="surrogatepass" if backend == "xgrammar" else "strict")
 
 
 def _check(kind: str, text: str, backend: str) -> bool:
     if kind == "json_schema":
         # Known difference (docs/structured.md): xgrammar admits raw control characters inside JSON
-        # strings, which strict JSON forbids; test_known_differences pins it. Everything else is strict.
+        # strings bounded by maxLength, which strict JSON forbids; test_masks pins it. Everything else is strict.
         jsonschema.validate(json.loads(text, strict=backend != "xgrammar"), SCHEMA)
         return True
     if kind == "ebnf":
