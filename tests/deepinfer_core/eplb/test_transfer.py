@@ -60,6 +60,30 @@ def _migrate_and_check(world: int, seed: int, batch_size: int, group: dist.Proce
     assert counts[0] == counts[1] == moves.num_remote, (counts, moves.num_remote)
 
 
+def _corruption_is_caught(world: int, seed: int) -> None:
+    """A byte flipped in flight (simulated: the receiver's fingerprint is off by one) fails verification."""
+    from deepinfer_core.eplb import transfer
+
+    rank = dist.get_rank()
+    _, _, moves = _plans(world, seed)
+    per = moves.slots_per_gpu
+    weights = [torch.zeros(LAYERS, per, *SHAPE)]
+    honest = transfer.fingerprint
+    dst_slots = {(int(a), int(b)) for a, b, g in zip(moves.layer, moves.dst_slot % per, moves.dst_gpu) if g == rank}
+
+    def tampered(ts: list[torch.Tensor]) -> int:
+        # Called for the received slots after the transfer: pretend one arrived damaged.
+        return honest(ts) + (1 if ts[0].data_ptr() in received_ptrs else 0)
+
+    received_ptrs = {weights[0][a, b].data_ptr() for a, b in dst_slots}
+    transfer.fingerprint = tampered
+    try:
+        with pytest.raises(RuntimeError, match="corrupted"):
+            execute_moves(moves, weights, batch_size=7)
+    finally:
+        transfer.fingerprint = honest
+
+
 def _worker(rank: int, world: int, port: int, seed: int, batch_size: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -68,6 +92,7 @@ def _worker(rank: int, world: int, port: int, seed: int, batch_size: int) -> Non
             # Two independent 2-GPU domains at once, in subgroups: group ranks differ from global ranks.
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             _migrate_and_check(2, seed + 1 + rank // 2, batch_size, pairs[rank // 2])
+            _corruption_is_caught(world, seed)
         dist.barrier()
     finally:
         dist.destroy_process_group()
