@@ -190,3 +190,14 @@ def test_cpp_step_time_matches_python_profile_and_oracle() -> None:
     cpp = _C.spec.step_time(prof.knots_x, prof.knots_y, n)
     np.testing.assert_allclose(cpp, prof(n), rtol=1e-14)
     np.testing.assert_allclose(cpp, curve_ms(prof.knots_x, prof.knots_y, n), rtol=1e-14)
+
+
+def test_order_exact_for_values_equal_in_their_high_bits() -> None:
+    # Values that differ only in the low mantissa bits share the radix sort's 32-bit key; the C++ must
+    # still order them exactly (then by index), like the float64 oracle.
+    rng = np.random.default_rng()
+    a = (0.5 + rng.integers(0, 7, size=(300, 1)) * 2.0**-45).astype(np.float64)
+    a = np.concatenate([a, rng.choice([0.5, 1.0], size=(300, 1))], axis=1)
+    for total in (0, 1, 57, 300, 451, 600):
+        got = MTPVarlen(max_drafts=2).plan_total(a, total).lengths
+        assert got.tolist() == top_total_lengths(a, np.full(300, 2), total).tolist()
