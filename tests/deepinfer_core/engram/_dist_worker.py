@@ -33,6 +33,8 @@ def run(rank: int, world: int, init_file: str) -> None:
                     torch.full((6,), num_rows - 1),  # one id repeated
                     # some ranks ask for nothing at all
                     torch.empty(0, dtype=torch.int64) if rank % 2 else torch.randint(0, num_rows, (5,), generator=g),
+                    torch.empty(0, 3, dtype=torch.int64),  # nobody asks for anything
+                    torch.randint(0, num_rows, (4, 2), generator=g).to(torch.int32),  # int32 ids
                 ]
                 for ids in cases:
                     got = table.fetch(ids)
