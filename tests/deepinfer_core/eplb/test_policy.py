@@ -8,9 +8,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from .reference_greedy import gpu_balance, reference_rebalance
 
 from deepinfer_core.eplb import rebalance_experts
+
+from .reference_greedy import gpu_balance, reference_rebalance
 
 
 @st.composite
