@@ -7,6 +7,8 @@ with its cumulative rate (the chance that it and every draft before it are accep
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import numpy as np
 
@@ -14,6 +16,8 @@ from deepinfer_core import _C
 from deepinfer_core.spec.profile import StepTimeProfile
 
 __all__ = ["FixedLength", "MTPVarlen", "NoSpec", "VerifyPlan", "make_policy"]
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen(eq=False)
@@ -46,7 +50,9 @@ class VerifyPlan:
         return self.total_drafts / self.num_requests if self.num_requests else 0.0
 
 
-def _inputs(acceptance: object, num_drafts: object | None, max_drafts: int) -> tuple[np.ndarray, np.ndarray | None]:
+def _inputs(
+    acceptance: object, num_drafts: object | None, max_drafts: int
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Validated float64 acceptance and int32 drafts per request capped at max_drafts (None: all D)."""
     a = np.asarray(acceptance)
     if a.ndim != 2:
@@ -73,6 +79,32 @@ def _inputs(acceptance: object, num_drafts: object | None, max_drafts: int) -> t
     return a, np.ascontiguousarray(np.minimum(n, max_drafts), dtype=np.int32)
 
 
+INVALID_MODES = ("raise", "no_drafts")
+
+
+def _check_invalid(mode: str) -> str:
+    if mode not in INVALID_MODES:
+        raise ValueError(f"invalid={mode!r}: must be one of {INVALID_MODES}")
+    return mode
+
+
+def _drop_invalid(a: np.ndarray, n: np.ndarray | None, max_drafts: int) -> np.ndarray:
+    """Drafts per request with every request whose used confidences are not probabilities set to 0:
+    that request is decoded without speculation this step, the rest of the batch is planned as usual."""
+    R, D = a.shape
+    n_arr = np.full(R, min(D, max_drafts), dtype=np.int32) if n is None else n.copy()
+    used = np.arange(D)[None, :] < n_arr[:, None]
+    bad = np.flatnonzero((used & ~((a >= 0.0) & (a <= 1.0))).any(axis=1))  # NaN fails both comparisons
+    if bad.size:
+        log.warning(
+            "acceptance: %d request(s) with confidences outside [0, 1] (first: row %d) verify no drafts",
+            bad.size,
+            int(bad[0]),
+        )
+        n_arr[bad] = 0
+    return n_arr
+
+
 def _check_max_drafts(max_drafts: int) -> int:
     if not isinstance(max_drafts, int | np.integer) or max_drafts < 0:
         raise ValueError(f"max_drafts={max_drafts!r}: must be an integer >= 0")
@@ -90,14 +122,23 @@ class MTPVarlen:
 
     Exact: sorting drafts by cumulative rate and scanning every size gives the optimum over all
     prefix-closed selections (see docs/spec.md for the argument and tests for the brute-force check).
+    ``invalid="raise"`` (default) rejects confidences outside [0, 1] or NaN, naming the entry;
+    ``invalid="no_drafts"`` gives only the offending requests zero drafts (logged) and plans the rest.
     """
 
     profile: StepTimeProfile = attrs.field(factory=StepTimeProfile.published)
     max_drafts: int = attrs.field(default=5, converter=_check_max_drafts)
+    invalid: str = attrs.field(default="raise", converter=_check_invalid)
+
+    def _prepare(
+        self, acceptance: np.ndarray, num_drafts: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        a, n = _inputs(acceptance, num_drafts, self.max_drafts)
+        return (a, _drop_invalid(a, n, self.max_drafts)) if self.invalid == "no_drafts" else (a, n)
 
     def plan(self, acceptance: np.ndarray, num_drafts: np.ndarray | None = None) -> VerifyPlan:
         """Per-request verify lengths maximising expected tokens / predicted step time."""
-        a, n = _inputs(acceptance, num_drafts, self.max_drafts)
+        a, n = self._prepare(acceptance, num_drafts)
         return _plan(_C.spec.plan(a, n, self.profile.knots_x, self.profile.knots_y))
 
     def plan_total(
@@ -107,7 +148,7 @@ class MTPVarlen:
 
         This is what asynchronous mode runs on the device (``redistribute``) with fresher confidences.
         """
-        a, n = _inputs(acceptance, num_drafts, self.max_drafts)
+        a, n = self._prepare(acceptance, num_drafts)
         if not isinstance(total, int | np.integer) or total < 0:
             raise ValueError(f"total={total!r}: must be an integer >= 0")
         return _plan(_C.spec.plan(a, n, self.profile.knots_x, self.profile.knots_y, int(total)))
@@ -115,14 +156,20 @@ class MTPVarlen:
 
 @attrs.frozen
 class FixedLength:
-    """Verify every draft, up to ``max_drafts`` per request (DeepInfer with MTP varlen off)."""
+    """Verify every draft, up to ``max_drafts`` per request (DeepInfer with MTP varlen off).
+
+    ``invalid`` as for :class:`MTPVarlen` (the confidences only feed the expected-token accounting).
+    """
 
     profile: StepTimeProfile = attrs.field(factory=StepTimeProfile.published)
     max_drafts: int = attrs.field(default=5, converter=_check_max_drafts)
+    invalid: str = attrs.field(default="raise", converter=_check_invalid)
 
     def plan(self, acceptance: np.ndarray, num_drafts: np.ndarray | None = None) -> VerifyPlan:
         """Every request verifies min(num_drafts, max_drafts) drafts."""
         a, n = _inputs(acceptance, num_drafts, self.max_drafts)
+        if self.invalid == "no_drafts":
+            n = _drop_invalid(a, n, self.max_drafts)
         n = np.full(a.shape[0], a.shape[1], dtype=np.int32) if n is None else n
         return _plan((n, *_C.spec.evaluate(a, n, self.profile.knots_x, self.profile.knots_y)))
 

@@ -201,3 +201,22 @@ def test_order_exact_for_values_equal_in_their_high_bits() -> None:
     for total in (0, 1, 57, 300, 451, 600):
         got = MTPVarlen(max_drafts=2).plan_total(a, total).lengths
         assert got.tolist() == top_total_lengths(a, np.full(300, 2), total).tolist()
+
+
+@pytest.mark.parametrize("cls", [MTPVarlen, FixedLength])
+def test_one_bad_request_fails_alone_when_asked(cls: type) -> None:
+    rng = np.random.default_rng()
+    a = rng.beta(3.0, 1.0, size=(96, 5))
+    a[7, 2] = np.nan
+    a[40, 0] = 1.25
+    with pytest.raises(ValueError, match=r"acceptance\[7, 2\]"):
+        cls().plan(a)
+    plan = cls(invalid="no_drafts").plan(a)
+    assert plan.lengths[7] == 0 and plan.lengths[40] == 0
+    # The others are planned exactly as if those two requests had offered no drafts.
+    n = np.full(96, 5)
+    n[[7, 40]] = 0
+    clean = np.where(np.isfinite(a) & (a <= 1), a, 0.0)
+    assert plan.lengths.tolist() == cls().plan(clean, n).lengths.tolist()
+    with pytest.raises(ValueError, match="invalid='skip'"):
+        cls(invalid="skip")
