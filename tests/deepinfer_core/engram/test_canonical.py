@@ -74,3 +74,19 @@ def test_identity_and_call() -> None:
         m(torch.tensor([10]))
     with pytest.raises(ValueError, match="lookup"):
         CanonicalTokenMap([0, -1])
+
+
+def test_from_hf_byte_level_vocabulary() -> None:
+    """A byte-level BPE-style vocabulary ('Ġ' = space, 'Ċ' = newline) through the HF tokenizer wrapper."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from deepinfer_core.tokenizer import HFTokenizer
+
+    vocab = {"hello": 0, "Hello": 1, "Ġhello": 2, "ĠHELLO": 3, "world": 4, "Ċ": 5, "Ġ": 6, "ĠĠ": 7, "[UNK]": 8}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(["<eos>"])
+    hf = HFTokenizer(tok, eos_token="<eos>")
+    m = CanonicalTokenMap.from_tokenizer(hf)
+    lk = m.lookup
+    assert lk[0] == lk[1] == lk[2] == lk[3]  # case and leading-space variants of one word
+    assert lk[5] == lk[6] == lk[7]  # newline, space, two spaces: one whitespace id
+    assert len({int(lk[0]), int(lk[4]), int(lk[5]), int(lk[hf.eos_token_id])}) == 4
