@@ -112,6 +112,17 @@ def test_memory_plan_v41_seed_numbers() -> None:
     assert plan.rows_per_rank == tuple(-(-r // 64) for r in per_layer)
 
 
+def test_memory_plan_with_replicated_scales() -> None:
+    rows = (1000, 2001)
+    p = plan_memory(rows, 256, "fp8", 8, scales_replicated=True)
+    # values sharded, every row's 8 scale bytes on every rank
+    assert p.bytes_per_rank == (125 + 251) * 256 + 3001 * 8
+    assert p.total_bytes == 3001 * 264
+    assert plan_memory(rows, 256, "bf16", 8, scales_replicated=True).bytes_per_rank == (125 + 251) * 512
+    v41 = plan_for_config(EngramConfig.v41_flash(), "fp8", 64, scales_replicated=True)
+    assert 9.2e9 < v41.bytes_per_rank < 9.4e9  # 3.1 GB of values + 6.1 GB of replicated scales
+
+
 def test_memory_plan_uneven_and_bad() -> None:
     p = plan_memory(10, 32, "bf16", 4)
     assert p.rows_per_rank == (3,) and p.bytes_per_rank == 3 * 64 and p.total_bytes == 10 * 64
