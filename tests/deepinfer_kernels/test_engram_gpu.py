@@ -166,3 +166,23 @@ def test_throughput() -> None:
             _emit("fetch_host_pinned", p, n / _cuda_time(partial(host.fetch, ids_cpu), 5), "rows/s")
         table = host = None  # free the GPU copy before the next format
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_sharded_table_over_nccl_group_of_one(fmt: str, tmp_path) -> None:
+    """The sharded fetch's device path (unique, bincount, NCCL all-to-all of ids and packed bytes)."""
+    import torch.distributed as dist
+
+    from deepinfer_core.engram import ShardedEngramTable
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        values = random_values(10_000, 256, seed=2)
+        table = ShardedEngramTable.from_full(values, fmt, device="cuda")
+        local = LocalEngramTable.from_values(values, fmt, device="cuda")
+        ids = torch.randint(0, 10_000, (512, 24), device="cuda")
+        assert torch.equal(table.fetch(ids), local.fetch(ids))
+    finally:
+        dist.destroy_process_group()
