@@ -3,6 +3,7 @@
 (a) Times ``_C.spec.plan`` (and the Python policy around it) for 64-1,024 requests x 5 drafts, beside a
     numpy implementation of the same greedy measured in the same run (the ratio is the robust figure on
     a shared CPU). Also the torch reference of the device-side ``redistribute`` on CPU, for scale.
+(c) On a CUDA machine: the torch references of verify / redistribute on the GPU (real vocabulary).
 (b) Simulates decode steps with the published step-time curve and the acceptance model documented in
     ``deepinfer_core.spec.simulate`` (mean per-position acceptance 0.75, Beta-distributed across requests
     and positions, calibrated confidences), at 8-256 requests per rank: drafts verified per request and
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -94,11 +96,63 @@ def bench_greedy(quick: bool, rng: np.random.Generator) -> list[tuple[int, float
         emit(BENCH, params, "numpy_over_cpp", npy / cpp, "ratio")
         at = torch.from_numpy(a)
         total = pol.plan(a).total_drafts
-        (red,) = interleaved([lambda at=at, total=total: redistribute(total, at)], repeat, max(number // 10, 2))
+        (red,) = interleaved(
+            [lambda at=at, total=total: redistribute(total, at)], repeat, max(number // 10, 2)
+        )
         emit(BENCH, params, "redistribute_torch_cpu_cpu_us", red * 1e6, "us")
         emit(BENCH, params, "redistribute_cpu_over_cpp", red / cpp, "ratio")
         out.append((R, cpp * 1e6 / R))
     return out
+
+
+def device_cases(dev: object, R: int, D: int, V: int, g: object) -> dict[str, Callable[[], object]]:
+    """The verify / redistribute calls timed by bench_device, on random inputs on ``dev``."""
+    import torch
+
+    from deepinfer_core.spec import redistribute, verify
+
+    target = torch.softmax(torch.randn(R, D + 1, V, device=dev, generator=g), -1)
+    draft = torch.softmax(torch.randn(R, D, V, device=dev, generator=g), -1)
+    tokens = torch.multinomial(draft.view(-1, V), 1, generator=g).view(R, D)
+    lengths = torch.randint(0, D + 1, (R,), device=dev, generator=g)
+    conf = torch.rand(R, D, device=dev, generator=g)
+    total = torch.tensor(3 * R, device=dev)
+    return {
+        "verify_sampling": functools.partial(verify, tokens, draft, target, lengths, g),
+        "verify_greedy": functools.partial(verify, tokens, None, target, lengths, g, greedy=True),
+        "redistribute": functools.partial(redistribute, total, conf),
+    }
+
+
+def bench_device(quick: bool) -> None:
+    """(c) On a CUDA machine only: the torch references of verify and redistribute on the GPU, at the
+    real vocabulary (129,280) and five drafts. CUDA-event timing, so absolute times are meaningful."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log("no CUDA device: skipping the device timings of spec_verify / mtp_redistribute")
+        return
+    dev, V, D = torch.device("cuda"), 129_280, 5
+    g = torch.Generator(device=dev).manual_seed(0)
+    for R in (64, 256) if quick else (64, 128, 256, 512):
+        cases = device_cases(dev, R, D, V, g)
+        for name, fn in cases.items():
+            for _ in range(3):
+                fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 20
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            emit(
+                BENCH,
+                {"requests": R, "drafts": D, "vocab": V, "device": torch.cuda.get_device_name()},
+                f"{name}_reference_cuda_us",
+                1000.0 * start.elapsed_time(end) / n,
+                "us",
+            )
 
 
 def bench_load(quick: bool, rng: np.random.Generator) -> dict[str, list[tuple[int, float, float]]]:
@@ -188,6 +242,7 @@ def main() -> None:
     args = parser(__doc__ or BENCH).parse_args()
     rng = np.random.default_rng()
     greedy = bench_greedy(args.quick, rng)
+    bench_device(args.quick)
     series = bench_load(args.quick, rng)
     if args.plot:
         plot(greedy, series)
