@@ -1,4 +1,4 @@
-"""apply_token_bitmask: the torch reference against a per-token brute force, and cuda against the reference."""
+"""apply_token_bitmask: the torch reference against a per-token brute force; the cuda op against it."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def test_bad_arguments() -> None:
 
 @pytest.mark.gpu
 def test_cuda_matches_reference() -> None:
+    """The "cuda" op (the reference on the GPU until the TileLang kernel lands) equals the CPU reference."""
     rng = np.random.default_rng(7)
     logits = torch.randn(64, 129_280)
     bm = _random_bitmask(rng, 64, (129_280 + 31) // 32, 0.3)

@@ -81,7 +81,8 @@ class StructuredOutputManager:
         # Bits past vocab_size in the last word are padding; backends disagree on them (xgrammar sets
         # them), so the manager clears them and a mask means the same whichever backend filled it.
         tail = self._vocab_size % 32
-        self._tail_keep = None if tail == 0 else int(np.int32(np.uint32((1 << tail) - 1)))
+        self._tail_keep = None if tail == 0 else np.int32(np.uint32((1 << tail) - 1))
+        self._view_cache: dict[int, tuple[torch.Tensor, np.ndarray, np.ndarray | None]] = {}
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -181,47 +182,64 @@ class StructuredOutputManager:
         internal buffer grows as needed (the returned tensor is a view of it, valid until the next call).
         Requests whose row 0 allows nothing are finished with ``DEAD_END`` and flagged in ``dead_end``.
         """
+        # Per-call fixed costs matter at small batches (a byte-vocabulary mask costs ~2 us), so the
+        # bookkeeping stays in plain Python lists and the buffer views are cached between calls.
         n = len(batch)
-        offsets = np.zeros(n + 1, dtype=np.int64)
+        offsets = [0] * (n + 1)
+        total = 0
         for i, (_, drafts) in enumerate(batch):
-            offsets[i + 1] = offsets[i] + 1 + len(drafts)
-        rows = int(offsets[-1])
+            total += 1 + len(drafts)
+            offsets[i + 1] = total
+        bm, a, tail = self._views(total, out)
+        matchers = [self._active_matcher(rid) for rid, _ in batch]  # fail before touching any state
+        k = [_fill_request(m, bm, off, d) for m, off, (_, d) in zip(matchers, offsets, batch)]
+        if tail is not None:
+            np.bitwise_and(tail, self._tail_keep, out=tail)
+        offs, num_drafts, dead_end = np.array(offsets, dtype=np.int64), np.array(k, dtype=np.int64), np.zeros(n, dtype=bool)
+        # One vectorised pass finds rows that allow nothing: row 0 is a dead end of the request, a
+        # later row is a state a draft reached but no token can continue, so the draft is cut before
+        # it. (Rows past a request's surviving drafts copy its last valid row, so a dead row always
+        # lies within the valid ones.)
+        live = a.any(axis=1)
+        if not live.all():
+            dead_rows = np.flatnonzero(~live)
+            for i in np.unique(np.searchsorted(offs, dead_rows, side="right") - 1):
+                self._cut_dead(batch[i][0], a, int(offs[i]), int(offs[i + 1]), num_drafts, dead_end, i)
+        return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+
+    def _views(self, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+        """(tensor rows, the same memory as numpy, its last column when it has padding bits)."""
         if out is None:
             if self._buf.shape[0] < rows:
                 self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
-            bm = self._buf[:rows]
-        else:
-            if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or not out.is_contiguous():
-                raise ValueError(f"out: must be a contiguous 2-D int32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
-            if out.shape[1] != self._words or out.shape[0] < rows:
-                raise ValueError(f"out: shape {tuple(out.shape)}; needs at least [{rows}, {self._words}]")
-            bm = out[:rows]
-        num_drafts = np.zeros(n, dtype=np.int64)
-        matchers = [self._active_matcher(rid) for rid, _ in batch]  # fail before touching any state
-        for i, (m, (_, drafts)) in enumerate(zip(matchers, batch)):
-            num_drafts[i] = _fill_request(m, bm, int(offsets[i]), drafts)
-        if self._tail_keep is not None and rows:
-            bm[:, -1] &= self._tail_keep
-        # One vectorised pass finds rows that allow nothing: row 0 is a dead end of the request, a
-        # later row is a state the draft reached but no token can continue, so the draft is cut before it.
-        live = bm.ne(0).any(dim=1).numpy()
-        dead_end = np.zeros(n, dtype=bool)
-        for i in np.flatnonzero(~live[offsets[:-1]] | (num_drafts > 0)):
-            base, k = int(offsets[i]), int(num_drafts[i])
-            if not live[base]:
-                dead_end[i] = True
-                num_drafts[i] = 0
-                req = self._requests[batch[i][0]]
-                req.finish = FinishReason.DEAD_END
-                log.info("request %r: grammar dead end (no token can continue)", batch[i][0])
-                continue
-            seg = live[base : base + k + 1]
-            if not seg.all():
-                cut = int(np.argmin(seg)) - 1  # drafts up to the one before the dead state survive
-                num_drafts[i] = cut
-                end = int(offsets[i + 1])
-                bm[base + cut + 1 : end] = bm[base + cut]
-        return BatchMask(bitmask=bm, offsets=offsets, num_drafts=num_drafts, dead_end=dead_end)
+                self._view_cache.clear()
+            hit = self._view_cache.get(rows)
+            if hit is None:
+                bm = self._buf[:rows]
+                a = bm.numpy()
+                hit = self._view_cache[rows] = (bm, a, a[:, -1] if self._tail_keep is not None else None)
+            return hit
+        if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or not out.is_contiguous():
+            raise ValueError(f"out: must be a contiguous 2-D int32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
+        if out.shape[1] != self._words or out.shape[0] < rows:
+            raise ValueError(f"out: shape {tuple(out.shape)}; needs at least [{rows}, {self._words}]")
+        bm = out[:rows]
+        a = bm.numpy()
+        return bm, a, a[:, -1] if self._tail_keep is not None else None
+
+    def _cut_dead(
+        self, rid: Hashable, a: np.ndarray, base: int, end: int, num_drafts: np.ndarray, dead_end: np.ndarray, i: int
+    ) -> None:
+        live = a[base:end].any(axis=1)
+        if not live[0]:
+            dead_end[i] = True
+            num_drafts[i] = 0
+            self._requests[rid].finish = FinishReason.DEAD_END
+            log.info("request %r: grammar dead end (no token can continue)", rid)
+            return
+        cut = int(np.argmin(live)) - 1  # drafts up to the one before the dead state survive
+        num_drafts[i] = cut
+        a[base + cut + 1 : end] = a[base + cut]
 
     def advance(self, request_id: Hashable, tokens: Sequence[int]) -> int:
         """Commit the tokens verification accepted; returns how many the grammar took.
