@@ -109,7 +109,9 @@ def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.nd
     ``half_gap`` and ``bias`` (= lg / 2, to rank swaps with different partners) are per item of ``wg``.
     Returns (flat argmin over [ca, cb], its score |d - gap/2|, the half gap of the chosen partner).
     """
-    score = np.abs(wh[..., :, None] - wg[..., None, :] - half_gap[..., None, :])
+    score = np.subtract(wh[..., :, None], wg[..., None, :])  # in place below: one [.., ca, cb] buffer
+    score -= half_gap[..., None, :]
+    np.abs(score, out=score)
     ranked = score + bias[..., None, :] if bias is not None else score
     flat = ranked.reshape(*ranked.shape[:-2], -1)
     best = flat.argmin(axis=-1)
