@@ -22,7 +22,7 @@ PUBLISHED_DECODE_CURVE: tuple[tuple[float, float], ...] = (
 
 
 def _as_knots(name: str, v: object) -> np.ndarray:
-    a = np.ascontiguousarray(np.asarray(v, dtype=np.float64))
+    a = np.array(v, dtype=np.float64, copy=True)  # a private copy: it is made read-only below
     if a.ndim != 1 or a.size == 0:
         raise ValueError(f"{name}: must be a non-empty 1-D sequence, got shape {a.shape}")
     if not np.all(np.isfinite(a)):

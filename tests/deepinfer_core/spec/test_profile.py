@@ -92,3 +92,10 @@ def test_fit_rejects_bad_samples() -> None:
         StepTimeProfile.fit([1, 2], [1.0, -1.0])
     with pytest.raises(ValueError, match="at least one"):
         StepTimeProfile.fit([], [])
+
+
+def test_profile_copies_its_knots() -> None:
+    xs, ys = np.array([1.0, 2.0]), np.array([1.0, 3.0])
+    prof = StepTimeProfile(xs, ys)
+    ys[1] = 0.5  # the caller's arrays stay writable and changing them does not change the profile
+    assert prof.step_ms(2.0) == 3.0 and not prof.knots_y.flags.writeable
