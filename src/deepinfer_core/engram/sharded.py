@@ -105,7 +105,7 @@ class ShardedEngramTable:
         return self.data.device
 
     def _pack(self, local_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.data.index_select(0, local_ids).view(torch.uint8).reshape(local_ids.numel(), self._value_bytes)
+        rows = self.data.view(torch.uint8).index_select(0, local_ids)  # [n, value_bytes]: any dtype as bytes
         if self.scales is None:
             return rows
         return torch.cat([rows, self.scales.index_select(0, local_ids)], dim=1)

@@ -185,13 +185,14 @@ class HostEngramTable:
         flat = check_row_ids(row_ids, self.num_rows).cpu()
         # Gather straight into a pinned staging buffer (torch's host caching allocator recycles it), so the
         # copy to the device is one asynchronous DMA of the still-quantised rows.
-        rows = torch.empty((flat.numel(), self.row_dim), dtype=self.data.dtype, pin_memory=self.pinned)
-        torch.index_select(self.data, 0, flat, out=rows)
+        raw = self.data.view(torch.uint8)  # gather bytes: uint8 index kernels exist for every dtype's rows
+        rows = torch.empty((flat.numel(), raw.shape[1]), dtype=torch.uint8, pin_memory=self.pinned)
+        torch.index_select(raw, 0, flat, out=rows)
         sc = None
         if self.scales is not None:
             sc = torch.empty((flat.numel(), self.scales.shape[1]), dtype=torch.uint8, pin_memory=self.pinned)
             torch.index_select(self.scales, 0, flat, out=sc)
-        rows = rows.to(self.device, non_blocking=True)
+        rows = rows.to(self.device, non_blocking=True).view(self.data.dtype)
         if sc is not None:
             out = dequantize_fp8(rows, sc.to(self.device, non_blocking=True), self.out_dtype)
         else:

@@ -105,7 +105,10 @@ def engram_gather(
             raise ValueError("scales: required for an fp8 table")
         if scales.dim() != 2 or scales.shape[0] != rows:
             raise ValueError(f"scales: shape {tuple(scales.shape)}, expected [{rows}, blocks]")
-        out = dequantize_fp8(table.index_select(0, flat), scales.index_select(0, flat.to(scales.device)), out_dtype)
+        # Gather the fp8 bytes through a uint8 view: index kernels cover uint8 on every device and torch
+        # version, fp8 dtypes not everywhere.
+        vals = table.view(torch.uint8).index_select(0, flat).view(table.dtype)
+        out = dequantize_fp8(vals, scales.index_select(0, flat.to(scales.device)), out_dtype)
     else:
         if scales is not None:
             raise ValueError(f"scales: only fp8 tables take scales, table is {table.dtype}")
