@@ -60,24 +60,28 @@ void StepScheduler::add_request(int64_t seq_id, const int32_t* prompt, int64_t n
     bad("max_tokens=" + s(max_tokens) + ": prompt + output need " + s(need) + " KV blocks but the pool has only " +
         s(pool_.num_blocks() - 1));
 
-  auto r = std::make_unique<Req>();
-  r->seq_id = seq_id;
-  r->arrival = next_arrival_++;
-  r->tokens.assign(prompt, prompt + n);
-  r->prompt_len = n;
-  r->max_tokens = max_tokens;
-  r->min_tokens = min_tokens;
-  r->ignore_eos = ignore_eos;
-  r->stop_ids = stop_ids;
   int32_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
     free_slots_.pop_back();
-    slots_[slot] = std::move(r);
   } else {
     slot = static_cast<int32_t>(slots_.size());
-    slots_.push_back(std::move(r));
+    slots_.emplace_back();
   }
+  Req& r = slots_[slot];
+  r = Req{};
+  r.used = true;
+  r.seq_id = seq_id;
+  r.arrival = next_arrival_++;
+  r.tokens.reserve(static_cast<size_t>(n + std::min<int64_t>(max_tokens, 64)));
+  r.tokens.assign(prompt, prompt + n);
+  r.known = n;
+  r.last_token = prompt[n - 1];
+  r.prompt_len = n;
+  r.max_tokens = max_tokens;
+  r.min_tokens = min_tokens;
+  r.ignore_eos = ignore_eos;
+  r.stop_ids = stop_ids;
   slot_of_[seq_id] = slot;
   waiting_.push_back(slot);  // arrival is increasing, so waiting_ stays sorted by arrival
   ++live_;
@@ -98,6 +102,33 @@ bool StepScheduler::fits_with_watermark(int64_t num_tokens) const {
   const int64_t blocks = pool_.blocks_for_tokens(num_tokens);
   const int64_t keep = num_running() == 0 ? 0 : cfg_.watermark_blocks;  // a lone request may use all
   return blocks + keep <= pool_.num_free_blocks();
+}
+
+int64_t StepScheduler::round_up(int64_t num_tokens) const {
+  const int64_t bs = pool_.block_size();
+  return (num_tokens + bs - 1) / bs * bs;
+}
+
+bool StepScheduler::reserve(Req& r, int64_t num_tokens) {
+  if (num_tokens <= r.kv_slots) return true;
+  const int64_t extra = round_up(num_tokens) - r.kv_slots;
+  if (!pool_.append_slots(r.seq_id, extra)) return false;
+  r.kv_slots += extra;
+  r.blocks = pool_.block_table(r.seq_id);
+  return true;
+}
+
+void StepScheduler::allocate(Req& r, int64_t num_tokens) {
+  const int64_t want = round_up(num_tokens);
+  if (!pool_.allocate(r.seq_id, want)) throw std::logic_error("scheduler: allocate failed after a fit check");
+  r.kv_slots = want;
+  r.blocks = pool_.block_table(r.seq_id);
+}
+
+void StepScheduler::release(Req& r) {
+  if (r.kv_slots > 0 || pool_.contains(r.seq_id)) pool_.free(r.seq_id);
+  r.kv_slots = 0;
+  r.blocks.clear();
 }
 
 bool StepScheduler::admissible_prefill_head() const {
@@ -139,8 +170,12 @@ void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q,
   out.num_tokens.push_back(static_cast<int32_t>(q));
   out.start.push_back(static_cast<int32_t>(r.num_computed));
   out.sample.push_back(sample ? 1 : 0);
-  const int64_t known = static_cast<int64_t>(r.tokens.size());
-  for (int64_t p = r.num_computed; p < r.num_computed + q; ++p) out.token_ids.push_back(p < known ? r.tokens[p] : -1);
+  const int64_t known = r.known;
+  if (q == 1) {  // decode: the last known token, or the placeholder of the one still in flight
+    out.token_ids.push_back(r.num_computed == known - 1 ? r.last_token : r.num_computed < known ? r.tokens[r.num_computed] : -1);
+  } else {
+    for (int64_t p = r.num_computed; p < r.num_computed + q; ++p) out.token_ids.push_back(p < known ? r.tokens[p] : -1);
+  }
   r.num_computed += q;
   if (sample) ++r.pending;
   ++r.in_flight;
@@ -216,7 +251,7 @@ void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
     r.num_computed = 0;
     const int64_t q = chunk(r, target);
     if (q == 0) break;
-    if (!pool_.allocate(r.seq_id, target)) throw std::logic_error("scheduler: allocate failed after a fit check");
+    allocate(r, target);
     r.prefill_target = target;
     r.status = Status::PREFILLING;
     const bool last = q == target;
@@ -250,7 +285,7 @@ void StepScheduler::sort_decoding() {
 
 void StepScheduler::preempt(int32_t slot, PlanOut& out) {
   Req& r = at(slot);
-  if (pool_.contains(r.seq_id)) pool_.free(r.seq_id);
+  release(r);
   // Output tokens (and any still in flight) are kept: the request is recomputed from prompt + output.
   r.num_computed = 0;
   r.prefill_target = 0;
@@ -277,12 +312,12 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
       ++i;
       continue;
     }
-    const int64_t need = r.num_computed + 1 - pool_.num_tokens(r.seq_id);
-    bool ok = need <= 0 || pool_.append_slots(r.seq_id, need);
+    const int64_t need = r.num_computed + 1;
+    bool ok = reserve(r, need);
     while (!ok && l > i) {
       preempt(decoding_[l], out);
       --l;
-      ok = pool_.append_slots(r.seq_id, need);
+      ok = reserve(r, need);
     }
     if (!ok) {
       preempt(slot, out);
@@ -310,7 +345,7 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
     if (num_running() >= cfg_.max_num_seqs || rows >= cfg_.max_num_seqs || tokens_left == 0) break;
     const int64_t total = r.total();
     if (!fits_with_watermark(total)) break;
-    if (!pool_.allocate(r.seq_id, total)) throw std::logic_error("scheduler: allocate failed after a fit check");
+    allocate(r, total);
     r.num_computed = total - 1;
     r.status = Status::DECODING;
     out.kv_load_ids.push_back(r.seq_id);
@@ -338,6 +373,12 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
   PlanRec rec;
   out.step_id = rec.step_id = next_step_++;
   out.type = decide(all_prefill, any_prefill, any_decode);
+  const size_t est = std::min<size_t>(static_cast<size_t>(cfg_.max_num_seqs), decoding_.size() + prefilling_.size() + 64);
+  for (auto* v : {&out.num_tokens, &out.start, &rec.slots}) v->reserve(est);
+  for (auto* v : {&out.seq_ids, &rec.seq_ids}) v->reserve(est);
+  out.sample.reserve(est);
+  rec.sample.reserve(est);
+  if (out.type == StepType::DECODE) out.token_ids.reserve(est);
   if (out.type == StepType::PREFILL) {
     decode_since_prefill_ = 0;
     schedule_prefill(out, rec);
@@ -345,25 +386,29 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
     if (decode_since_prefill_ < std::numeric_limits<int32_t>::max()) ++decode_since_prefill_;
     schedule_decode(out, rec);
   }
-  const int64_t n = static_cast<int64_t>(out.seq_ids.size());
-  int64_t width = 0;
-  for (int64_t k = 0; k < n; ++k)
-    width = std::max<int64_t>(width, static_cast<int64_t>(pool_.block_table(out.seq_ids[k]).size()));
-  out.width = width;
-  out.block_tables.assign(static_cast<size_t>(n * width), 0);
-  if (n > 0 && width > 0) pool_.fill_block_tables(out.seq_ids.data(), n, out.block_tables.data(), width);
+  // Block tables from the mirrors (identical to pool_.fill_block_tables on these ids, which the
+  // invariant check and the tests verify, without a hash lookup per row).
+  const size_t n = rec.slots.size();
+  size_t width = 0;
+  for (int32_t slot : rec.slots) width = std::max(width, at(slot).blocks.size());
+  out.width = static_cast<int64_t>(width);
+  out.block_tables.assign(n * width, 0);
+  for (size_t k = 0; k < n; ++k) {
+    const auto& b = at(rec.slots[k]).blocks;
+    std::copy(b.begin(), b.end(), out.block_tables.begin() + static_cast<std::ptrdiff_t>(k * width));
+  }
   plans_.push_back(std::move(rec));
   return out;
 }
 
 FinishReason StepScheduler::stop_reason(const Req& r, int32_t tok) const {
-  const int64_t n_out = static_cast<int64_t>(r.tokens.size()) - r.prompt_len;
+  const int64_t n_out = r.known - r.prompt_len;
   if (n_out >= r.min_tokens) {
     if (!r.ignore_eos && cfg_.eos_token_id >= 0 && tok == cfg_.eos_token_id) return FinishReason::STOP;
     for (int32_t t : r.stop_ids)
       if (t == tok) return FinishReason::STOP;
   }
-  if (n_out >= r.max_tokens || static_cast<int64_t>(r.tokens.size()) >= cfg_.max_model_len)
+  if (n_out >= r.max_tokens || r.known >= cfg_.max_model_len)
     return FinishReason::LENGTH;
   return FinishReason::NONE;
 }
@@ -375,9 +420,9 @@ void StepScheduler::end(int32_t slot, FinishReason reason) {
   e.reason = reason;
   e.num_preemptions = r.num_preemptions;
   e.output.assign(r.tokens.begin() + r.prompt_len, r.tokens.end());
-  if (pool_.contains(r.seq_id)) {
-    if (reason == FinishReason::HANDOFF) e.handoff_blocks = pool_.block_table(r.seq_id);
-    pool_.free(r.seq_id);  // exactly once: ENDED requests are never freed again
+  if (r.kv_slots > 0) {
+    if (reason == FinishReason::HANDOFF) e.handoff_blocks = r.blocks;
+    release(r);  // exactly once: ENDED requests hold nothing, so they are never freed again
   }
   if (r.status == Status::HANDOFF) --num_handoff_;
   r.status = Status::ENDED;
@@ -395,11 +440,10 @@ void StepScheduler::compact_lists() {
 }
 
 void StepScheduler::erase_if_done(int32_t slot) {
-  if (!slots_[slot]) return;
-  const Req& r = at(slot);
-  if (r.status != Status::ENDED || r.in_flight > 0) return;
+  Req& r = at(slot);
+  if (!r.used || r.status != Status::ENDED || r.in_flight > 0) return;
   slot_of_.erase(r.seq_id);
-  slots_[slot].reset();
+  r = Req{};  // drops its buffers
   free_slots_.push_back(slot);
 }
 
@@ -428,7 +472,7 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
       end(slot, FinishReason::FAILED);
       continue;
     }
-    r.tokens.push_back(tok);
+    r.push(tok);
     const FinishReason why = stop_reason(r, tok);
     if (why != FinishReason::NONE) end(slot, why);
     else if (r.status == Status::HANDOFF) end(slot, FinishReason::HANDOFF);
@@ -463,16 +507,21 @@ void StepScheduler::check_invariants() const {
   for (int32_t x : prefilling_) where[x] |= 2;
   for (int32_t x : decoding_) where[x] |= 4;
   for (size_t slot = 0; slot < slots_.size(); ++slot) {
-    if (!slots_[slot]) continue;
-    const Req& r = *slots_[slot];
+    const Req& r = slots_[slot];
+    if (!r.used) continue;
     const std::string id = "seq " + s(r.seq_id) + ": ";
     const int want = r.status == Status::WAITING ? 1 : r.status == Status::PREFILLING ? 2
                    : r.status == Status::DECODING ? 4 : 0;
     if (where[slot] != want) fail(id + "list membership does not match its status");
     const bool holds = r.status == Status::PREFILLING || r.status == Status::DECODING || r.status == Status::HANDOFF;
     if (holds != pool_.contains(r.seq_id)) fail(id + "holds blocks iff running");
-    if (holds && pool_.num_tokens(r.seq_id) < r.num_computed) fail(id + "fewer KV slots than computed tokens");
+    if (holds != (r.kv_slots > 0)) fail(id + "reservation does not match the pool");
+    if (holds && pool_.num_tokens(r.seq_id) != r.kv_slots) fail(id + "reserved slots differ from the pool's");
+    if (holds && pool_.block_table(r.seq_id) != r.blocks) fail(id + "block-table mirror differs from the pool's");
+    if (r.kv_slots % pool_.block_size() != 0) fail(id + "reservation is not whole blocks");
+    if (holds && r.kv_slots < r.num_computed) fail(id + "fewer KV slots than computed tokens");
     if (r.num_computed > r.total()) fail(id + "computed beyond its tokens");
+    if (r.known != static_cast<int64_t>(r.tokens.size()) || r.last_token != r.tokens.back()) fail(id + "token cache");
     if (r.status == Status::DECODING && r.num_computed != r.total() - 1) fail(id + "decoding but not one token behind");
     if (r.pending < 0 || r.pending > r.in_flight) fail(id + "pending tokens without an outstanding row");
     if (r.in_flight > static_cast<int32_t>(plans_.size())) fail(id + "in flight in more plans than outstanding");

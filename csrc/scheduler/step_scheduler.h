@@ -48,26 +48,41 @@ struct Config {
 };
 
 struct Req {
+  // Hot fields first: a decode step reads only this first cache line of most requests.
   int64_t seq_id = 0;
   int64_t arrival = 0;
-  std::vector<int32_t> tokens;  // prompt + known output
+  int64_t known = 0;  // tokens.size(), kept here so the hot path does not touch the token buffer
   int64_t prompt_len = 0;
   int64_t pending = 0;
   int64_t num_computed = 0;
-  int64_t prefill_target = 0;  // tokens to compute before the first sample of this admission
   int64_t max_tokens = 1;
+  // KV reserved in the pool, in whole blocks (a multiple of block_size). Reserving whole blocks means
+  // the pool is called once per block_size decode tokens instead of every step.
+  int64_t kv_slots = 0;
+  int64_t prefill_target = 0;  // tokens to compute before the first sample of this admission
   int64_t min_tokens = 0;
-  bool ignore_eos = false;
-  std::vector<int32_t> stop_ids;
-  Status status = Status::WAITING;
-  FinishReason reason = FinishReason::NONE;
-  int32_t in_flight = 0;     // outstanding plans holding a row of this request
   int64_t schedule_cnt = 0;  // rows scheduled (DeepInfer's schedule_cnt)
   int64_t process_cnt = 0;   // rows processed by update (DeepInfer's process_cnt)
+  int32_t last_token = -1;   // tokens.back()
+  int32_t in_flight = 0;     // outstanding plans holding a row of this request
   int32_t num_preemptions = 0;
+  Status status = Status::WAITING;
+  FinishReason reason = FinishReason::NONE;
+  bool ignore_eos = false;
+  bool used = false;  // the slot holds a request
+  std::vector<int32_t> tokens;  // prompt + known output
+  // Mirror of the pool's block table, refreshed whenever the reservation changes, so a step copies
+  // block tables without a hash lookup per row.
+  std::vector<int32_t> blocks;
+  std::vector<int32_t> stop_ids;
 
-  int64_t total() const { return static_cast<int64_t>(tokens.size()) + pending; }
+  int64_t total() const { return known + pending; }
   int64_t output_len() const { return total() - prompt_len; }
+  void push(int32_t tok) {
+    tokens.push_back(tok);
+    known = static_cast<int64_t>(tokens.size());
+    last_token = tok;
+  }
 };
 
 // What schedule() hands back (copied into numpy arrays by the binding).
@@ -136,10 +151,14 @@ class StepScheduler {
     std::vector<uint8_t> sample;
   };
 
-  Req& at(int32_t slot) { return *slots_[slot]; }
-  const Req& at(int32_t slot) const { return *slots_[slot]; }
+  Req& at(int32_t slot) { return slots_[slot]; }
+  const Req& at(int32_t slot) const { return slots_[slot]; }
   bool admissible_prefill_head() const;
   bool fits_with_watermark(int64_t num_tokens) const;
+  int64_t round_up(int64_t num_tokens) const;
+  bool reserve(Req& r, int64_t num_tokens);  // grow the reservation to >= num_tokens; false if no blocks
+  void allocate(Req& r, int64_t num_tokens);  // first reservation (after a fit check)
+  void release(Req& r);                       // give every block back to the pool
   void sort_decoding();
   void preempt(int32_t slot, PlanOut& out);
   void end(int32_t slot, FinishReason reason);
@@ -152,7 +171,7 @@ class StepScheduler {
 
   kv::BlockPool& pool_;
   Config cfg_;
-  std::vector<std::unique_ptr<Req>> slots_;
+  std::vector<Req> slots_;  // by value: one indirection less per request per step
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_of_;
   std::vector<int32_t> waiting_;     // by arrival

@@ -1,0 +1,142 @@
+"""Scheduler: CPU cost of one decode step, schedule() + update() (output processing), per step and request.
+
+Each configuration keeps N requests decoding (N = 256, 1,024, 4,096; prompts of 512 tokens, so block
+tables are ~9 blocks wide and growing) with a queue of 1,024 prompts waiting (max_num_seqs = N, so they
+stay queued and every admission check sees them). A step is ``plan = schedule()`` then
+``update(plan, sampled)`` with a preallocated token array, i.e. everything the CPU does per step except
+running the model. Measured three ways in interleaved rounds: the Python API (what an engine calls),
+the C++ core through its binding alone (the Python wrapper's share is the difference), and the
+asynchronous mode (schedule N+1 before update N). Times are CPU time of the calling thread (the core
+releases the GIL but runs on that thread), median over steps. Also: one prefill step packing waiting
+prompts under a time budget.
+
+    python benchmarks/scheduler.py [--quick] [--plot]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from _common import emit, log, out_path, parser
+from deepinfer_core.kv import PagedKVPool
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler import CostModel, Request, Scheduler, SchedulerConfig, StepType
+
+BENCH = "scheduler"
+PROMPT = 512
+WAITING = 1024
+BLOCK = 64
+TARGET_US = 200.0  # 2% of a 10 ms decode step
+
+
+def build(n: int, async_mode: bool) -> Scheduler:
+    pool = PagedKVPool(n * 24 + WAITING + 16, BLOCK)
+    cfg = SchedulerConfig(max_num_seqs=n, max_model_len=8192, async_mode=async_mode, eos_token_id=0)
+    s = Scheduler(pool, cfg)
+    sp = SamplingParams(max_tokens=4096, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for i in range(n + WAITING):
+        s.add_request(Request(f"r{i}", rng.integers(1, 1000, size=PROMPT), sp))
+    # Prefill the first n (32,768 tokens per step), leaving the rest waiting.
+    while s.num_running < n or s._impl.num_outstanding:
+        plan = s.schedule()
+        if plan.num_rows == 0 and not s._impl.num_outstanding:
+            break
+        s.update(plan, np.full(plan.num_rows, 7, dtype=np.int32))
+    assert s.num_running == n and s.num_waiting == WAITING, (s.num_running, s.num_waiting)
+    return s
+
+
+def cpu_us(fn: Callable[[], object]) -> float:
+    t0 = time.thread_time_ns()
+    fn()
+    return (time.thread_time_ns() - t0) / 1e3
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    sizes = [256, 1024] if args.quick else [256, 1024, 4096]
+    steps = 30 if args.quick else 300
+    results: dict[int, dict[str, float]] = {}
+    for n in tqdm(sizes, desc="decode batch sizes"):
+        sync = build(n, False)
+        asyn = build(n, True)
+        toks = np.full(n, 7, dtype=np.int32)
+        impl = sync._impl
+
+        def api_step(s: Scheduler = sync) -> None:
+            plan = s.schedule()
+            assert plan.step_type is StepType.DECODE and plan.num_rows == n
+            s.update(plan, toks)
+
+        def core_step(impl=impl) -> None:
+            t = impl.schedule(False, False, True)
+            impl.update(t[0], toks)
+
+        pending: list = [asyn.schedule()]
+
+        def async_step(s: Scheduler = asyn) -> None:
+            nxt = s.schedule()  # step N+1 planned before step N's tokens are applied
+            s.update(pending.pop(), toks)
+            pending.append(nxt)
+
+        samples: dict[str, list[float]] = {"api": [], "core": [], "async": []}
+        for _ in range(3):  # warm-up
+            api_step(), core_step(), async_step()
+        for _ in range(steps):
+            samples["api"].append(cpu_us(api_step))
+            samples["core"].append(cpu_us(core_step))
+            samples["async"].append(cpu_us(async_step))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        results[n] = med
+        params = {"running": n, "waiting": WAITING, "prompt": PROMPT, "block_size": BLOCK, "steps": steps}
+        for k, v in med.items():
+            emit(BENCH, {**params, "path": k}, "cpu_us_per_step", round(v, 2), "us")
+            emit(BENCH, {**params, "path": k}, "cpu_ns_per_request", round(1e3 * v / n, 1), "ns")
+        emit(BENCH, params, "wrapper_share", round(1 - med["core"] / med["api"], 3), "ratio")
+        emit(BENCH, params, "fraction_of_10ms_step", round(med["api"] / 10_000, 5), "ratio")
+        log(f"N={n}: api {med['api']:.1f} us/step, core {med['core']:.1f}, async {med['async']:.1f}")
+
+    # One prefill step: pack waiting 512-token prompts under a 20 ms budget (fitted-looking model).
+    cost = CostModel(base_ns=2e6, token_ns=400.0, quad_ns=2e-3, ctx_ns=4e-3)
+    pool = PagedKVPool(WAITING * 10, BLOCK)
+    s = Scheduler(pool, SchedulerConfig(max_num_seqs=WAITING, max_model_len=8192, time_budget_ns=2e7), cost_model=cost)
+    for i in range(WAITING):
+        s.add_request(Request(f"w{i}", np.arange(1, PROMPT + 1), SamplingParams(max_tokens=8)))
+    box: list = []
+    us = cpu_us(lambda: box.append(s.schedule()))
+    plan = box[0]
+    emit(BENCH, {"waiting": WAITING, "prompt": PROMPT, "budget_ns": 2e7}, "prefill_plan_cpu_us", round(us, 2), "us")
+    emit(BENCH, {"waiting": WAITING, "prompt": PROMPT, "budget_ns": 2e7}, "prefill_tokens", plan.total_tokens, "tokens")
+    emit(BENCH, {"waiting": WAITING, "prompt": PROMPT, "budget_ns": 2e7}, "prefill_predicted_ns", plan.predicted_ns, "ns")
+
+    if 1024 in results:
+        ok = results[1024]["api"] < TARGET_US
+        log(f"target (< {TARGET_US:.0f} us/step at 1,024): {'met' if ok else 'NOT met'} ({results[1024]['api']:.1f} us)")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = sorted(results)
+        for k in ("api", "core", "async"):
+            ax.plot(xs, [results[x][k] for x in xs], marker="o", label=k)
+        ax.axhline(TARGET_US, color="gray", ls="--", label="2% of 10 ms")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("running decode requests")
+        ax.set_ylabel("CPU us per step (schedule + update)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_path("scheduler.png"), dpi=120)
+        log(f"wrote {out_path('scheduler.png')}")
+
+
+if __name__ == "__main__":
+    main()
