@@ -8,6 +8,7 @@ imported lazily.
 - :func:`replan_with_migration`: a plan that keeps experts in place when that costs little balance, and
   the move list (layer, expert, from GPU, to GPU) that realises it.
 - :func:`execute_moves` (in ``transfer``): carry the moves out over a torch.distributed group.
+- :class:`OnlineBalancer`: the per-step loop an engine drives (window, schedule, migration-aware re-plan).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "ExpertLoadWindow",
     "ExpertPlacement",
     "MovePlan",
+    "OnlineBalancer",
     "execute_moves",
     "moe_lb",
     "rebalance_experts",
@@ -37,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from deepinfer_core.eplb import migration
 
         return getattr(migration, name)
+    if name == "OnlineBalancer":
+        from deepinfer_core.eplb.online import OnlineBalancer
+
+        return OnlineBalancer
     if name == "execute_moves":
         from deepinfer_core.eplb.transfer import execute_moves
 
