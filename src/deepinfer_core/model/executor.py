@@ -68,6 +68,8 @@ class ModelExecutor:
         # end position written per slot, to refuse steps the rings cannot serve (a gap, or a rollback
         # deeper than backtrack_tokens); a step at position 0 always (re)starts a sequence
         self._slot_end = np.zeros(num_state_slots, np.int64)
+        # run decode / verify batches (every query_len <= backtrack + 1) through the row-wise path
+        self.row_path = True
         self.min_ratio = min((r for r in cfg.compress_ratios[: n_layers] if r > 0), default=0)
 
     # ------------------------------------------------------------------ memory accounting
@@ -134,11 +136,21 @@ class ModelExecutor:
         off = batch.offsets.tolist()
         reqs = [(off[i], off[i + 1], int(batch.start_pos[i]), int(batch.state_slots[i]),
                  torch.as_tensor(batch.block_tables[i], dtype=torch.long, device=dev)) for i in range(batch.num_requests)]
-        sel: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        pools: dict[int, torch.Tensor] = {}
+        sel: dict = {}
+        pools: dict = {}
+        if self.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= self.backtrack + 1:
+            # decode / verify steps: every row's window and group are in the rings after this step's
+            # writes, so attention runs on all rows at once (no per-request loop)
+            req_of_row = torch.as_tensor(np.repeat(np.arange(batch.num_requests), batch.query_lens), device=dev)
+            tables = torch.as_tensor(batch.block_tables, dtype=torch.long, device=dev)[req_of_row]
+            slots = torch.as_tensor(batch.state_slots, device=dev)[req_of_row]
 
-        def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
-            return self._attend(lid, a, x, positions, reqs, sel, pools)
+            def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+                return self._attend_rows(lid, a, x, positions, slots, tables, sel, pools)
+        else:
+
+            def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+                return self._attend(lid, a, x, positions, reqs, sel, pools)
 
         if batch.encoder_only:
             def source(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +224,7 @@ class ModelExecutor:
             ids, valid = sel[(cfg.index_source_of(lid), i)]
             flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
             kb = fmt.main.dequantize(flat[self._slots(table, ids.reshape(-1))]).to(self.dtype)
-            kb = kb.view(n, ids.shape[1], -1)
+            kb = kb.view(n, ids.shape[1], kb.shape[-1])
             outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
         return torch.cat(outs)
 
@@ -240,3 +252,64 @@ class ModelExecutor:
         slots = self._slots(table, torch.arange(e0, e1, device=self.device))
         self.kv[lid].view(-1, self.fmt.main.bytes_per_token)[slots] = self.fmt.main.quantize(main)
         self.index_keys[lid].view(-1, self.fmt.index.bytes_per_token)[slots] = self.fmt.index.quantize(idx)
+
+    def _attend_rows(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     tables: torch.Tensor, sel: dict, pools: dict) -> torch.Tensor:
+        """Attention for all rows at once; valid when every request feeds <= backtrack + 1 tokens.
+
+        New SWA keys and compressor states are written to the rings first: a ring of window + backtrack
+        (ratio + backtrack) slots then still holds every row's whole window (group), so each row
+        gathers its keys from the ring alone.
+        """
+        cfg, fmt, bs = self.cfg, self.fmt, self.block_size
+        w, dev = cfg.sliding_window, self.device
+        q, lat = a.queries(x, positions)
+        ring = self.swa[lid]
+        ring[slots, positions % self.swa_ring] = fmt.swa.quantize(a.swa_kv(x, positions))
+        kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
+        mask_a = kp >= 0
+        k_a = fmt.swa.dequantize(ring[slots[:, None], kp.clamp(min=0) % self.swa_ring]).to(self.dtype)
+        if a.kind == LAYER_SWA:
+            return sink_attention(q, k_a, mask_a, None, None, a.attn_sink, a.scale)
+        r, src = a.ratio, cfg.kv_source_of(lid)
+
+        def slot_of(ent: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+            t = tables if rows is None else tables[rows]
+            return t.gather(1, ent // bs) * bs + ent % bs
+
+        if a.kind == LAYER_FULL:
+            st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+            if r > 1:
+                cs, cring = self.comp_state[lid], self.comp_ring[lid]
+                cs[slots, positions % cring] = st
+            rows = torch.nonzero((positions + 1) % r == 0).flatten()
+            if rows.numel():
+                pc = positions[rows]
+                if r > 1:
+                    grp = pc[:, None] - (r - 1) + torch.arange(r, device=dev)[None, :]
+                    gs = cs[slots[rows][:, None], grp % cring]
+                else:
+                    gs = st[rows][:, None]
+                ent = (pc + 1) // r - 1
+                dm = a.compressor.state_dim
+                sl = slot_of(ent[:, None], rows).flatten()
+                self.kv[lid].view(-1, fmt.main.bytes_per_token)[sl] = fmt.main.quantize(
+                    a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq))
+                self.index_keys[lid].view(-1, fmt.index.bytes_per_token)[sl] = fmt.index.quantize(
+                    a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq))
+        if a.kind in (LAYER_FULL, LAYER_REINDEX):
+            qi, wi = a.indexer(x, lat, positions, a.inv_freq)
+            visible = (positions + 1) // r
+            ent = torch.arange(int(visible.max()), device=dev)[None, :].expand(x.shape[0], -1)
+            flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
+            ik = fmt.index.dequantize(flat[slot_of(ent)]).to(self.dtype)
+            sc = mask_scores(index_scores(qi, wi, ik), ent < visible[:, None])
+            if cfg.uses_candidates(lid):
+                sc = mask_scores(sc, pools["rows"])
+            if lid == cfg.candidate_source_layer_id:
+                pools["rows"] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            sel[lid] = select_topk(sc, cfg.index_topk)
+        ids, valid = sel[cfg.index_source_of(lid)]
+        flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
+        kb = fmt.main.dequantize(flat[slot_of(ids)]).to(self.dtype)
+        return sink_attention(q, k_a, mask_a, kb, valid, a.attn_sink, a.scale)

@@ -169,3 +169,27 @@ def test_encoder_only_prefill_writes_the_decoder_global_kv(model64: DeepSeekV41,
         assert torch.equal(a.view(-1)[: T * a.shape[-1]], b.view(-1)[: T * b.shape[-1]])
     assert not part.ex.swa[enc].any() and full.ex.swa[enc].any()
     assert torch.equal(full.ex.swa[enc - 1], part.ex.swa[enc - 1])
+
+
+def test_row_path_equals_request_path(model64: DeepSeekV41) -> None:
+    """Decode / verify batches (every query_len <= backtrack + 1) take the row-wise path; it must
+    agree with the per-request path, rollbacks included, and with the oracle."""
+    seqs = {0: _tokens(21, 112), 1: _tokens(22, 112), 2: _tokens(23, 112)}
+    rows, per_req = Session(model64), Session(model64)
+    per_req.ex.row_path = False
+    prefill = [(sid, t[:100], 0, 1) for sid, t in seqs.items()]
+    rows.step(prefill)
+    per_req.step(prefill)
+    pos = dict.fromkeys(seqs, 100)
+    for lens in ([1, 3, 7], [7, 1, 2], [2, 5, 1]):
+        items = [(sid, seqs[sid][pos[sid] : pos[sid] + n], pos[sid], n) for sid, n in zip(seqs, lens)]
+        _, a = rows.step(items)
+        _, b = per_req.step(items)
+        for x, y in zip(a, b):
+            assert (x - y).abs().max().item() < TOL
+        for sid, n in zip(seqs, lens):  # accept all but the last fed token: roll one back
+            pos[sid] += max(n - 1, 1)
+    for sid, toks in seqs.items():
+        want = model64.forward_full(toks[: pos[sid] + 1])[0][-1]
+        _, (got,) = rows.step([(sid, toks[pos[sid] : pos[sid] + 1], pos[sid], 1)])
+        assert (got[0] - want).abs().max().item() < TOL

@@ -90,10 +90,10 @@ def sink_attention(
 ) -> torch.Tensor:
     """One softmax over two key sets plus a per-head sink logit; values are the keys (shared KV).
 
-    q [N, H, d]; k_a [A, d] shared by all rows with mask_a [N, A]; k_b either [B, d] (shared) or
-    [N, B, d] (per row) with mask_b [N, B]. The sink adds exp(sink_h) to each head's denominator.
+    q [N, H, d]; k_a either [A, d] (shared by all rows) or [N, A, d] (per row) with mask_a [N, A]; k_b
+    likewise [B, d] or [N, B, d] with mask_b [N, B]. The sink adds exp(sink_h) to each head's denominator.
     """
-    la = torch.einsum("nhd,ad->nha", q, k_a) * scale
+    la = torch.einsum("nhd,ad->nha" if k_a.dim() == 2 else "nhd,nad->nha", q, k_a) * scale
     la = la.masked_fill(~mask_a[:, None, :], float("-inf"))
     parts = [la]
     if k_b is not None and k_b.shape[-2] > 0:
@@ -103,9 +103,10 @@ def sink_attention(
     sink_col = sink.to(q.dtype)[None, :, None].expand(q.shape[0], -1, 1)
     logits = torch.cat([*parts, sink_col], dim=-1)
     p = torch.softmax(logits, dim=-1)
-    out = torch.einsum("nha,ad->nhd", p[..., : k_a.shape[0]], k_a)
+    na = k_a.shape[-2]
+    out = torch.einsum("nha,ad->nhd" if k_a.dim() == 2 else "nha,nad->nhd", p[..., :na], k_a)
     if len(parts) == 2:
-        pb = p[..., k_a.shape[0] : -1]
+        pb = p[..., na:-1]
         eq = "nhb,bd->nhd" if k_b.dim() == 2 else "nhb,nbd->nhd"  # type: ignore[union-attr]
         out = out + torch.einsum(eq, pb, k_b)
     return out

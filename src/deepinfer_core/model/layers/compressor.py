@@ -52,20 +52,23 @@ class Compressor(nn.Module):
         return torch.cat((v, x @ self.wgate.t()), dim=-1)
 
     def pool(self, state: torch.Tensor, first_entry: int, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Entries [G, out_dim] from the states [G*ratio, state_dim] of G whole groups.
+        """Entries [G, out_dim] from the states [G*ratio, state_dim] of G consecutive whole groups.
 
         ``first_entry`` is the index of the first group's entry (for its RoPE position).
         """
+        g = state.shape[0] // self.ratio
+        assert state.shape[0] == g * self.ratio, "pool() takes whole groups"
+        ids = torch.arange(first_entry, first_entry + g, device=state.device)
+        return self.pool_groups(state.view(g, self.ratio, -1), ids, inv_freq)
+
+    def pool_groups(self, groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Entries [M, out_dim] from per-group states [M, ratio, state_dim] of entries ``entry_ids`` [M]."""
         r, d = self.ratio, self.out_dim
-        g = state.shape[0] // r
-        assert state.shape[0] == g * r, "pool() takes whole groups"
         if r == 1:
-            ent = state
+            ent = groups[:, 0]
         else:
-            s = state.view(g, r, 2 * d)
-            v, sc = s[..., :d], s[..., d:] + self.ape.to(state.dtype)[None]
+            v, sc = groups[..., :d], groups[..., d:] + self.ape.to(groups.dtype)[None]
             ent = (torch.softmax(sc, dim=1) * v).sum(1)
         ent = self.norm(ent)
-        idx = torch.arange(first_entry, first_entry + g, device=state.device)
-        pos = idx * r + (r - 1 if self.rope_at == "last" else 0)
+        pos = entry_ids * r + (r - 1 if self.rope_at == "last" else 0)
         return apply_rope(ent, pos, inv_freq, self.rope_dim)

@@ -42,8 +42,9 @@ class IndexerQuery(nn.Module):
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Scores [N, E] of queries [N, H, d] (weights [N, H]) against keys [E, d]."""
-    return torch.einsum("nh,nhe->ne", w, torch.relu(torch.einsum("nhd,ed->nhe", q, keys)))
+    """Scores [N, E] of queries [N, H, d] (weights [N, H]) against keys [E, d] or per row [N, E, d]."""
+    eq = "nhd,ed->nhe" if keys.dim() == 2 else "nhd,ned->nhe"
+    return torch.einsum("nh,nhe->ne", w, torch.relu(torch.einsum(eq, q, keys)))
 
 
 def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
