@@ -44,10 +44,12 @@ def bench_prefill(model: DeepSeekV41, t: int, repeat: int) -> None:
         emit(BENCH, {**params, "path": "executor", "kv_quant": q}, "prefill_time_ratio_vs_forward_full", sec / sec_full, "x")
 
 
-def bench_decode(model: DeepSeekV41, batch: int, ctx: int, steps: int) -> dict[bool, float]:
+def bench_decode(model: DeepSeekV41, batch: int, ctx: int, steps: int) -> dict[str, float]:
+    """Decode steps of ``batch`` requests at context ``ctx``; returns tok/s per configuration."""
     res = {}
-    for q in (False, True):
+    for q, row_path in ((False, True), (True, True), (True, False)):
         ex, pool = _executor(model, q, batch, ctx + steps + 1)
+        ex.row_path = row_path
         toks = torch.randint(0, model.cfg.vocab_size, (batch, ctx + steps))
         ids = list(range(batch))
         for i in ids:
@@ -60,16 +62,19 @@ def bench_decode(model: DeepSeekV41, batch: int, ctx: int, steps: int) -> dict[b
             ex.execute(ForwardBatch(token_ids=toks[:, s].numpy(), query_lens=[1] * batch, start_pos=[s] * batch,
                                     block_tables=tables, state_slots=list(range(batch)), num_logits=[1] * batch))
 
-        step(ctx)  # warm-up at ctx, then roll back to ctx and time `steps` steps
-        t0 = time.perf_counter()
+        step(ctx)  # warm-up at ctx; the timed loop starts at ctx again (a rollback of one token)
+        t0, c0 = time.perf_counter(), time.process_time()
         for s in range(ctx, ctx + steps):
             step(s)
-        sec = (time.perf_counter() - t0) / steps
-        res[q] = batch / sec
-        emit(BENCH, {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": q, "dtype": "float32"},
-             "decode_tokens_per_s", batch / sec, "tok/s")
-        emit(BENCH, {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": q, "dtype": "float32"},
-             "decode_step_ms", sec * 1e3, "ms")
+        sec, cpu = (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+        key = f"{'quant' if q else 'exact'}-{'rows' if row_path else 'per_request'}"
+        res[key] = batch / sec
+        params = {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": q,
+                  "path": "rows" if row_path else "per_request", "dtype": "float32"}
+        emit(BENCH, params, "decode_tokens_per_s", batch / sec, "tok/s")
+        emit(BENCH, params, "decode_cpu_ms_per_step", cpu * 1e3, "ms")
+    emit(BENCH, {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": True},
+         "decode_speedup_rows_vs_per_request", res["quant-rows"] / res["quant-per_request"], "x")
     return res
 
 
@@ -96,8 +101,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for q in (False, True):
-            ax.plot(batches, [curve[b][q] for b in batches], marker="o", label=f"kv_quant={q}")
+        for key in curve[batches[0]]:
+            ax.plot(batches, [curve[b][key] for b in batches], marker="o", label=key)
         ax.set_xlabel("decode batch (requests)")
         ax.set_ylabel("tokens/s")
         ax.set_title("tiny config decode, CPU, 1 thread")
