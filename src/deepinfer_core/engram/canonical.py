@@ -115,11 +115,12 @@ class CanonicalTokenMap:
             self._tensors[dev] = t
         return t
 
-    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Canonical ids of ``token_ids`` (any shape, any int dtype); ids outside [0, vocab_size) raise."""
+    def __call__(self, token_ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """Canonical ids of ``token_ids`` (any shape, any int dtype); ids outside [0, vocab_size) raise.
+        ``validate=False`` skips the range check (it syncs a GPU), for callers that checked already."""
         if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
             raise TypeError(f"token_ids: must be an integer tensor, got {token_ids.dtype}")
-        if token_ids.numel():
+        if validate and token_ids.numel():
             lo, hi = int(token_ids.min()), int(token_ids.max())
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo if lo < 0 else hi

@@ -148,19 +148,22 @@ class EngramHasher:
         token_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
+        validate: bool = True,
     ) -> torch.Tensor:
         """Canonical ids int64 [T, max_ngram]: column k = the token k back in the same sequence, else the
-        matching ``context`` token, else the pad id. The input layout of the ``engram_hash`` op."""
+        matching ``context`` token, else the pad id. The input layout of the ``engram_hash`` op.
+        ``validate=False`` skips the value checks that sync a GPU (ids, cu_seqlens, context ranges; shapes
+        are still checked): for a trusted caller inside a step, or under CUDA-graph capture."""
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids: must be 1-D here, got shape {tuple(token_ids.shape)}")
         n = self.config.max_ngram
         dev = token_ids.device
         t = token_ids.shape[0]
-        canon = self.token_map(token_ids)
+        canon = self.token_map(token_ids, validate)
         if cu_seqlens is None:
             cu = torch.tensor([0, t], dtype=torch.int64, device=dev)
         else:
-            cu = _check_cu_seqlens(cu_seqlens, t).to(dev)
+            cu = (_check_cu_seqlens(cu_seqlens, t) if validate else _shape_cu_seqlens(cu_seqlens)).to(dev)
         num_seqs = cu.shape[0] - 1
         idx = torch.arange(t, device=dev)
         seg = torch.searchsorted(cu[1:], idx, right=True).clamp_max(max(num_seqs - 1, 0))
@@ -169,10 +172,10 @@ class EngramHasher:
             if tuple(context.shape) != (num_seqs, n - 1):
                 raise ValueError(f"context: shape {tuple(context.shape)}, expected [num_seqs={num_seqs}, max_ngram-1={n - 1}]")
             ctx = context.to(dev, torch.int64)
-            if ctx.numel() and int(ctx.min()) < -1:
+            if validate and ctx.numel() and int(ctx.min()) < -1:
                 raise ValueError(f"context: id {int(ctx.min())} is invalid; use -1 for 'before the sequence start'")
             none = ctx < 0
-            ctx = torch.where(none, self.pad_canonical, self.token_map(ctx.clamp_min(0)))
+            ctx = torch.where(none, self.pad_canonical, self.token_map(ctx.clamp_min(0), validate))
         out = torch.empty((t, n), dtype=torch.int64, device=dev)
         out[:, 0] = canon
         for k in range(1, n):
@@ -191,24 +194,30 @@ class EngramHasher:
         cu_seqlens: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
         backend: str = "reference",
+        validate: bool = True,
     ) -> torch.Tensor:
-        """Row ids int32 [L, T, orders*heads] (or [L, B, T, orders*heads] for 2-D input); see class doc."""
+        """Row ids int32 [L, T, orders*heads] (or [L, B, T, orders*heads] for 2-D input); see class doc.
+        ``validate=False``: see :meth:`ngram_token_ids`."""
         if token_ids.dim() == 2:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: not used with 2-D token_ids (each row is one sequence)")
             b, t = token_ids.shape
             cu = torch.arange(b + 1, dtype=torch.int64, device=token_ids.device) * t
-            flat = self.hash(token_ids.reshape(-1), cu, context, backend)
+            flat = self.hash(token_ids.reshape(-1), cu, context, backend, validate)
             return flat.reshape(flat.shape[0], b, t, flat.shape[-1])
-        grams = self.ngram_token_ids(token_ids, cu_seqlens, context)
+        grams = self.ngram_token_ids(token_ids, cu_seqlens, context, validate)
         mult, primes, offsets = self.device_params(grams.device)
         return get_op("engram_hash", backend)(grams, mult, primes, offsets)
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _shape_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype.is_floating_point:
         raise ValueError(f"cu_seqlens: must be a 1-D int tensor [num_seqs+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.to(torch.int64)
+    return cu_seqlens.to(torch.int64)
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    cu = _shape_cu_seqlens(cu_seqlens)
     if int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
         raise ValueError(f"cu_seqlens: must start at 0 and end at num_tokens={num_tokens}, got {int(cu[0])}..{int(cu[-1])}")
     if bool((cu[1:] < cu[:-1]).any()):

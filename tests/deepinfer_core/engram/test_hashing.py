@@ -216,3 +216,13 @@ def test_cuda_backend_on_cpu_tensors_is_the_reference() -> None:
     h = EngramHasher(cfg)
     x = torch.randint(0, cfg.vocab_size, (64,))
     assert torch.equal(h.hash(x, backend="cuda"), h.hash(x))
+
+
+def test_validate_false_gives_the_same_rows() -> None:
+    cfg = _cfg()
+    h = EngramHasher(cfg)
+    x = torch.randint(0, cfg.vocab_size, (50,))
+    cu, ctx = torch.tensor([0, 20, 50]), torch.tensor([[5, -1, -1], [7, 8, 9]])
+    assert torch.equal(h.hash(x, cu, ctx, validate=False), h.hash(x, cu, ctx))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        h.hash(x, torch.tensor([[0, 50]]), validate=False)  # shapes are still checked
