@@ -15,8 +15,13 @@ class ModelExecutor(Protocol):
     def execute(self, batch: Any) -> Any:
         """Forward a batch (flat tokens, per-request lengths, positions, block tables, state slots).
 
-        Returns logits for the rows that need sampling, per-layer per-expert token counts and, when a
-        drafter is configured, drafts with their confidences.
+        ``deepinfer_core.model.ForwardBatch``: request i feeds ``query_lens[i]`` tokens starting at
+        position ``start_pos[i]`` (a smaller start than last time rolls back rejected tokens, within the
+        executor's backtracking budget); ``block_tables`` / ``state_slots`` come from the KV block pool
+        and the state pool. Returns a ``ForwardOutput``: logits for the last ``num_logits[i]`` rows of
+        each request, per-layer per-expert token counts and, when a drafter is configured (part 2),
+        drafts with their confidences. An invalid request raises ``BatchError`` naming the request and
+        field before any cache is written, so the rest of the batch can be rerun without it.
         """
         ...
 
