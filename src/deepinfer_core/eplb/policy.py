@@ -120,6 +120,54 @@ def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.nd
     return best, s, hg
 
 
+def _pass_pairs(it: int, act: np.ndarray, slots: np.ndarray, item_w: np.ndarray, loads: np.ndarray,
+                target: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """k-th heaviest pack with the (k + it)-th lightest, all disjoint pairs at once. Rows that swapped."""
+    packs, cap = item_w.shape[1:]
+    half = packs // 2
+    la = loads[act]
+    order = np.argsort(la, axis=1)
+    # Rotate the pairing each pass so a heavy pack meets a different light partner next time.
+    heavy, light = order[:, ::-1][:, :half], np.roll(order[:, :half], -(it % half), axis=1)
+    lh = np.take_along_axis(la, heavy, axis=1)
+    hg = (lh - np.take_along_axis(la, light, axis=1)) / 2
+    wh, wl = item_w[act[:, None], heavy], item_w[act[:, None], light]  # [k, half, cap]
+    best, sc, _ = _best_swap(np.broadcast_to(hg[..., None], wl.shape), wh, wl, None)
+    ok = (sc < hg - tol[act, None]) & (lh > target[act, None])
+    rr, kk = np.nonzero(ok)
+    if rr.size:
+        ia, ib = np.divmod(best[rr, kk], cap)
+        _apply_swaps(slots, item_w, loads, act[rr], heavy[rr, kk], ia, light[rr, kk], ib)
+    return ok.any(axis=1)
+
+
+def _pass_top(act: np.ndarray, slots: np.ndarray, item_w: np.ndarray, loads: np.ndarray,
+              target: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """The m heaviest packs each take their best swap with any of the m lightest; clashes wait a pass."""
+    packs, cap = item_w.shape[1:]
+    m = min(packs // 2, 8)
+    la = loads[act]
+    order = np.argsort(la, axis=1)
+    heavy, light = order[:, ::-1][:, :m], order[:, :m]
+    lh = np.take_along_axis(la, heavy, axis=1)  # [k, m]
+    ll = np.take_along_axis(la, light, axis=1)
+    hg = np.repeat((lh[:, :, None] - ll[:, None, :]) / 2, cap, axis=2)  # per light item [k, m, m*cap]
+    bias = np.broadcast_to(np.repeat(ll / 2, cap, axis=1)[:, None, :], hg.shape)
+    wh = item_w[act[:, None], heavy]  # [k, m, cap]
+    wl = np.broadcast_to(item_w[act[:, None], light].reshape(act.size, 1, m * cap), hg.shape)
+    best, sc, hgb = _best_swap(hg, wh, wl, bias)
+    ok = (sc < hgb - tol[act, None]) & (lh > target[act, None])
+    partner = np.take_along_axis(light, best % (m * cap) // cap, axis=1)
+    # Keep the swaps disjoint: a partner already taken by a heavier pack waits for the next pass.
+    for j in range(1, m):
+        ok[:, j] &= ~((partner[:, :j] == partner[:, j:j + 1]) & ok[:, :j]).any(axis=1)
+    rr, kk = np.nonzero(ok)
+    if rr.size:
+        ia, jb = np.divmod(best[rr, kk], m * cap)
+        _apply_swaps(slots, item_w, loads, act[rr], heavy[rr, kk], ia, partner[rr, kk], jb % cap)
+    return ok.any(axis=1)
+
+
 def refine_swaps(
     weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAULT_REFINE_PASSES, target: np.ndarray | None = None
 ) -> np.ndarray:
@@ -127,10 +175,11 @@ def refine_swaps(
 
     A swap between packs a (heavier) and b moves ``d = w_x - w_y > 0`` from a to b and is taken only if
     ``max(load_a - d, load_b + d) < load_a``: no pack ever exceeds the previous load of the heavier one, so
-    a row's maximum never rises and pack sizes never change. Each pass pairs the k-th heaviest pack with
-    the (k + pass)-th lightest (disjoint pairs, all swapped at once); in a row where no pair improves, the
-    heaviest pack tries the lightest quarter of the packs (at least 8), and a row where that fails too stops.
-    ``slots`` [rows, packs, cap] is updated in place.
+    a row's maximum never rises and pack sizes never change. Passes alternate between two kinds, each
+    applying many disjoint swaps at once: the k-th heaviest pack with the (k + pass)-th lightest (all
+    pairs), and the 8 heaviest packs each with its best partner among the 8 lightest. A row where two
+    passes in a row find nothing is at a local optimum and stops. ``slots`` [rows, packs, cap] is updated
+    in place.
 
     Only packs heavier than their row's ``target`` are relieved, and a row stops once its maximum is at or
     below it. The default target is the mean pack load x (1 + 1e-4): closer to perfect is noise next to
@@ -146,44 +195,16 @@ def refine_swaps(
         target = mean * (1 + 1e-4)
     # Improvements smaller than this are float noise: accepting them could cycle.
     tol = 1e-9 * np.maximum(mean, 1e-300)
-    half = packs // 2
-    n_partners = min(packs - 1, max(8, packs // 4))
-    alive = np.ones(rows, dtype=bool)
+    fails = np.zeros(rows, dtype=np.int64)
     for it in range(max_passes):
-        act = np.flatnonzero(alive & (loads.max(axis=1) > target))
+        act = np.flatnonzero((fails < 2) & (loads.max(axis=1) > target))
         if act.size == 0:
             break
-        la, k = loads[act], np.arange(act.size)
-        order = np.argsort(la, axis=1)
-        # Rotate the pairing each pass so a heavy pack meets a different light partner next time.
-        heavy, light = order[:, ::-1][:, :half], np.roll(order[:, :half], -(it % half), axis=1)
-        lh = np.take_along_axis(la, heavy, axis=1)
-        hg = (lh - np.take_along_axis(la, light, axis=1)) / 2
-        wh, wl = item_w[act[:, None], heavy], item_w[act[:, None], light]  # [k, half, cap]
-        best, sc, _ = _best_swap(np.broadcast_to(hg[..., None], wl.shape), wh, wl, None)
-        ok = (sc < hg - tol[act, None]) & (lh > target[act, None])
-        rr, kk = np.nonzero(ok)
-        if rr.size:
-            ia, ib = np.divmod(best[rr, kk], cap)
-            _apply_swaps(slots, item_w, loads, act[rr], heavy[rr, kk], ia, light[rr, kk], ib)
-        # Rows where no pair helped: the heaviest pack tries every other pack.
-        stuck = ~ok.any(axis=1)
-        if not stuck.any():
-            continue
-        b, kb = act[stuck], k[stuck]
-        h = order[kb, -1]
-        partners = order[kb, :n_partners]  # the lightest packs: where a heavy pack's best swap lies
-        lb = loads[b]
-        lg = np.repeat(np.take_along_axis(lb, partners, axis=1), cap, axis=1)  # per partner item
-        hg1 = (lb[np.arange(b.size), h][:, None] - lg) / 2
-        wg = item_w[b[:, None], partners].reshape(b.size, -1)
-        best, sc, hgb = _best_swap(hg1, item_w[b, h], wg, lg / 2)
-        okb = sc < hgb - tol[b]
-        alive[b[~okb]] = False  # local optimum for this row's maximum (among these partners)
-        if okb.any():
-            ia, jb = np.divmod(best[okb], n_partners * cap)
-            pj, ib = np.divmod(jb, cap)
-            _apply_swaps(slots, item_w, loads, b[okb], h[okb], ia, partners[okb, pj], ib)
+        if it % 2 == 1:
+            swapped = _pass_pairs(it // 2, act, slots, item_w, loads, target, tol)
+        else:
+            swapped = _pass_top(act, slots, item_w, loads, target, tol)
+        fails[act] = np.where(swapped, 0, fails[act] + 1)
     return slots
 
 
