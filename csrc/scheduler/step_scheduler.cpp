@@ -164,7 +164,9 @@ StepType StepScheduler::decide(bool all_prefill, bool any_prefill, bool any_deco
   return StepType::DECODE;
 }
 
-void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample) {
+// flatten: the -O2 build otherwise leaves vector::push_back as an out-of-line call per field per row,
+// measured at ~20% of a decode step.
+__attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample) {
   Req& r = at(slot);
   out.seq_ids.push_back(r.seq_id);
   out.num_tokens.push_back(static_cast<int32_t>(q));
