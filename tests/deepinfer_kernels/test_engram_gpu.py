@@ -84,7 +84,7 @@ def test_hash_equals_tile_kernels_bit_for_bit(name: str) -> None:
     mism = int((ours != theirs).sum())
     assert mism == 0, f"{mism} of {ours.numel()} row ids differ from tile_kernels.engram_hash"
     # the hasher end to end (its own ngram builder) also equals the kernel's output, and the "cuda"
-    # backend (which dispatches to tile_kernels) gives the same
+    # backend (deepinfer_kernels.cuda.engram: tile_kernels or TileLang) gives the same
     assert torch.equal(h.hash(toks.cuda(), cu.cuda()), theirs)
     assert torch.equal(h.hash(toks.cuda(), cu.cuda(), backend="cuda"), theirs)
 

@@ -115,28 +115,3 @@ def engram_gather(
         out = table.index_select(0, flat).to(out_dtype)
     return out.reshape(*row_ids.shape, table.shape[1])
 
-
-@register("engram_hash", "cuda")
-def engram_hash_cuda(
-    ngram_token_ids: torch.Tensor,
-    multipliers: torch.Tensor,
-    vocab_sizes: torch.Tensor,
-    offsets: torch.Tensor,
-) -> torch.Tensor:
-    """tile_kernels' engram_hash when importable and the inputs are on a CUDA device (int32 ids, int64
-    multipliers, int32 sizes and offsets, the layout it takes), else the torch reference. The GPU test
-    checks the two agree bit for bit."""
-    if ngram_token_ids.is_cuda:
-        try:
-            from tile_kernels.engram import engram_hash as tk_engram_hash
-        except ImportError:
-            tk_engram_hash = None
-        if tk_engram_hash is not None:
-            dev = ngram_token_ids.device
-            return tk_engram_hash(
-                ngram_token_ids.to(torch.int32).contiguous(),
-                multipliers.to(dev, torch.int64).contiguous(),
-                vocab_sizes.to(dev, torch.int32).contiguous(),
-                offsets.to(dev, torch.int32).contiguous(),
-            )
-    return engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets)
