@@ -128,6 +128,8 @@ def test_tables_on_gpu(fmt: str) -> None:
     want = cpu.fetch(ids)
     assert torch.equal(gpu.fetch(ids.cuda()).cpu(), want)
     assert torch.equal(host.fetch(ids).cpu(), want)
+    kernel = LocalEngramTable(gpu.data, gpu.scales, backend="cuda")  # the cuda engram_gather registration
+    assert torch.equal(kernel.fetch(ids.cuda()).cpu(), want)
 
 
 def test_throughput() -> None:
