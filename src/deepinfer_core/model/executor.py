@@ -60,11 +60,12 @@ class ModelExecutor:
         for s in cfg.kv_source_layer_ids:
             self.kv[s] = torch.zeros(num_blocks, block_size, self.fmt.main.bytes_per_token, dtype=u8, device=dev)
             self.index_keys[s] = torch.zeros(num_blocks, block_size, self.fmt.index.bytes_per_token, dtype=u8, device=dev)
-            a = model.layers[s].attn
-            ring = cfg.ratio(s) + backtrack_tokens
-            self.comp_ring[s] = ring
-            width = a.compressor.state_dim + a.index_compressor.state_dim
-            self.comp_state[s] = torch.zeros(num_state_slots, ring, width, dtype=self.dtype, device=dev)
+            if cfg.ratio(s) > 1:  # ratio 1 completes an entry every token: no partial group to keep
+                a = model.layers[s].attn
+                ring = cfg.ratio(s) + backtrack_tokens
+                self.comp_ring[s] = ring
+                width = a.compressor.state_dim + a.index_compressor.state_dim
+                self.comp_state[s] = torch.zeros(num_state_slots, ring, width, dtype=self.dtype, device=dev)
         # end position written per slot, to refuse steps the rings cannot serve (a gap, or a rollback
         # deeper than backtrack_tokens); a step at position 0 always (re)starts a sequence
         self._slot_end = np.zeros(num_state_slots, np.int64)
