@@ -112,6 +112,11 @@ class LLGuidanceMatcher:
         self._history.clear()
         self._terminated = False
 
+    @property
+    def raw(self) -> object:
+        """The llguidance ``LLMatcher`` (benchmarks compare against calling it directly)."""
+        return self._m
+
 
 class LLGuidanceBackend:
     """Compiles :class:`GrammarSpec` s with llguidance against one tokenizer.

@@ -15,23 +15,30 @@ log = logging.getLogger(__name__)
 
 
 class XGrammarMatcher:
-    """One request's grammar state (xgrammar ``GrammarMatcher``)."""
+    """One request's grammar state (xgrammar ``GrammarMatcher``).
 
-    __slots__ = ("_m", "_refuse", "_words")
+    EOS is the only stop token, so "terminated" means "the last accepted token was EOS"; tracking that
+    here saves a call into xgrammar on every fill (it raises when asked for a mask after EOS).
+    """
 
-    def __init__(self, matcher: object, words: int, refuse: frozenset[int]) -> None:
+    __slots__ = ("_done", "_eos", "_m", "_refuse", "_words")
+
+    def __init__(self, matcher: object, words: int, refuse: frozenset[int], eos: int) -> None:
         self._m = matcher
         self._words = words
         self._refuse = refuse
+        self._eos = eos
+        self._done = False
 
     def accept_token(self, token_id: int) -> bool:
         # xgrammar refuses (state unchanged) tokens the grammar rejects, specials, ids out of range,
         # and anything after termination: exactly our contract. Control tokens are refused here first
         # because xgrammar logs a warning line for each one.
         t = int(token_id)
-        if t in self._refuse:
+        if t in self._refuse or not self._m.accept_token(t):
             return False
-        return bool(self._m.accept_token(t))
+        self._done = t == self._eos
+        return True
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         check_bitmask(bitmask, row, self._words)
@@ -39,7 +46,7 @@ class XGrammarMatcher:
 
     def fill_unchecked(self, bitmask: torch.Tensor, row: int) -> None:
         """``fill_next_token_bitmask`` without argument checks (the manager validated its own buffer)."""
-        if self._m.is_terminated():  # xgrammar raises here; nothing may follow EOS
+        if self._done:  # nothing may follow EOS
             bitmask[row].zero_()
             return
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -47,12 +54,19 @@ class XGrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self._m.rollback(int(num_tokens))
+            self._done = False  # EOS is always the last token, so any rollback removes it
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return self._done
 
     def reset(self) -> None:
         self._m.reset()
+        self._done = False
+
+    @property
+    def raw(self) -> object:
+        """The xgrammar ``GrammarMatcher`` (benchmarks compare against calling it directly)."""
+        return self._m
 
 
 class XGrammarBackend:
@@ -107,7 +121,7 @@ class XGrammarBackend:
             raise ValueError(f"xgrammar could not compile the {spec.kind}: {_strip_location(str(e))}") from None
 
     def matcher(self, compiled: object) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words, self._refuse)
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words, self._refuse, self._vocab.eos_token_id)
 
 
 def _strip_location(msg: str) -> str:
