@@ -87,6 +87,8 @@ class ModelExecutor:
     def validate(self, b: ForwardBatch) -> None:
         """Raise :class:`BatchError` naming the first bad request and field; touches nothing."""
         r = b.num_requests
+        if r == 0:
+            raise BatchError(None, "query_lens", "empty batch: at least one request is needed")
         for name in ("start_pos", "state_slots", "num_logits"):
             if getattr(b, name).shape != (r,):
                 raise BatchError(None, name, f"shape {getattr(b, name).shape}, expected ({r},) (one per request)")

@@ -193,3 +193,23 @@ def test_row_path_equals_request_path(model64: DeepSeekV41) -> None:
         want = model64.forward_full(toks[: pos[sid] + 1])[0][-1]
         _, (got,) = rows.step([(sid, toks[pos[sid] : pos[sid] + 1], pos[sid], 1)])
         assert (got[0] - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize(
+    ("field", "kw"),
+    [
+        ("query_lens", {"query_lens": [2]}),
+        ("start_pos", {"start_pos": [0, 0]}),
+        ("num_logits", {"num_logits": [2]}),
+        ("state_slots", {"state_slots": [9]}),
+        ("start_pos", {"start_pos": [5]}),
+        ("block_tables", {"block_tables": [[0]]}),
+    ],
+)
+def test_invalid_fields_are_named(model64: DeepSeekV41, field: str, kw: dict) -> None:
+    s = Session(model64)
+    s._ensure(0, 1)
+    base = {"token_ids": [3], "query_lens": [1], "start_pos": [0], "block_tables": s.pool.block_tables([0]),
+            "state_slots": [0], "num_logits": [1]}
+    with pytest.raises(BatchError, match=field):
+        s.ex.execute(ForwardBatch(**{**base, **kw}))
