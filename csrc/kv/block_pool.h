@@ -77,6 +77,7 @@ class BlockPool {
   // part of every block's identity.
   int32_t num_cached_blocks() const { return num_cached_; }  // blocks with a cache entry (any refcount)
   int32_t num_evictable_blocks() const { return num_evictable_; }
+  bool is_cached(int32_t block) const;  // block has a prefix-cache entry (any refcount)
   // Longest run of cached full blocks matching the prefix of tokens; appends their ids to `out`.
   // Does not change any state. The result is valid until the next allocating call.
   int64_t match(const int32_t* tokens, int64_t n, const std::string& extra, std::vector<int32_t>& out) const;
@@ -94,6 +95,10 @@ class BlockPool {
   int64_t allocate_cached(int64_t seq_id, const int32_t* tokens, int64_t n, const std::string& extra);
   // Drop every evictable cached entry (their blocks become plain free). Returns how many.
   int64_t evict_all_cached();
+
+  // Testing only: keep just the `mask` bits of every hash so collisions become common (must be set
+  // while nothing is cached). Correctness must not depend on the hash: hits are verified exactly.
+  void set_hash_mask_for_testing(uint64_t mask);
 
   // Full consistency check (O(num_blocks + total table length)); throws std::logic_error.
   void check_invariants() const;
@@ -130,6 +135,7 @@ class BlockPool {
   std::vector<std::string> extra_;
   std::unordered_multimap<uint64_t, int32_t> by_hash_;
   uint64_t next_node_ = 1;
+  uint64_t hash_mask_ = ~uint64_t{0};
   int32_t num_cached_ = 0;
   // Evictable LRU (intrusive doubly linked list over block ids; -1 = none). Head = oldest.
   std::vector<int32_t> prev_, next_;

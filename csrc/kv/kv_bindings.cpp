@@ -50,6 +50,7 @@ void register_block_pool(nb::module_& m) {
       .def("contains", &BlockPool::contains, nb::arg("seq_id"))
       .def("num_tokens", &BlockPool::num_tokens, nb::arg("seq_id"))
       .def("refcount", &BlockPool::refcount, nb::arg("block"))
+      .def("is_cached", &BlockPool::is_cached, nb::arg("block"))
       .def("slot", &BlockPool::slot, nb::arg("seq_id"), nb::arg("pos"))
       .def("block_table", [](const BlockPool& p, int64_t seq) { return vec_to_array(p.block_table(seq)); },
            nb::arg("seq_id"), "Copy of one sequence's block table (int32).")
@@ -122,6 +123,7 @@ void register_block_pool(nb::module_& m) {
            nb::arg("seq_id"), nb::arg("tokens"), nb::arg("extra_key") = nb::bytes(""),
            "match + allocate in one step; cached tokens reused, or -1 (no change) if it does not fit.")
       .def("evict_all_cached", &BlockPool::evict_all_cached)
+      .def("set_hash_mask_for_testing", &BlockPool::set_hash_mask_for_testing, nb::arg("mask"))
       .def("check_invariants", &BlockPool::check_invariants)
       // Batched forms: one boundary crossing for a whole engine step.
       .def("allocate_many",

@@ -33,7 +33,7 @@ uint64_t BlockPool::block_hash(uint64_t parent, const int32_t* toks, const std::
     h = mix64(h ^ pair);
   }
   if (i < block_size_) h = mix64(h ^ static_cast<uint32_t>(toks[i]));
-  return h;
+  return h & hash_mask_;
 }
 
 int32_t BlockPool::find_cached(uint64_t hash, uint64_t parent_node, const int32_t* toks,
@@ -47,6 +47,16 @@ int32_t BlockPool::find_cached(uint64_t hash, uint64_t parent_node, const int32_
       return b;
   }
   return 0;
+}
+
+void BlockPool::set_hash_mask_for_testing(uint64_t mask) {
+  if (num_cached_ != 0) bad("set_hash_mask_for_testing: the cache must be empty");
+  hash_mask_ = mask;
+}
+
+bool BlockPool::is_cached(int32_t block) const {
+  if (block < 0 || block >= num_blocks_) bad("block id out of range: " + std::to_string(block));
+  return node_[block] != 0;
 }
 
 int64_t BlockPool::match(const int32_t* tokens, int64_t n, const std::string& extra, std::vector<int32_t>& out) const {
@@ -87,8 +97,18 @@ int64_t BlockPool::cache_blocks(const int32_t* tokens, int64_t n, const int32_t*
       continue;
     }
     int32_t b = blocks[i];
-    if (node_[b] != 0)
-      bad("cache_blocks: block " + std::to_string(b) + " is already cached with different content or prefix");
+    if (node_[b] != 0) {
+      // Already cached under another parent node with the same content chain (same chained hash,
+      // same tokens): that happens when its old parent was evicted and the prefix re-cached in other
+      // blocks. Adopt it under the live parent; its node id, and so its children, stay valid.
+      if (hash_[b] == h && extra_[b] == extra &&
+          std::memcmp(&tokens_[static_cast<size_t>(b) * block_size_], t, sizeof(int32_t) * block_size_) == 0) {
+        parent_node_[b] = parent;
+        parent = node_[b];
+        continue;
+      }
+      bad("cache_blocks: block " + std::to_string(b) + " is already cached with different content");
+    }
     node_[b] = next_node_++;
     hash_[b] = h;
     parent_node_[b] = parent;

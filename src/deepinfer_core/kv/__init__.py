@@ -12,12 +12,14 @@ from typing import Any
 from deepinfer_core.kv import planner, ring
 from deepinfer_core.kv.planner import KVModelConfig, MemoryPlan, StateLayout, plan_memory
 from deepinfer_core.kv.pool import PagedKVPool, compression_fires, num_compressed_entries
+from deepinfer_core.kv.prefix import PrefixIndex
 from deepinfer_core.kv.state import StatePool
 
 __all__ = [
     "KVModelConfig",
     "MemoryPlan",
     "PagedKVPool",
+    "PrefixIndex",
     "StateLayout",
     "StatePool",
     "compression_fires",
