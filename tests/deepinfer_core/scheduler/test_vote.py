@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +56,15 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.distributed
-def test_distributed_vote_two_gloo_ranks(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+def test_distributed_vote_two_gloo_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ranks unpickle _worker by module name ("scheduler.test_vote"): make its package importable
+    # in the children whatever sys.path pytest set up in this process.
+    pkg_parent = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(pkg_parent)
+    mp.start_processes(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="forkserver"
+    )
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     want = []
