@@ -1,0 +1,250 @@
+"""GPU benchmark of the cuda ops (TileLang) against the ceilings measured in the same run.
+
+Ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate (8192^3 on random
+data). Each kernel reports achieved GB/s (memory-bound ops: the fewest bytes it must move) or TFLOP/s
+(indexer) and the fraction of the ceiling; the bitmask apply is compared with xgrammar's own CUDA kernel
+and the torch reference on the same inputs. Timing: CUDA events around each call, median of many calls
+after warm-up, inputs rotated among several copies so the L2 (60 MB) is not what is measured.
+
+    python benchmarks/kernels.py [--quick] [--plot] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, log, out_path, parser  # noqa: E402
+
+from deepinfer_kernels import get_op  # noqa: E402
+
+ROWS: list[dict[str, Any]] = []
+
+
+def cuda_time(fn: Callable[[], Any], reps: int = 50, warmup: int = 5) -> float:
+    """Median seconds per call, by CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def rotating(make: Callable[[], Any], n: int) -> Callable[[], Any]:
+    """A getter cycling over ``n`` independently made inputs (defeats the L2 cache for big inputs)."""
+    items = [make() for _ in range(n)]
+    state = {"i": 0}
+
+    def get() -> Any:
+        state["i"] = (state["i"] + 1) % n
+        return items[state["i"]]
+
+    return get
+
+
+def record(bench: str, params: dict[str, Any], seconds: float, nbytes: float = 0.0, flops: float = 0.0, ceil: dict[str, float] | None = None) -> None:
+    emit(bench, params, "time_us", seconds * 1e6, "us")
+    row = {"bench": bench, "params": params, "us": seconds * 1e6}
+    if nbytes:
+        gbs = nbytes / seconds / 1e9
+        emit(bench, params, "bandwidth", gbs, "GB/s")
+        row["GB/s"] = gbs
+        if ceil:
+            row["%copy"] = 100 * gbs / ceil["copy_GBs"]
+            emit(bench, params, "fraction_of_copy", row["%copy"], "%")
+    if flops:
+        tf = flops / seconds / 1e12
+        emit(bench, params, "rate", tf, "TFLOP/s")
+        row["TFLOP/s"] = tf
+        if ceil:
+            row["%mm"] = 100 * tf / ceil["bf16_TFLOPs"]
+            emit(bench, params, "fraction_of_bf16_matmul", row["%mm"], "%")
+    ROWS.append(row)
+
+
+def ceilings(quick: bool) -> dict[str, float]:
+    n = (1 << 28) if not quick else (1 << 26)  # bytes per buffer: 256 MiB (full) / 64 MiB (quick)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), reps=30 if not quick else 5)
+    copy = 2 * n / t / 1e9
+    m = 8192 if not quick else 4096
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    tm = cuda_time(lambda: a @ b, reps=20 if not quick else 5)
+    mm = 2 * m**3 / tm / 1e12
+    emit("ceiling", {"bytes": n}, "d2d_copy", copy, "GB/s")
+    emit("ceiling", {"m": m}, "bf16_matmul", mm, "TFLOP/s")
+    ROWS.append({"bench": "ceiling d2d copy", "params": {"bytes": n}, "GB/s": copy})
+    ROWS.append({"bench": "ceiling bf16 matmul", "params": {"m": m}, "TFLOP/s": mm})
+    return {"copy_GBs": copy, "bf16_TFLOPs": mm}
+
+
+def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
+    cuda, ref = get_op("apply_token_bitmask", "cuda"), get_op("apply_token_bitmask", "reference")
+    try:
+        import xgrammar
+
+        xg = lambda lg, m: xgrammar.apply_token_bitmask_inplace(lg, m, backend="cuda")  # noqa: E731
+    except Exception as e:  # noqa: BLE001 - report and go on without the comparison
+        log(f"xgrammar not usable: {e}")
+        xg = None
+    vocab = 129_280
+    words = (vocab + 31) // 32
+    for rows in ([1, 64] if quick else [1, 16, 64, 256, 512]):
+        g = rotating(lambda: (torch.randn(rows, vocab, device="cuda"), torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")), 8)
+        lg, m = g()
+        masked = int((~get_op("apply_token_bitmask")(torch.zeros(rows, vocab, device="cuda"), m).isfinite()).sum())
+        nbytes = rows * vocab * 4 + rows * words * 4 + masked * 4 * 1.0  # read logits + mask, write masked
+        p = {"rows": rows, "vocab": vocab, "dtype": "float32"}
+        record("bitmask_tilelang", p, cuda_time(lambda: cuda(*g())), nbytes, ceil=ceil)
+        if xg is not None:
+            record("bitmask_xgrammar_cuda", p, cuda_time(lambda: xg(*g())), nbytes, ceil=ceil)
+        record("bitmask_torch_reference", p, cuda_time(lambda: ref(*g()), reps=10), nbytes, ceil=ceil)
+    # spec rows: 64 requests x (1 + 5 drafts), every other request constrained
+    rows, idx = 384, torch.cat([torch.arange(i * 6, i * 6 + 6) for i in range(0, 64, 2)]).cuda()
+    g = rotating(lambda: (torch.randn(rows, vocab, device="cuda"), torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")), 4)
+    nbytes = idx.numel() * (vocab * 4 + words * 4 + vocab * 2)
+    p = {"rows": rows, "constrained_rows": idx.numel(), "vocab": vocab}
+    record("bitmask_tilelang_spec_rows", p, cuda_time(lambda: cuda(*g(), idx)), nbytes, ceil=ceil)
+    if xg is not None:
+        record("bitmask_xgrammar_cuda_spec_rows", p, cuda_time(lambda: xgrammar.apply_token_bitmask_inplace(*g(), indices=idx.to(torch.int32), backend="cuda")), nbytes, ceil=ceil)
+
+
+def bench_kv(ceil: dict[str, float], quick: bool) -> None:
+    store, store_ref = get_op("kv_store", "cuda"), get_op("kv_store", "reference")
+    load = get_op("kv_load", "cuda")
+    n = 4096 if quick else 65_536
+    for fmt, bpt in (("fp8", 528), ("fp4", 288)):
+        pool = torch.zeros(n // 64 + 1, 64, bpt, dtype=torch.uint8, device="cuda")
+        slots = torch.randperm(n, device="cuda")
+        g = rotating(lambda: torch.randn(n, 512, device="cuda", dtype=torch.bfloat16), 4)
+        nbytes = n * (512 * 2 + bpt)
+        p = {"tokens": n, "fmt": fmt, "in": "bf16"}
+        record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
+        record(f"kv_store_{fmt}_torch_reference", p, cuda_time(lambda: store_ref(pool, g(), slots, fmt), reps=5), nbytes, ceil=ceil)
+        b, m = (8, 8) if quick else (64, 16)  # sequences x blocks of 64 tokens
+        table = torch.randint(1, pool.shape[0], (b, m), dtype=torch.int32, device="cuda")
+        lens = torch.full((b,), m * 64, device="cuda")
+        nbytes = b * m * 64 * (bpt + 512 * 2)
+        record(f"kv_load_{fmt}", {"seqs": b, "tokens_each": m * 64, "fmt": fmt, "out": "bf16"}, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
+
+
+def bench_sampling(ceil: dict[str, float], quick: bool) -> None:
+    from deepinfer_kernels.cuda import sampling as cs
+
+    cuda, ref = get_op("sample", "cuda"), get_op("sample", "reference")
+    vocab = 129_280
+    for b in ([8] if quick else [1, 64, 256]):
+        args = [torch.randn(b, vocab, device="cuda"), torch.full((b,), 0.8, device="cuda"), torch.full((b,), 50, device="cuda"),
+                torch.full((b,), 0.9, device="cuda"), torch.arange(b, device="cuda"), torch.arange(b, device="cuda")]
+        p = {"batch": b, "vocab": vocab}
+        record("sample_end_to_end_tilelang", p, cuda_time(lambda: cuda(*args), reps=20), b * vocab * 4, ceil=ceil)
+        record("sample_torch_reference", p, cuda_time(lambda: ref(*args), reps=10), b * vocab * 4, ceil=ceil)
+        # the fused kernel alone (RNG + Gumbel + filter + argmax), given the threshold
+        t, tv, ti, mode = cs.survivor_threshold(args[0], args[1], args[2], args[3])
+        keys = cs._row_keys(args[4], args[5])
+        kern = cs.compile_kernel(("sample", vocab, "float32"), lambda: cs._build(vocab, "float32"))
+        out = torch.empty(b, dtype=torch.int64, device="cuda")
+        record("sample_fused_kernel_only", p, cuda_time(lambda: kern(args[0], t, keys, tv, ti, mode, out)), b * vocab * 4, ceil=ceil)
+
+
+def bench_small(ceil: dict[str, float], quick: bool) -> None:
+    red, red_ref = get_op("mtp_redistribute", "cuda"), get_op("mtp_redistribute", "reference")
+    for r in ([64] if quick else [64, 256, 1024]):
+        conf = torch.rand(r, 5, device="cuda")
+        total = torch.tensor(r * 2, device="cuda")
+        record("mtp_redistribute_tilelang", {"requests": r, "drafts": 5}, cuda_time(lambda: red(total, conf)))
+        record("mtp_redistribute_torch_reference", {"requests": r, "drafts": 5}, cuda_time(lambda: red_ref(total, conf), reps=10))
+    h_op, h_ref = get_op("engram_hash", "cuda"), get_op("engram_hash", "reference")
+    from deepinfer_kernels.cuda import engram as ce
+
+    t = 8192 if quick else 262_144
+    ids = torch.randint(0, 129_280, (t, 4), device="cuda", dtype=torch.int32)
+    mult = torch.randint(1, 2**62, (2, 4), device="cuda") | 1
+    sizes = torch.randint(1_000_000, 50_000_000, (2, 3, 8), device="cuda", dtype=torch.int32)
+    offs = torch.zeros(2, 24, dtype=torch.int32, device="cuda")
+    nbytes = t * 4 * 4 + 2 * t * 24 * 4
+    record("engram_hash_tilelang", {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8}, cuda_time(lambda: ce.engram_hash_tilelang(ids, mult, sizes, offs)), nbytes, ceil=ceil)
+    if ce._HAVE_TILE_KERNELS:
+        record("engram_hash_tile_kernels", {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8}, cuda_time(lambda: ce.engram_hash_tile_kernels(ids, mult, sizes, offs)), nbytes, ceil=ceil)
+    record("engram_hash_torch_reference", {"tokens": t}, cuda_time(lambda: h_ref(ids, mult, sizes, offs), reps=10), nbytes, ceil=ceil)
+    gat = get_op("engram_gather", "cuda")
+    rows = 1 << 20 if quick else 1 << 23
+    table = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    n = 16384 if quick else 262_144
+    g = rotating(lambda: torch.randint(0, rows, (n,), device="cuda"), 4)
+    record("engram_gather_bf16", {"rows": n, "dim": 256, "table_rows": rows}, cuda_time(lambda: gat(table, g())), n * 256 * 2 * 2, ceil=ceil)
+    # indexer: T queries x S keys, 32 heads x 128 dims (V4.1), full (non-causal) range
+    sc = get_op("indexer_scores", "cuda")
+    tq, s = (256, 4096) if quick else (2048, 16384)
+    q = torch.randn(tq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(s, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(tq, 32, device="cuda")
+    ks, ke = torch.zeros(tq, dtype=torch.int32, device="cuda"), torch.full((tq,), s, dtype=torch.int32, device="cuda")
+    record("indexer_scores_tilelang", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, cuda_time(lambda: sc(q, w, k, ks, ke), reps=20), flops=2 * tq * s * 32 * 128, ceil=ceil)
+    record("indexer_scores_torch_reference", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, cuda_time(lambda: get_op("indexer_scores")(q, w, k, ks, ke), reps=5), flops=2 * tq * s * 32 * 128, ceil=ceil)
+
+
+def table() -> str:
+    lines = ["| bench | params | us | GB/s | % copy | TFLOP/s | % bf16 mm |", "|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        f = lambda k: f"{r[k]:.1f}" if k in r else ""  # noqa: E731
+        lines.append(f"| {r['bench']} | {json.dumps(r['params'])} | {f('us')} | {f('GB/s')} | {f('%copy')} | {f('TFLOP/s')} | {f('%mm')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--json-out", help="also write every row as JSON to this file")
+    ap.add_argument("--only", default="", help="comma-separated groups: bitmask,kv,sampling,small")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    if not torch.cuda.is_available():
+        log("benchmarks/kernels.py: no CUDA device; nothing to measure")
+        return
+    log(f"device: {torch.cuda.get_device_name()}")
+    ceil = ceilings(args.quick)
+    groups = {"bitmask": bench_bitmask, "kv": bench_kv, "sampling": bench_sampling, "small": bench_small}
+    for name, fn in groups.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        try:
+            fn(ceil, args.quick)
+        except Exception as e:  # noqa: BLE001 - one broken group must not hide the others' numbers
+            logging.exception("bench group %s failed: %s", name, e)
+    print(table(), file=sys.stderr)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(ROWS, indent=1))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        bw = [r for r in ROWS if "%copy" in r]
+        fig, ax = plt.subplots(figsize=(10, 0.3 * len(bw) + 1))
+        ax.barh([f"{r['bench']} {list(r['params'].values())[0]}" for r in bw], [r["%copy"] for r in bw])
+        ax.axvline(70, color="r", ls="--")
+        ax.set_xlabel("% of device-to-device copy bandwidth")
+        fig.tight_layout()
+        fig.savefig(out_path("kernels.png"))
+
+
+if __name__ == "__main__":
+    main()

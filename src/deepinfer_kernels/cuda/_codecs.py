@@ -1,0 +1,89 @@
+"""Bit-exact element codecs as TileLang expressions (e4m3, e2m1, ue8m0), shared by the KV kernels.
+
+Everything is integer arithmetic on the IEEE bit patterns, so the kernels produce the same bytes as
+``deepinfer_core.kv.formats`` (torch) whatever the CUDA compiler does with floating point (no reliance
+on the fp8 conversion intrinsics, fast-math flags or ``rint``). Each function takes and returns
+``PrimExpr``; they are called while a ``T.prim_func`` is being built and inline into it.
+"""
+
+from deepinfer_kernels.cuda._tl import T
+
+E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # round to nearest, ties to the lower code
+
+
+def _rne_shift(m, s):  # noqa: ANN001, ANN202 - PrimExprs
+    """Round-to-nearest-even of ``m / 2**s`` for non-negative int32 ``m`` and 1 <= s <= 30."""
+    q = m >> s
+    rem = m & ((T.int32(1) << s) - 1)
+    half = T.int32(1) << (s - 1)
+    up = T.if_then_else((rem > half) | ((rem == half) & ((q & 1) == 1)), 1, 0)
+    return q + up
+
+
+def e4m3_bits(v):  # noqa: ANN001, ANN202
+    """float32 ``v`` (|v| <= 448) -> e4m3fn byte (int32 0..255), round to nearest even, sign kept on 0."""
+    bits = T.reinterpret(v, "int32")
+    sign = T.if_then_else(bits < 0, 0x80, 0)
+    a = bits & 0x7FFFFFFF
+    e = (a >> 23) - 127
+    m = a & 0x7FFFFF
+    normal = ((e + 7) << 3) + _rne_shift(m, T.int32(20))  # a carry out of the mantissa bumps the exponent
+    # e4m3 subnormals are k * 2**-9: the full 24-bit significand shifted right by 14 - e (>= 21).
+    shift = T.min(14 - e, 30)
+    sub = T.if_then_else(a < 0x00800000, 0, _rne_shift(m | 0x800000, shift))
+    code = T.if_then_else(e >= -6, normal, sub)
+    return sign | T.min(code, 0x7E)
+
+
+def e4m3_value(code):  # noqa: ANN001, ANN202
+    """Positive e4m3 byte (int32, < 0x80) -> float32 value (exact)."""
+    ex = code >> 3
+    man = code & 7
+    sub = T.Cast("float32", man) * T.float32(2.0**-9)
+    # (8 + man) * 2**(ex - 10), with the power of two built from its bits (ex - 10 in [-9, 5]).
+    p2 = T.reinterpret((ex - 10 + 127) << 23, "float32")
+    return T.if_then_else(ex == 0, sub, T.Cast("float32", 8 + man) * p2)
+
+
+def e4m3_signed_value(code):  # noqa: ANN001, ANN202
+    v = e4m3_value(code & 0x7F)
+    return T.if_then_else((code & 0x80) != 0, -v, v)
+
+
+def e2m1_code(v):  # noqa: ANN001, ANN202
+    """float32 ``v`` (already divided by its scale) -> 4-bit e2m1 code, saturating at +-6."""
+    mag = T.abs(v)
+    code = T.int32(0)
+    for mid in E2M1_MIDS:
+        code = code + T.if_then_else(mag > T.float32(mid), 1, 0)
+    return code | T.if_then_else((v < T.float32(0)) & (code > 0), 8, 0)
+
+
+def e2m1_value(code):  # noqa: ANN001, ANN202
+    """4-bit e2m1 code -> float32: magnitude 0, .5, 1, 1.5, 2, 3, 4, 6 by the low 3 bits."""
+    c = code & 7
+    # For c >= 2: (2 + (c & 1)) * 2**((c >> 1) - 2), i.e. 1, 1.5, 2, 3, 4, 6; c = 1 is the subnormal 0.5.
+    mag = T.if_then_else(
+        c < 2, T.Cast("float32", c) * T.float32(0.5), T.Cast("float32", 2 + (c & 1)) * T.reinterpret(((c >> 1) - 2 + 127) << 23, "float32")
+    )
+    return T.if_then_else((code & 8) != 0, -mag, mag)
+
+
+def pow2_exponent_f64(amax, elem_max: float):  # noqa: ANN001, ANN202
+    """Smallest e with amax / 2**e <= elem_max, clamped to [-127, 127] (int32), as formats.pow2_scale_exponent."""
+    y = T.Cast("float64", amax) / T.float64(elem_max)
+    b = T.reinterpret(y, "int64")
+    ex = T.Cast("int32", (b >> 52) & 0x7FF) - 1023
+    e = ex + T.if_then_else((b & T.int64(0xFFFFFFFFFFFFF)) != 0, 1, 0)
+    e = T.if_then_else(amax > T.float32(0), e, -127)
+    return T.max(T.min(e, 127), -127)
+
+
+def pow2_f64(k):  # noqa: ANN001, ANN202
+    """2.0**k as float64 for int32 k in [-1022, 1023] (exact)."""
+    return T.reinterpret(T.Cast("int64", k + 1023) << 52, "float64")
+
+
+def ue8m0_scale_f32(code):  # noqa: ANN001, ANN202
+    """ue8m0 byte -> 2**(code - 127) in float32 (code 0 gives 2**-127, a float32 subnormal)."""
+    return T.Cast("float32", pow2_f64(code - 127))

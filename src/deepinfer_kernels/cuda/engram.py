@@ -1,0 +1,186 @@
+"""TileLang ``engram_hash`` and ``engram_gather``; tile_kernels' ``engram_hash`` is used when importable.
+
+``engram_hash``: one thread per (layer, token). The running XOR of ``id_k * m_k`` is formed in unsigned
+64-bit arithmetic (the same bits as the reference's wrapping int64, without signed-overflow UB), then
+read as signed and reduced with a floor modulo (``torch.remainder``: never negative) per prime table.
+tile_kernels.engram_hash takes the same tensors (int32 ids / sizes / offsets, int64 multipliers) and is
+preferred when importable: it is DeepSeek's own kernel; tests check both against the reference.
+
+``engram_gather``: one CTA per ``_ROWS`` looked-up rows, each thread copies / dequantises a contiguous
+chunk of a row (bf16 / fp32 tables, or fp8 e4m3 with one ue8m0 scale per block). Pure data movement.
+"""
+
+# No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
+import importlib.util
+
+import torch
+
+from deepinfer_kernels.cuda import _codecs as C
+from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
+from deepinfer_kernels.ops import engram as ref
+from deepinfer_kernels.registry import register
+
+_THREADS = 128
+_HAVE_TILE_KERNELS = importlib.util.find_spec("tile_kernels") is not None
+
+
+def _build_hash(n: int, heads: int, layers: int):  # noqa: ANN202 - a T.prim_func
+    t_dyn = T.dynamic("t")
+    cols = (n - 1) * heads
+
+    @T.prim_func
+    def ngram_hash(
+        ids: T.Tensor((t_dyn, n), "int64"),
+        mult: T.Tensor((layers, n), "int64"),
+        sizes: T.Tensor((layers, n - 1, heads), "int64"),
+        offsets: T.Tensor((layers, cols), "int64"),
+        out: T.Tensor((layers, t_dyn, cols), "int32"),
+    ):
+        with T.Kernel(T.ceildiv(t_dyn, _THREADS), layers, threads=_THREADS) as (bx, layer):
+            tx = T.get_thread_binding(0)
+            h = T.alloc_var("uint64")
+            hs = T.alloc_var("int64")
+            r = T.alloc_var("int64")
+            t = bx * _THREADS + tx
+            if t < t_dyn:
+                h = T.reinterpret(ids[t, 0], "uint64") * T.reinterpret(mult[layer, 0], "uint64")
+                for k in T.unroll(1, n):
+                    h = h ^ (T.reinterpret(ids[t, k], "uint64") * T.reinterpret(mult[layer, k], "uint64"))
+                    hs = T.reinterpret(h, "int64")
+                    for j in T.unroll(heads):
+                        r = hs % sizes[layer, k - 1, j]
+                        if r < 0:
+                            r = r + sizes[layer, k - 1, j]
+                        out[layer, t, (k - 1) * heads + j] = T.Cast("int32", r + offsets[layer, (k - 1) * heads + j])
+
+    return ngram_hash
+
+
+@register("engram_hash", "cuda")
+def engram_hash(
+    ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as the reference (int32 [L, T, (N-1)*H]); tile_kernels when importable, else TileLang."""
+    if not HAVE_TILELANG or ngram_token_ids.device.type != "cuda":
+        return ref.engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets)
+    if _HAVE_TILE_KERNELS and ngram_token_ids.shape[0] > 0:
+        return engram_hash_tile_kernels(ngram_token_ids, multipliers, vocab_sizes, offsets)
+    return engram_hash_tilelang(ngram_token_ids, multipliers, vocab_sizes, offsets)
+
+
+def _validate(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int, int, int]:
+    # The reference's checks on shapes and dtypes, without its device-syncing value checks on ids.
+    ref._check_int("ngram_token_ids", ids, 2)
+    ref._check_int("multipliers", mult, 2)
+    ref._check_int("vocab_sizes", sizes, 3)
+    ref._check_int("offsets", offsets, 2)
+    t, n = ids.shape
+    layers, heads = sizes.shape[0], sizes.shape[2]
+    if n < 2 or tuple(mult.shape) != (layers, n) or tuple(sizes.shape) != (layers, n - 1, heads):
+        raise ValueError(f"engram_hash: inconsistent shapes ids {tuple(ids.shape)}, multipliers {tuple(mult.shape)}, vocab_sizes {tuple(sizes.shape)}")
+    if tuple(offsets.shape) != (layers, (n - 1) * heads):
+        raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]")
+    if sizes.numel() and int(sizes.min()) <= 0:
+        raise ValueError("vocab_sizes: table sizes must be positive")
+    return t, n, layers, heads
+
+
+def engram_hash_tilelang(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The TileLang hash kernel (always; used when tile_kernels is absent, and tested on its own)."""
+    t, n, layers, heads = _validate(ids, mult, sizes, offsets)
+    dev = ids.device
+    out = torch.empty(layers, t, (n - 1) * heads, dtype=torch.int32, device=dev)
+    if t == 0 or layers == 0 or heads == 0:
+        return out
+    kern = compile_kernel(("engram_hash", n, heads, layers), lambda: _build_hash(n, heads, layers))
+    kern(
+        ids.to(torch.int64).contiguous(),
+        mult.to(dev, torch.int64).contiguous(),
+        sizes.to(dev, torch.int64).contiguous(),
+        offsets.to(dev, torch.int64).contiguous(),
+        out,
+    )
+    return out
+
+
+def engram_hash_tile_kernels(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Adapter to ``tile_kernels.engram_hash`` (int32 ids / sizes / offsets, int64 multipliers, same layout)."""
+    _validate(ids, mult, sizes, offsets)
+    from tile_kernels.engram.engram_hash_kernel import engram_hash as tk_hash  # type: ignore[import-not-found]
+
+    dev = ids.device
+    return tk_hash(
+        ids.to(torch.int32).contiguous(),
+        mult.to(dev, torch.int64).contiguous(),
+        sizes.to(dev, torch.int32).contiguous(),
+        offsets.to(dev, torch.int32).contiguous(),
+    )
+
+
+_ROWS = 4
+
+
+def _build_gather(dim: int, table_dtype: str, out_dtype: str, blocks: int):  # noqa: ANN202 - a T.prim_func
+    r_dyn = T.dynamic("r")
+    n_dyn = T.dynamic("n")
+    fp8 = blocks > 0
+    per = dim // blocks if fp8 else 1
+    sc_shape = (r_dyn, max(blocks, 1))
+
+    @T.prim_func
+    def gather(
+        table: T.Tensor((r_dyn, dim), table_dtype),
+        scales: T.Tensor(sc_shape, "uint8"),
+        ids: T.Tensor((n_dyn,), "int64"),
+        out: T.Tensor((n_dyn, dim), out_dtype),
+    ):
+        with T.Kernel(T.ceildiv(n_dyn, _ROWS), threads=_THREADS) as bx:
+            for i, j in T.Parallel(_ROWS, dim):
+                n = bx * _ROWS + i
+                if n < n_dyn:
+                    row = ids[n]
+                    if fp8:
+                        v = T.Cast("float32", table[row, j]) * C.ue8m0_scale_f32(T.Cast("int32", scales[row, j // per]))
+                        out[n, j] = T.Cast(out_dtype, v)
+                    else:
+                        out[n, j] = T.Cast(out_dtype, table[row, j])
+
+    return gather
+
+
+@register("engram_gather", "cuda")
+def engram_gather(
+    table: torch.Tensor, row_ids: torch.Tensor, scales: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Same contract as the reference ``engram_gather``; one TileLang gather (+ fp8 dequantisation) kernel."""
+    fp8 = table.dtype == torch.float8_e4m3fn
+    if not HAVE_TILELANG or table.device.type != "cuda" or not (fp8 or table.dtype in (torch.bfloat16, torch.float32, torch.float16)):
+        return ref.engram_gather(table, row_ids, scales, out_dtype)
+    if table.dim() != 2:
+        raise ValueError(f"table: must be 2-D [rows, dim], got shape {tuple(table.shape)}")
+    if row_ids.dtype not in ref._INT_DTYPES:
+        raise TypeError(f"row_ids: must be an integer tensor, got {row_ids.dtype}")
+    rows, dim = table.shape
+    flat = row_ids.reshape(-1).to(table.device, torch.int64)
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0 or int(hi) >= rows:
+            raise IndexError(f"row_ids: id {int(lo) if int(lo) < 0 else int(hi)} is outside [0, num_rows={rows})")
+    if fp8:
+        if scales is None:
+            raise ValueError("scales: required for an fp8 table")
+        if scales.dim() != 2 or scales.shape[0] != rows or scales.shape[1] == 0 or dim % scales.shape[1]:
+            raise ValueError(f"scales: shape {tuple(scales.shape)}, expected [{rows}, blocks dividing {dim}]")
+        blocks, sc = scales.shape[1], scales.to(table.device, torch.uint8).contiguous()
+        tname = "float8_e4m3fn"
+    else:
+        if scales is not None:
+            raise ValueError(f"scales: only fp8 tables take scales, table is {table.dtype}")
+        blocks, sc = 0, torch.empty(rows, 1, dtype=torch.uint8, device=table.device)
+        tname = torch_dtype_name(table.dtype)
+    out = torch.empty(flat.numel(), dim, dtype=out_dtype, device=table.device)
+    if flat.numel() and dim:
+        oname = torch_dtype_name(out_dtype)
+        kern = compile_kernel(("engram_gather", dim, tname, oname, blocks), lambda: _build_gather(dim, tname, oname, blocks))
+        kern(table.contiguous(), sc, flat.contiguous(), out)
+    return out.reshape(*row_ids.shape, dim)

@@ -1,0 +1,110 @@
+"""TileLang ``indexer_scores`` (+ ``indexer_topk`` through deep_select when importable, else torch.topk).
+
+One CTA per (query token, block of ``_BS`` keys): Q_t [H, D] and the key block [BS, D] go to shared
+memory, one tensor-core GEMM gives the [H, BS] head logits in fp32, then relu, the per-head weights and a
+reduction over heads give BS scores. Blocks entirely outside the query's key range are filled with -inf
+without the GEMM (causal prefill skips about half). bf16 / fp16 inputs; float32 inputs take the reference
+(tensor cores would round them to tf32, so "within tolerance" would silently mean tf32), and so do head
+counts that are not a multiple of 16 (the MMA tile's M; the tiny test config has 4 index heads).
+"""
+
+# No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
+import importlib.util
+
+import torch
+
+from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
+from deepinfer_kernels.ops import indexer as ref
+from deepinfer_kernels.registry import register
+
+_BS = 64
+_THREADS = 128
+
+
+def _build(h: int, d: int, dtype: str):  # noqa: ANN202 - a T.prim_func
+    t_dyn = T.dynamic("t")
+    s_dyn = T.dynamic("s")
+
+    @T.prim_func
+    def scores(
+        q: T.Tensor((t_dyn, h, d), dtype),
+        w: T.Tensor((t_dyn, h), "float32"),
+        keys: T.Tensor((s_dyn, d), dtype),
+        ks: T.Tensor((t_dyn,), "int32"),
+        ke: T.Tensor((t_dyn,), "int32"),
+        out: T.Tensor((t_dyn, s_dyn), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(s_dyn, _BS), t_dyn, threads=_THREADS) as (bx, by):
+            q_sh = T.alloc_shared((h, d), dtype)
+            k_sh = T.alloc_shared((_BS, d), dtype)
+            acc = T.alloc_fragment((h, _BS), "float32")
+            red = T.alloc_fragment((_BS,), "float32")
+            lo = ks[by]
+            hi = ke[by]
+            if (bx * _BS < hi) & (bx * _BS + _BS > lo):
+                T.copy(q[by, 0:h, 0:d], q_sh)
+                T.copy(keys[bx * _BS : bx * _BS + _BS, 0:d], k_sh)
+                T.clear(acc)
+                T.gemm(q_sh, k_sh, acc, transpose_B=True)
+                for i, j in T.Parallel(h, _BS):
+                    acc[i, j] = T.max(acc[i, j], T.float32(0)) * w[by, i]
+                T.reduce_sum(acc, red, dim=0)
+                for j in T.Parallel(_BS):
+                    s = bx * _BS + j
+                    if s < s_dyn:
+                        out[by, s] = T.if_then_else((s >= lo) & (s < hi), red[j], -T.infinity("float32"))
+            else:
+                for j in T.Parallel(_BS):
+                    s = bx * _BS + j
+                    if s < s_dyn:
+                        out[by, s] = -T.infinity("float32")
+
+    return scores
+
+
+@register("indexer_scores", "cuda")
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as the reference; bf16 / fp16 q and keys run the TileLang kernel (fp32 accumulation)."""
+    if (
+        not HAVE_TILELANG
+        or q.device.type != "cuda"
+        or q.dtype not in (torch.bfloat16, torch.float16)
+        or keys.dtype != q.dtype
+        or q.dim() != 3
+        or q.shape[1] % 16  # the tensor-core tile needs M (heads) a multiple of 16: tiny configs use torch
+    ):
+        return ref.indexer_scores(q, weights, keys, key_start, key_end)
+    t, h, d, s = ref.check_indexer_inputs(q, weights, keys, key_start, key_end)
+    out = torch.empty(t, s, dtype=torch.float32, device=q.device)
+    if t == 0 or s == 0:
+        return out
+    dt = torch_dtype_name(q.dtype)
+    kern = compile_kernel(("indexer", h, d, dt), lambda: _build(h, d, dt))
+    kern(
+        q.contiguous(),
+        weights.to(torch.float32).contiguous(),
+        keys.contiguous(),
+        key_start.to(q.device, torch.int32).contiguous(),
+        key_end.to(q.device, torch.int32).contiguous(),
+        out,
+    )
+    return out
+
+
+_HAVE_DEEP_SELECT = importlib.util.find_spec("deep_select") is not None
+
+
+@register("indexer_topk", "cuda")
+def indexer_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """deep_select.topk when importable (its (values, indices) layout, unsorted), else the torch.topk reference.
+
+    Not run here: deep_select is not installed on the GPU machine (it is built from source with arch 90a).
+    """
+    if not _HAVE_DEEP_SELECT or scores.device.type != "cuda" or scores.shape[1] < k:
+        return ref.indexer_topk(scores, k)
+    import deep_select  # type: ignore[import-not-found]
+
+    vals, idx = deep_select.topk(scores, k, sorted=False)
+    return torch.where(torch.isfinite(vals), idx, -1).to(torch.int32)
