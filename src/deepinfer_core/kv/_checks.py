@@ -10,6 +10,10 @@ import numpy as np
 
 def check_int(name: str, value: object, *, min_value: int | None = None) -> int:
     """``value`` as a Python int, or ValueError/TypeError naming ``name``."""
+    if type(value) is int:  # fast path: this runs on every pool call
+        if min_value is not None and value < min_value:
+            raise ValueError(f"{name} must be >= {min_value}, got {value}")
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     v = int(value)
