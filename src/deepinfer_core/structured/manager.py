@@ -61,7 +61,10 @@ class _Request:
 
 
 class StructuredOutputManager:
-    """Grammar state for every constrained request of an engine, over one :class:`GrammarBackend`."""
+    """Grammar state for every constrained request of an engine, over one :class:`GrammarBackend`.
+
+    Call it from one thread (the engine loop); only compilation runs on the pool.
+    """
 
     def __init__(self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256) -> None:
         if compile_workers < 1:
@@ -130,6 +133,10 @@ class StructuredOutputManager:
             req.finish = FinishReason.INVALID_GRAMMAR
             self._errors[request_id] = str(e)
             log.info("request %r: %s", request_id, e)
+        except Exception as e:  # an engine bug or a cancelled compile must not take the batch down
+            req.finish = FinishReason.INVALID_GRAMMAR
+            self._errors[request_id] = f"{type(e).__name__}: {e}"
+            log.exception("request %r: grammar compilation failed unexpectedly", request_id)
         return True
 
     def ready(self, request_ids: Iterable[Hashable]) -> list[Hashable]:

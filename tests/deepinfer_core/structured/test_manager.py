@@ -145,3 +145,19 @@ def test_batch_layout_and_buffer_checks(backend_for) -> None:
         mgr.add_request(0, {"regex": "x"})
     with pytest.raises(ValueError, match="so_args"):
         mgr.add_request(9, {"regex": "x", "ebnf": "y"})
+
+
+class CrashingBackend(GatedBackend):
+    def compile(self, spec: GrammarSpec) -> object:
+        if spec.kind == "ebnf":
+            raise RuntimeError("engine bug")
+        return self.inner.compile(spec)
+
+
+def test_unexpected_compile_exception_fails_only_that_request(backend_for) -> None:
+    mgr = StructuredOutputManager(CrashingBackend(backend_for("xgrammar", "byte"), {}))
+    mgr.add_request("crash", {"ebnf": 'root ::= "a"'})
+    mgr.add_request("ok", {"regex": "a"})
+    mgr.wait(["crash", "ok"])
+    assert mgr.finish_reason("crash") is FinishReason.INVALID_GRAMMAR and "engine bug" in mgr.error("crash")
+    assert mgr.finish_reason("ok") is None and mgr.fill_bitmask([("ok", [])]).num_rows == 1
