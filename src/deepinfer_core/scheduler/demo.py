@@ -22,7 +22,8 @@ def _fake_model(plan: Plan, last: dict[str, int]) -> np.ndarray:
     for i, rid in enumerate(plan.request_ids):
         prev = int(plan.token_ids[ends[i] - 1])
         prev = last.get(rid, 0) if prev < 0 else prev  # placeholder: this model's own previous sample
-        h = sum(rid.encode()) * 1_000_003  # stable across runs, unlike hash(str) + int(plan.context_lens[i]) * 7_919 + prev * 31
+        # sum of the id's bytes: stable across runs, unlike hash(str)
+        h = sum(rid.encode()) * 1_000_003 + int(plan.context_lens[i]) * 7_919 + prev * 31
         x = (h * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
         out[i] = 32 + ((x ^ (x >> 29)) >> 16) % 95  # printable bytes, never EOS
         last[rid] = int(out[i])
