@@ -16,7 +16,7 @@ from deepinfer_core.scheduler import CostModel, Plan, Request, Scheduler, Schedu
 from deepinfer_core.tokenizer import ByteTokenizer
 
 
-def _fake_model(plan: Plan, last: dict[str, int]) -> np.ndarray:
+def _fake_model(plan: Plan, last: dict[str, int], space_id: int) -> np.ndarray:
     out = np.zeros(plan.num_rows, dtype=np.int32)
     ends = np.cumsum(plan.num_tokens)
     for i, rid in enumerate(plan.request_ids):
@@ -25,7 +25,7 @@ def _fake_model(plan: Plan, last: dict[str, int]) -> np.ndarray:
         # sum of the id's bytes: stable across runs, unlike hash(str)
         h = sum(rid.encode()) * 1_000_003 + int(plan.context_lens[i]) * 7_919 + prev * 31
         x = (h * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        out[i] = 32 + ((x ^ (x >> 29)) >> 16) % 95  # printable bytes, never EOS
+        out[i] = space_id + ((x ^ (x >> 29)) >> 16) % 95  # ids of printable ASCII, never EOS
         last[rid] = int(out[i])
     return out
 
@@ -64,7 +64,7 @@ def demo() -> None:
             preempted += len(plan.preempted)
             if plan.step_type is StepType.PREFILL:
                 chunk_tokens.append(plan.total_tokens)
-            inflight.append((plan, _fake_model(plan, last)))
+            inflight.append((plan, _fake_model(plan, last, tok.encode(" ")[0])))
         if inflight and (len(inflight) > 1 or not sched.num_live):
             finished += sched.update(*inflight.popleft())
     print(f"  steps: {steps[StepType.PREFILL]} prefill (tokens/step {min(chunk_tokens)}-{max(chunk_tokens)}), "
