@@ -39,11 +39,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     if rope_dim == 0:
         return x
     ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, r/2]
-    shape = [ang.shape[0]] + [1] * (x.dim() - 2) + [ang.shape[1]]
-    cos = torch.cos(ang).view(shape).to(x.dtype)
-    sin = torch.sin(ang).view(shape).to(x.dtype)
-    head, tail = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
-    t = tail.unflatten(-1, (rope_dim // 2, 2))
+    shape = (ang.shape[0],) + (1,) * (x.dim() - 2) + (ang.shape[1],)
+    cos = torch.cos(ang).to(x.dtype).view(shape)
+    sin = torch.sin(ang).to(x.dtype).view(shape)
+    d = x.shape[-1]
+    t = x[..., d - rope_dim :].reshape(*x.shape[:-1], rope_dim // 2, 2)
     a, b = t[..., 0], t[..., 1]
-    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((head, rot), dim=-1)
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(*x.shape[:-1], rope_dim)
+    return torch.cat((x[..., : d - rope_dim], rot), dim=-1)
