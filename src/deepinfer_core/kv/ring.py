@@ -4,9 +4,13 @@ A layer's sliding-window KV lives in a ring of ``R = window + backtracking`` tok
 at the released shape). Token position ``p`` (0-based, absolute) is stored at ring index ``p % R``.
 After ``n`` tokens the ring holds positions ``[max(0, n - R), n)``; attention reads only the last
 ``window`` of them, ``[max(0, n - window), n)``. The ``backtracking`` spare slots exist so that a rejected
-speculative draft can be rolled back: after dropping the last ``k`` tokens, the window of the shorter
-sequence, ``[n - k - window, n - k)``, is still in the ring iff ``k <= backtracking`` (or the sequence is
-shorter than the ring). A rollback writes nothing: the next writes simply overwrite the dropped slots.
+speculative draft can be rolled back. A rollback writes nothing (the next writes overwrite the dropped
+slots), so what is still intact depends on the *high-water mark* ``hw``, the largest token count ever
+written since the slots were last valid: the ring holds positions ``[max(0, hw - R), n)``. Rolling back
+``k`` more tokens keeps the whole window iff ``hw <= R`` (nothing overwritten yet) or
+``k <= backtracking - (hw - n)``: rollbacks between two writes that reach a new high-water mark share one
+budget of ``backtracking`` tokens. Functions take ``high_water`` (default: ``num_tokens``, i.e. no
+outstanding rollback); callers keep ``hw = max(hw, n)`` after each write.
 All functions take Python ints or int64 numpy arrays (vectorised over a batch).
 """
 
@@ -63,11 +67,23 @@ def surviving_write(start: int, count: int, window: int, backtracking: int) -> t
     return first, s + c - first
 
 
-def held_range(num_tokens: IntOrArray, window: int, backtracking: int) -> tuple[IntOrArray, IntOrArray]:
-    """[lo, hi) of the positions physically present in the ring after ``num_tokens`` tokens."""
+def _hw(num_tokens: IntOrArray, high_water: IntOrArray | None) -> IntOrArray:
+    if high_water is None:
+        return num_tokens
+    hw = _nonneg("high_water", high_water)
+    if np.asarray(hw < num_tokens).any():
+        raise ValueError(f"high_water ({high_water}) must be >= num_tokens ({num_tokens})")
+    return hw
+
+
+def held_range(
+    num_tokens: IntOrArray, window: int, backtracking: int, high_water: IntOrArray | None = None
+) -> tuple[IntOrArray, IntOrArray]:
+    """[lo, hi) of the valid positions physically present in the ring: [max(0, hw - R), n)."""
     n = _nonneg("num_tokens", num_tokens)
+    hw = _hw(n, high_water)
     r = _ring(window, backtracking)
-    return np.maximum(n - r, 0) if isinstance(n, np.ndarray) else max(n - r, 0), n
+    return np.maximum(hw - r, 0) if isinstance(hw, np.ndarray) else max(hw - r, 0), n
 
 
 def live_range(num_tokens: IntOrArray, window: int, backtracking: int = 0) -> tuple[IntOrArray, IntOrArray]:
@@ -84,37 +100,43 @@ def live_ring_indices(num_tokens: int, window: int, backtracking: int) -> np.nda
     return np.arange(lo, hi, dtype=np.int64) % _ring(window, backtracking)
 
 
-def ring_positions(num_tokens: int, window: int, backtracking: int) -> np.ndarray:
-    """int64 [R]: the absolute position each ring slot holds after ``num_tokens`` tokens (-1: empty)."""
+def ring_positions(num_tokens: int, window: int, backtracking: int, high_water: int | None = None) -> np.ndarray:
+    """int64 [R]: the valid position each ring slot holds (-1: empty, or stale after a rollback)."""
     n = check_int("num_tokens", num_tokens, min_value=0)
+    hw = int(_hw(n, high_water))
     r = _ring(window, backtracking)
     idx = np.arange(r, dtype=np.int64)
-    # largest p < n with p % r == idx
-    last = n - 1 - ((n - 1 - idx) % r)
-    return np.where(idx < n, last, -1)
+    last = hw - 1 - ((hw - 1 - idx) % r)  # largest p < hw with p % r == idx: the last write there
+    return np.where((idx < hw) & (last < n), last, -1)
 
 
-def max_rollback(num_tokens: IntOrArray, window: int, backtracking: int) -> IntOrArray:
+def max_rollback(
+    num_tokens: IntOrArray, window: int, backtracking: int, high_water: IntOrArray | None = None
+) -> IntOrArray:
     """Largest k for which rolling back k tokens keeps the whole remaining window in the ring."""
     n = _nonneg("num_tokens", num_tokens)
+    hw = _hw(n, high_water)
     r = _ring(window, backtracking)
-    # While n <= R nothing has been overwritten yet: any rollback (to 0) keeps the window intact.
-    if isinstance(n, np.ndarray):
-        return np.where(n <= r, n, backtracking)
-    return n if n <= r else backtracking
+    # While hw <= R nothing has been overwritten: any rollback (down to 0) keeps the window intact.
+    budget = backtracking - (hw - n)
+    if isinstance(n, np.ndarray) or isinstance(hw, np.ndarray):
+        return np.where(hw <= r, n, np.clip(budget, 0, None))
+    return n if hw <= r else max(budget, 0)
 
 
-def rollback(num_tokens: IntOrArray, k: IntOrArray, window: int, backtracking: int) -> IntOrArray:
-    """New token count after dropping the last ``k`` tokens (rejected drafts). ValueError if the remaining
-    window would need overwritten slots (``k > max_rollback``) or ``k > num_tokens``."""
+def rollback(
+    num_tokens: IntOrArray, k: IntOrArray, window: int, backtracking: int, high_water: IntOrArray | None = None
+) -> IntOrArray:
+    """New token count after dropping the last ``k`` tokens (rejected drafts); the high-water mark does
+    not move. ValueError if the remaining window would need overwritten slots (``k > max_rollback``)."""
     n = _nonneg("num_tokens", num_tokens)
     kk = _nonneg("k", k)
-    limit = max_rollback(n, window, backtracking)
+    limit = max_rollback(n, window, backtracking, high_water)
     bad = np.asarray(kk > limit)
     if bad.any():
         raise ValueError(
-            f"rollback of k={kk} tokens from num_tokens={n} exceeds the ring's backtracking "
-            f"({backtracking}): at most {limit} allowed"
+            f"rollback of k={kk} tokens from num_tokens={n} (high_water={high_water}) exceeds the ring's "
+            f"backtracking ({backtracking}): at most {limit} allowed"
         )
     return n - kk
 

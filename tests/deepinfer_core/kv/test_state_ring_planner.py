@@ -24,18 +24,20 @@ class RingSim:
     def __init__(self, r: int) -> None:
         self.slots = [-1] * r
         self.n = 0
+        self.hw = 0
 
     def write(self, count: int) -> None:
         for _ in range(count):
             self.slots[self.n % len(self.slots)] = self.n
             self.n += 1
+        self.hw = max(self.hw, self.n)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     window=st.integers(1, 12),
     back=st.integers(0, 6),
-    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=30),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=40),
 )
 def test_ring_matches_simulation(window: int, back: int, ops: list[tuple[bool, int]]) -> None:
     r = window + back
@@ -51,23 +53,29 @@ def test_ring_matches_simulation(window: int, back: int, ops: list[tuple[bool, i
             sim.write(amount)
         else:
             k = min(amount, sim.n)
-            limit = ring.max_rollback(sim.n, window, back)
+            limit = ring.max_rollback(sim.n, window, back, sim.hw)
+            # brute-force limit: the largest k such that every rollback up to k leaves an intact window
+            brute = 0
+            while brute < sim.n and all(
+                sim.slots[p % r] == p for p in range(max(0, sim.n - brute - 1 - window), sim.n - brute - 1)
+            ):
+                brute += 1
+            assert limit == brute
             if k > limit:
                 with pytest.raises(ValueError, match="backtracking"):
-                    ring.rollback(sim.n, k, window, back)
+                    ring.rollback(sim.n, k, window, back, sim.hw)
                 continue
-            sim.n = ring.rollback(sim.n, k, window, back)
+            sim.n = ring.rollback(sim.n, k, window, back, sim.hw)
         n = sim.n
         # live window: every position the attention reads is physically in its slot
         live = ring.live_ring_indices(n, window, back)
         lo, hi = ring.live_range(n, window, back)
         assert list(range(lo, hi)) == [sim.slots[i] for i in live]
-        # ring_positions agrees with the simulated slots for every position still at or below n
-        pos = ring.ring_positions(n, window, back)
-        for i in range(r):
-            if pos[i] >= 0:
-                assert sim.slots[i] >= pos[i]  # a rolled-back write may still sit there, newer
-        assert set(range(*ring.held_range(n, window, back))) <= set(p for p in pos.tolist() if p >= 0)
+        # ring_positions: exactly the slots holding a valid (not rolled-back) position
+        pos = ring.ring_positions(n, window, back, sim.hw)
+        assert pos.tolist() == [p if 0 <= p < n else -1 for p in sim.slots]
+        hlo, hhi = ring.held_range(n, window, back, sim.hw)
+        assert sorted(p for p in pos.tolist() if p >= 0) == list(range(hlo, hhi))
 
 
 def test_max_rollback_is_exact() -> None:
@@ -83,6 +91,14 @@ def test_max_rollback_is_exact() -> None:
     assert ring.max_rollback(arr, w, b).tolist() == [10, 6, 134]
     assert ring.rollback(arr, np.array([3, 6, 0]), w, b).tolist() == [7, 494, 134]
     assert ring.write_index(np.array([0, 133, 134, 1000]), w, b).tolist() == [0, 133, 0, 1000 % 134]
+    # rollbacks share one budget until a write reaches a new high-water mark
+    n = ring.rollback(1000, 5, w, b, high_water=1000)
+    assert ring.max_rollback(n, w, b, high_water=1000) == 1
+    with pytest.raises(ValueError, match="at most 1"):
+        ring.rollback(n, 2, w, b, high_water=1000)
+    assert ring.max_rollback(np.array([995, 990]), w, b, high_water=np.array([1000, 1000])).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="high_water"):
+        ring.max_rollback(10, w, b, high_water=5)
 
 
 def test_accumulator_fill_rule() -> None:
