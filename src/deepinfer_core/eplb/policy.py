@@ -26,8 +26,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-# Each swap pass costs about one [rows, packs/2, cap, cap] array op; 12 passes take the mean over-load of
-# a Zipf(0.8) EP64 plan from ~0.55% (public greedy) to ~0.16% (benchmarks/eplb.py measures the cost).
+# Each swap pass costs one or two [rows, 8..packs/2, cap, 8 x cap] array ops. On Zipf loads at EP64, 12
+# passes take the mean overload from 0.1-1.5% (public greedy) to 0.04-0.09% for about the greedy's own
+# time again; more passes help little (benchmarks/eplb.py, docs/performance.md).
 DEFAULT_REFINE_PASSES = 12
 
 
