@@ -182,6 +182,7 @@ __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec,
   if (sample) ++r.pending;
   ++r.in_flight;
   ++r.schedule_cnt;
+  out.width = std::max<int64_t>(out.width, static_cast<int64_t>(r.blocks.size()));  // final after all reservations
   rec.slots.push_back(slot);
   rec.seq_ids.push_back(r.seq_id);
   rec.sample.push_back(sample ? 1 : 0);
@@ -391,9 +392,7 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
   // Block tables from the mirrors (identical to pool_.fill_block_tables on these ids, which the
   // invariant check and the tests verify, without a hash lookup per row).
   const size_t n = rec.slots.size();
-  size_t width = 0;
-  for (int32_t slot : rec.slots) width = std::max(width, at(slot).blocks.size());
-  out.width = static_cast<int64_t>(width);
+  const size_t width = static_cast<size_t>(out.width);
   out.block_tables.assign(n * width, 0);
   for (size_t k = 0; k < n; ++k) {
     const auto& b = at(rec.slots[k]).blocks;
