@@ -1,9 +1,22 @@
-"""Body of the multi-process sharded-table tests: runs in each gloo rank (spawned by test_sharded.py)."""
+"""Self-check of ShardedEngramTable over a real process group: every rank compares its sharded fetches
+with a local lookup of the same table (random ids with duplicates, ids owned by one rank only, empty
+requests, int32 ids, uneven blocks, bf16 and fp8) and checks that an out-of-range id on one rank fails
+there only. Used by the multi-process tests; also a quick check of a new cluster set-up:
+
+    python -m deepinfer_core.engram.selfcheck --world 4            # gloo processes on this machine
+
+Lives in the package (not under tests/) so spawned ranks can import it whatever pytest's import mode.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import tempfile
+
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def _values(num_rows: int, dim: int) -> torch.Tensor:
@@ -11,11 +24,12 @@ def _values(num_rows: int, dim: int) -> torch.Tensor:
     return torch.randn(num_rows, dim, generator=g) * torch.exp2(torch.randint(-6, 6, (num_rows, 1), generator=g).float())
 
 
-def run(rank: int, world: int, init_file: str) -> None:
+def run(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
+    """One rank's part (the target of ``torch.multiprocessing.start_processes``); raises on a mismatch."""
     from deepinfer_core.engram import LocalEngramTable, ShardedEngramTable, shard_range
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         g = torch.Generator().manual_seed(rank)
         for fmt in ("bf16", "fp8"):
@@ -59,3 +73,23 @@ def run(rank: int, world: int, init_file: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def spawn(world: int, init_file: str, backend: str = "gloo") -> None:
+    """Run the check on ``world`` local processes, forked from a forkserver that imported torch once
+    (spawning would import torch in every rank; plain fork is unsafe after torch's thread pools start)."""
+    mp.set_forkserver_preload(["torch", "torch.distributed", "deepinfer_core.engram"])
+    mp.start_processes(run, args=(world, init_file, backend), nprocs=world, join=True, start_method="forkserver")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="number of local processes")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        spawn(args.world, os.path.join(d, "init"))
+    print(f"engram selfcheck: sharded fetch equals local lookup on {args.world} gloo processes")
+
+
+if __name__ == "__main__":
+    main()
