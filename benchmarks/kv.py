@@ -17,6 +17,10 @@ cost per block, and the torch-reference cache formats.
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -26,6 +30,21 @@ from deepinfer_core.kv import PagedKVPool, PrefixIndex, formats
 
 BENCH = "kv"
 BS = 64
+
+
+def side_by_side(fa: Callable[[], object], fb: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Median seconds of fa and fb, timed alternately (A B A B ...) so machine-load drift hits both."""
+    fa()
+    fb()
+    ta, tb = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fa()
+        ta.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fb()
+        tb.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def _pool_with(n_seqs: int, rng: np.random.Generator) -> tuple[PagedKVPool, np.ndarray]:
@@ -82,17 +101,15 @@ def _ops_at(n: int, reps: int, rng: np.random.Generator, series: dict[str, list[
             pool.append_slots(int(s), 1)
 
     p = {"live_seqs": n, "block_size": BS, "ops": reps}
-    for name, fn, per in (
-        ("allocate_free_impl", alloc_free_impl, reps),
-        ("allocate_free_wrapper", alloc_free_wrapper, reps),
-        ("fork_free_impl", fork_free_impl, reps),
-        ("fork_free_wrapper", fork_free_wrapper, reps),
-        ("append1_impl", append_impl, reps),
-        ("append1_wrapper", append_wrapper, reps),
+    for name, fi, fw in (
+        ("allocate_free", alloc_free_impl, alloc_free_wrapper),
+        ("fork_free", fork_free_impl, fork_free_wrapper),
+        ("append1", append_impl, append_wrapper),
     ):
-        t = time_it(fn, repeat=3, warmup=1) / per
-        emit(BENCH, p, name, t * 1e9, "ns/op")
-        series.setdefault(name, []).append((n, t * 1e9))
+        ti, tw = side_by_side(fi, fw, rounds=5)
+        emit(BENCH, p, f"{name}_impl", ti / reps * 1e9, "ns/op")
+        emit(BENCH, p, f"{name}_wrapper", tw / reps * 1e9, "ns/op")
+        series.setdefault(f"{name}_impl", []).append((n, ti / reps * 1e9))
 
     # (b) one decode step for all sequences
     def step_batched() -> None:
@@ -102,8 +119,7 @@ def _ops_at(n: int, reps: int, rng: np.random.Generator, series: dict[str, list[
         for s in ids.tolist():
             impl.append_slots(s, 1)
 
-    tb = time_it(step_batched, repeat=3, warmup=1)
-    tl = time_it(step_loop, repeat=3, warmup=1)
+    tb, tl = side_by_side(step_batched, step_loop, rounds=7)
     emit(BENCH, p, "decode_append_batched", tb / n * 1e9, "ns/seq")
     emit(BENCH, p, "decode_append_python_loop", tl / n * 1e9, "ns/seq")
     emit(BENCH, p, "decode_append_speedup", tl / tb, "x")
@@ -124,9 +140,8 @@ def _ops_at(n: int, reps: int, rng: np.random.Generator, series: dict[str, list[
             out[i, : len(row)] = row
             out[i, len(row) :] = 0
 
-    te = time_it(export_batched, repeat=5, warmup=1)
+    te, tx = side_by_side(export_batched, export_loop, rounds=5)
     ti = time_it(export_into, repeat=5, warmup=1)
-    tx = time_it(export_loop, repeat=3, warmup=1)
     pe = {**p, "width": width}
     emit(BENCH, pe, "block_tables_export", te * 1e3, "ms")
     emit(BENCH, pe, "block_tables_export_per_seq", te / n * 1e9, "ns/seq")
