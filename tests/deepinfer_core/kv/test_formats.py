@@ -221,3 +221,17 @@ def test_torch_free_sizes_agree(name: str) -> None:
     dims = [576, 704] if name == "v32" else [64, 128, 512]
     for d in dims:
         assert bytes_per_token(name, d) == F.get_format(name, d).bytes_per_token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", F.FORMATS)
+def test_reference_is_bit_identical_on_cuda(name: str) -> None:
+    # The torch reference is the byte contract for device kernels: it must give the same bytes on CUDA.
+    f = F.get_format(name)
+    x, seed = fresh(257, f.dim, 64 if name == "v32" else 16)
+    x[5, 3], x[6, 4] = float("inf"), -1e30
+    cpu = f.quantize(x)
+    gpu = f.quantize(x.cuda())
+    assert gpu.device.type == "cuda"
+    assert torch.equal(gpu.cpu(), cpu), f"seed {seed}"
+    assert torch.equal(f.dequantize(gpu).cpu(), f.dequantize(cpu)), f"seed {seed}"
