@@ -1,13 +1,16 @@
-"""Model executor: prefill and decode tokens/s of the tiny config on CPU (reference backend).
+"""Model executor: prefill and decode tokens/s (reference backend), tiny config on CPU by default.
 
 (a) Prefill: one request of T tokens in one chunk through ``ModelExecutor.execute`` (caches written),
-    next to the cache-free ``forward_full`` of the same tokens, and with KV quantisation on and off.
-(b) Decode: B requests with a 128-token context each, one token per request per step, for B in a sweep;
-    quantisation on (FP4 / FP8 / MXFP4 caches) and off, row-wise path and per-request path. Side by
-    side in one run, float32, 1 thread. Throughput is quoted per CPU second of this process (the
-    machine is shared); wall-clock figures are emitted too.
+    next to the cache-free ``forward_full`` of the same tokens, with KV quantisation on and off.
+(b) Decode: B requests with a fixed context each, one token per request per step, for B in a sweep;
+    quantisation on (FP4 / FP8 / MXFP4 caches) and off, row-wise path and per-request path.
+Side by side in one run. On the CPU, throughput is quoted per CPU second of this process (the machine is
+shared; wall-clock figures are emitted too). With ``--device cuda`` times are synchronised wall clock.
+``--config wide`` is the released V4.1-Flash width (hidden 5120, 64 heads x 512, indexer 32 x 128,
+top-k 512, window 128) cut to 6 layers and 8 experts so it fits one GPU: a GPU benchmark of the torch
+reference, not of production kernels.
 
-    python benchmarks/model.py [--quick] [--plot] [--threads N]
+    python benchmarks/model.py [--quick] [--plot] [--threads N] [--device cuda] [--config wide]
 """
 
 from __future__ import annotations
@@ -22,10 +25,53 @@ from tqdm import tqdm
 
 from _common import emit, log, out_path, parser
 from deepinfer_core.kv import PagedKVPool
-from deepinfer_core.model import DeepSeekV41, ForwardBatch, ModelExecutor, tiny_config
+from deepinfer_core.model import (
+    DeepSeekV41,
+    ForwardBatch,
+    ModelConfig,
+    ModelExecutor,
+    flash_config,
+    tiny_config,
+)
 
 BENCH = "model"
-BLOCK = 16
+BLOCK = 64
+
+
+def wide_config() -> ModelConfig:
+    """V4.1-Flash widths, 6 layers (SWA, 2 x ratio 2, 3 x ratio 1 with a Reindex layer), 8 experts."""
+    return flash_config(num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3],
+                        index_source_layer_ids=[1, 3, 5], num_encoder_layers=3, candidate_source_layer_id=3,
+                        n_routed_experts=8, engram_layer_ids=[1], dspark_target_layer_ids=[5],
+                        num_nextn_predict_layers=0)
+
+
+class Clock:
+    """Seconds per call: CPU time of this process on the CPU, synchronised wall time on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.unit = "wall_s" if self.cuda else "cpu_s"
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def now(self) -> tuple[float, float]:
+        self._sync()
+        return (time.perf_counter() if self.cuda else time.process_time()), time.perf_counter()
+
+    def measure(self, fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+        """(median quoted seconds, median wall seconds) per call, after one warm-up call."""
+        fn()
+        q, w = [], []
+        for _ in range(repeat):
+            q0, w0 = self.now()
+            fn()
+            q1, w1 = self.now()
+            q.append(q1 - q0)
+            w.append(w1 - w0)
+        return statistics.median(q), statistics.median(w)
 
 
 def _executor(model: DeepSeekV41, quantize: bool, slots: int, tokens: int) -> tuple[ModelExecutor, PagedKVPool]:
@@ -33,37 +79,28 @@ def _executor(model: DeepSeekV41, quantize: bool, slots: int, tokens: int) -> tu
     return ModelExecutor(model, blocks, BLOCK, slots, quantize=quantize), PagedKVPool(blocks, BLOCK)
 
 
-def cpu_time_it(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """(median CPU seconds, median wall seconds) per call. CPU time of this process is what we quote:
-    the benchmark machine is shared, and wall time there mostly measures the neighbours."""
-    fn()
-    cpu, wall = [], []
-    for _ in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return statistics.median(cpu), statistics.median(wall)
-
-
-def bench_prefill(model: DeepSeekV41, t: int, repeat: int) -> None:
+def bench_prefill(model: DeepSeekV41, clock: Clock, base: dict, t: int, repeat: int) -> None:
+    dev = next(model.parameters()).device
     toks = torch.randint(0, model.cfg.vocab_size, (t,))
-    params = {"config": "tiny", "tokens": t, "dtype": "float32"}
-    sec_full, wall = cpu_time_it(lambda: model.forward_full(toks), repeat)
-    emit(BENCH, {**params, "path": "forward_full"}, "prefill_tokens_per_cpu_s", t / sec_full, "tok/s")
-    emit(BENCH, {**params, "path": "forward_full"}, "prefill_tokens_per_wall_s", t / wall, "tok/s")
+    params = {**base, "tokens": t}
+    sec_full, wall = clock.measure(lambda: model.forward_full(toks.to(dev)), repeat)
+    emit(BENCH, {**params, "path": "forward_full"}, f"prefill_tokens_per_{clock.unit}", t / sec_full, "tok/s")
+    if not clock.cuda:
+        emit(BENCH, {**params, "path": "forward_full"}, "prefill_tokens_per_wall_s", t / wall, "tok/s")
     for q in (False, True):
         ex, pool = _executor(model, q, 1, t)
         pool.allocate(0, t)
         b = ForwardBatch(token_ids=toks.numpy(), query_lens=[t], start_pos=[0], block_tables=pool.block_tables([0]),
                          state_slots=[0], num_logits=[1])
-        sec, wall = cpu_time_it(lambda ex=ex, b=b: ex.execute(b), repeat)
-        emit(BENCH, {**params, "path": "executor", "kv_quant": q}, "prefill_tokens_per_cpu_s", t / sec, "tok/s")
-        emit(BENCH, {**params, "path": "executor", "kv_quant": q}, "prefill_tokens_per_wall_s", t / wall, "tok/s")
-        emit(BENCH, {**params, "path": "executor", "kv_quant": q}, "prefill_time_ratio_vs_forward_full", sec / sec_full, "x")
+        sec, wall = clock.measure(lambda ex=ex, b=b: ex.execute(b), repeat)
+        p = {**params, "path": "executor", "kv_quant": q}
+        emit(BENCH, p, f"prefill_tokens_per_{clock.unit}", t / sec, "tok/s")
+        if not clock.cuda:
+            emit(BENCH, p, "prefill_tokens_per_wall_s", t / wall, "tok/s")
+        emit(BENCH, p, "prefill_time_ratio_vs_forward_full", sec / sec_full, "x")
 
 
-def bench_decode(model: DeepSeekV41, batch: int, ctx: int, steps: int) -> dict[str, float]:
+def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: int, steps: int) -> dict[str, float]:
     """Decode steps of ``batch`` requests at context ``ctx``; returns tok/s per configuration."""
     res = {}
     for q, row_path in ((False, True), (True, True), (True, False)):
@@ -82,38 +119,54 @@ def bench_decode(model: DeepSeekV41, batch: int, ctx: int, steps: int) -> dict[s
                                     block_tables=tables, state_slots=list(range(batch)), num_logits=[1] * batch))
 
         step(ctx)  # warm-up at ctx; the timed loop starts at ctx again (a rollback of one token)
-        t0, c0 = time.perf_counter(), time.process_time()
+        q0, w0 = clock.now()
         for s in range(ctx, ctx + steps):
             step(s)
-        sec, cpu = (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+        q1, w1 = clock.now()
+        sec, wall = (q1 - q0) / steps, (w1 - w0) / steps
         key = f"{'quant' if q else 'exact'}-{'rows' if row_path else 'per_request'}"
-        res[key] = batch / cpu
-        params = {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": q,
-                  "path": "rows" if row_path else "per_request", "dtype": "float32"}
-        emit(BENCH, params, "decode_tokens_per_cpu_s", batch / cpu, "tok/s")
-        emit(BENCH, params, "decode_tokens_per_wall_s", batch / sec, "tok/s")
-        emit(BENCH, params, "decode_cpu_ms_per_step", cpu * 1e3, "ms")
-    emit(BENCH, {"config": "tiny", "batch": batch, "context": ctx, "kv_quant": True},
+        res[key] = batch / sec
+        params = {**base, "batch": batch, "context": ctx, "kv_quant": q, "path": "rows" if row_path else "per_request"}
+        emit(BENCH, params, f"decode_tokens_per_{clock.unit}", batch / sec, "tok/s")
+        if not clock.cuda:
+            emit(BENCH, params, "decode_tokens_per_wall_s", batch / wall, "tok/s")
+        emit(BENCH, params, f"decode_ms_per_step_{clock.unit.removesuffix('_s')}", sec * 1e3, "ms")
+    emit(BENCH, {**base, "batch": batch, "context": ctx, "kv_quant": True},
          "decode_speedup_rows_vs_per_request", res["quant-rows"] / res["quant-per_request"], "x")
     return res
 
 
 def main() -> None:
     ap = parser(__doc__ or "")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: shared CPU)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1: shared)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--config", choices=("tiny", "wide"), default="tiny")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = DeepSeekV41.from_config(tiny_config(), seed=0, dtype=torch.float32)
-    prefill = [128] if args.quick else [128, 512, 1024]
-    batches = [1, 4] if args.quick else [1, 4, 16, 32]
+    wide = args.config == "wide"
+    cfg = wide_config() if wide else tiny_config()
+    dtype = torch.bfloat16 if (wide and dev.type == "cuda") else torch.float32
+    model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=dev.type == 'cuda')
+    clock = Clock(dev)
+    base = {"config": args.config, "device": dev.type, "dtype": str(dtype).removeprefix("torch.")}
+    if wide:
+        prefill = [1024] if args.quick else [1024, 4096]
+        batches = [1, 8] if args.quick else [1, 8, 32, 64]
+        ctx = 1024
+    else:
+        prefill = [128] if args.quick else [128, 512, 1024]
+        batches = [1, 4] if args.quick else [1, 4, 16, 32]
+        ctx = 128
     steps = 3 if args.quick else 16
     repeat = 1 if args.quick else 3
     for t in tqdm(prefill, desc="prefill", disable=args.quick):
-        bench_prefill(model, t, repeat)
+        bench_prefill(model, clock, base, t, repeat)
     curve = {}
     for b in tqdm(batches, desc="decode", disable=args.quick):
-        curve[b] = bench_decode(model, b, 128, steps)
+        curve[b] = bench_decode(model, clock, base, b, ctx, steps)
     if args.plot:
         import matplotlib
 
@@ -124,11 +177,11 @@ def main() -> None:
         for key in curve[batches[0]]:
             ax.plot(batches, [curve[b][key] for b in batches], marker="o", label=key)
         ax.set_xlabel("decode batch (requests)")
-        ax.set_ylabel("tokens per CPU second")
-        ax.set_title("tiny config decode, CPU, 1 thread")
+        ax.set_ylabel(f"tokens per {'second' if clock.cuda else 'CPU second'}")
+        ax.set_title(f"{args.config} config decode, {dev.type}, context {ctx}")
         ax.legend()
         fig.tight_layout()
-        p = out_path("model_decode.png")
+        p = out_path(f"model_decode_{args.config}_{dev.type}.png")
         fig.savefig(p, dpi=120)
         log(f"wrote {p}")
 

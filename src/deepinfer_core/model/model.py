@@ -70,20 +70,29 @@ class DeepSeekV41(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> DeepSeekV41:
-        """A model with seeded random weights (no files needed)."""
-        m = cls(cfg)
-        m.reset_parameters(seed)
+                    device: str | torch.device = "cpu", init_on_device: bool = False) -> DeepSeekV41:
+        """A model with seeded random weights (no files needed).
+
+        Weights are drawn on the CPU by default, so a seed gives the same model on every device;
+        ``init_on_device`` draws them on ``device`` instead (fast for wide GPU configs, other values).
+        """
+        if init_on_device:
+            with torch.device(device):
+                m = cls(cfg)
+            m.reset_parameters(seed, device)
+        else:
+            m = cls(cfg)
+            m.reset_parameters(seed)
         return m.to(dtype=dtype, device=device)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.embed.copy_(torch.randn(self.embed.shape, generator=gen))
+    def reset_parameters(self, seed: int, device: str | torch.device = "cpu") -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.embed.copy_(torch.randn(self.embed.shape, generator=gen, device=gen.device))
         if self.head is not None:
-            self.head.copy_(torch.randn(self.head.shape, generator=gen) / math.sqrt(self.cfg.hidden_size))
+            self.head.copy_(torch.randn(self.head.shape, generator=gen, device=gen.device) / math.sqrt(self.cfg.hidden_size))
         for n in [self.norm] + [m for b in self.layers for m in (b.attn_norm, b.ffn_norm)]:
-            n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen))
+            n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen, device=gen.device))
         for b in self.layers:
             b.attn.reset_parameters(gen)
             b.ffn.reset_parameters(gen)

@@ -53,10 +53,10 @@ class Attention(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
         for p in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+            p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) / math.sqrt(p.shape[-1]))
         for n in (self.q_norm, self.kv_norm):
-            n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen))
-        self.attn_sink.copy_(torch.randn(self.attn_sink.shape, generator=gen) * 0.5)
+            n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen, device=gen.device))
+        self.attn_sink.copy_(torch.randn(self.attn_sink.shape, generator=gen, device=gen.device) * 0.5)
         for m in ("compressor", "index_compressor", "indexer"):
             if hasattr(self, m):
                 getattr(self, m).reset_parameters(gen)

@@ -33,11 +33,11 @@ class Compressor(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
-        self.wkv.copy_(torch.randn(self.wkv.shape, generator=gen) / math.sqrt(self.wkv.shape[1]))
+        self.wkv.copy_(torch.randn(self.wkv.shape, generator=gen, device=gen.device) / math.sqrt(self.wkv.shape[1]))
         if self.ratio > 1:
-            self.wgate.copy_(torch.randn(self.wgate.shape, generator=gen) / math.sqrt(self.wgate.shape[1]))
-            self.ape.copy_(torch.randn(self.ape.shape, generator=gen) * 0.5)
-        self.norm.weight.copy_(1 + 0.1 * torch.randn(self.norm.weight.shape, generator=gen))
+            self.wgate.copy_(torch.randn(self.wgate.shape, generator=gen, device=gen.device) / math.sqrt(self.wgate.shape[1]))
+            self.ape.copy_(torch.randn(self.ape.shape, generator=gen, device=gen.device) * 0.5)
+        self.norm.weight.copy_(1 + 0.1 * torch.randn(self.norm.weight.shape, generator=gen, device=gen.device))
 
     @property
     def state_dim(self) -> int:

@@ -31,7 +31,7 @@ class IndexerQuery(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
         for p in (self.wq, self.weights_proj):
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) / math.sqrt(p.shape[1]))
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [N, heads, dim] roped, weights [N, heads] with the 1/sqrt(heads * dim) scale folded in)."""

@@ -62,9 +62,9 @@ class MoE(nn.Module):
     def reset_parameters(self, gen: torch.Generator) -> None:
         for name, p in self.named_parameters():
             if name == "gate_bias":
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) * 0.1)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+                p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) / math.sqrt(p.shape[-1]))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [N, k] and weights [N, k] for tokens ``x`` [N, D]."""
