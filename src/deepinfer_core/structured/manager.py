@@ -200,16 +200,13 @@ class StructuredOutputManager:
         bm, a, tail = self._views(total, out)
         matchers = [self._active_matcher(rid) for rid, _ in batch]  # fail before touching any state
         k = [_fill_request(m, bm, off, d) for m, off, (_, d) in zip(matchers, offsets, batch)]
-        if tail is not None:
-            np.bitwise_and(tail, self._tail_keep, out=tail)
         offs, num_drafts, dead_end = np.array(offsets, dtype=np.int64), np.array(k, dtype=np.int64), np.zeros(n, dtype=bool)
-        # One vectorised pass finds rows that allow nothing: row 0 is a dead end of the request, a
-        # later row is a state a draft reached but no token can continue, so the draft is cut before
-        # it. (Rows past a request's surviving drafts copy its last valid row, so a dead row always
-        # lies within the valid ones.)
-        live = a.any(axis=1)
-        if not live.all():
-            dead_rows = np.flatnonzero(~live)
+        # One pass clears the padding bits and finds rows that allow nothing: row 0 is a dead end of
+        # the request, a later row is a state a draft reached but no token can continue, so the draft
+        # is cut before it. (Rows past a request's surviving drafts copy its last valid row, so a dead
+        # row always lies within the valid ones.)
+        dead_rows = _finish_rows(a, tail, self._tail_keep)
+        if len(dead_rows):
             for i in np.unique(np.searchsorted(offs, dead_rows, side="right") - 1):
                 self._cut_dead(batch[i][0], a, int(offs[i]), int(offs[i + 1]), num_drafts, dead_end, i)
         return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
@@ -267,10 +264,33 @@ class StructuredOutputManager:
         return len(tokens)
 
 
+def _finish_rows_numpy(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None) -> list[int]:
+    if tail is not None:
+        np.bitwise_and(tail, keep, out=tail)
+    return np.flatnonzero(~a.any(axis=1)).tolist()
+
+
+def _finish_rows(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None) -> list[int]:
+    """Clear padding bits, return the all-zero rows: C++ (stops at each row's first set word) or numpy."""
+    if _C_FINISH_ROWS is None:
+        return _finish_rows_numpy(a, tail, keep)
+    return _C_FINISH_ROWS(a, -1 if keep is None else int(np.uint32(keep.view(np.uint32))))
+
+
+try:  # the C++ pass is an optimisation; a tree whose extension predates it still works
+    from deepinfer_core._C import structured as _C_structured
+
+    _C_FINISH_ROWS = _C_structured.finish_rows
+except (ImportError, AttributeError):  # pragma: no cover - depends on the build
+    _C_FINISH_ROWS = None
+
+
 def _fill_request(m: GrammarMatcher, bm: torch.Tensor, base: int, drafts: Sequence[int]) -> int:
     """Accept-draft-then-fill rows ``base..base+k``; roll back; return how many drafts were accepted."""
     fill = getattr(m, "fill_unchecked", m.fill_next_token_bitmask)
     fill(bm, base)
+    if not drafts:
+        return 0
     accepted = 0
     for t in drafts:
         if not m.accept_token(int(t)):
