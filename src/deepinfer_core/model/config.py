@@ -80,6 +80,8 @@ class ModelConfig:
     candidate_topk_blocks: int = 2048
     # (choice) RoPE position of a compressed entry: "first" or "last" token of its group
     compress_rope_position: str = "first"
+    # (choice) RoPE pairs adjacent dims (DeepSeek-V3 reference code); False rotates the two halves
+    rope_interleave: bool = True
     rope_theta: float = 10000.0
     # (choice) layers with compress ratio > 0 use this base (and rope_scaling); SWA-only layers rope_theta
     compress_rope_theta: float | None = None
@@ -92,6 +94,7 @@ class ModelConfig:
     scoring_func: str = "sqrtsoftplus"
     norm_topk_prob: bool = True
     swiglu_limit: float = 0.0  # 0 = no clamp
+    shared_expert_clamp: bool = True  # (choice) whether the shared expert is clamped too
     tie_word_embeddings: bool = False
     # part 2 (parsed and validated here, built there): Engram, mHC, DSpark drafter
     engram_layer_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple_int)

@@ -213,3 +213,19 @@ def test_invalid_fields_are_named(model64: DeepSeekV41, field: str, kw: dict) ->
             "state_slots": [0], "num_logits": [1]}
     with pytest.raises(BatchError, match=field):
         s.ex.execute(ForwardBatch(**{**base, **kw}))
+
+
+@pytest.mark.parametrize(
+    ("base", "over"),
+    [({}, {"rope_interleave": False}), ({}, {"compress_rope_position": "last"}), ({}, {"compress_rope_theta": None}),
+     ({"swiglu_limit": 0.5}, {"swiglu_limit": 0.5, "shared_expert_clamp": False})],
+)
+def test_choice_switches_change_output_and_stay_exact(model64: DeepSeekV41, seq: torch.Tensor, base: dict, over: dict) -> None:
+    """Each config switch for a point where sources disagree is live (changes the logits), and the
+    executor still matches the oracle under it."""
+    before = _variant(model64, **base).forward_full(seq)[0] if base else model64.forward_full(seq)[0]
+    m = _variant(model64, **over)
+    want = m.forward_full(seq)[0]
+    assert (want - before).abs().max() > 1e-6
+    got = Session(m).run(0, seq, [50, 33, 37])
+    assert (got - want).abs().max().item() < TOL

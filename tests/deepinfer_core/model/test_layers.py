@@ -110,3 +110,15 @@ def test_indexer_topk_and_candidate_blocks_brute_force() -> None:
         keep = sorted(blocks, key=lambda b: (-bscore[b], b))[:2]
         want = sorted(e for b in keep for e in range(4 * b, min(4 * b + 4, v)))
         assert torch.nonzero(pool[n]).flatten().tolist() == want
+
+
+def test_rope_halves_variant_matches_complex_rotation() -> None:
+    x = torch.randn(7, 2, 20, dtype=D64)
+    pos = torch.randint(0, 5000, (7,))
+    inv = rope_inv_freq(12, 10000.0)
+    y = apply_rope(x, pos, inv, 12, interleave=False)
+    z = torch.complex(x[..., 8:14], x[..., 14:])  # dim i pairs with i + 6
+    rot = torch.polar(torch.ones(7, 6, dtype=D64), pos[:, None].to(D64) * inv[None])[:, None, :]
+    want = z * rot
+    assert torch.equal(y[..., :8], x[..., :8])
+    assert torch.allclose(y[..., 8:14], want.real, atol=1e-12) and torch.allclose(y[..., 14:], want.imag, atol=1e-12)

@@ -28,6 +28,7 @@ class Attention(nn.Module):
         self.ratio = cfg.ratio(layer_id)
         h, d, r = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
         self.n_heads, self.head_dim, self.rope_dim, self.o_groups = h, d, r, cfg.o_groups
+        self.rope_interleave = il = cfg.rope_interleave
         self.scale = 1.0 / math.sqrt(d)
         self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.hidden_size))
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -45,10 +46,10 @@ class Attention(nn.Module):
             inv = rope_inv_freq(r, cfg.rope_theta, None)
         self.register_buffer("inv_freq", inv, persistent=False)
         if self.kind == LAYER_FULL:
-            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position)
-            self.index_compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position)
+            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
+            self.index_compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
         if self.kind in (LAYER_FULL, LAYER_REINDEX):
-            self.indexer = IndexerQuery(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, r)
+            self.indexer = IndexerQuery(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, r, il)
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
@@ -65,11 +66,11 @@ class Attention(nn.Module):
         """(queries [N, H, d] roped, query latent [N, q_lora_rank] for the indexer)."""
         lat = self.q_norm(x @ self.wq_a.t())
         q = (lat @ self.wq_b.t()).view(-1, self.n_heads, self.head_dim)
-        return apply_rope(q, positions, self.inv_freq, self.rope_dim), lat
+        return apply_rope(q, positions, self.inv_freq, self.rope_dim, self.rope_interleave), lat
 
     def swa_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Sliding-window KV [N, d] (normed, roped)."""
-        return apply_rope(self.kv_norm(x @ self.wkv.t()), positions, self.inv_freq, self.rope_dim)
+        return apply_rope(self.kv_norm(x @ self.wkv.t()), positions, self.inv_freq, self.rope_dim, self.rope_interleave)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """[N, H, d] -> [N, hidden] through the grouped low-rank output projection."""

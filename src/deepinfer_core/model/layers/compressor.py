@@ -22,9 +22,11 @@ from deepinfer_core.model.layers.rope import apply_rope
 
 
 class Compressor(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int, ratio: int, rope_dim: int, eps: float, rope_at: str) -> None:
+    def __init__(self, in_dim: int, out_dim: int, ratio: int, rope_dim: int, eps: float, rope_at: str,
+                 rope_interleave: bool = True) -> None:
         super().__init__()
         self.ratio, self.out_dim, self.rope_dim, self.rope_at = ratio, out_dim, rope_dim, rope_at
+        self.rope_interleave = rope_interleave
         self.wkv = nn.Parameter(torch.empty(out_dim, in_dim))
         if ratio > 1:
             self.wgate = nn.Parameter(torch.empty(out_dim, in_dim))
@@ -71,4 +73,4 @@ class Compressor(nn.Module):
             ent = (torch.softmax(sc, dim=1) * v).sum(1)
         ent = self.norm(ent)
         pos = entry_ids * r + (r - 1 if self.rope_at == "last" else 0)
-        return apply_rope(ent, pos, inv_freq, self.rope_dim)
+        return apply_rope(ent, pos, inv_freq, self.rope_dim, self.rope_interleave)

@@ -22,9 +22,11 @@ NEG = float("-inf")
 class IndexerQuery(nn.Module):
     """Per-layer indexer queries (from the query latent) and head weights (from the hidden state)."""
 
-    def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, rope_dim: int) -> None:
+    def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, rope_dim: int,
+                 rope_interleave: bool = True) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
+        self.rope_interleave = rope_interleave
         self.wq = nn.Parameter(torch.empty(n_heads * head_dim, q_lora))
         self.weights_proj = nn.Parameter(torch.empty(n_heads, hidden))
 
@@ -36,7 +38,7 @@ class IndexerQuery(nn.Module):
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [N, heads, dim] roped, weights [N, heads] with the 1/sqrt(heads * dim) scale folded in)."""
         q = (q_latent @ self.wq.t()).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(q, positions, inv_freq, self.rope_dim)
+        q = apply_rope(q, positions, inv_freq, self.rope_dim, self.rope_interleave)
         w = (x @ self.weights_proj.t()) / math.sqrt(self.n_heads * self.head_dim)
         return q, w
 

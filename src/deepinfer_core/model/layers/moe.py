@@ -45,6 +45,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = e, cfg.num_experts_per_tok
         self.scoring, self.norm_topk = cfg.scoring_func, cfg.norm_topk_prob
         self.scale, self.limit = cfg.routed_scaling_factor, cfg.swiglu_limit
+        self.shared_limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0
         self.gate = nn.Parameter(torch.empty(e, d))
         # noaux_tc: a learned bias added to the scores for *selection only*; weights use raw scores
         self.gate_bias = nn.Parameter(torch.zeros(e))
@@ -98,6 +99,6 @@ class MoE(nn.Module):
             start = end
         out = buf.view(n, self.top_k, -1).sum(1)
         if self.shared:
-            # (choice) the shared expert uses the same clamp as the routed ones
-            out = out + clamped_swiglu(x @ self.s_w1.t(), x @ self.s_w3.t(), self.limit) @ self.s_w2.t()
+            # (choice, config shared_expert_clamp) the shared expert uses the routed experts' clamp
+            out = out + clamped_swiglu(x @ self.s_w1.t(), x @ self.s_w3.t(), self.shared_limit) @ self.s_w2.t()
         return out, counts

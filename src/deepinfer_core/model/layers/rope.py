@@ -1,7 +1,7 @@
 """Rotary position embedding on the last ``rope_dim`` dims of a head, with optional YaRN frequencies.
 
-(choice) Pairs are adjacent dims (x[2i], x[2i+1]) rotated as one complex number, as in the DeepSeek-V3
-reference code; some ports rotate the two halves instead. Angles are computed from integer positions on
+(choice, config ``rope_interleave``) Pairs are adjacent dims (x[2i], x[2i+1]) rotated as one complex
+number, as in the DeepSeek-V3 reference code; ``rope_interleave=False`` rotates the two halves instead. Angles are computed from integer positions on
 the fly, so there is no precomputed table and no maximum length.
 """
 
@@ -34,16 +34,25 @@ def rope_inv_freq(rope_dim: int, base: float, scaling: dict[str, Any] | None = N
     return inv / factor * (1 - keep) + inv * keep
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """Rotate the last ``rope_dim`` dims of ``x`` [T, ..., d] by ``positions`` [T]; returns a new tensor."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+               interleave: bool = True) -> torch.Tensor:
+    """Rotate the last ``rope_dim`` dims of ``x`` [T, ..., d] by ``positions`` [T]; returns a new tensor.
+
+    ``interleave``: pairs are adjacent dims (2i, 2i+1); otherwise dim i pairs with i + rope_dim/2.
+    """
     if rope_dim == 0:
         return x
     ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, r/2]
     shape = (ang.shape[0],) + (1,) * (x.dim() - 2) + (ang.shape[1],)
     cos = torch.cos(ang).to(x.dtype).view(shape)
     sin = torch.sin(ang).to(x.dtype).view(shape)
-    d = x.shape[-1]
-    t = x[..., d - rope_dim :].reshape(*x.shape[:-1], rope_dim // 2, 2)
-    a, b = t[..., 0], t[..., 1]
-    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(*x.shape[:-1], rope_dim)
+    d, h = x.shape[-1], rope_dim // 2
+    tail = x[..., d - rope_dim :]
+    if interleave:
+        t = tail.reshape(*x.shape[:-1], h, 2)
+        a, b = t[..., 0], t[..., 1]
+        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(*x.shape[:-1], rope_dim)
+    else:
+        a, b = tail[..., :h], tail[..., h:]
+        rot = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
     return torch.cat((x[..., : d - rope_dim], rot), dim=-1)
