@@ -44,7 +44,12 @@ class KVBlockPool(Protocol):
         ...
 
     def fork(self, seq_id: int, child_id: int) -> None:
-        """Make ``child_id`` share all of ``seq_id``'s blocks (refcounts incremented)."""
+        """Make ``child_id`` share all of ``seq_id``'s blocks (refcounts incremented).
+
+        A shared, partially filled last block must not be written in place: ``kv.PagedKVPool`` gives the
+        appending sequence a fresh block on its next ``append_slots`` and queues the data copy
+        (``take_copy_ops``) for the caller to execute before the next forward.
+        """
         ...
 
     def block_tables(self, seq_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -75,7 +80,12 @@ class PrefixIndex(Protocol):
     """Content-addressed index of full KV blocks, shared with a :class:`KVBlockPool` by refcount."""
 
     def match(self, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None) -> tuple[int, list[int]]:
-        """Longest cached prefix of ``tokens`` in whole blocks: (number of cached tokens, block ids)."""
+        """Longest cached prefix of ``tokens`` in whole blocks: (number of cached tokens, block ids).
+
+        Hits must be exact: an implementation verifies tokens (or uses a 128-bit hash) so that a hash
+        collision never returns another prefix's KV. ``kv.PrefixIndex`` verifies tokens, extra key and
+        parent identity on every hit.
+        """
         ...
 
     def insert(self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], extra_key: bytes | None = None) -> None:
