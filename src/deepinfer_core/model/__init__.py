@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BatchError",
     "ConfigError",
     "DeepSeekV41",
     "ForwardBatch",
     "ForwardOutput",
     "ModelConfig",
     "ModelExecutor",
+    "WeightsError",
     "flash_config",
     "load_weights",
     "save_weights",
@@ -21,6 +23,8 @@ __all__ = [
 ]
 
 _WHERE = {
+    "BatchError": "batch",
+    "WeightsError": "weights",
     "ConfigError": "config",
     "ModelConfig": "config",
     "flash_config": "config",
