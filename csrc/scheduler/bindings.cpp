@@ -99,17 +99,36 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
               nb::gil_scoped_release release;
               p = s.schedule(all, any, dec);
             }
-            const size_t n = p.seq_ids.size();
-            auto bt = di::new_array<int32_t>({n, static_cast<size_t>(p.width)});
-            if (!p.block_tables.empty())
-              std::memcpy(bt.data(), p.block_tables.data(), p.block_tables.size() * sizeof(int32_t));
-            return nb::make_tuple(p.step_id, static_cast<int32_t>(p.type), to_np(p.seq_ids), to_np(p.num_tokens),
-                                  to_np(p.start), to_np(p.sample), to_np(p.token_ids), bt, to_np(p.preempted),
-                                  to_np(p.kv_load_ids), to_np(p.kv_load_tokens), p.predicted_ns);
+            // Two flat buffers (one int32, one int64) that Python slices into the plan's arrays:
+            // creating a numpy array through the binding costs about a microsecond each, and a plan
+            // has ten of them.
+            const size_t n = p.seq_ids.size(), ntok = p.token_ids.size(), w = static_cast<size_t>(p.width);
+            const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
+            auto i32 = di::new_array<int32_t>({3 * n + ntok + n * w + nk});
+            int32_t* o = i32.data();
+            auto put32 = [&o](const int32_t* src, size_t len) {
+              if (len) std::memcpy(o, src, len * sizeof(int32_t));
+              o += len;
+            };
+            put32(p.num_tokens.data(), n);
+            put32(p.start.data(), n);
+            for (size_t k = 0; k < n; ++k) *o++ = p.sample[k];
+            put32(p.token_ids.data(), ntok);
+            put32(p.block_tables.data(), n * w);
+            put32(p.kv_load_tokens.data(), nk);
+            auto i64 = di::new_array<int64_t>({n + np_ + nk});
+            int64_t* o64 = i64.data();
+            for (const auto* v : {&p.seq_ids, &p.preempted, &p.kv_load_ids}) {
+              if (!v->empty()) std::memcpy(o64, v->data(), v->size() * sizeof(int64_t));
+              o64 += v->size();
+            }
+            return nb::make_tuple(p.step_id, static_cast<int32_t>(p.type), i32, i64, n, ntok, w, np_, nk,
+                                  p.predicted_ns);
           },
           nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"),
-          "(step_id, step_type, seq_ids, num_tokens, start, sample, token_ids, block_tables, preempted, "
-          "kv_load_ids, kv_load_tokens, predicted_ns)")
+          "(step_id, step_type, i32, i64, rows, tokens, width, preempted, kv_loads, predicted_ns); i32 = "
+          "[num_tokens | start | sample | token_ids | block_tables | kv_load_tokens], i64 = [seq_ids | "
+          "preempted | kv_load_ids]")
       .def(
           "update",
           [](StepScheduler& s, int64_t step_id, di::CArray1<int32_t> sampled) {

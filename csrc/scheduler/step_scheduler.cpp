@@ -20,7 +20,8 @@ StepScheduler::StepScheduler(kv::BlockPool& pool, const Config& cfg) : pool_(poo
   if (cfg.max_num_seqs < 1) bad(p + "max_num_seqs=" + s(cfg.max_num_seqs) + ": must be >= 1");
   if (cfg.max_num_batched_tokens < 1 || cfg.max_num_batched_tokens > kMaxStepTokens)
     bad(p + "max_num_batched_tokens=" + s(cfg.max_num_batched_tokens) + ": must be in [1, " + s(kMaxStepTokens) + "]");
-  if (cfg.max_model_len < 2) bad(p + "max_model_len=" + s(cfg.max_model_len) + ": must be >= 2");
+  if (cfg.max_model_len < 2 || cfg.max_model_len > (int64_t{1} << 30))
+    bad(p + "max_model_len=" + s(cfg.max_model_len) + ": must be in [2, 2**30]");
   if (cfg.prefill_attempt_interval < 0)
     bad(p + "prefill_attempt_interval=" + s(cfg.prefill_attempt_interval) + ": must be >= 0");
   if (cfg.prefill_any_attempt_interval < cfg.prefill_attempt_interval)
@@ -82,6 +83,7 @@ void StepScheduler::add_request(int64_t seq_id, const int32_t* prompt, int64_t n
   r.min_tokens = min_tokens;
   r.ignore_eos = ignore_eos;
   r.stop_ids = stop_ids;
+  r.has_stop = !stop_ids.empty();
   slot_of_[seq_id] = slot;
   waiting_.push_back(slot);  // arrival is increasing, so waiting_ stays sorted by arrival
   ++live_;
@@ -406,8 +408,9 @@ FinishReason StepScheduler::stop_reason(const Req& r, int32_t tok) const {
   const int64_t n_out = r.known - r.prompt_len;
   if (n_out >= r.min_tokens) {
     if (!r.ignore_eos && cfg_.eos_token_id >= 0 && tok == cfg_.eos_token_id) return FinishReason::STOP;
-    for (int32_t t : r.stop_ids)
-      if (t == tok) return FinishReason::STOP;
+    if (r.has_stop)
+      for (int32_t t : r.stop_ids)
+        if (t == tok) return FinishReason::STOP;
   }
   if (n_out >= r.max_tokens || r.known >= cfg_.max_model_len)
     return FinishReason::LENGTH;
@@ -459,27 +462,34 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
         s(n));
   PlanRec rec = std::move(plans_.front());
   plans_.pop_front();
+  std::vector<int32_t> done;  // rows whose request has ended: erased once every list is compacted
   for (size_t k = 0; k < rec.slots.size(); ++k) {
     const int32_t slot = rec.slots[k];
     Req& r = at(slot);
     if (r.seq_id != rec.seq_ids[k]) throw std::logic_error("scheduler: plan row points at a reused slot");
     --r.in_flight;
     ++r.process_cnt;
-    if (r.status == Status::ENDED) continue;  // ended after this step was scheduled: slot discarded
+    if (r.status == Status::ENDED) {  // ended after this step was scheduled: slot discarded
+      done.push_back(slot);
+      continue;
+    }
     if (!rec.sample[k]) continue;
     --r.pending;
     const int32_t tok = sampled[k];
     if (tok < 0) {  // a bad sample fails its own request, not the batch
       end(slot, FinishReason::FAILED);
+      done.push_back(slot);
       continue;
     }
     r.push(tok);
     const FinishReason why = stop_reason(r, tok);
-    if (why != FinishReason::NONE) end(slot, why);
-    else if (r.status == Status::HANDOFF) end(slot, FinishReason::HANDOFF);
+    if (why != FinishReason::NONE || r.status == Status::HANDOFF) {
+      end(slot, why != FinishReason::NONE ? why : FinishReason::HANDOFF);
+      done.push_back(slot);
+    }
   }
   compact_lists();
-  for (int32_t slot : rec.slots) erase_if_done(slot);
+  for (int32_t slot : done) erase_if_done(slot);
   std::vector<Ended> out;
   out.swap(ended_);
   return out;

@@ -131,23 +131,28 @@ class Scheduler:
         if group is None:
             group = self.vote.decide(*self._impl.wish())
         all_p, any_p, any_d = group
-        t = self._impl.schedule(bool(all_p), bool(any_p), bool(any_d))
-        preempted = tuple(self._id_of[s] for s in t[8].tolist())
+        step_id, step_type, i32, i64, n, ntok, w, npre, _nk, predicted = self._impl.schedule(
+            bool(all_p), bool(any_p), bool(any_d)
+        )
+        # Slice the core's two flat buffers into the plan's arrays (views, no copies).
+        a = 3 * n + ntok
+        preempted_ids = i64[n : n + npre]
+        preempted = tuple(self._id_of[s] for s in preempted_ids.tolist()) if npre else ()
         if preempted:
-            logger.debug("step %d preempted %s", t[0], preempted)
+            logger.debug("step %d preempted %s", step_id, preempted)
         return Plan(
-            step_id=t[0],
-            step_type=StepType(t[1]),
-            seq_ids=t[2],
-            num_tokens=t[3],
-            start=t[4],
-            sample=t[5],
-            token_ids=t[6],
-            block_tables=t[7],
+            step_id=step_id,
+            step_type=StepType(step_type),
+            seq_ids=i64[:n],
+            num_tokens=i32[:n],
+            start=i32[n : 2 * n],
+            sample=i32[2 * n : 3 * n],
+            token_ids=i32[3 * n : a],
+            block_tables=i32[a : a + n * w].reshape(n, w),
             preempted=preempted,
-            kv_load_seq_ids=t[9],
-            kv_load_num_tokens=t[10],
-            predicted_ns=t[11],
+            kv_load_seq_ids=i64[n + npre :],
+            kv_load_num_tokens=i32[a + n * w :],
+            predicted_ns=predicted,
             names=self._id_of,
         )
 

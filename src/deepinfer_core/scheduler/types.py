@@ -128,7 +128,7 @@ class Plan:
     seq_ids: np.ndarray  # int64 [n]
     num_tokens: np.ndarray  # int32 [n]
     start: np.ndarray  # int32 [n]
-    sample: np.ndarray  # bool/uint8 [n]
+    sample: np.ndarray  # int32 [n], 1 where the row samples a token
     token_ids: np.ndarray  # int32 [sum(num_tokens)]
     block_tables: np.ndarray  # int32 [n, w]
     preempted: tuple[str, ...]
