@@ -3,12 +3,12 @@
 Each configuration keeps N requests decoding (N = 256, 1,024, 4,096; prompts of 512 tokens, so block
 tables are ~9 blocks wide and growing) with a queue of 1,024 prompts waiting (max_num_seqs = N, so they
 stay queued and every admission check sees them). A step is ``plan = schedule()`` then
-``update(plan, sampled)`` with a preallocated token array, i.e. everything the CPU does per step except
-running the model. Measured three ways in alternating rounds of 10 consecutive steps: the Python API (what an engine calls),
-the C++ core through its binding alone (the Python wrapper's share is the difference), and the
-asynchronous mode (schedule N+1 before update N). Times are CPU time of the calling thread (the core
-releases the GIL but runs on that thread), median (and 10th percentile) over steps; wall time too. Also: one prefill step packing waiting
-prompts under a time budget.
+``update(plan, sampled)`` with a preallocated token array: everything the CPU does per step except
+running the model. Measured three ways in alternating rounds of 10 consecutive steps: the Python API
+(what an engine calls), the C++ core through its binding alone (the Python wrapper's share is the
+difference), and the asynchronous mode (schedule N+1 before update N). Times are CPU time of the
+calling thread (the core releases the GIL but runs on that thread), median and 10th percentile over
+steps, plus wall time. Also: one prefill step packing waiting prompts under a time budget.
 
     python benchmarks/scheduler.py [--quick] [--plot]
 """
