@@ -9,6 +9,9 @@ after warm-up, inputs rotated among several copies so the L2 (60 MB) is not what
     python benchmarks/kernels.py [--quick] [--plot] [--json-out FILE]
 """
 
+# The timing lambdas capture loop variables on purpose: each is called only within its own iteration.
+# ruff: noqa: B023
+
 from __future__ import annotations
 
 import json
@@ -22,9 +25,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, log, out_path, parser  # noqa: E402
-
-from deepinfer_kernels import get_op  # noqa: E402
+from _common import emit, log, out_path, parser
+from deepinfer_kernels import get_op
 
 ROWS: list[dict[str, Any]] = []
 
@@ -43,6 +45,21 @@ def cuda_time(fn: Callable[[], Any], reps: int = 50, warmup: int = 5) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
+
+
+def graph_time(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:
+    """Median seconds per call when ``calls`` calls are replayed from one CUDA graph (no host overhead)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time(graph.replay, reps=reps) / calls
 
 
 def rotating(make: Callable[[], Any], n: int) -> Callable[[], Any]:
@@ -100,15 +117,16 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
     try:
         import xgrammar
 
-        xg = lambda lg, m: xgrammar.apply_token_bitmask_inplace(lg, m, backend="cuda")  # noqa: E731
-    except Exception as e:  # noqa: BLE001 - report and go on without the comparison
+        def xg(lg: torch.Tensor, m: torch.Tensor) -> None:
+            xgrammar.apply_token_bitmask_inplace(lg, m, backend="cuda")
+    except Exception as e:
         log(f"xgrammar not usable: {e}")
         xg = None
     vocab = 129_280
     words = (vocab + 31) // 32
     for rows in ([1, 64] if quick else [1, 16, 64, 256, 512]):
         g = rotating(lambda: (torch.randn(rows, vocab, device="cuda"), torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")), 8)
-        lg, m = g()
+        _, m = g()
         masked = int((~get_op("apply_token_bitmask")(torch.zeros(rows, vocab, device="cuda"), m).isfinite()).sum())
         nbytes = rows * vocab * 4 + rows * words * 4 + masked * 4 * 1.0  # read logits + mask, write masked
         p = {"rows": rows, "vocab": vocab, "dtype": "float32"}
@@ -116,6 +134,15 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
         if xg is not None:
             record("bitmask_xgrammar_cuda", p, cuda_time(lambda: xg(*g())), nbytes, ceil=ceil)
         record("bitmask_torch_reference", p, cuda_time(lambda: ref(*g()), reps=10), nbytes, ceil=ceil)
+        if rows <= 64:  # latency without host overhead: the same calls replayed from a CUDA graph
+            lg1, m1 = g()
+            for name, fn in (("bitmask_tilelang_graph", lambda: cuda(lg1, m1)), ("bitmask_xgrammar_cuda_graph", lambda: xg(lg1, m1))):
+                if xg is None and "xgrammar" in name:
+                    continue
+                try:
+                    record(name, p, graph_time(fn), nbytes, ceil=ceil)
+                except Exception as e:
+                    log(f"{name}: graph capture failed: {e}")
     # spec rows: 64 requests x (1 + 5 drafts), every other request constrained
     rows, idx = 384, torch.cat([torch.arange(i * 6, i * 6 + 6) for i in range(0, 64, 2)]).cuda()
     g = rotating(lambda: (torch.randn(rows, vocab, device="cuda"), torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")), 4)
@@ -171,7 +198,7 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
         total = torch.tensor(r * 2, device="cuda")
         record("mtp_redistribute_tilelang", {"requests": r, "drafts": 5}, cuda_time(lambda: red(total, conf)))
         record("mtp_redistribute_torch_reference", {"requests": r, "drafts": 5}, cuda_time(lambda: red_ref(total, conf), reps=10))
-    h_op, h_ref = get_op("engram_hash", "cuda"), get_op("engram_hash", "reference")
+    h_ref = get_op("engram_hash", "reference")
     from deepinfer_kernels.cuda import engram as ce
 
     t = 8192 if quick else 262_144
@@ -204,7 +231,10 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
 def table() -> str:
     lines = ["| bench | params | us | GB/s | % copy | TFLOP/s | % bf16 mm |", "|---|---|---|---|---|---|---|"]
     for r in ROWS:
-        f = lambda k: f"{r[k]:.1f}" if k in r else ""  # noqa: E731
+
+        def f(k: str, r: dict[str, Any] = r) -> str:
+            return f"{r[k]:.1f}" if k in r else ""
+
         lines.append(f"| {r['bench']} | {json.dumps(r['params'])} | {f('us')} | {f('GB/s')} | {f('%copy')} | {f('TFLOP/s')} | {f('%mm')} |")
     return "\n".join(lines)
 
@@ -226,7 +256,7 @@ def main() -> None:
             continue
         try:
             fn(ceil, args.quick)
-        except Exception as e:  # noqa: BLE001 - one broken group must not hide the others' numbers
+        except Exception as e:
             logging.exception("bench group %s failed: %s", name, e)
     print(table(), file=sys.stderr)
     if args.json_out:
@@ -239,7 +269,7 @@ def main() -> None:
 
         bw = [r for r in ROWS if "%copy" in r]
         fig, ax = plt.subplots(figsize=(10, 0.3 * len(bw) + 1))
-        ax.barh([f"{r['bench']} {list(r['params'].values())[0]}" for r in bw], [r["%copy"] for r in bw])
+        ax.barh([f"{r['bench']} {next(iter(r['params'].values()))}" for r in bw], [r["%copy"] for r in bw])
         ax.axvline(70, color="r", ls="--")
         ax.set_xlabel("% of device-to-device copy bandwidth")
         fig.tight_layout()

@@ -11,7 +11,7 @@ from deepinfer_kernels.cuda._tl import T
 E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # round to nearest, ties to the lower code
 
 
-def _rne_shift(m, s):  # noqa: ANN001, ANN202 - PrimExprs
+def _rne_shift(m, s):
     """Round-to-nearest-even of ``m / 2**s`` for non-negative int32 ``m`` and 1 <= s <= 30."""
     q = m >> s
     rem = m & ((T.int32(1) << s) - 1)
@@ -20,7 +20,7 @@ def _rne_shift(m, s):  # noqa: ANN001, ANN202 - PrimExprs
     return q + up
 
 
-def e4m3_bits(v):  # noqa: ANN001, ANN202
+def e4m3_bits(v):
     """float32 ``v`` (|v| <= 448) -> e4m3fn byte (int32 0..255), round to nearest even, sign kept on 0."""
     bits = T.reinterpret(v, "int32")
     sign = T.if_then_else(bits < 0, 0x80, 0)
@@ -35,7 +35,7 @@ def e4m3_bits(v):  # noqa: ANN001, ANN202
     return sign | T.min(code, 0x7E)
 
 
-def e4m3_value(code):  # noqa: ANN001, ANN202
+def e4m3_value(code):
     """Positive e4m3 byte (int32, < 0x80) -> float32 value (exact)."""
     ex = code >> 3
     man = code & 7
@@ -45,12 +45,12 @@ def e4m3_value(code):  # noqa: ANN001, ANN202
     return T.if_then_else(ex == 0, sub, T.Cast("float32", 8 + man) * p2)
 
 
-def e4m3_signed_value(code):  # noqa: ANN001, ANN202
+def e4m3_signed_value(code):
     v = e4m3_value(code & 0x7F)
     return T.if_then_else((code & 0x80) != 0, -v, v)
 
 
-def e2m1_code(v):  # noqa: ANN001, ANN202
+def e2m1_code(v):
     """float32 ``v`` (already divided by its scale) -> 4-bit e2m1 code, saturating at +-6."""
     mag = T.abs(v)
     code = T.int32(0)
@@ -59,7 +59,7 @@ def e2m1_code(v):  # noqa: ANN001, ANN202
     return code | T.if_then_else((v < T.float32(0)) & (code > 0), 8, 0)
 
 
-def e2m1_value(code):  # noqa: ANN001, ANN202
+def e2m1_value(code):
     """4-bit e2m1 code -> float32: magnitude 0, .5, 1, 1.5, 2, 3, 4, 6 by the low 3 bits."""
     c = code & 7
     # For c >= 2: (2 + (c & 1)) * 2**((c >> 1) - 2), i.e. 1, 1.5, 2, 3, 4, 6; c = 1 is the subnormal 0.5.
@@ -69,7 +69,7 @@ def e2m1_value(code):  # noqa: ANN001, ANN202
     return T.if_then_else((code & 8) != 0, -mag, mag)
 
 
-def pow2_exponent_f64(amax, elem_max: float):  # noqa: ANN001, ANN202
+def pow2_exponent_f64(amax, elem_max: float):
     """Smallest e with amax / 2**e <= elem_max, clamped to [-127, 127] (int32), as formats.pow2_scale_exponent."""
     y = T.Cast("float64", amax) / T.float64(elem_max)
     b = T.reinterpret(y, "int64")
@@ -79,11 +79,11 @@ def pow2_exponent_f64(amax, elem_max: float):  # noqa: ANN001, ANN202
     return T.max(T.min(e, 127), -127)
 
 
-def pow2_f64(k):  # noqa: ANN001, ANN202
+def pow2_f64(k):
     """2.0**k as float64 for int32 k in [-1022, 1023] (exact)."""
     return T.reinterpret(T.Cast("int64", k + 1023) << 52, "float64")
 
 
-def ue8m0_scale_f32(code):  # noqa: ANN001, ANN202
+def ue8m0_scale_f32(code):
     """ue8m0 byte -> 2**(code - 127) in float32 (code 0 gives 2**-127, a float32 subnormal)."""
     return T.Cast("float32", pow2_f64(code - 127))

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 try:  # tilelang is optional: without it every cuda op falls back to its reference
     import tilelang
-    import tilelang.language as T  # noqa: N812  (TileLang's own convention)
+    import tilelang.language as T
 
     HAVE_TILELANG = True
 except ImportError as _e:  # pragma: no cover - depends on the machine

@@ -2,9 +2,10 @@
 
 The reference ranks every (request, draft) key ``prod_{j<=k} c[r, j]`` (float64, left to right) by a
 stable descending sort of the flattened matrix and keeps ranks below ``total``. Sorting is not needed to
-know a rank: rank(r, k) = #{keys greater} + #{equal keys earlier in flat order}. One thread per
-(request, draft) counts over all R*D keys (recomputed on the fly: the same float64 products in the same
-order, so bit-identical keys) and, if chosen, atomically adds 1 to its request's count. Work is
+know a rank: rank(r, k) = #{keys greater} + #{equal keys earlier in flat order}. A first kernel forms
+the keys (the same float64 products in the same order, so bit-identical keys, -1 for invalid drafts);
+then one thread per (request, draft) counts over all R*D keys and, if chosen, atomically adds 1 to its
+request's count. Work is
 O((R*D)^2), small at engine sizes (R = 1024 requests x D = 5 drafts: 26M compares over 5120 threads), and
 there is no sort, no host sync (``total`` may stay on the device), and the result is exact.
 """
@@ -19,46 +20,49 @@ from deepinfer_kernels.registry import register
 _THREADS = 128
 
 
-def _build(d: int):  # noqa: ANN202 - a T.prim_func
+def _build_keys(d: int):
     r_dyn = T.dynamic("R")
 
     @T.prim_func
-    def redistribute(
-        conf: T.Tensor((r_dyn, d), "float64"),
-        nd: T.Tensor((r_dyn,), "int32"),
-        total: T.Tensor((1,), "int64"),
-        out: T.Tensor((r_dyn,), "int32"),
-    ):
-        # One thread per (request, draft): its rank is counted over every key; chosen drafts add 1 to out[r].
-        with T.Kernel(T.ceildiv(r_dyn * d, _THREADS), threads=_THREADS) as bx:
+    def keys(conf: T.Tensor((r_dyn, d), "float64"), nd: T.Tensor((r_dyn,), "int32"), key: T.Tensor((r_dyn * d,), "float64")):
+        # One thread per request: the running product left to right, as the reference and the C++ greedy.
+        with T.Kernel(T.ceildiv(r_dyn, _THREADS), threads=_THREADS) as bx:
+            tx = T.get_thread_binding(0)
+            run = T.alloc_var("float64")
+            r = bx * _THREADS + tx
+            if r < r_dyn:
+                run = T.float64(1.0)
+                for k in T.unroll(d):
+                    run = run * conf[r, k]
+                    key[r * d + k] = T.if_then_else(k < nd[r], run, T.float64(-1.0))
+
+    return keys
+
+
+def _build_rank(d: int):
+    n_dyn = T.dynamic("n")
+    r_dyn = T.dynamic("R")
+
+    @T.prim_func
+    def rank(key: T.Tensor((n_dyn,), "float64"), total: T.Tensor((1,), "int64"), out: T.Tensor((r_dyn,), "int32")):
+        # One thread per (request, draft); all threads of a warp read the same key at once (a broadcast).
+        with T.Kernel(T.ceildiv(n_dyn, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
             mine = T.alloc_var("float64")
             other = T.alloc_var("float64")
-            rank = T.alloc_var("int64")
+            cnt = T.alloc_var("int64")
             flat = bx * _THREADS + tx
-            if flat < r_dyn * d:
-                r = flat // d
-                k = flat % d
-                if k < nd[r]:
-                    mine = T.float64(1.0)
-                    for j in T.serial(d):  # left to right, as the reference and the C++ greedy
-                        if j <= k:
-                            mine = mine * conf[r, j]
-                    rank = T.int64(0)
-                    for f in T.serial(r_dyn * d):
-                        r2 = f // d
-                        k2 = f % d
-                        if k2 < nd[r2]:  # invalid drafts have key -1, below every valid key
-                            other = T.float64(1.0)
-                            for j in T.serial(d):
-                                if j <= k2:
-                                    other = other * conf[r2, j]
-                            if (other > mine) | ((other == mine) & (f < flat)):
-                                rank = rank + 1
-                    if rank < total[0]:
-                        T.atomic_add(out[r], 1)
+            if flat < n_dyn:
+                mine = key[flat]
+                if mine >= T.float64(0):  # valid drafts only; invalid keys (-1) rank below all valid ones
+                    cnt = T.int64(0)
+                    for f in T.serial(n_dyn):
+                        other = key[f]
+                        cnt = cnt + T.if_then_else((other > mine) | ((other == mine) & (f < flat)), 1, 0)
+                    if cnt < total[0]:
+                        T.atomic_add(out[flat // d], 1)
 
-    return redistribute
+    return rank
 
 
 @register("mtp_redistribute", "cuda")
@@ -91,6 +95,7 @@ def mtp_redistribute(
     out = torch.zeros(r, dtype=torch.int32, device=dev)
     if r == 0 or d == 0:
         return out
-    kern = compile_kernel(("mtp_redistribute", d), lambda: _build(d))
-    kern(confidences.to(torch.float64).contiguous(), nd.contiguous(), total_t, out)
+    keys = torch.empty(r * d, dtype=torch.float64, device=dev)
+    compile_kernel(("mtp_keys", d), lambda: _build_keys(d))(confidences.to(torch.float64).contiguous(), nd.contiguous(), keys)
+    compile_kernel(("mtp_rank", d), lambda: _build_rank(d))(keys, total_t, out)
     return out

@@ -29,14 +29,14 @@ _M2 = 0x94D049BB133111EB
 _POS_MUL = 0xD1B54A32D192ED03
 
 
-def _mix64(x):  # noqa: ANN001, ANN202 - uint64 PrimExpr, wrapping arithmetic
+def _mix64(x):
     x = x + T.uint64(_GOLDEN)
     x = (x ^ (x >> T.uint64(30))) * T.uint64(_M1)
     x = (x ^ (x >> T.uint64(27))) * T.uint64(_M2)
     return x ^ (x >> T.uint64(31))
 
 
-def _build(vocab: int, dtype: str):  # noqa: ANN202 - a T.prim_func
+def _build(vocab: int, dtype: str):
     b = T.dynamic("b")
     per_thread = (vocab + _THREADS - 1) // _THREADS
 
