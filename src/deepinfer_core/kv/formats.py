@@ -87,7 +87,8 @@ def _check_bytes(b: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
 
 
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
-    """float (already divided by the scale) -> 4-bit codes in uint8, saturating at +-6."""
+    """float (already divided by the scale) -> 4-bit codes in uint8: the nearest e2m1 value with ties
+    toward zero (not round-half-even), saturating at +-6. Device kernels must match this tie rule."""
     mag = v.abs().clamp(max=E2M1_MAX)
     code = torch.bucketize(mag, torch.tensor(_E2M1_MID, dtype=mag.dtype, device=mag.device), right=False)
     sign = (v < 0) & (code > 0)  # no negative zero: keeps bytes canonical

@@ -235,3 +235,12 @@ def test_reference_is_bit_identical_on_cuda(name: str) -> None:
     assert gpu.device.type == "cuda"
     assert torch.equal(gpu.cpu(), cpu), f"seed {seed}"
     assert torch.equal(f.dequantize(gpu).cpu(), f.dequantize(cpu)), f"seed {seed}"
+
+
+def test_e2m1_ties_round_toward_zero() -> None:
+    # The documented tie rule (device kernels match it): exact midpoints take the smaller magnitude.
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    want = dec_e2m1(np.arange(7))  # codes 0..6 = 0, .5, 1, 1.5, 2, 3, 4
+    got = F.e2m1_decode(F.e2m1_encode(torch.cat([mids, -mids]))).double().numpy()
+    np.testing.assert_array_equal(got, np.concatenate([want, -want]))
+    assert F.e2m1_encode(torch.tensor([-0.1])).item() == 0  # no negative zero
