@@ -248,6 +248,16 @@ class ModelConfig:
         c = self.candidate_source_layer_id
         return c is not None and self.kv_source_of(layer) == c and self.layer_kind(layer) == LAYER_REINDEX
 
+    def kv_model_config(self, backtracking: int = 6, **overrides: Any) -> Any:
+        """The cache-relevant part as ``deepinfer_core.kv.KVModelConfig`` (for memory planning).
+
+        Persisted SWA layers = the encoder (the decoder's SWA is rebuilt by bounded replay).
+        """
+        from deepinfer_core.kv.planner import KVModelConfig
+
+        return KVModelConfig.from_hf_config(self.to_dict(), backtracking=backtracking,
+                                            num_persisted_layers=self.encoder_layers, **overrides)
+
     # ---------------------------------------------------------------- I/O
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:

@@ -5,24 +5,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepinfer_core.kv import PagedKVPool
+from deepinfer_core.kv import PagedKVPool, StatePool
 from deepinfer_core.model.batch import ForwardBatch
 from deepinfer_core.model.executor import ModelExecutor
 from deepinfer_core.model.model import DeepSeekV41
 
 
 class Session:
-    """Sequences named by id; each gets a state slot and blocks from a real PagedKVPool."""
+    """Sequences named by id; each gets a slot from a kv.StatePool and blocks from a kv.PagedKVPool."""
 
     def __init__(self, model: DeepSeekV41, quantize: bool = False, num_blocks: int = 128, block_size: int = 16,
                  slots: int = 8, backtrack: int = 6) -> None:
         self.pool = PagedKVPool(num_blocks, block_size)
         self.ex = ModelExecutor(model, num_blocks, block_size, slots, backtrack_tokens=backtrack, quantize=quantize)
+        self.states = StatePool(slots)
         self.slot: dict[int, int] = {}
 
     def _ensure(self, sid: int, end: int) -> None:
         if sid not in self.slot:
-            self.slot[sid] = len(self.slot)
+            slot = self.states.acquire(sid)
+            assert slot is not None
+            self.slot[sid] = slot
             assert self.pool.allocate(sid, end)
         have = self.pool.num_tokens(sid)
         if end > have:

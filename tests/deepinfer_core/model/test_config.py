@@ -75,3 +75,13 @@ def test_unknown_and_missing_fields_are_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_kv_model_config_matches_the_pools_defaults() -> None:
+    from deepinfer_core.kv.planner import KVModelConfig
+
+    kv = flash_config().kv_model_config()
+    ref = KVModelConfig()  # the kv component's released-shape defaults
+    for f in ("num_layers", "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "head_dim",
+              "index_head_dim", "window", "backtracking", "num_persisted_layers", "num_draft_layers"):
+        assert getattr(kv, f) == getattr(ref, f), f
