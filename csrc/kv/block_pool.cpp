@@ -160,6 +160,42 @@ int64_t BlockPool::slot(int64_t seq_id, int64_t pos) const {
   return static_cast<int64_t>(s.blocks[pos / block_size_]) * block_size_ + pos % block_size_;
 }
 
+void BlockPool::fill_slot_mapping(const int64_t* seq_ids, const int64_t* starts, const int64_t* counts, int64_t n,
+                                  int64_t ratio, int64_t* out) const {
+  if (ratio < 1 || block_size_ % ratio != 0)
+    bad("slot mapping: ratio must be >= 1 and divide block_size " + std::to_string(block_size_) + ", got " +
+        std::to_string(ratio));
+  const int64_t epb = block_size_ / ratio;
+  std::vector<const Seq*> rows(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {  // validate everything first: a bad row leaves `out` untouched
+    const Seq& s = seq_at(seq_ids[i]);
+    const int64_t limit = s.num_tokens / ratio;
+    if (starts[i] < 0 || counts[i] < 0 || starts[i] + counts[i] > limit)
+      bad("slot mapping: [" + std::to_string(starts[i]) + ", " + std::to_string(starts[i] + counts[i]) +
+          ") outside the " + std::to_string(limit) + (ratio == 1 ? " tokens" : " complete entries") + " of seq_id " +
+          std::to_string(seq_ids[i]));
+    rows[i] = &s;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& b = rows[i]->blocks;
+    for (int64_t e = starts[i], end = starts[i] + counts[i]; e < end; ++e)
+      *out++ = static_cast<int64_t>(b[e / epb]) * epb + e % epb;
+  }
+}
+
+void BlockPool::truncate(int64_t seq_id, int64_t num_tokens) {
+  Seq& s = seq_at(seq_id);
+  if (num_tokens < 0 || num_tokens > s.num_tokens)
+    bad("truncate: num_tokens must be in [0, " + std::to_string(s.num_tokens) + "] for seq_id " +
+        std::to_string(seq_id) + ", got " + std::to_string(num_tokens));
+  const int64_t keep = blocks_for_tokens(num_tokens);
+  while (static_cast<int64_t>(s.blocks.size()) > keep) {
+    release_block(s.blocks.back());
+    s.blocks.pop_back();
+  }
+  s.num_tokens = num_tokens;
+}
+
 std::vector<CopyOp> BlockPool::take_copy_ops() {
   std::vector<CopyOp> out;
   out.swap(copy_ops_);

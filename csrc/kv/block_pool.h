@@ -69,6 +69,15 @@ class BlockPool {
   int64_t max_blocks_per_seq(const int64_t* seq_ids, int64_t n) const;
   // Flat KV slot of token `pos` of a sequence: block_table[pos / bs] * bs + pos % bs.
   int64_t slot(int64_t seq_id, int64_t pos) const;
+  // Batched flat slots: for each i, positions [starts[i], starts[i] + counts[i]) of seq_ids[i], written
+  // consecutively to `out` (sum(counts) entries). ratio > 1 maps compressed-entry indices instead: a
+  // block holds block_size / ratio entries, entry e of a sequence lives at
+  // table[e / epb] * epb + e % epb (epb = block_size / ratio) and must be < floor(num_tokens / ratio).
+  void fill_slot_mapping(const int64_t* seq_ids, const int64_t* starts, const int64_t* counts, int64_t n,
+                         int64_t ratio, int64_t* out) const;
+  // Shrink a sequence to `num_tokens` (<= current), releasing whole trailing blocks (e.g. rejected
+  // speculative tokens). Writing again into a now-partial shared/cached block goes through COW.
+  void truncate(int64_t seq_id, int64_t num_tokens);
   // Deferred copy-on-write copies since the last call (cleared by the call).
   std::vector<CopyOp> take_copy_ops();
   int64_t num_pending_copy_ops() const { return static_cast<int64_t>(copy_ops_.size()); }

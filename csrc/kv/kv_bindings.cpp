@@ -76,6 +76,27 @@ void register_block_pool(nb::module_& m) {
              p.fill_block_tables(ids.data(), n, out.data(), static_cast<int64_t>(out.shape(1)));
            },
            nb::arg("seq_ids"), nb::arg("out"), "Write tables into an existing C-contiguous int32 [n, width] array.")
+      .def("truncate", &BlockPool::truncate, nb::arg("seq_id"), nb::arg("num_tokens"))
+      .def("slot_mapping",
+           [](const BlockPool& p, di::CArray1<int64_t> ids, di::CArray1<int64_t> starts, di::CArray1<int64_t> counts,
+              int64_t ratio) {
+             const size_t n = ids.shape(0);
+             di::require(starts.shape(0) == n && counts.shape(0) == n,
+                         "slot_mapping: starts and counts must have one entry per seq_id");
+             int64_t total = 0;
+             for (size_t i = 0; i < n; ++i) {
+               di::require(counts.data()[i] >= 0, "slot_mapping: counts must be >= 0");
+               total += counts.data()[i];
+             }
+             auto out = di::new_array<int64_t>({static_cast<size_t>(total)});
+             {
+               nb::gil_scoped_release rel;
+               p.fill_slot_mapping(ids.data(), starts.data(), counts.data(), static_cast<int64_t>(n), ratio, out.data());
+             }
+             return out;
+           },
+           nb::arg("seq_ids"), nb::arg("starts"), nb::arg("counts"), nb::arg("ratio") = 1,
+           "int64 flat slots of positions (ratio 1) or compressed entries (ratio r) [start, start+count) per seq.")
       .def("take_copy_ops",
            [](BlockPool& p) {
              auto ops = p.take_copy_ops();

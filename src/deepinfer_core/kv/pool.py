@@ -143,17 +143,29 @@ class PagedKVPool:
         """Flat KV slot of token ``pos``: table[pos // block_size] * block_size + pos % block_size."""
         return self.impl.slot(check_int("seq_id", seq_id), check_int("pos", pos, min_value=0))
 
-    def slot_mapping(self, seq_id: int, start: int, count: int) -> np.ndarray:
-        """int64 flat slots of positions [start, start + count) of one sequence."""
-        s = check_int("start", start, min_value=0)
-        c = check_int("count", count, min_value=0)
-        n = self.num_tokens(seq_id)
-        if s + c > n:
-            raise ValueError(f"positions [{s}, {s + c}) exceed the {n} tokens of seq_id {seq_id}")
-        pos = np.arange(s, s + c, dtype=np.int64)
-        table = self.block_table(seq_id).astype(np.int64)
-        bs = self.block_size
-        return table[pos // bs] * bs + pos % bs
+    def slot_mapping(self, seq_id: int, start: int, count: int, ratio: int = 1) -> np.ndarray:
+        """int64 flat slots of positions [start, start + count) of one sequence (ratio 1), or of compressed
+        entries [start, start + count) at compression ``ratio`` (a block holds block_size / ratio entries)."""
+        return self.batch_slot_mapping([seq_id], [start], [count], ratio)
+
+    def batch_slot_mapping(
+        self,
+        seq_ids: Sequence[int] | np.ndarray,
+        starts: Sequence[int] | np.ndarray,
+        counts: Sequence[int] | np.ndarray,
+        ratio: int = 1,
+    ) -> np.ndarray:
+        """Concatenated int64 slots of ``[starts[i], starts[i] + counts[i])`` of each sequence, one C++ call.
+
+        With ``ratio`` r > 1 the ranges are compressed-entry indices, valid below floor(num_tokens / r).
+        """
+        return self.impl.slot_mapping(
+            as_i64("seq_ids", seq_ids), as_i64("starts", starts), as_i64("counts", counts), check_int("ratio", ratio, min_value=1)
+        )
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink a sequence to ``num_tokens`` (e.g. rejected drafts), releasing whole trailing blocks."""
+        self.impl.truncate(check_int("seq_id", seq_id), check_int("num_tokens", num_tokens, min_value=0))
 
     def refcount(self, block: int) -> int:
         """References held on ``block`` by live sequences."""

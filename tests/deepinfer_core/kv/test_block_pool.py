@@ -139,3 +139,48 @@ def test_compressed_entry_rule() -> None:
             assert num_compressed_entries(n, r) == fired == n // r
     assert [p for p in range(8) if compression_fires(p, 2)] == [1, 3, 5, 7]
     assert compression_fires(np.arange(8), 4).tolist() == [False, False, False, True] * 2
+
+
+def test_batch_slot_mapping_tokens_and_compressed_entries() -> None:
+    rng = np.random.default_rng()
+    bs = 8
+    p = PagedKVPool(num_blocks=100, block_size=bs)
+    lens = rng.integers(1, 70, size=6)
+    for i, n in enumerate(lens):
+        p.allocate(i, int(n))
+    starts = np.array([int(rng.integers(0, n)) for n in lens])
+    counts = np.array([int(rng.integers(0, n - s + 1)) for n, s in zip(lens, starts, strict=True)])
+    got = p.batch_slot_mapping(np.arange(6), starts, counts)
+    want = [p.slot(i, pos) for i in range(6) for pos in range(starts[i], starts[i] + counts[i])]
+    assert got.tolist() == want
+    # ratio 2: entry e of a sequence sits in block e // 4 at entry offset e % 4; each slot unique per block
+    for r in (2, 4, 8):
+        epb = bs // r
+        for i, n in enumerate(lens):
+            ne = num_compressed_entries(int(n), r)
+            s = p.slot_mapping(i, 0, ne, ratio=r)
+            table = p.block_table(i)
+            assert s.tolist() == [int(table[e // epb]) * epb + e % epb for e in range(ne)]
+            assert len(set(s.tolist())) == ne
+        with pytest.raises(ValueError, match="complete entries"):
+            p.slot_mapping(0, 0, num_compressed_entries(int(lens[0]), r) + 1, ratio=r)
+    with pytest.raises(ValueError, match="divide block_size"):
+        p.slot_mapping(0, 0, 1, ratio=3)
+    with pytest.raises(ValueError, match="outside"):
+        p.slot_mapping(0, int(lens[0]), 1)
+
+
+def test_truncate_releases_trailing_blocks_and_cow_still_applies() -> None:
+    p = PagedKVPool(num_blocks=10, block_size=4)
+    p.allocate(1, 10)  # 3 blocks
+    p.fork(1, 2)
+    p.truncate(2, 5)  # child keeps 2 shared blocks, drops its reference to the third
+    assert p.block_table(2).tolist() == p.block_table(1).tolist()[:2]
+    assert p.refcount(p.block_table(1).tolist()[2]) == 1
+    assert p.append_slots(2, 1)  # writes position 5 into shared block 2: copy-on-write
+    assert p.take_copy_ops().shape == (1, 3)
+    p.truncate(1, 0)
+    assert p.block_table(1).tolist() == [] and p.contains(1)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 0\]"):
+        p.truncate(1, 3)
+    p.check_invariants()

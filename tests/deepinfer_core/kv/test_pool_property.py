@@ -123,6 +123,14 @@ class PoolMachine(RuleBasedStateMachine):
         self._write(sid, n)
 
     @precondition(lambda self: self.tokens)
+    @rule(i=st.integers(0, 10**6), k=st.integers(0, 6))
+    def reject_drafts(self, i: int, k: int) -> None:
+        sid = self._pick(i)
+        keep = max(0, len(self.tokens[sid]) - k)
+        self.pool.truncate(sid, keep)
+        del self.tokens[sid][keep:]
+
+    @precondition(lambda self: self.tokens)
     @rule(i=st.integers(0, 10**6))
     def fork(self, i: int) -> None:
         sid = self._pick(i)
