@@ -80,13 +80,16 @@ class LLGuidanceMatcher:
         nbytes = self._words * 4
         self._m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * nbytes, nbytes)
         if self._m.is_error():
-            # No token can continue ("NoExtensionBias"): report a dead end as an all-zero row, as
-            # xgrammar does, and rebuild the matcher at the same (dead) state so rollback still works.
-            log.debug("llguidance dead end: %s", self._m.get_error().splitlines()[0])
-            bitmask[row].zero_()
-            self._m = self._template.deep_copy()
-            if self._history and not self._m.consume_tokens(self._history):
-                raise RuntimeError(f"llguidance could not replay {len(self._history)} tokens: {self._m.get_error()}")
+            self._recover(bitmask, row)
+
+    def _recover(self, bitmask: torch.Tensor, row: int) -> None:
+        # No token can continue ("NoExtensionBias"): report a dead end as an all-zero row, as xgrammar
+        # does, and rebuild the matcher at the same (dead) state so that rollback still works.
+        log.debug("llguidance dead end: %s", self._m.get_error().splitlines()[0])
+        bitmask[row].zero_()
+        self._m = self._template.deep_copy()
+        if self._history and not self._m.consume_tokens(self._history):
+            raise RuntimeError(f"llguidance could not replay {len(self._history)} tokens: {self._m.get_error()}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -128,13 +131,38 @@ class LLGuidanceBackend:
 
     name = "llguidance"
 
-    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int | None = None, json_any_whitespace: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int | None = None,
+        mask_threads: int | None = None,
+        json_any_whitespace: bool = False,
+    ) -> None:
         import llguidance as llg
 
         self._vocab: GrammarVocab = grammar_vocab(tokenizer, vocab_size)
         self._tok = llguidance_tokenizer(self._vocab, tokenizer)
         self._json_opts = {"whitespace_flexible": bool(json_any_whitespace), "item_separator": ",", "key_separator": ":"}
         self._llg = llg
+        # Batch mask filling on llguidance's own threads (None: its default, 80% of the CPUs up to 32).
+        self._executor = llg.LLExecutor(num_threads=mask_threads)
+
+    def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` in one call (the manager's batch path)."""
+        words = self._vocab.bitmask_words
+        pairs = []
+        for m, r in zip(matchers, rows):
+            if m._terminated:
+                bitmask[r].zero_()
+            else:
+                pairs.append((m._m, r))
+        if not pairs:
+            return
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, bitmask.shape[0])
+        for m, r in zip(matchers, rows):
+            if not m._terminated and m._m.is_error():
+                m._recover(bitmask, r)
 
     @property
     def vocab_size(self) -> int:

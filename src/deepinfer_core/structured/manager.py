@@ -198,8 +198,17 @@ class StructuredOutputManager:
             total += 1 + len(drafts)
             offsets[i + 1] = total
         bm, a, tail = self._views(total, out)
-        matchers = [self._active_matcher(rid) for rid, _ in batch]  # fail before touching any state
-        k = [_fill_request(m, bm, off, d) for m, off, (_, d) in zip(matchers, offsets, batch)]
+        # Fail before touching any state; the common case (ready, unfinished) skips the checks' calls.
+        reqs, matchers = self._requests, []
+        for rid, _ in batch:
+            req = reqs.get(rid)
+            m = req.matcher if req is not None and req.finish is None else None
+            matchers.append(m if m is not None else self._active_matcher(rid))
+        fill_rows = getattr(self._backend, "fill_rows", None)
+        if fill_rows is not None:
+            k = _fill_wavefront(fill_rows, matchers, bm, offsets, [d for _, d in batch])
+        else:
+            k = [_fill_request(m, bm, off, d) for m, off, (_, d) in zip(matchers, offsets, batch)]
         offs, num_drafts, dead_end = np.array(offsets, dtype=np.int64), np.array(k, dtype=np.int64), np.zeros(n, dtype=bool)
         # One pass clears the padding bits and finds rows that allow nothing: row 0 is a dead end of
         # the request, a later row is a state a draft reached but no token can continue, so the draft
@@ -307,4 +316,46 @@ def _fill_request(m: GrammarMatcher, bm: torch.Tensor, base: int, drafts: Sequen
     end = base + 1 + len(drafts)
     if base + accepted + 1 < end:
         bm[base + accepted + 1 : end] = bm[base + accepted]
+    return accepted
+
+
+def _fill_wavefront(
+    fill_rows: Any, matchers: list[GrammarMatcher], bm: torch.Tensor, offsets: list[int], drafts: list[Sequence[int]]
+) -> list[int]:
+    """The same rows as :func:`_fill_request`, one draft depth at a time across the batch.
+
+    Each depth is one ``backend.fill_rows`` call, which the engines run on their own thread pools
+    (xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``) without a Python call per row.
+    """
+    n = len(matchers)
+    fill_rows(matchers, bm, offsets[:n])
+    accepted = [0] * n
+    active = [i for i in range(n) if drafts[i]]
+    depth = 0
+    while active:
+        depth += 1
+        go_m, go_rows, nxt = [], [], []
+        for i in active:
+            m = matchers[i]
+            if not m.accept_token(int(drafts[i][depth - 1])):
+                continue
+            accepted[i] = depth
+            row = offsets[i] + depth
+            if m.is_terminated():  # an accepted EOS draft: its row repeats the previous one
+                bm[row] = bm[row - 1]
+                continue
+            go_m.append(m)
+            go_rows.append(row)
+            if len(drafts[i]) > depth:
+                nxt.append(i)
+        if go_m:
+            fill_rows(go_m, bm, go_rows)
+        active = nxt
+    for i in range(n):
+        a, d = accepted[i], drafts[i]
+        if d:
+            matchers[i].rollback(a)
+            base, end = offsets[i], offsets[i] + 1 + len(d)
+            if base + a + 1 < end:  # unused rows repeat the last valid one
+                bm[base + a + 1 : end] = bm[base + a]
     return accepted

@@ -85,6 +85,7 @@ class XGrammarBackend:
         *,
         vocab_size: int | None = None,
         compile_threads: int = 1,
+        mask_threads: int | None = None,
         json_any_whitespace: bool = False,
     ) -> None:
         import xgrammar as xgr
@@ -95,6 +96,8 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=compile_threads, cache_enabled=False)
         self._json_any_ws = json_any_whitespace
         self._refuse = self._vocab.special_ids - {self._vocab.eos_token_id}
+        # Batch mask filling on xgrammar's own threads ("auto": half the hardware threads).
+        self._batch = xgr.BatchGrammarMatcher(mask_threads if mask_threads else "auto")
         self._xgr = xgr
 
     @property
@@ -119,6 +122,17 @@ class XGrammarBackend:
             return c.compile_grammar(spec.choice_ebnf())
         except (RuntimeError, ValueError) as e:  # xgrammar reports parse errors as RuntimeError
             raise ValueError(f"xgrammar could not compile the {spec.kind}: {_strip_location(str(e))}") from None
+
+    def fill_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` in one call (the manager's batch path)."""
+        if any(m._done for m in matchers):  # rare: nothing follows EOS
+            for m, r in zip(matchers, rows):
+                if m._done:
+                    bitmask[r].zero_()
+            rows = [r for m, r in zip(matchers, rows) if not m._done]
+            matchers = [m for m in matchers if not m._done]
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
 
     def matcher(self, compiled: object) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words, self._refuse, self._vocab.eos_token_id)

@@ -44,12 +44,26 @@ def _stepwise(matcher, drafts: list[int], words: int, vocab: int) -> tuple[list[
     return rows, taken
 
 
+class RowByRow:
+    """The backend without its batch ``fill_rows``: the manager falls back to one matcher at a time."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.vocab_size = inner, inner.vocab_size
+
+    def compile(self, spec: GrammarSpec) -> object:
+        return self.inner.compile(spec)
+
+    def matcher(self, compiled: object) -> object:
+        return self.inner.matcher(compiled)
+
+
+@pytest.mark.parametrize("path", ["batched", "row_by_row"])
 @pytest.mark.parametrize("vocab", ["byte", "bpe"])
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
-def test_draft_rows_equal_stepwise_masks(name: str, vocab: str, backend_for) -> None:
-    backend = backend_for(name, vocab)
+def test_draft_rows_equal_stepwise_masks(name: str, vocab: str, path: str, backend_for) -> None:
+    backend = backend_for(name, vocab) if path == "batched" else RowByRow(backend_for(name, vocab))
     V, words = backend.vocab_size, (backend.vocab_size + 31) // 32
-    rng = np.random.default_rng(zlib.crc32(f"{name}-{vocab}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{vocab}-{path}".encode()))
     mgr = StructuredOutputManager(backend, compile_workers=1)
     refs, rid = {}, 0
     for spec in SPECS:
@@ -112,6 +126,7 @@ def test_draft_rows_equal_stepwise_masks(name: str, vocab: str, backend_for) -> 
 def test_rejected_draft_cuts_and_eos_draft_ends(backend_for, byte_tok) -> None:
     backend = backend_for("xgrammar", "byte")
     mgr = StructuredOutputManager(backend)
+    assert hasattr(backend, "fill_rows")  # the batched path
     mgr.add_request("r", GrammarSpec("regex", "ab?"))
     mgr.wait(["r"])
     a, b, z, eos = (*byte_tok.encode("abz"), byte_tok.eos_token_id)
