@@ -53,6 +53,8 @@ class ForwardBatch:
     # CED prefix prefill: run the encoder and write the first decoder layer's global KV, nothing more
     # (decoder SWA rings are left for bounded replay); no logits are produced.
     encoder_only: bool = False
+    # layers whose output residual state is returned for the logits rows (e.g. DSpark's target layers)
+    capture_layers: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(int(x) for x in v))
 
     @property
     def num_requests(self) -> int:
@@ -87,10 +89,12 @@ class ForwardOutput:
 
     ``expert_counts`` [num_layers, n_routed_experts] int64: tokens each routed expert received in
     this step, layer by layer (the load source of EPLB). ``request_of_logit`` [M] maps a logits row
-    back to its request index.
+    back to its request index. ``captured`` holds the requested layers' output states for those rows.
     """
 
     logits: torch.Tensor
     logit_rows: np.ndarray
     request_of_logit: np.ndarray
     expert_counts: torch.Tensor
+    # {layer id: residual state [M, ...] after that layer} for ForwardBatch.capture_layers, logits rows
+    captured: dict[int, torch.Tensor] = attrs.field(factory=dict)

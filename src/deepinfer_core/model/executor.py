@@ -96,6 +96,9 @@ class ModelExecutor:
             raise BatchError(None, "block_tables", f"shape {b.block_tables.shape}, expected ({r}, W)")
         if b.encoder_only and (self.cfg.encoder_layers >= self.cfg.num_hidden_layers or b.num_logits.any()):
             raise BatchError(None, "encoder_only", "needs a model with a decoder (CED split) and num_logits all 0")
+        bad = [lid for lid in b.capture_layers if not 0 <= lid < self.cfg.num_hidden_layers]
+        if bad:
+            raise BatchError(None, "capture_layers", f"{bad} outside [0, {self.cfg.num_hidden_layers})")
         if int(b.query_lens.sum()) != b.num_tokens:
             raise BatchError(None, "query_lens", f"sum {int(b.query_lens.sum())} != {b.num_tokens} token_ids")
         slots_seen: dict[int, int] = {}
@@ -168,13 +171,17 @@ class ModelExecutor:
             empty = np.zeros(0, np.int64)
             return ForwardOutput(logits=torch.zeros(0, self.cfg.vocab_size, dtype=self.dtype, device=dev),
                                  logit_rows=empty, request_of_logit=empty, expert_counts=counts)
-        hidden, counts = self.model.run_layers(tokens, attend)
+        capture: dict[int, torch.Tensor] = dict.fromkeys(batch.capture_layers)  # type: ignore[arg-type]
+        hidden, counts = self.model.run_layers(tokens, attend, capture=capture)
         rows = batch.logit_rows()
-        logits = self.model.logits(hidden[torch.as_tensor(rows, device=dev)])
+        rows_t = torch.as_tensor(rows, device=dev)
+        logits = self.model.logits(hidden[rows_t])
+        captured = {lid: st[rows_t] for lid, st in capture.items()}
         for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
             self._slot_end[slot] = s + int(n)
         req_of = np.repeat(np.arange(batch.num_requests), batch.num_logits)
-        return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts)
+        return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
+                             captured=captured)
 
     # ------------------------------------------------------------------ attention over the caches
     def _slots(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -98,13 +98,15 @@ class DeepSeekV41(nn.Module):
             b.ffn.reset_parameters(gen)
 
     # ------------------------------------------------------------------ shared layer loop
-    def run_layers(self, token_ids: torch.Tensor, attend: AttendFn,
-                   source_only: AttendFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(self, token_ids: torch.Tensor, attend: AttendFn, source_only: AttendFn | None = None,
+                   capture: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states [N, D] (after the final norm) and expert counts [layers, experts].
 
         With ``source_only`` (CED prefix prefill), the loop stops at the first decoder layer: that
         layer's input goes to ``source_only`` (which writes the decoder's global KV) and the returned
-        hidden state is that input; counts cover the encoder layers only.
+        hidden state is that input; counts cover the encoder layers only. ``capture`` (a dict whose keys
+        are layer ids) receives each listed layer's output residual state (the drafter's conditioning
+        input in part 2).
         """
         state = self.residual.begin(self.embed[token_ids])
         counts = []
@@ -121,6 +123,8 @@ class DeepSeekV41(nn.Module):
             y, c = blk.ffn(blk.ffn_norm(self.residual.sublayer_input(state, lid, 1)))
             state = self.residual.sublayer_output(state, y, lid, 1)
             counts.append(c)
+            if capture is not None and lid in capture:
+                capture[lid] = state
         return self.norm(self.residual.end(state)), torch.stack(counts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

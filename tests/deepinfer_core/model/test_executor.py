@@ -229,3 +229,22 @@ def test_choice_switches_change_output_and_stay_exact(model64: DeepSeekV41, seq:
     assert (want - before).abs().max() > 1e-6
     got = Session(m).run(0, seq, [50, 33, 37])
     assert (got - want).abs().max().item() < TOL
+
+
+def test_captured_layer_states_match_a_truncated_model(model64: DeepSeekV41, seq: torch.Tensor) -> None:
+    """capture_layers returns a layer's output residual for the logits rows: the last layer's, normed,
+    gives the logits, and layer 5's equals layer 5's of the same model cut after it."""
+
+    def run(m: DeepSeekV41, layers: tuple[int, ...]):
+        s = Session(m)
+        s._ensure(0, T)
+        return s.ex.execute(ForwardBatch(token_ids=seq.numpy(), query_lens=[T], start_pos=[0],
+                                         block_tables=s.pool.block_tables([0]), state_slots=[0], num_logits=[3],
+                                         capture_layers=layers))
+
+    out = run(model64, (5, 7))
+    assert set(out.captured) == {5, 7} and out.captured[5].shape == (3, model64.cfg.hidden_size)
+    assert torch.allclose(model64.logits(model64.norm(out.captured[7])), out.logits, atol=1e-12)
+    cut = _variant(model64, num_hidden_layers=6, compress_ratios=[0, 0, 2, 2, 1, 1], index_source_layer_ids=[2, 4],
+                   dspark_target_layer_ids=[5])
+    assert torch.allclose(run(cut, (5,)).captured[5], out.captured[5], atol=1e-12)
