@@ -42,6 +42,7 @@ StepScheduler::StepScheduler(kv::BlockPool& pool, const Config& cfg) : pool_(poo
 void StepScheduler::add_request(int64_t seq_id, const int32_t* prompt, int64_t n, int64_t max_tokens,
                                 int64_t min_tokens, bool ignore_eos, const std::vector<int32_t>& stop_ids) {
   if (slot_of_.count(seq_id)) bad("seq_id=" + s(seq_id) + ": already exists");
+  if (pool_.contains(seq_id)) bad("seq_id=" + s(seq_id) + ": already holds blocks in the KV pool (set first_seq_id past it)");
   if (n < 1) bad("prompt_token_ids: must not be empty");
   for (int64_t i = 0; i < n; ++i)
     if (prompt[i] < 0) bad("prompt_token_ids[" + s(i) + "]=" + s(prompt[i]) + ": token ids must be >= 0");

@@ -110,6 +110,10 @@ class StepChecker:
             assert cfg.engine_type is not EngineType.PROMPT
             assert (plan.num_tokens == 1).all() and plan.sample.all()
             loaded = set(plan.kv_load_seq_ids.tolist())
+            # COMPLETION admissions: the KV to load is exactly what the row's first token attends to.
+            starts = dict(zip(plan.seq_ids.tolist(), plan.start.tolist()))
+            for s, k in zip(plan.kv_load_seq_ids.tolist(), plan.kv_load_num_tokens.tolist()):
+                assert starts[s] == k
             rows = [s for s in plan.seq_ids.tolist() if s not in loaded]
             # Longest output preempted first: the preempted are the tail of the order, longest first.
             pre = [sched._seq_of[r] for r in plan.preempted]
