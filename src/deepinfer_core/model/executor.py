@@ -69,6 +69,8 @@ class ModelExecutor:
         # end position written per slot, to refuse steps the rings cannot serve (a gap, or a rollback
         # deeper than backtrack_tokens); a step at position 0 always (re)starts a sequence
         self._slot_end = np.zeros(num_state_slots, np.int64)
+        # slots filled by encoder-only steps: their decoder SWA rings hold nothing yet
+        self._encoder_only = np.zeros(num_state_slots, bool)
         # run decode / verify batches (every query_len <= backtrack + 1) through the row-wise path
         self.row_path = True
         self.min_ratio = min((r for r in cfg.compress_ratios[: n_layers] if r > 0), default=0)
@@ -122,6 +124,9 @@ class ModelExecutor:
             if s < 0 or (s > 0 and not end - self.backtrack <= s <= end):
                 raise BatchError(i, "start_pos", f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
                                  f"(restart) or [{max(end - self.backtrack, 0)}, {end}] (rollback <= {self.backtrack})")
+            if s > 0 and self._encoder_only[slot] and not b.encoder_only:
+                raise BatchError(i, "start_pos", f"{s}: slot {slot} holds an encoder-only prefix, whose decoder "
+                                 "SWA rings are empty; continue with encoder_only steps or restart at 0")
             if self.min_ratio:
                 need = -(-((s + n) // self.min_ratio) // self.block_size)
                 row = b.block_tables[i]
@@ -168,6 +173,7 @@ class ModelExecutor:
             _, counts = self.model.run_layers(tokens, attend, source_only=source)
             for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
                 self._slot_end[slot] = s + int(n)
+                self._encoder_only[slot] = True
             empty = np.zeros(0, np.int64)
             return ForwardOutput(logits=torch.zeros(0, self.cfg.vocab_size, dtype=self.dtype, device=dev),
                                  logit_rows=empty, request_of_logit=empty, expert_counts=counts)
@@ -179,6 +185,7 @@ class ModelExecutor:
         captured = {lid: st[rows_t] for lid, st in capture.items()}
         for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
             self._slot_end[slot] = s + int(n)
+            self._encoder_only[slot] = False
         req_of = np.repeat(np.arange(batch.num_requests), batch.num_logits)
         return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
                              captured=captured)

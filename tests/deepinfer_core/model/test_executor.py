@@ -169,6 +169,9 @@ def test_encoder_only_prefill_writes_the_decoder_global_kv(model64: DeepSeekV41,
         assert torch.equal(a.view(-1)[: T * a.shape[-1]], b.view(-1)[: T * b.shape[-1]])
     assert not part.ex.swa[enc].any() and full.ex.swa[enc].any()
     assert torch.equal(full.ex.swa[enc - 1], part.ex.swa[enc - 1])
+    # a normal step on top of it would read the empty decoder rings: refused
+    with pytest.raises(BatchError, match="encoder-only prefix"):
+        part.step([(0, seq[:1], T, 1)])
 
 
 def test_row_path_equals_request_path(model64: DeepSeekV41) -> None:
