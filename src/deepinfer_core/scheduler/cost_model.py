@@ -105,5 +105,5 @@ class CostModel:
                     best = (res, coef)
         coef = np.zeros(4) if best is None else best[1] / norms
         model = cls(*[float(max(x, 0.0)) for x in coef])
-        logger.info("fitted %s from %d samples (relative=%s)", model, qa.size, relative)
+        logger.debug("fitted %s from %d samples (relative=%s)", model, qa.size, relative)
         return model

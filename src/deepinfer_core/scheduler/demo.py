@@ -36,7 +36,9 @@ def demo() -> None:
     true = CostModel(base_ns=1.2e6, token_ns=60.0, quad_ns=1.5e-3, ctx_ns=4e-3)
     q, c = rng.integers(1, 32768, 200), rng.integers(0, 65536, 200)
     fit = CostModel.fit(q, c, true.predict(q, c) * (1 + 0.02 * rng.standard_normal(200)))
-    print(f"  fitted cost model: {fit}")
+    names = ("base_ns", "token_ns", "quad_ns", "ctx_ns")
+    print("  cost(q, c) fitted from 200 noisy steps: "
+          + ", ".join(f"{k}={v:.4g} (true {w:.4g})" for k, v, w in zip(names, fit.as_tuple(), true.as_tuple())))
     print(f"  largest chunk under a 3 ms budget: {fit.max_chunk(0, 3e6)} tokens on a fresh prompt, "
           f"{fit.max_chunk(32768, 3e6)} after 32,768 cached tokens")
 
