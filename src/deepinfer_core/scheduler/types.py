@@ -88,7 +88,10 @@ class SchedulerConfig:
 
 
 def _prompt(v: object) -> tuple[int, ...]:
-    return tuple(int(t) for t in np.asarray(v).reshape(-1).tolist())
+    a = np.asarray(v)
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"Request.prompt_token_ids: must be integer token ids, got dtype {a.dtype}")
+    return tuple(int(t) for t in a.reshape(-1).tolist())
 
 
 @attrs.frozen

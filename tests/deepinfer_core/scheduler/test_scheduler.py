@@ -204,6 +204,11 @@ def test_invalid_request_names_field(request_: Request, field: str) -> None:
     assert s.num_waiting == 1 and s.num_live == 1
 
 
+def test_non_integer_prompt_rejected() -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request("x", [1.5, 2.0])
+
+
 def test_request_larger_than_pool_and_duplicates_rejected() -> None:
     s = Scheduler(PagedKVPool(5, 4), SchedulerConfig(max_model_len=64))  # 16 token slots
     with pytest.raises(ValueError, match="KV blocks"):
