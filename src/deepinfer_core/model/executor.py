@@ -22,6 +22,7 @@ from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
 from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.protocols.model import Backend
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,13 @@ class ModelExecutor:
     ``num_blocks`` / ``block_size`` must match the KV block pool whose tables the batches carry;
     ``num_state_slots`` the state pool. ``backtrack_tokens`` is how far a sequence may be rolled back
     (DEEPINFER_MAX_BACKTRACKING_TOKENS; default drafts + 1 = 6). ``quantize`` stores KV as FP4 (main),
-    FP8 (SWA ring) and MXFP4 (indexer keys); off stores exact raw values.
+    FP8 (SWA ring) and MXFP4 (indexer keys); off stores exact raw values. ``backend`` (a
+    ``deepinfer_kernels`` Backend) routes the cache writes through its ``kv_store`` /
+    ``swa_ring_write`` ops; None writes with plain torch indexing (the same bytes as the reference ops).
     """
 
     def __init__(self, model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int,
-                 backtrack_tokens: int = 6, quantize: bool = True) -> None:
+                 backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None) -> None:
         for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
                             ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
             if not isinstance(v, int) or v < lo:
@@ -48,6 +51,11 @@ class ModelExecutor:
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_state_slots
         self.backtrack = backtrack_tokens
         self.fmt = CacheFormats.make(cfg.head_dim, cfg.index_head_dim, quantize, self.dtype)
+        # cache writes go through the backend's kv_store / swa_ring_write ops when one is given (the
+        # cuda backend's TileLang kernels write the same bytes); by name so kernels recognise them
+        self.backend = backend
+        self._fmt_arg = ({"main": "fp4", "swa": "fp8", "index": "mxfp4"} if quantize
+                         else {"main": self.fmt.main, "swa": self.fmt.swa, "index": self.fmt.index})
         self.swa_ring = cfg.sliding_window + backtrack_tokens
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers
@@ -190,6 +198,26 @@ class ModelExecutor:
         return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
                              captured=captured)
 
+    # ------------------------------------------------------------------ cache writes
+    def _store(self, pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, kind: str) -> None:
+        """Quantise rows ``x`` and write them to flat ``slots`` of a paged cache."""
+        if self.backend is not None:
+            self.backend.op("kv_store")(pool, x, slots, self._fmt_arg[kind])
+            return
+        fmt = getattr(self.fmt, kind)
+        pool.view(-1, fmt.bytes_per_token)[slots] = fmt.quantize(x)
+
+    def _ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
+                    states: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write rows ``x`` (or their already quantised ``x_bytes``) at ``positions % ring`` of ``states``.
+
+        Callers pass at most one row per ring entry (no duplicates in one call).
+        """
+        if self.backend is not None:
+            self.backend.op("swa_ring_write")(ring, x, states, positions, self._fmt_arg["swa"])
+            return
+        ring[states, positions % self.swa_ring] = self.fmt.swa.quantize(x) if x_bytes is None else x_bytes
+
     # ------------------------------------------------------------------ attention over the caches
     def _slots(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Flat cache slots of logical entries ``idx`` through a block table."""
@@ -200,7 +228,8 @@ class ModelExecutor:
         cfg, fmt = self.cfg, self.fmt
         w = cfg.sliding_window
         q, lat = a.queries(x, positions)
-        swa_bytes = fmt.swa.quantize(a.swa_kv(x, positions))
+        raw_swa = a.swa_kv(x, positions)
+        swa_bytes = fmt.swa.quantize(raw_swa)
         kswa = fmt.swa.dequantize(swa_bytes).to(self.dtype)  # attend to exactly what the ring will hold
         if a.kind == LAYER_FULL:
             cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
@@ -218,7 +247,8 @@ class ModelExecutor:
             kp = torch.cat((hist, qp))
             mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w)
             keep = slice(max(0, n - self.swa_ring), n)
-            ring[slot, qp[keep] % self.swa_ring] = swa_bytes[r0:r1][keep]
+            self._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep],
+                             torch.full_like(qp[keep], slot), qp[keep])
             if a.kind == LAYER_SWA:
                 outs.append(sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
                 continue
@@ -267,8 +297,8 @@ class ModelExecutor:
         main = a.compressor.pool(whole[:, :dm], e0, a.inv_freq)
         idx = a.index_compressor.pool(whole[:, dm:], e0, a.inv_freq)
         slots = self._slots(table, torch.arange(e0, e1, device=self.device))
-        self.kv[lid].view(-1, self.fmt.main.bytes_per_token)[slots] = self.fmt.main.quantize(main)
-        self.index_keys[lid].view(-1, self.fmt.index.bytes_per_token)[slots] = self.fmt.index.quantize(idx)
+        self._store(self.kv[lid], main, slots, "main")
+        self._store(self.index_keys[lid], idx, slots, "index")
 
     def _attend_rows(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      tables: torch.Tensor, sel: dict, pools: dict) -> torch.Tensor:
@@ -282,7 +312,7 @@ class ModelExecutor:
         w, dev = cfg.sliding_window, self.device
         q, lat = a.queries(x, positions)
         ring = self.swa[lid]
-        ring[slots, positions % self.swa_ring] = fmt.swa.quantize(a.swa_kv(x, positions))
+        self._ring_store(ring, a.swa_kv(x, positions), None, slots, positions)
         kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
         mask_a = kp >= 0
         k_a = fmt.swa.dequantize(ring[slots[:, None], kp.clamp(min=0) % self.swa_ring]).to(self.dtype)
@@ -310,10 +340,9 @@ class ModelExecutor:
                 ent = (pc + 1) // r - 1
                 dm = a.compressor.state_dim
                 sl = slot_of(ent[:, None], rows).flatten()
-                self.kv[lid].view(-1, fmt.main.bytes_per_token)[sl] = fmt.main.quantize(
-                    a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq))
-                self.index_keys[lid].view(-1, fmt.index.bytes_per_token)[sl] = fmt.index.quantize(
-                    a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq))
+                self._store(self.kv[lid], a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq), sl, "main")
+                self._store(self.index_keys[lid], a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq),
+                            sl, "index")
         if a.kind in (LAYER_FULL, LAYER_REINDEX):
             qi, wi = a.indexer(x, lat, positions, a.inv_freq)
             visible = (positions + 1) // r

@@ -251,3 +251,20 @@ def test_captured_layer_states_match_a_truncated_model(model64: DeepSeekV41, seq
     cut = _variant(model64, num_hidden_layers=6, compress_ratios=[0, 0, 2, 2, 1, 1], index_source_layer_ids=[2, 4],
                    dspark_target_layer_ids=[5])
     assert torch.allclose(run(cut, (5,)).captured[5], out.captured[5], atol=1e-12)
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_backend_ops_write_the_same_caches(model64: DeepSeekV41, seq: torch.Tensor, quantize: bool) -> None:
+    """Cache writes through deepinfer_kernels' reference kv_store / swa_ring_write ops give bit-identical
+    caches and logits to the executor's own writes (chunked prefill and decode, both paths)."""
+    from deepinfer_kernels import get_backend
+
+    plain, via = Session(model64, quantize=quantize), Session(model64, quantize=quantize)
+    via.ex = type(via.ex)(model64, via.ex.num_blocks, via.ex.block_size, via.ex.num_slots, quantize=quantize,
+                          backend=get_backend("reference"))
+    chunks = [40, 23, 30, 1, 1, 5, 20]
+    a, b = plain.run(0, seq, chunks), via.run(0, seq, chunks)
+    assert torch.equal(a, b)
+    for lid in model64.cfg.kv_source_layer_ids:
+        assert torch.equal(plain.ex.kv[lid], via.ex.kv[lid]) and torch.equal(plain.ex.index_keys[lid], via.ex.index_keys[lid])
+    assert all(torch.equal(x, y) for x, y in zip(plain.ex.swa, via.ex.swa))
