@@ -288,3 +288,17 @@ def test_plan_arrays_match_pool_and_positions() -> None:
     want = np.concatenate([np.arange(a, a + q) for a, q in zip(plan.start, plan.num_tokens)])
     np.testing.assert_array_equal(plan.positions(), want)
     np.testing.assert_array_equal(plan.context_lens, [3, 9, 5])
+
+
+def test_core_keeps_the_pool_alive() -> None:
+    import gc
+
+    from deepinfer_core import _C
+
+    # Only the C++ scheduler references this pool: nb::keep_alive must stop it being freed.
+    core = _C.scheduler.StepScheduler(_C.kv.BlockPool(32, 4), 0, 4, 64, 64, -1, 0.0, 2, 16, False, 0, [0.0] * 4)
+    gc.collect()
+    core.add_request(1, np.array([1, 2, 3], dtype=np.int32), 2, 0, True, [])
+    t = core.schedule(True, True, False)
+    assert t[4] == 1  # one row
+    core.check_invariants()
