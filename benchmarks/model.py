@@ -11,6 +11,7 @@ top-k 512, window 128) cut to 6 layers and 8 experts so it fits one GPU: a GPU b
 reference, not of production kernels.
 
     python benchmarks/model.py [--quick] [--plot] [--threads N] [--device cuda] [--config wide]
+                               [--backend none|reference|cuda]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from deepinfer_core.model import (
     flash_config,
     tiny_config,
 )
+from deepinfer_core.protocols.model import Backend
+from deepinfer_kernels import get_backend
 
 BENCH = "model"
 BLOCK = 64
@@ -74,9 +77,13 @@ class Clock:
         return statistics.median(q), statistics.median(w)
 
 
+BACKEND: Backend | None = None  # set from --backend: routes the executor's cache writes through its ops
+
+
 def _executor(model: DeepSeekV41, quantize: bool, slots: int, tokens: int) -> tuple[ModelExecutor, PagedKVPool]:
     blocks = slots * (-(-tokens // BLOCK) + 1) + 1
-    return ModelExecutor(model, blocks, BLOCK, slots, quantize=quantize), PagedKVPool(blocks, BLOCK)
+    ex = ModelExecutor(model, blocks, BLOCK, slots, quantize=quantize, backend=BACKEND)
+    return ex, PagedKVPool(blocks, BLOCK)
 
 
 def bench_prefill(model: DeepSeekV41, clock: Clock, base: dict, t: int, repeat: int) -> None:
@@ -141,7 +148,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1: shared)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--config", choices=("tiny", "wide"), default="tiny")
+    ap.add_argument("--backend", choices=("none", "reference", "cuda"), default="none",
+                    help="write caches through this deepinfer_kernels backend's ops (default: plain torch)")
     args = ap.parse_args()
+    global BACKEND
+    BACKEND = None if args.backend == "none" else get_backend(args.backend)
     dev = torch.device(args.device)
     if dev.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -151,7 +162,7 @@ def main() -> None:
     dtype = torch.bfloat16 if (wide and dev.type == "cuda") else torch.float32
     model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=dev.type == 'cuda')
     clock = Clock(dev)
-    base = {"config": args.config, "device": dev.type, "dtype": str(dtype).removeprefix("torch.")}
+    base = {"config": args.config, "device": dev.type, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend}
     if wide:
         prefill = [1024] if args.quick else [1024, 4096]
         batches = [1, 8] if args.quick else [1, 8, 32, 64]

@@ -23,3 +23,22 @@ def test_cuda_executor_matches_cpu_oracle() -> None:
         assert (got - ref).abs().max().item() < 1e-9
     q = Session(gpu, quantize=True).run(0, seq, [120]).cpu()
     assert ((q - ref).norm() / ref.norm()).item() < 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_backend_cache_writes_match_plain_writes() -> None:
+    from deepinfer_kernels import get_backend
+
+    seq = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(4))
+    gpu = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.float32, device="cuda")
+    plain = Session(gpu, quantize=True)
+    via = Session(gpu, quantize=True)
+    via.ex = type(via.ex)(gpu, via.ex.num_blocks, via.ex.block_size, via.ex.num_slots, quantize=True,
+                          backend=get_backend("cuda"))
+    chunks = [60, 17, 1, 1, 1, 20]
+    a, b = plain.run(0, seq, chunks), via.run(0, seq, chunks)
+    for lid in gpu.cfg.kv_source_layer_ids:
+        assert torch.equal(plain.ex.kv[lid], via.ex.kv[lid]), lid
+        assert torch.equal(plain.ex.index_keys[lid], via.ex.index_keys[lid]), lid
+    assert all(torch.equal(x, y) for x, y in zip(plain.ex.swa, via.ex.swa))
+    assert torch.equal(a, b)
