@@ -137,7 +137,7 @@ def test_quantized_cache_bounds(model64: DeepSeekV41, seq: torch.Tensor, ref: to
     inc = Session(model64, quantize=True).run(0, seq, [64, *chunks_of(T - 64, 9)])
     assert (one - inc).abs().max().item() < 1e-6
     rel = ((one - ref).norm() / ref.norm()).item()
-    # measured ~0.2-0.35 on random weights (FP4 is coarse and top-k choices flip); bound stated in docs
+    # measured 0.29-0.38 over 3 seeds on random weights (FP4 is coarse and top-k choices flip); bound stated in docs
     assert rel < 0.5, rel
     assert rel > 1e-4  # quantisation really happened
     agree = (one.argmax(-1) == ref.argmax(-1)).float().mean().item()
