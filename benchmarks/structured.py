@@ -7,10 +7,10 @@
     ``tokenizers`` and cached under benchmarks/out/); backends: xgrammar and llguidance.
 (b) Manager overhead: on the same states, ``StructuredOutputManager.fill_bitmask`` (bookkeeping, draft
     cuts, dead-row pass, tail clearing, our matcher wrappers) against the same library calls made
-    directly on the libraries' own matchers: one batch call per draft depth (xgrammar
-    ``BatchGrammarMatcher``, llguidance ``LLExecutor``, both on one thread), accept/rollback by hand.
-    Also the naive loop of one library call per row, to show what the batch APIs save. With 0 and 3
-    drafts per request.
+    directly on the libraries' own matchers, depth by depth as the manager does (xgrammar: one
+    ``BatchGrammarMatcher`` call per depth on one thread; llguidance: one call per matcher), accept and
+    rollback by hand. Also the naive loop of one library call per row (what xgrammar's batch API saves),
+    and for llguidance its ``LLExecutor`` batch call on one thread. With 0 and 3 drafts per request.
 Timing: process CPU time (``time.process_time``), minimum of 5 interleaved repeats per step, summed over
 12 steps: the machine is shared, and CPU time of the one thread that fills masks is what contention
 distorts least. Absolute CPU numbers are indicative; ratios measured side by side are the result.
@@ -169,8 +169,9 @@ def _bare_wavefront(raws: list, drafts: list[list[int]], buf: torch.Tensor, eos:
             raw.rollback(a)
 
 
-def _library_batch_fill(backend_name: str, buf: torch.Tensor) -> object:
-    """``fill_many(raw_matchers, rows)`` over the library's own batch API, single-threaded."""
+def _library_batch_fill(backend_name: str, buf: torch.Tensor, executor: bool = False) -> object:
+    """``fill_many(raw_matchers, rows)`` the way the backend fills a depth: xgrammar's batch API (one
+    thread); llguidance one matcher at a time (or, with ``executor``, its LLExecutor on one thread)."""
     if backend_name == "xgrammar":
         import xgrammar as xgr
 
@@ -178,9 +179,16 @@ def _library_batch_fill(backend_name: str, buf: torch.Tensor) -> object:
         return lambda raws, rows: bgm.batch_fill_next_token_bitmask(raws, buf, rows)
     import llguidance as llg
 
-    ex = llg.LLExecutor(num_threads=1)
-    nbytes = buf.shape[1] * 4
-    return lambda raws, rows: ex.unsafe_compute_mask_ptr(list(zip(raws, rows)), buf.data_ptr(), nbytes, buf.shape[0])
+    nbytes, ptr = buf.shape[1] * 4, buf.data_ptr()
+    if executor:
+        ex = llg.LLExecutor(num_threads=1)
+        return lambda raws, rows: ex.unsafe_compute_mask_ptr(list(zip(raws, rows)), ptr, nbytes, buf.shape[0])
+
+    def per_matcher(raws: list, rows: list[int]) -> None:
+        for raw, r in zip(raws, rows):
+            raw.unsafe_compute_mask_ptr(ptr + r * nbytes, nbytes)
+
+    return per_matcher
 
 
 def bench_masks(toks: dict[str, object], quick: bool) -> list[dict]:
@@ -207,6 +215,9 @@ def bench_masks(toks: dict[str, object], quick: bool) -> list[dict]:
                 fill_many = _library_batch_fill(backend_name, buf)
                 eos, llg = backend.eos_token_id, backend_name == "llguidance"
                 times: dict[str, list[float]] = {"mgr": [], "batch": [], "serial": []}
+                if llg:
+                    times["executor"] = []
+                    fill_exec = _library_batch_fill(backend_name, buf, executor=True)
                 rows_total = 0
                 out: list = []
 
@@ -217,6 +228,8 @@ def bench_masks(toks: dict[str, object], quick: bool) -> list[dict]:
                     raws = [mgr.matcher(r).raw for r in walk.ids]  # noqa: B023
                     if which == "batch":
                         _bare_wavefront(raws, drafts, buf, eos, fill_many, llg)  # noqa: B023
+                    elif which == "executor":
+                        _bare_wavefront(raws, drafts, buf, eos, fill_exec, llg)  # noqa: B023
                     else:
                         _bare_fill(raws, drafts, buf, eos, llg)  # noqa: B023
 
@@ -228,7 +241,7 @@ def bench_masks(toks: dict[str, object], quick: bool) -> list[dict]:
                     best = dict.fromkeys(times, float("inf"))
                     order = list(times)
                     for rep in range(reps):
-                        for which in order[rep % 3 :] + order[: rep % 3]:
+                        for which in order[rep % len(order) :] + order[: rep % len(order)]:
                             t0 = time.process_time()
                             run(which)
                             best[which] = min(best[which], time.process_time() - t0)
@@ -249,6 +262,8 @@ def bench_masks(toks: dict[str, object], quick: bool) -> list[dict]:
                 emit(BENCH, q, "bare_serial_us_per_token", round(us["serial"], 3), "us")
                 emit(BENCH, q, "manager_overhead_pct", round(100 * (us["mgr"] / us["batch"] - 1), 2), "%")
                 emit(BENCH, q, "batch_api_speedup", round(us["serial"] / us["batch"], 3), "x")
+                if llg:
+                    emit(BENCH, q, "llexecutor_us_per_token", round(us["executor"], 3), "us")
                 results.append({**q, "us": us["mgr"], "bare_us": us["batch"]})
     return results
 

@@ -145,11 +145,17 @@ class LLGuidanceBackend:
         self._tok = llguidance_tokenizer(self._vocab, tokenizer)
         self._json_opts = {"whitespace_flexible": bool(json_any_whitespace), "item_separator": ",", "key_separator": ":"}
         self._llg = llg
-        # Batch mask filling on llguidance's own threads (None: its default, 80% of the CPUs up to 32).
-        self._executor = llg.LLExecutor(num_threads=mask_threads)
+        # llguidance's LLExecutor fills a batch on its own threads, but measured here it costs ~2x the
+        # CPU per row of calling each matcher (1-2 threads, 128k vocabulary; docs/performance.md), so
+        # it is used only when asked for with mask_threads > 1.
+        self._executor = llg.LLExecutor(num_threads=mask_threads) if mask_threads and mask_threads > 1 else None
 
     def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` in one call (the manager's batch path)."""
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""
+        if self._executor is None:
+            for m, r in zip(matchers, rows):
+                m.fill_unchecked(bitmask, r)
+            return
         words = self._vocab.bitmask_words
         pairs = []
         for m, r in zip(matchers, rows):

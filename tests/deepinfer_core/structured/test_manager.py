@@ -88,12 +88,12 @@ def test_invalid_grammar_fails_alone_with_backend_message(name: str, backend_for
     assert mgr.fill_bitmask([("good", [])]).num_rows == 1
 
 
-@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("path", ["batched", "row_by_row", "two_threads"])
 @pytest.mark.parametrize("name", BACKENDS)
-def test_dead_end_finishes_request_without_nan(name: str, batched: bool) -> None:
+def test_dead_end_finishes_request_without_nan(name: str, path: str) -> None:
     tok = DigitsTokenizer()
-    be = make_backend(name, tok)
-    mgr = StructuredOutputManager(be if batched else GatedBackend(be, {}))  # GatedBackend has no fill_rows
+    be = make_backend(name, tok, mask_threads=2 if path == "two_threads" else None)
+    mgr = StructuredOutputManager(GatedBackend(be, {}) if path == "row_by_row" else be)  # Gated: no fill_rows
     mgr.add_request("letters", {"regex": "[a-z]+"})  # dead at once: no letter in the vocabulary
     mgr.add_request("later", {"regex": "[0-9]x"})  # dead after one digit
     mgr.wait(["letters", "later"])

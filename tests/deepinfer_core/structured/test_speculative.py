@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer_core.structured import GrammarSpec, StructuredOutputManager
+from deepinfer_core.structured import GrammarSpec, StructuredOutputManager, make_backend
 
 from ._decode import allowed_ids
 from .test_end_to_end import EBNF, REGEXES, SCHEMA
@@ -57,11 +57,14 @@ class RowByRow:
         return self.inner.matcher(compiled)
 
 
-@pytest.mark.parametrize("path", ["batched", "row_by_row"])
+@pytest.mark.parametrize("path", ["batched", "row_by_row", "two_threads"])
 @pytest.mark.parametrize("vocab", ["byte", "bpe"])
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
-def test_draft_rows_equal_stepwise_masks(name: str, vocab: str, path: str, backend_for) -> None:
-    backend = backend_for(name, vocab) if path == "batched" else RowByRow(backend_for(name, vocab))
+def test_draft_rows_equal_stepwise_masks(name: str, vocab: str, path: str, backend_for, tok_for) -> None:
+    if path == "two_threads":  # xgrammar BatchGrammarMatcher(2), llguidance LLExecutor(2)
+        backend = make_backend(name, tok_for(vocab), mask_threads=2)
+    else:
+        backend = backend_for(name, vocab) if path == "batched" else RowByRow(backend_for(name, vocab))
     V, words = backend.vocab_size, (backend.vocab_size + 31) // 32
     rng = np.random.default_rng(zlib.crc32(f"{name}-{vocab}-{path}".encode()))
     mgr = StructuredOutputManager(backend, compile_workers=1)
