@@ -192,7 +192,8 @@ def main() -> None:
         ax.set_title(f"{args.config} config decode, {dev.type}, context {ctx}")
         ax.legend()
         fig.tight_layout()
-        p = out_path(f"model_decode_{args.config}_{dev.type}.png")
+        tiny_cpu = args.config == "tiny" and dev.type == "cpu"
+        p = out_path("model_decode.png" if tiny_cpu else f"model_decode_{args.config}_{dev.type}.png")
         fig.savefig(p, dpi=120)
         log(f"wrote {p}")
 
