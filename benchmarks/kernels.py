@@ -154,6 +154,8 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
 
 
 def bench_kv(ceil: dict[str, float], quick: bool) -> None:
+    from deepinfer_kernels.cuda import kv_store as ck
+
     store, store_ref = get_op("kv_store", "cuda"), get_op("kv_store", "reference")
     load = get_op("kv_load", "cuda")
     n = 4096 if quick else 65_536
@@ -164,12 +166,23 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
         nbytes = n * (512 * 2 + bpt)
         p = {"tokens": n, "fmt": fmt, "in": "bf16"}
         record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
+        record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)
+        flat = pool.view(-1, bpt)
+        record(f"kv_store_{fmt}_kernel_only", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt)), nbytes, ceil=ceil)
+        if fmt == "fp8":
+            record("kv_store_fp8_kernel_only_integer_encoder", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt, hw_fp8=False)), nbytes, ceil=ceil)
         record(f"kv_store_{fmt}_torch_reference", p, cuda_time(lambda: store_ref(pool, g(), slots, fmt), reps=5), nbytes, ceil=ceil)
         b, m = (8, 8) if quick else (64, 16)  # sequences x blocks of 64 tokens
         table = torch.randint(1, pool.shape[0], (b, m), dtype=torch.int32, device="cuda")
         lens = torch.full((b,), m * 64, device="cuda")
         nbytes = b * m * 64 * (bpt + 512 * 2)
-        record(f"kv_load_{fmt}", {"seqs": b, "tokens_each": m * 64, "fmt": fmt, "out": "bf16"}, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
+        pl = {"seqs": b, "tokens_each": m * 64, "fmt": fmt, "out": "bf16"}
+        record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
+        record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
+        sl = torch.randint(0, flat.shape[0], (b * m * 64,), device="cuda")
+        record(f"kv_load_{fmt}_kernel_only", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
+        if fmt == "fp8":
+            record("kv_load_fp8_kernel_only_float64_decoder", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, hw=False)), nbytes, ceil=ceil)
 
 
 def bench_sampling(ceil: dict[str, float], quick: bool) -> None:

@@ -105,3 +105,50 @@ def test_swa_ring_write_rollback_read() -> None:
         want = fmt.dequantize(fmt.quantize(tail))
         assert torch.equal(got[s, window - len(tail) :], want)
         assert not got[s, : window - len(tail)].any()
+
+
+@pytest.mark.parametrize("hw", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_both_encoders_same_bytes(dtype: torch.dtype, hw: bool) -> None:
+    """Both fp8 encoders (hardware cvt, integer arithmetic) must give torch's bytes."""
+    from deepinfer_kernels.cuda import kv_store as ck
+
+    _, ref = _ops("kv_store")
+    g = torch.Generator().manual_seed(77)
+    pool = torch.zeros(64, 16, 528, dtype=torch.uint8, device="cuda")
+    x = _rows(1000, 512, g, dtype)
+    slots = torch.randperm(1024, generator=g)[:1000].cuda()
+    want = ref(pool.clone(), x, slots, "fp8")
+    got = pool.clone()
+    ck.store_slots(got.view(-1, 528), x, slots, "fp8", hw_fp8=hw)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hw", [True, False])
+def test_fp8_both_decoders_exact(hw: bool, out_dtype: torch.dtype) -> None:
+    """Both fp8 decoders, on every byte value with every scale code (NaN codes included)."""
+    from deepinfer_kernels.cuda import kv_store as ck
+
+    fmt = __import__("deepinfer_core.kv.formats", fromlist=["FP8Format"]).FP8Format()
+    rows = torch.zeros(256, 528, dtype=torch.uint8)
+    rows[:, :512] = torch.arange(256, dtype=torch.uint8)[None, :].roll(3, 1).expand(256, 512)
+    rows[:, :512] = (rows[:, :512].int() + torch.arange(256)[:, None]).remainder(256).to(torch.uint8)
+    rows[:, 512:] = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 16)  # scale code = row
+    got = ck.gather_slots(rows.cuda(), torch.arange(256).cuda(), "fp8", 512, out_dtype, hw=hw).cpu()
+    want = fmt.dequantize(rows).to(out_dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_unchecked_fast_path_same_bytes() -> None:
+    store, ref = _ops("kv_store")
+    load, load_ref = _ops("kv_load")
+    g = torch.Generator().manual_seed(8)
+    pool = torch.zeros(32, 16, 288, dtype=torch.uint8, device="cuda")
+    x = _rows(300, 512, g, torch.bfloat16)
+    slots = torch.randperm(512, generator=g)[:300].cuda()
+    assert torch.equal(store(pool.clone(), x, slots, "fp4", check=False), ref(pool.clone(), x, slots, "fp4"))
+    store(pool, x, slots, "fp4", check=False)
+    table = torch.randint(0, 32, (3, 4), dtype=torch.int32, generator=g).cuda()
+    lens = torch.tensor([5, 64, 33]).cuda()
+    assert torch.equal(load(pool, table, lens, "fp4", 512, torch.bfloat16, check=False), load_ref(pool, table, lens, "fp4", 512, torch.bfloat16))

@@ -1,17 +1,17 @@
 """TileLang ``indexer_scores`` (+ ``indexer_topk`` through deep_select when importable, else torch.topk).
 
-One CTA per (query token, chunk of ``_CHUNK`` blocks of ``_BS`` keys): Q_t [H, D] goes to shared memory
-once, the key blocks [BS, D] stream through a two-stage pipeline; per block one tensor-core GEMM gives the
-[H, BS] head logits in fp32, then relu, the per-head weights and a reduction over heads give BS scores
-(-inf outside the query's key range). The one-block-per-CTA kernel (``_build``), which skips blocks
-outside the range, is kept as the fallback if the pipelined one fails to lower. bf16 / fp16 inputs; float32 inputs take the reference
+One CTA per (query token, block of ``_BS`` keys): Q_t [H, D] and the key block [BS, D] go to shared
+memory, one tensor-core GEMM gives the [H, BS] head logits in fp32, then relu, the per-head weights and a
+reduction over heads give BS scores. Blocks entirely outside the query's key range are filled with -inf
+without the GEMM (causal prefill skips about half). A variant streaming 8 key blocks per CTA through a
+2-stage ``T.Pipelined`` loop measured slower on the H200 (55 vs 107 TFLOP/s at 2048 x 16384, 32 x 128),
+fewer CTAs hiding less latency, so it was dropped. bf16 / fp16 inputs; float32 inputs take the reference
 (tensor cores would round them to tf32, so "within tolerance" would silently mean tf32), and so do head
 counts that are not a multiple of 16 (the MMA tile's M; the tiny test config has 4 index heads).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
 import importlib.util
-import logging
 
 import torch
 
@@ -19,52 +19,8 @@ from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_d
 from deepinfer_kernels.ops import indexer as ref
 from deepinfer_kernels.registry import register
 
-log = logging.getLogger(__name__)
 _BS = 64
 _THREADS = 128
-
-
-_CHUNK = 8  # key blocks per CTA in the pipelined kernel
-
-
-def _build_pipelined(h: int, d: int, dtype: str):
-    """Q_t loaded once per CTA, ``_CHUNK`` key blocks streamed through a 2-stage pipeline (copy || GEMM)."""
-    t_dyn = T.dynamic("t")
-    s_dyn = T.dynamic("s")
-
-    @T.prim_func
-    def scores(
-        q: T.Tensor((t_dyn, h, d), dtype),
-        w: T.Tensor((t_dyn, h), "float32"),
-        keys: T.Tensor((s_dyn, d), dtype),
-        ks: T.Tensor((t_dyn,), "int32"),
-        ke: T.Tensor((t_dyn,), "int32"),
-        out: T.Tensor((t_dyn, s_dyn), "float32"),
-    ):
-        with T.Kernel(T.ceildiv(s_dyn, _BS * _CHUNK), t_dyn, threads=_THREADS) as (bx, by):
-            q_sh = T.alloc_shared((h, d), dtype)
-            k_sh = T.alloc_shared((_BS, d), dtype)
-            acc = T.alloc_fragment((h, _BS), "float32")
-            red = T.alloc_fragment((_BS,), "float32")
-            w_fr = T.alloc_fragment((h,), "float32")
-            lo = ks[by]
-            hi = ke[by]
-            T.copy(q[by, 0:h, 0:d], q_sh)
-            T.copy(w[by, 0:h], w_fr)
-            for kb in T.Pipelined(_CHUNK, num_stages=2):
-                base = (bx * _CHUNK + kb) * _BS
-                T.copy(keys[base : base + _BS, 0:d], k_sh)
-                T.clear(acc)
-                T.gemm(q_sh, k_sh, acc, transpose_B=True)
-                for i, j in T.Parallel(h, _BS):
-                    acc[i, j] = T.max(acc[i, j], T.float32(0)) * w_fr[i]
-                T.reduce_sum(acc, red, dim=0)
-                for j in T.Parallel(_BS):
-                    s = base + j
-                    if s < s_dyn:
-                        out[by, s] = T.if_then_else((s >= lo) & (s < hi), red[j], -T.infinity("float32"))
-
-    return scores
 
 
 def _build(h: int, d: int, dtype: str):
@@ -108,20 +64,6 @@ def _build(h: int, d: int, dtype: str):
     return scores
 
 
-_PIPELINED_BROKEN: set[tuple[int, int, str]] = set()
-
-
-def _kernel(h: int, d: int, dt: str):
-    """The pipelined kernel; the one-block-per-CTA kernel if the pipelined one fails to compile here."""
-    if (h, d, dt) not in _PIPELINED_BROKEN:
-        try:
-            return compile_kernel(("indexer_pipelined", h, d, dt), lambda: _build_pipelined(h, d, dt))
-        except Exception as e:
-            log.warning("pipelined indexer kernel failed to compile (%s); using the simple one", e)
-            _PIPELINED_BROKEN.add((h, d, dt))
-    return compile_kernel(("indexer", h, d, dt), lambda: _build(h, d, dt))
-
-
 @register("indexer_scores", "cuda")
 def indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor
@@ -141,7 +83,7 @@ def indexer_scores(
     if t == 0 or s == 0:
         return out
     dt = torch_dtype_name(q.dtype)
-    kern = _kernel(h, d, dt)
+    kern = compile_kernel(("indexer", h, d, dt), lambda: _build(h, d, dt))
     kern(
         q.contiguous(),
         weights.to(torch.float32).contiguous(),

@@ -36,6 +36,14 @@ def _mix64(x):
     return x ^ (x >> T.uint64(31))
 
 
+def _argmax_key(score, v):
+    """int64 key ordered like (score, -v): the score's order-preserving bits above the inverted token id."""
+    bits = T.Cast("uint64", T.reinterpret(score, "uint32"))
+    ordered = T.if_then_else((bits & T.uint64(0x80000000)) != T.uint64(0), bits ^ T.uint64(0xFFFFFFFF), bits | T.uint64(0x80000000))
+    k = (ordered << T.uint64(32)) | (T.uint64(0xFFFFFFFF) - T.Cast("uint64", v))
+    return T.reinterpret(k ^ T.uint64(1 << 63), "int64")
+
+
 def _build(vocab: int, dtype: str):
     b = T.dynamic("b")
     per_thread = (vocab + _THREADS - 1) // _THREADS
@@ -59,16 +67,16 @@ def _build(vocab: int, dtype: str):
                     v = i * _THREADS + tx
                     if v < vocab:
                         x = T.Cast("float32", logits[bx, v])
-                        xs = T.ieee_fdiv(x, temperature[bx])
-                        h = _mix64(T.reinterpret(key[bx], "uint64") ^ _mix64(T.Cast("uint64", v)))
-                        u = (T.Cast("float32", T.Cast("int32", h >> T.uint64(40))) + T.float32(0.5)) * T.float32(2.0**-24)
-                        g = -T.log(-T.log(u))
-                        keep = (xs > thr_val[bx]) | ((xs == thr_val[bx]) & (v <= thr_idx[bx]))
-                        score = T.if_then_else(mode[bx] == 0, x, T.if_then_else(keep, xs + g, -T.infinity("float32")))
-                        bits = T.Cast("uint64", T.reinterpret(score, "uint32"))
-                        ordered = T.if_then_else((bits & T.uint64(0x80000000)) != T.uint64(0), bits ^ T.uint64(0xFFFFFFFF), bits | T.uint64(0x80000000))
-                        k = (ordered << T.uint64(32)) | (T.uint64(0xFFFFFFFF) - T.Cast("uint64", v))
-                        keys[tx] = T.max(keys[tx], T.reinterpret(k ^ T.uint64(1 << 63), "int64"))
+                        if mode[bx] == 0:
+                            keys[tx] = T.max(keys[tx], _argmax_key(x, v))
+                        else:
+                            xs = T.ieee_fdiv(x, temperature[bx])
+                            # Only survivors pay for the RNG (with top-k / top-p that is a few tokens a row).
+                            if (xs > thr_val[bx]) | ((xs == thr_val[bx]) & (v <= thr_idx[bx])):
+                                h = _mix64(T.reinterpret(key[bx], "uint64") ^ _mix64(T.Cast("uint64", v)))
+                                u = (T.Cast("float32", T.Cast("int32", h >> T.uint64(40))) + T.float32(0.5)) * T.float32(2.0**-24)
+                                g = -T.log(-T.log(u))
+                                keys[tx] = T.max(keys[tx], _argmax_key(xs + g, v))
             T.reduce_max(keys, best, dim=0)
             for _ in T.Parallel(1):
                 idx = T.Cast("int64", T.uint64(0xFFFFFFFF) - (T.reinterpret(best[0], "uint64") & T.uint64(0xFFFFFFFF)))

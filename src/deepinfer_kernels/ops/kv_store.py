@@ -52,7 +52,9 @@ def check_slots(name: str, slots: torch.Tensor, n: int, num_slots: int) -> torch
 
 
 @register("kv_store")
-def kv_store(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: str | CacheFormat = "fp8") -> torch.Tensor:
+def kv_store(
+    pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: str | CacheFormat = "fp8", check: bool = True
+) -> torch.Tensor:
     """Quantise ``x [T, dim]`` into ``fmt`` and write token ``i`` to slot ``slot_mapping[i]`` (skipped if < 0)."""
     if x.dim() != 2:
         raise ValueError(f"x: must be [tokens, dim], got shape {tuple(x.shape)}")
@@ -73,8 +75,11 @@ def kv_load(
     fmt: str | CacheFormat = "fp8",
     dim: int = 512,
     out_dtype: torch.dtype = torch.float32,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Dequantised tokens ``[B, max_blocks * block_size, dim]`` of each sequence, zero past ``seq_lens[b]``."""
+    """Dequantised tokens ``[B, max_blocks * block_size, dim]`` of each sequence, zero past ``seq_lens[b]``.
+
+    ``check``: see ``kv_store`` (the reference always checks)."""
     f = resolve_format(fmt, dim)
     if pool.dim() != 3:
         raise ValueError(f"pool: must be [blocks, block_size, bytes] for kv_load, got shape {tuple(pool.shape)}")
@@ -129,7 +134,12 @@ def last_writer_only(slots: torch.Tensor) -> torch.Tensor:
 
 @register("swa_ring_write")
 def swa_ring_write(
-    ring: torch.Tensor, x: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, fmt: str | CacheFormat = "fp8"
+    ring: torch.Tensor,
+    x: torch.Tensor,
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    fmt: str | CacheFormat = "fp8",
+    check: bool = True,
 ) -> torch.Tensor:
     """Quantise ``x [T, dim]`` and write token ``i`` at ring entry ``positions[i] % ring_len`` of ``states[i]``.
 
@@ -161,6 +171,7 @@ def swa_ring_read(
     fmt: str | CacheFormat = "fp8",
     dim: int = 512,
     out_dtype: torch.dtype = torch.float32,
+    check: bool = True,
 ) -> torch.Tensor:
     """The last ``window`` tokens ``[B, window, dim]`` before ``lengths[b]`` (oldest first; zero before position 0)."""
     f = resolve_format(fmt, dim)
