@@ -152,11 +152,17 @@ class LLGuidanceBackend:
 
     def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""
-        if self._executor is None:
-            for m, r in zip(matchers, rows):
-                m.fill_unchecked(bitmask, r)
-            return
         words = self._vocab.bitmask_words
+        if self._executor is None:
+            nbytes, ptr = words * 4, bitmask.data_ptr()
+            for m, r in zip(matchers, rows):
+                if m._terminated:
+                    bitmask[r].zero_()
+                    continue
+                m._m.unsafe_compute_mask_ptr(ptr + r * nbytes, nbytes)
+                if m._m.is_error():
+                    m._recover(bitmask, r)
+            return
         pairs = []
         for m, r in zip(matchers, rows):
             if m._terminated:

@@ -85,6 +85,7 @@ class StructuredOutputManager:
         # them), so the manager clears them and a mask means the same whichever backend filled it.
         tail = self._vocab_size % 32
         self._tail_keep = None if tail == 0 else np.int32(np.uint32((1 << tail) - 1))
+        self._tail_keep_c = -1 if tail == 0 else (1 << tail) - 1
         self._view_cache: dict[int, tuple[torch.Tensor, np.ndarray, np.ndarray | None]] = {}
         self.cache_hits = 0
         self.cache_misses = 0
@@ -189,32 +190,44 @@ class StructuredOutputManager:
         internal buffer grows as needed (the returned tensor is a view of it, valid until the next call).
         Requests whose row 0 allows nothing are finished with ``DEAD_END`` and flagged in ``dead_end``.
         """
-        # Per-call fixed costs matter at small batches (a byte-vocabulary mask costs ~2 us), so the
-        # bookkeeping stays in plain Python lists and the buffer views are cached between calls.
+        # Per-call and per-request costs in Python are what this layer adds to the engines' own work,
+        # so one loop gathers offsets and matchers, the buffer views are cached between calls, and the
+        # draft-free case (the common one) skips the draft machinery.
         n = len(batch)
         offsets = [0] * (n + 1)
-        total = 0
-        for i, (_, drafts) in enumerate(batch):
-            total += 1 + len(drafts)
-            offsets[i + 1] = total
-        bm, a, tail = self._views(total, out)
-        # Fail before touching any state; the common case (ready, unfinished) skips the checks' calls.
-        reqs, matchers = self._requests, []
-        for rid, _ in batch:
+        matchers: list[GrammarMatcher] = [None] * n  # type: ignore[list-item]
+        reqs, total, any_drafts = self._requests, 0, False
+        for i, (rid, drafts) in enumerate(batch):
             req = reqs.get(rid)
             m = req.matcher if req is not None and req.finish is None else None
-            matchers.append(m if m is not None else self._active_matcher(rid))
+            # Fail before touching any state; the checks' calls run only off the common path.
+            matchers[i] = m if m is not None else self._active_matcher(rid)
+            if drafts:
+                any_drafts = True
+                total += 1 + len(drafts)
+            else:
+                total += 1
+            offsets[i + 1] = total
+        bm, a, tail = self._views(total, out)
         fill_rows = getattr(self._backend, "fill_rows", None)
-        if fill_rows is not None:
-            k = _fill_wavefront(fill_rows, matchers, bm, offsets, [d for _, d in batch])
+        if not any_drafts:
+            if fill_rows is not None:
+                fill_rows(matchers, bm, offsets[:n])
+            else:
+                for m, off in zip(matchers, offsets):
+                    getattr(m, "fill_unchecked", m.fill_next_token_bitmask)(bm, off)
+            num_drafts = np.zeros(n, dtype=np.int64)
+        elif fill_rows is not None:
+            num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, [d for _, d in batch]), dtype=np.int64)
         else:
             k = [_fill_request(m, bm, off, d) for m, off, (_, d) in zip(matchers, offsets, batch)]
-        offs, num_drafts, dead_end = np.array(offsets, dtype=np.int64), np.array(k, dtype=np.int64), np.zeros(n, dtype=bool)
+            num_drafts = np.array(k, dtype=np.int64)
+        offs, dead_end = np.array(offsets, dtype=np.int64), np.zeros(n, dtype=bool)
         # One pass clears the padding bits and finds rows that allow nothing: row 0 is a dead end of
         # the request, a later row is a state a draft reached but no token can continue, so the draft
         # is cut before it. (Rows past a request's surviving drafts copy its last valid row, so a dead
         # row always lies within the valid ones.)
-        dead_rows = _finish_rows(a, tail, self._tail_keep)
+        dead_rows = _finish_rows(a, tail, self._tail_keep, self._tail_keep_c)
         if len(dead_rows):
             for i in np.unique(np.searchsorted(offs, dead_rows, side="right") - 1):
                 self._cut_dead(batch[i][0], a, int(offs[i]), int(offs[i + 1]), num_drafts, dead_end, i)
@@ -279,11 +292,14 @@ def _finish_rows_numpy(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | 
     return np.flatnonzero(~a.any(axis=1)).tolist()
 
 
-def _finish_rows(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None) -> list[int]:
-    """Clear padding bits, return the all-zero rows: C++ (stops at each row's first set word) or numpy."""
+def _finish_rows(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None, keep_c: int) -> list[int]:
+    """Clear padding bits, return the all-zero rows: C++ (stops at each row's first set word) or numpy.
+
+    ``keep`` is the valid-bit mask of the last word as int32 (None: no padding); ``keep_c`` the same as a
+    non-negative int for the C++ pass (-1: no padding)."""
     if _C_FINISH_ROWS is None:
         return _finish_rows_numpy(a, tail, keep)
-    return _C_FINISH_ROWS(a, -1 if keep is None else int(np.uint32(keep.view(np.uint32))))
+    return _C_FINISH_ROWS(a, keep_c)
 
 
 try:  # the C++ pass is an optimisation; a tree whose extension predates it still works

@@ -19,8 +19,9 @@ def test_cpp_pass_equals_numpy(seed: int) -> None:
     a[sparse, :-1] = 0  # live only through the last word: the padding decides
     tail_bits = int(rng.integers(0, 32))
     keep = None if tail_bits == 0 else np.int32(np.uint32((1 << tail_bits) - 1))
+    keep_c = -1 if tail_bits == 0 else (1 << tail_bits) - 1
     b = a.copy()
-    got = M._finish_rows(a, a[:, -1] if keep is not None else None, keep)
+    got = M._finish_rows(a, a[:, -1] if keep is not None else None, keep, keep_c)
     want = M._finish_rows_numpy(b, b[:, -1] if keep is not None else None, keep)
     assert got == want
     assert np.array_equal(a, b)
