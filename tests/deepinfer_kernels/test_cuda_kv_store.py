@@ -132,8 +132,7 @@ def test_fp8_both_decoders_exact(hw: bool, out_dtype: torch.dtype) -> None:
 
     fmt = __import__("deepinfer_core.kv.formats", fromlist=["FP8Format"]).FP8Format()
     rows = torch.zeros(256, 528, dtype=torch.uint8)
-    rows[:, :512] = torch.arange(256, dtype=torch.uint8)[None, :].roll(3, 1).expand(256, 512)
-    rows[:, :512] = (rows[:, :512].int() + torch.arange(256)[:, None]).remainder(256).to(torch.uint8)
+    rows[:, :512] = ((torch.arange(512)[None, :] + torch.arange(256)[:, None]) % 256).to(torch.uint8)  # every byte
     rows[:, 512:] = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 16)  # scale code = row
     got = ck.gather_slots(rows.cuda(), torch.arange(256).cuda(), "fp8", 512, out_dtype, hw=hw).cpu()
     want = fmt.dequantize(rows).to(out_dtype)
@@ -152,3 +151,16 @@ def test_unchecked_fast_path_same_bytes() -> None:
     table = torch.randint(0, 32, (3, 4), dtype=torch.int32, generator=g).cuda()
     lens = torch.tensor([5, 64, 33]).cuda()
     assert torch.equal(load(pool, table, lens, "fp4", 512, torch.bfloat16, check=False), load_ref(pool, table, lens, "fp4", 512, torch.bfloat16))
+
+
+def test_rows_not_a_whole_number_of_words_fall_back() -> None:
+    """fp8 at dim 64 is 66 B a token (the tiny model's ring): the reference path, not a crash."""
+    store, ref = _ops("kv_store")
+    g = torch.Generator().manual_seed(66)
+    ring = torch.zeros(2, 20, 66, dtype=torch.uint8, device="cuda")
+    x = _rows(7, 64, g, torch.bfloat16)
+    slots = torch.tensor([0, 3, 5, 21, 22, 39, -1]).cuda()
+    assert torch.equal(store(ring.clone(), x, slots, "fp8"), ref(ring.clone(), x, slots, "fp8"))
+    read, read_ref = _ops("swa_ring_read")
+    st, ln = torch.tensor([0, 1]).cuda(), torch.tensor([6, 20]).cuda()
+    assert torch.equal(read(ring, st, ln, 16, "fp8", 64), read_ref(ring, st, ln, 16, "fp8", 64))

@@ -195,10 +195,17 @@ def _fmt_name(fmt: object) -> str | None:
     return name if name in _LAYOUT else None
 
 
-def _usable(fmt: object, *tensors: torch.Tensor) -> str | None:
-    """The kernel format name when the TileLang path applies, else None (reference fallback)."""
+def _usable(fmt: object, dim: int, *tensors: torch.Tensor) -> str | None:
+    """The kernel format name when the TileLang path applies, else None (reference fallback).
+
+    The kernels move 32-bit words, so a row must be a whole number of words: fp8 at dim 64 (66 B, the
+    tiny test model's ring) takes the reference, as do dims the format itself rejects.
+    """
     name = _fmt_name(fmt)
     if not HAVE_TILELANG or name is None or any(t.device.type != "cuda" for t in tensors):
+        return None
+    group = _LAYOUT[name][0]
+    if dim <= 0 or dim % group or _sizes(name, dim)[3] % 4:
         return None
     return name
 
@@ -246,11 +253,11 @@ def kv_store(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fm
     ``check=False`` skips the two device-synchronising value checks (slot range, NaN in ``x``): for the
     engine's hot path, whose slot mappings come from its own block tables. Shapes are always checked.
     """
-    name = _usable(fmt, pool, x)
-    if name is None:
-        return ref.kv_store(pool, x, slot_mapping, fmt)
     if x.dim() != 2:
         raise ValueError(f"x: must be [tokens, dim], got shape {tuple(x.shape)}")
+    name = _usable(fmt, x.shape[1], pool, x)
+    if name is None:
+        return ref.kv_store(pool, x, slot_mapping, fmt)
     f = ref.resolve_format(fmt, x.shape[1])
     flat = ref.flat_pool(pool, f.bytes_per_token)
     if check:
@@ -278,7 +285,7 @@ def kv_load(
     """Same contract as the reference ``kv_load``; the gather and dequantisation are one TileLang kernel.
 
     ``check=False`` skips the device-synchronising range checks of ``block_table`` and ``seq_lens``."""
-    name = _usable(fmt, pool)
+    name = _usable(fmt, dim, pool)
     if name is None or pool.dim() != 3:
         return ref.kv_load(pool, block_table, seq_lens, fmt, dim, out_dtype)
     f = ref.resolve_format(fmt, dim)
@@ -323,7 +330,7 @@ def swa_ring_read(
     check: bool = True,
 ) -> torch.Tensor:
     """Same contract as the reference ``swa_ring_read``; one TileLang gather + dequantise."""
-    name = _usable(fmt, ring)
+    name = _usable(fmt, dim, ring)
     if name is None:
         return ref.swa_ring_read(ring, states, lengths, window, fmt, dim, out_dtype)
     f = ref.resolve_format(fmt, dim)
