@@ -1,0 +1,70 @@
+"""``EngineConfig``: every knob of the reference engine, validated at construction (errors name the field)."""
+
+from __future__ import annotations
+
+import attrs
+
+MODELS = ("tiny",)
+BACKENDS = ("reference", "cuda")
+DTYPES = ("float32", "float64", "bfloat16")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+
+
+def _check(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"EngineConfig.{field}: {msg}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """What ``LLM(...)`` / ``LLMEngine`` build.
+
+    ``model="tiny"`` is the built-in tiny V4.1 config with weights drawn from ``seed`` (no download) and
+    the byte tokenizer. ``backend`` picks the device ops ("reference": torch on CPU; "cuda": the CUDA
+    backend's kernels, model on the GPU). ``dtype`` / ``quantize`` choose the model dtype and whether the
+    KV caches use the FP4 / FP8 / MXFP4 byte formats (off: exact raw values, what the oracle tests use).
+    ``num_blocks`` x ``block_size`` is the paged KV pool; ``max_num_seqs`` bounds running requests (and
+    sizes the state pool); ``max_num_batched_tokens`` caps one step's tokens (prefill is chunked to it).
+    ``async_scheduling`` plans step N+1 before step N's tokens are applied (DeepInfer's one-step-ahead
+    mode; same tokens as synchronous). ``batch_invariant`` (None: ``DEEPINFER_BATCH_INVARIANT``) runs
+    each request of a step as its own executor call, so no kernel ever sees another request's rows.
+    ``speculative`` is the hook for DSpark drafts + MTPVarlen verification (off; see docs/engine.md).
+    """
+
+    model: str = "tiny"
+    seed: int = 0
+    backend: str = "reference"
+    dtype: str = "float32"
+    quantize: bool = True
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    async_scheduling: bool = True
+    batch_invariant: bool | None = None
+    structured_backend: str = "xgrammar"
+    speculative: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.model in MODELS, "model", f"{self.model!r}: must be one of {list(MODELS)} (no downloads here)")
+        _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"{self.seed!r}: must be an int in [0, 2**63)")
+        _check(self.backend in BACKENDS, "backend", f"{self.backend!r}: must be one of {list(BACKENDS)}")
+        _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r}: must be one of {list(DTYPES)}")
+        _check(_is_int(self.block_size) and self.block_size >= 1, "block_size", f"{self.block_size!r}: must be an int >= 1")
+        _check(_is_int(self.num_blocks) and self.num_blocks >= 2, "num_blocks",
+               f"{self.num_blocks!r}: must be an int >= 2 (block 0 is the null block)")
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", f"{self.max_num_seqs!r}: must be an int >= 1")
+        _check(_is_int(self.max_num_batched_tokens) and 1 <= self.max_num_batched_tokens <= 32768,
+               "max_num_batched_tokens", f"{self.max_num_batched_tokens!r}: must be an int in [1, 32768]")
+        _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", f"{self.max_model_len!r}: must be an int >= 2")
+        _check(self.structured_backend in GRAMMAR_BACKENDS, "structured_backend",
+               f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
+        for name in ("quantize", "async_scheduling", "speculative"):
+            _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
+        _check(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",
+               f"{self.batch_invariant!r}: must be None (from DEEPINFER_BATCH_INVARIANT) or a bool")

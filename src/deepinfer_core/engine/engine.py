@@ -1,0 +1,389 @@
+"""``LLMEngine``: the step loop wiring the components through their public APIs.
+
+One step: ``Scheduler.schedule()`` -> a ``ForwardBatch`` built from the plan's arrays (placeholders filled
+from each sequence's last sampled token, state slots from the ``StatePool``) -> ``ModelExecutor.execute``
+-> grammar bitmask (``StructuredOutputManager`` + ``apply_token_bitmask``) -> ``sample`` (counter-based
+RNG keyed by request seed and position) -> ``Scheduler.update`` -> finished requests become
+``RequestOutput`` s. With ``async_scheduling`` the next plan is made before the previous step's tokens
+are applied (one step ahead), exactly as the scheduler's contract allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from deepinfer_core.engine.config import EngineConfig
+from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
+from deepinfer_core.engine.requests import (
+    EngineRequest,
+    RequestError,
+    SeqTable,
+    derived_seed,
+    normalize_params,
+    normalize_prompt,
+)
+from deepinfer_core.envs import Envs, get_envs
+from deepinfer_core.kv import PagedKVPool, StatePool
+from deepinfer_core.model import (
+    BatchError,
+    DeepSeekV41,
+    ForwardBatch,
+    ForwardOutput,
+    ModelExecutor,
+    tiny_config,
+)
+from deepinfer_core.scheduler import FinishedRequest, FinishReason, Plan, Request, Scheduler, SchedulerConfig
+from deepinfer_core.tokenizer import ByteTokenizer
+from deepinfer_kernels import get_backend
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_REASONS = {FinishReason.STOP: STOP, FinishReason.LENGTH: LENGTH, FinishReason.ABORT: ABORT,
+            FinishReason.FAILED: ERROR}
+
+
+@attrs.define
+class StepStats:
+    """Cumulative wall time per stage (seconds) and counts; the benchmark reads the ratios."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    build_s: float = 0.0
+    execute_s: float = 0.0
+    sample_s: float = 0.0  # mask + sample + grammar advance
+    update_s: float = 0.0
+    tokens_sampled: int = 0
+
+
+class LLMEngine:
+    """The reference engine: the tiny model on one rank, requests in, ``RequestOutput`` s out.
+
+    ``add_request`` never raises for a bad request: the request fails alone and its ``RequestOutput``
+    (with ``error`` naming the field) comes out of the next ``step``. ``envs`` defaults to
+    :func:`deepinfer_core.envs.get_envs`, read once here.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None) -> None:
+        self.config = cfg = config if config is not None else EngineConfig()
+        self.envs = envs if envs is not None else get_envs()
+        if cfg.speculative:
+            # Hook: DSpark drafts -> spec.MTPVarlen plan -> verify. The executor output must carry drafts.
+            if "drafts" not in {f.name for f in attrs.fields(ForwardOutput)}:
+                raise ValueError("EngineConfig.speculative: the model's executor produces no drafts yet "
+                                 "(DSpark drafter not built); use speculative=False")
+            raise NotImplementedError("EngineConfig.speculative: drafts -> verify is not wired into the engine yet")
+        self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
+        self.backend = get_backend(cfg.backend)
+        self.device = self.backend.device
+        self.model_config = tiny_config()
+        self.tokenizer = ByteTokenizer(self.model_config.vocab_size)
+        self.vocab_size = self.model_config.vocab_size
+        self.model = DeepSeekV41.from_config(self.model_config, seed=cfg.seed, dtype=_DTYPES[cfg.dtype],
+                                             device=self.device)
+        self.kv_pool = PagedKVPool(cfg.num_blocks, cfg.block_size)
+        self.state_pool = StatePool(cfg.max_num_seqs)
+        self.executor = ModelExecutor(self.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
+                                      backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
+                                      backend=self.backend if cfg.backend == "cuda" else None)
+        self.scheduler = Scheduler(self.kv_pool, SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
+            async_mode=cfg.async_scheduling))
+        self._sample = self.backend.op("sample")
+        self._apply_mask = self.backend.op("apply_token_bitmask")
+        self._grammar: Any = None  # StructuredOutputManager, built on the first constrained request
+        self._reqs: dict[str, EngineRequest] = {}
+        self._by_seq: dict[int, EngineRequest] = {}
+        self._seqs = SeqTable()
+        self._compiling: list[str] = []  # constrained requests whose grammar is still compiling
+        self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
+        self._inflight: tuple[Plan, np.ndarray] | None = None
+        self._to_abort: list[str] = []  # ended by the engine in a step; aborted after its update
+        self._serial = 0
+        self._idle_steps = 0
+        self.stats = StepStats()
+        log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
+                 "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, cfg.num_blocks,
+                 cfg.block_size, cfg.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
+        """Queue a request; a bad one fails alone (its output, with ``error``, comes from ``step``)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
+        if request_id in self._reqs:
+            raise ValueError(f"request_id={request_id!r}: already live")
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            text, ids = normalize_prompt(prompt, self.tokenizer)
+            sp = normalize_params(params, self.vocab_size)
+            if len(ids) >= self.config.max_model_len:
+                raise RequestError(f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
+                                   f"{self.config.max_model_len} (prompts are never truncated)")
+        except RequestError as e:
+            self._fail_early(request_id, text, (), str(e))
+            return
+        req = EngineRequest(request_id, text, ids, sp)
+        self._reqs[request_id] = req
+        if sp.so_args is not None:
+            try:
+                self._grammar_manager().add_request(request_id, sp.so_args)
+            except (ValueError, ImportError) as e:
+                self._drop_early(req, f"SamplingParams.so_args: {e}")
+                return
+            req.structured = True
+            self._compiling.append(request_id)  # queued once its grammar has compiled
+            return
+        self._queue(req)
+
+    def abort(self, request_id: str) -> bool:
+        """End a live request; it is reported (finish_reason "abort") by a later ``step``."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return False
+        if req.seq < 0:  # still compiling its grammar
+            self._compiling.remove(request_id)
+            self._drop_early(req, None, ABORT)
+            return True
+        self._seqs.dead[req.seq] = True
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._failed or self._compiling or self.scheduler.has_unfinished())
+
+    def _grammar_manager(self) -> Any:
+        if self._grammar is None:
+            from deepinfer_core.structured import StructuredOutputManager, make_backend
+
+            self._grammar = StructuredOutputManager(make_backend(self.config.structured_backend, self.tokenizer,
+                                                                 vocab_size=self.vocab_size))
+        return self._grammar
+
+    def _fail_early(self, rid: str, text: str | None, ids: tuple[int, ...], msg: str | None,
+                    reason: str = ERROR) -> None:
+        if msg is not None:
+            log.warning("request %r failed: %s", rid, msg)
+        self._failed.append(RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, finish_reason=reason,
+                                          error=msg))
+
+    def _drop_early(self, req: EngineRequest, msg: str | None, reason: str = ERROR) -> None:
+        del self._reqs[req.request_id]
+        if req.structured and self._grammar is not None:
+            self._grammar.remove_request(req.request_id)
+        self._fail_early(req.request_id, req.prompt, req.prompt_token_ids, msg, reason)
+
+    def _queue(self, req: EngineRequest) -> None:
+        """Hand a request to the scheduler (which checks lengths and pool fit)."""
+        try:
+            self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.params))
+        except ValueError as e:
+            self._drop_early(req, str(e).replace(f"request {req.request_id!r}: ", ""))
+            return
+        req.seq = self.scheduler.seq_id(req.request_id)
+        sp = req.params
+        seed = sp.seed if sp.seed is not None else derived_seed(self.config.seed, self._serial)
+        self._serial += 1
+        self._seqs.add(req.seq, sp, seed, req.structured)
+        self._by_seq[req.seq] = req
+
+    def _admit_compiled(self) -> None:
+        """Queue constrained requests whose grammar is ready; fail those whose grammar did not compile."""
+        if not self._compiling:
+            return
+        g = self._grammar
+        # nothing else to run: wait a little for a compile instead of spinning
+        ready = g.ready(self._compiling) if self.scheduler.has_unfinished() else g.wait(self._compiling, 0.05)
+        for rid in ready:
+            self._compiling.remove(rid)
+            req = self._reqs[rid]
+            if g.finish_reason(rid) is not None:
+                self._drop_early(req, f"SamplingParams.so_args: invalid grammar: {g.error(rid)}",
+                                 str(g.finish_reason(rid)))
+            else:
+                self._queue(req)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that finished (or failed) in it."""
+        self._admit_compiled()
+        out, self._failed = self._failed, []
+        sched, st = self.scheduler, self.stats
+        if not sched.has_unfinished():
+            return out
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        st.schedule_s += time.perf_counter() - t0
+        if self._inflight is not None:  # async: apply the previous step's tokens after planning this one
+            out += self._update(*self._inflight)
+            self._inflight = None
+        if plan.num_rows == 0:
+            out += self._update(plan, np.zeros(0, np.int32))
+            self._idle_steps += 1
+            if self._idle_steps > 1000:
+                raise RuntimeError("engine: 1000 idle steps in a row with requests pending (scheduler stuck)")
+            return out
+        self._idle_steps = 0
+        sampled = self._run(plan)
+        st.steps += 1
+        if self.config.async_scheduling:
+            self._inflight = (plan, sampled)
+        else:
+            out += self._update(plan, sampled)
+        return out
+
+    def _update(self, plan: Plan, sampled: np.ndarray) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        ended = self.scheduler.update(plan, sampled)
+        outs = [self._finish(fr) for fr in ended]
+        # the engine's own ends (a grammar that accepted its end under ignore_eos) take effect once the
+        # token that ended them is applied
+        for rid in self._to_abort:
+            if rid in self._reqs:
+                self.scheduler.abort(rid)
+        self._to_abort.clear()
+        self.stats.update_s += time.perf_counter() - t0
+        return outs
+
+    def _finish(self, fr: FinishedRequest) -> RequestOutput:
+        req = self._reqs.pop(fr.request_id)
+        seq = req.seq
+        self._seqs.dead[seq] = True
+        del self._by_seq[seq]
+        if self.state_pool.contains(seq):
+            self.state_pool.release(seq)
+        if req.structured:
+            self._grammar.remove_request(req.request_id)
+        reason = req.reason if req.reason is not None else _REASONS.get(fr.finish_reason, ERROR)
+        error = req.error
+        if fr.finish_reason is FinishReason.FAILED and error is None:
+            error = "the sampler returned no valid token for this request"
+        if error is not None:
+            log.warning("request %r failed: %s", req.request_id, error)
+        ids = fr.output_token_ids
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             text=self.tokenizer.decode(ids), token_ids=ids, finish_reason=reason, error=error,
+                             num_preemptions=fr.num_preemptions)
+
+    def _fail_row(self, seq: int, msg: str) -> None:
+        """End a running request from inside a step (its later rows are dropped)."""
+        req = self._by_seq[seq]
+        req.reason, req.error = ERROR, msg
+        self._seqs.dead[seq] = True
+        self.scheduler.abort(req.request_id)
+
+    # ------------------------------------------------------------------ build, execute, sample
+    def _run(self, plan: Plan) -> np.ndarray:
+        """Execute ``plan`` and sample; returns one token per plan row (0 for rows that sample nothing)."""
+        st, seqs = self.stats, self._seqs
+        t0 = time.perf_counter()
+        for rid in plan.preempted:  # its caches restart at position 0 when it is admitted again
+            seq = self._reqs[rid].seq if rid in self._reqs else -1
+            if seq >= 0 and self.state_pool.contains(seq):
+                self.state_pool.release(seq)
+        seq_ids = plan.seq_ids
+        ntok = plan.num_tokens.astype(np.int64)
+        tokens = plan.token_ids.astype(np.int64)
+        hole = tokens < 0
+        if hole.any():  # one step ahead: the token the previous step sampled for that sequence
+            tokens[hole] = seqs.last_token[np.repeat(seq_ids, ntok)[hole]]
+        keep = ~seqs.dead[seq_ids]  # rows of requests that already ended are discarded by the scheduler
+        rows = np.flatnonzero(keep)
+        for seq in seq_ids[rows].tolist():
+            if not self.state_pool.contains(seq) and self.state_pool.acquire(seq) is None:
+                raise RuntimeError(f"engine: no free state slot for seq {seq} ({self.state_pool.num_slots} slots)")
+        sampled = np.zeros(plan.num_rows, np.int32)
+        while rows.size:
+            tok_keep = np.repeat(np.isin(np.arange(plan.num_rows), rows), ntok)
+            batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=ntok[rows], start_pos=plan.start[rows],
+                                 block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(seq_ids[rows]),
+                                 num_logits=plan.sample[rows])
+            st.build_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            try:
+                logits = self._execute(batch)
+            except BatchError as e:  # one bad request: fail it, rerun the others (nothing was written)
+                if e.request is None:
+                    raise
+                self._fail_row(int(seq_ids[rows[e.request]]), f"executor refused the request: {e}")
+                rows = np.delete(rows, e.request)
+                continue
+            st.execute_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            srows = rows[plan.sample[rows] > 0]
+            sampled[srows] = self._sample_rows(logits, seq_ids[srows], plan.context_lens[srows].astype(np.int64))
+            st.sample_s += time.perf_counter() - t0
+            break
+        return sampled
+
+    def _execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the sampled rows, request by request."""
+        if not self.batch_invariant or batch.num_requests == 1:
+            return self.executor.execute(batch).logits
+        # batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch
+        self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
+        off = batch.offsets
+        parts = []
+        for i in range(batch.num_requests):
+            one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[i:i + 1],
+                               start_pos=batch.start_pos[i:i + 1], block_tables=batch.block_tables[i:i + 1],
+                               state_slots=batch.state_slots[i:i + 1], num_logits=batch.num_logits[i:i + 1])
+            parts.append(self.executor.execute(one).logits)
+        return torch.cat(parts)
+
+    def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars."""
+        s, dev = self._seqs, logits.device
+        n = seq.shape[0]
+        if n == 0:
+            return np.zeros(0, np.int32)
+        early = np.flatnonzero(s.n_out[seq] < s.min_tokens[seq])
+        for r in early.tolist():  # EOS and stop tokens may not end the text before min_tokens
+            req = self._by_seq[int(seq[r])]
+            ban = [] if req.params.ignore_eos else [self.tokenizer.eos_token_id]
+            logits[r, ban + list(req.params.stop_token_ids)] = float("-inf")
+        con = np.flatnonzero(s.structured[seq])
+        dead_end = np.zeros(0, np.int64)
+        if con.size:
+            rids = [self._by_seq[int(q)].request_id for q in seq[con]]
+            masks = self._grammar.fill_bitmask([(rid, ()) for rid in rids])
+            full = torch.full((n, masks.bitmask.shape[1]), -1, dtype=torch.int32)
+            full[torch.as_tensor(con)] = masks.bitmask
+            self._apply_mask(logits, full, torch.as_tensor(con))
+            dead_end = con[masks.dead_end]
+        tok = self._sample(logits, torch.as_tensor(s.temperature[seq], device=dev),
+                           torch.as_tensor(s.top_k[seq], device=dev), torch.as_tensor(s.top_p[seq], device=dev),
+                           torch.as_tensor(s.seed[seq], device=dev), torch.as_tensor(positions, device=dev))
+        tok = tok.cpu().numpy().astype(np.int64)
+        for r in dead_end.tolist():  # the grammar allows no token: the request ends (FAILED -> reason below)
+            req = self._by_seq[int(seq[r])]
+            req.reason, req.error = str(self._grammar.finish_reason(req.request_id)), "grammar dead end: no token can continue"
+            tok[r] = -1  # the scheduler fails the request on a negative token
+            s.dead[seq[r]] = True  # a row already planned one step ahead is dropped
+        s.last_token[seq] = tok
+        s.n_out[seq] += 1
+        self.stats.tokens_sampled += n
+        for r in con.tolist():
+            t = int(tok[r])
+            if t < 0:
+                continue
+            req = self._by_seq[int(seq[r])]
+            g = self._grammar
+            g.advance(req.request_id, [t])
+            why = g.finish_reason(req.request_id)
+            # the grammar accepted its end: EOS was sampled, which the scheduler stops on unless
+            # ignore_eos; then the engine ends it itself after this token is applied
+            if why is not None and (req.params.ignore_eos or str(why) != STOP):
+                req.reason = str(why)
+                if str(why) != STOP:
+                    req.error = f"grammar: {why}"
+                s.dead[seq[r]] = True  # no more rows; a row already planned one step ahead is dropped
+                self._to_abort.append(req.request_id)
+        return tok.astype(np.int32)
