@@ -13,6 +13,18 @@ def _i64(a: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=np.int64))
 
 
+def _opt_i64(a: Sequence[int] | np.ndarray | None) -> np.ndarray | None:
+    return None if a is None else _i64(a)
+
+
+def _opt_bool(a: Sequence[bool] | np.ndarray | None) -> np.ndarray | None:
+    return None if a is None else np.ascontiguousarray(np.asarray(a, dtype=bool))
+
+
+def _opt_f64(a: Sequence[float] | np.ndarray | None) -> np.ndarray | None:
+    return None if a is None else np.ascontiguousarray(np.asarray(a, dtype=np.float64))
+
+
 def _i32_2d(a: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
     arr = np.asarray(a, dtype=np.int32)
     if arr.ndim == 1 and arr.size == 0:
@@ -55,6 +67,13 @@ class ForwardBatch:
     encoder_only: bool = False
     # layers whose output residual state is returned for the logits rows (e.g. DSpark's target layers)
     capture_layers: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(int(x) for x in v))
+    # DSpark (None = all zeros / False): verify_lens[i] = how many of request i's last fed tokens are
+    # drafts this executor made last step (verified losslessly against this step's logits, which needs
+    # num_logits >= verify_lens + 1); draft[i] = after this step, draft the next block for request i
+    # from its accepted / sampled token; temperature[i] (0 = greedy) for sampling and verification.
+    verify_lens: np.ndarray | None = attrs.field(default=None, converter=_opt_i64)
+    draft: np.ndarray | None = attrs.field(default=None, converter=_opt_bool)
+    temperature: np.ndarray | None = attrs.field(default=None, converter=_opt_f64)
 
     @property
     def num_requests(self) -> int:
@@ -96,5 +115,12 @@ class ForwardOutput:
     logit_rows: np.ndarray
     request_of_logit: np.ndarray
     expert_counts: torch.Tensor
-    # {layer id: residual state [M, ...] after that layer} for ForwardBatch.capture_layers, logits rows
+    # {layer id: residual state [M, D] after that layer (streams summed)} for capture_layers, logits rows
     captured: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    # DSpark, for requests with verify_lens > 0 or draft (else 0 / -1 / NaN): drafts accepted, the token
+    # that follows them (correction or bonus; the next step feeds it at position start + query_len -
+    # verify_lens + num_accepted), the new drafts [R, block] and their confidences [R, block]
+    num_accepted: torch.Tensor | None = None
+    next_token: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
+    draft_confidence: torch.Tensor | None = None

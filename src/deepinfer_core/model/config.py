@@ -96,14 +96,19 @@ class ModelConfig:
     swiglu_limit: float = 0.0  # 0 = no clamp
     shared_expert_clamp: bool = True  # (choice) whether the shared expert is clamped too
     tie_word_embeddings: bool = False
-    # part 2 (parsed and validated here, built there): Engram, mHC, DSpark drafter
+    # part 2: Engram (layers/engram.py), mHC (mhc.py), DSpark drafter (drafter.py)
     engram_layer_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple_int)
     engram_max_ngram: int = 3
     engram_n_heads: int = 2
     engram_head_dim: int = 32
     engram_pad_id: int = 2
+    # (choice) base table size per n-gram order (one value, or one per order 2..max); primes searched upward
+    engram_table_sizes: tuple[int, ...] = attrs.field(default=(1009, 2003), converter=_tuple_int)
+    engram_seed: int = 0
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 20
+    # (choice) V4.1's "single-pass" mHC: one coefficient pass per layer serves both sublayers
+    hc_single_pass: bool = False
     num_nextn_predict_layers: int = 0
     dspark_block_size: int = 5
     dspark_noise_token_id: int | None = None
@@ -201,6 +206,24 @@ class ModelConfig:
             raise self._err("engram_max_ngram", "must be >= 2")
         if self.hc_mult < 1:
             raise self._err("hc_mult", "must be >= 1 (1 = plain residual)")
+        if self.hc_sinkhorn_iters < 1:
+            raise self._err("hc_sinkhorn_iters", "must be >= 1")
+        if self.engram_layer_ids:
+            if self.engram_n_heads < 1 or self.engram_head_dim < 1:
+                raise self._err("engram_n_heads", "engram_n_heads and engram_head_dim must be >= 1")
+            if len(self.engram_table_sizes) not in (1, self.engram_max_ngram - 1) or min(self.engram_table_sizes) < 2:
+                raise self._err("engram_table_sizes", f"give one base size >= 2 or one per order 2..{self.engram_max_ngram}")
+            if not 0 <= self.engram_pad_id < self.vocab_size:
+                raise self._err("engram_pad_id", f"must be in [0, vocab_size={self.vocab_size})")
+        if self.num_nextn_predict_layers:
+            if self.dspark_block_size < 1:
+                raise self._err("dspark_block_size", "must be >= 1 (the accepted token + noise tokens)")
+            if self.dspark_noise_token_id is None:
+                raise self._err("dspark_noise_token_id", "required when num_nextn_predict_layers > 0")
+            if not self.dspark_target_layer_ids:
+                raise self._err("dspark_target_layer_ids", "required when num_nextn_predict_layers > 0")
+            if self.dspark_markov_rank < 1:
+                raise self._err("dspark_markov_rank", "must be >= 1 when the drafter is on")
         if self.num_nextn_predict_layers < 0:
             raise self._err("num_nextn_predict_layers", "must be >= 0")
         if any(not 0 <= i < n for i in self.dspark_target_layer_ids):
@@ -218,7 +241,8 @@ class ModelConfig:
         return self.kv_source_layer_ids[-1] if len(self.kv_source_layer_ids) > 1 else self.num_hidden_layers
 
     def ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
+        # draft stages past the listed ratios are SWA only
+        return self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
 
     def kv_source_of(self, layer: int) -> int | None:
         """The Full layer whose compressed KV ``layer`` attends to (None for SWA-only layers)."""
@@ -235,7 +259,7 @@ class ModelConfig:
         return prior[-1] if prior else None
 
     def layer_kind(self, layer: int) -> str:
-        if self.compress_ratios[layer] == 0:
+        if self.ratio(layer) == 0:
             return LAYER_SWA
         if layer in self.kv_source_layer_ids:
             return LAYER_FULL
@@ -326,7 +350,8 @@ def tiny_config(**overrides: Any) -> ModelConfig:
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
         routed_scaling_factor=1.5, swiglu_limit=10.0,
         engram_layer_ids=[1, 3], engram_max_ngram=3, engram_n_heads=2, engram_head_dim=32,
-        hc_mult=4, hc_sinkhorn_iters=20, num_nextn_predict_layers=2, dspark_block_size=5,
+        engram_table_sizes=[1009, 2003], hc_mult=4, hc_sinkhorn_iters=20, hc_single_pass=True,
+        num_nextn_predict_layers=2, dspark_block_size=5,
         dspark_noise_token_id=511, dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=16,
     )  # fmt: skip
     kw.update(overrides)
@@ -348,7 +373,8 @@ def flash_config(**overrides: Any) -> ModelConfig:
         n_routed_experts=384, num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2304,
         routed_scaling_factor=1.5, swiglu_limit=10.0,
         engram_layer_ids=[1, 14], engram_max_ngram=4, engram_n_heads=8, engram_head_dim=256,
-        hc_mult=4, hc_sinkhorn_iters=20, num_nextn_predict_layers=3, dspark_block_size=5,
+        engram_table_sizes=[16_000_000], hc_mult=4, hc_sinkhorn_iters=20, hc_single_pass=True,
+        num_nextn_predict_layers=3, dspark_block_size=5,
         dspark_noise_token_id=128799, dspark_target_layer_ids=[37, 38, 39], dspark_markov_rank=256,
     )  # fmt: skip
     kw.update(overrides)

@@ -22,6 +22,7 @@ from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
 from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.model.speculative import SpecState
 from deepinfer_core.protocols.model import Backend
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,15 @@ class ModelExecutor:
     FP8 (SWA ring) and MXFP4 (indexer keys); off stores exact raw values. ``backend`` (a
     ``deepinfer_kernels`` Backend) routes the cache writes through its ``kv_store`` /
     ``swa_ring_write`` ops; None writes with plain torch indexing (the same bytes as the reference ops).
+    ``engram_placement`` chooses where the Engram tables live: ``"local"`` (the model's tables, one
+    device), ``"host"`` (host memory, rows copied per step) or ``"sharded"`` (row blocks over
+    ``engram_group``, a torch.distributed group whose every rank runs the same steps' fetches). ``seed``
+    seeds the sampling of drafts and of verification.
     """
 
     def __init__(self, model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int,
-                 backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None) -> None:
+                 backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None,
+                 engram_placement: str = "local", engram_group: object | None = None, seed: int = 0) -> None:
         for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
                             ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
             if not isinstance(v, int) or v < lo:
@@ -82,6 +88,13 @@ class ModelExecutor:
         # run decode / verify batches (every query_len <= backtrack + 1) through the row-wise path
         self.row_path = True
         self.min_ratio = min((r for r in cfg.compress_ratios[: n_layers] if r > 0), default=0)
+        # Engram: the tables of the chosen placement, and each slot's recent tokens (n-gram context
+        # across steps), a ring indexed by position like the SWA rings
+        self.engram_tables = make_engram_tables(model, engram_placement, engram_group)
+        self.engram_placement = engram_placement
+        self.tok_ring = max(self.swa_ring, cfg.engram_max_ngram - 1 + backtrack_tokens)
+        self._tokens = np.full((num_state_slots, self.tok_ring), -1, np.int64)
+        self.spec = SpecState(self, seed) if model.drafter is not None else None
 
     # ------------------------------------------------------------------ memory accounting
     def cache_bytes(self) -> dict[str, int]:
@@ -91,6 +104,8 @@ class ModelExecutor:
             "index_keys": sum(t.numel() for t in self.index_keys.values()),
             "swa_ring": sum(t.numel() for t in self.swa),
             "compressor_state": sum(t.numel() * t.element_size() for t in self.comp_state.values()),
+            "drafter_rings": 0 if self.spec is None else self.spec.cache_bytes(),
+            "token_ring": self._tokens.nbytes,
         }
 
     # ------------------------------------------------------------------ validation
@@ -111,6 +126,15 @@ class ModelExecutor:
             raise BatchError(None, "capture_layers", f"{bad} outside [0, {self.cfg.num_hidden_layers})")
         if int(b.query_lens.sum()) != b.num_tokens:
             raise BatchError(None, "query_lens", f"sum {int(b.query_lens.sum())} != {b.num_tokens} token_ids")
+        for name in ("verify_lens", "draft", "temperature"):
+            a = getattr(b, name)
+            if a is not None and a.shape != (r,):
+                raise BatchError(None, name, f"shape {a.shape}, expected ({r},) (one per request)")
+        if self.spec is None and ((b.verify_lens is not None and b.verify_lens.any()) or (b.draft is not None and b.draft.any())):
+            raise BatchError(None, "draft", "this model has no drafter (num_nextn_predict_layers = 0)")
+        if b.temperature is not None and not (np.isfinite(b.temperature) & (b.temperature >= 0)).all():
+            i = int(np.flatnonzero(~(np.isfinite(b.temperature) & (b.temperature >= 0)))[0])
+            raise BatchError(i, "temperature", f"{b.temperature[i]}: must be finite and >= 0 (0 = greedy)")
         slots_seen: dict[int, int] = {}
         off = b.offsets
         v = self.cfg.vocab_size
@@ -143,6 +167,8 @@ class ModelExecutor:
                 used = row[:need]
                 if (used <= 0).any() or (used >= self.num_blocks).any():
                     raise BatchError(i, "block_tables", f"first {need} ids must be in [1, {self.num_blocks}) (0 is the null block)")
+            if self.spec is not None:
+                self.spec.validate(b, i, toks, s, slot, k)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -157,6 +183,7 @@ class ModelExecutor:
                  torch.as_tensor(batch.block_tables[i], dtype=torch.long, device=dev)) for i in range(batch.num_requests)]
         sel: dict = {}
         pools: dict = {}
+        engram_rows = self._engram_rows(batch, tokens)
         if self.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= self.backtrack + 1:
             # decode / verify steps: every row's window and group are in the rings after this step's
             # writes, so attention runs on all rows at once (no per-request loop)
@@ -178,25 +205,59 @@ class ModelExecutor:
                     self._compress(lid, a, cstate[r0:r1], s, r1 - r0, slot, table)
                 return x
 
-            _, counts = self.model.run_layers(tokens, attend, source_only=source)
+            _, counts = self.model.run_layers(tokens, attend, source_only=source, engram_rows=engram_rows)
             for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
                 self._slot_end[slot] = s + int(n)
                 self._encoder_only[slot] = True
             empty = np.zeros(0, np.int64)
             return ForwardOutput(logits=torch.zeros(0, self.cfg.vocab_size, dtype=self.dtype, device=dev),
                                  logit_rows=empty, request_of_logit=empty, expert_counts=counts)
-        capture: dict[int, torch.Tensor] = dict.fromkeys(batch.capture_layers)  # type: ignore[arg-type]
-        hidden, counts = self.model.run_layers(tokens, attend, capture=capture)
+        targets = () if self.spec is None else self.spec.drafter.target_layers
+        capture: dict[int, torch.Tensor] = dict.fromkeys((*batch.capture_layers, *targets))  # type: ignore[arg-type]
+        hidden, counts = self.model.run_layers(tokens, attend, capture=capture, engram_rows=engram_rows)
         rows = batch.logit_rows()
         rows_t = torch.as_tensor(rows, device=dev)
         logits = self.model.logits(hidden[rows_t])
-        captured = {lid: st[rows_t] for lid, st in capture.items()}
+        captured = {lid: capture[lid][rows_t] for lid in batch.capture_layers}
         for (_, _, s, slot, _), n in zip(reqs, batch.query_lens):
             self._slot_end[slot] = s + int(n)
             self._encoder_only[slot] = False
+        spec_out = None
+        if self.spec is not None:
+            slots_rows = torch.as_tensor(np.repeat(batch.state_slots, batch.query_lens), device=dev)
+            self.spec.write_context([capture[lid] for lid in targets], positions, slots_rows,
+                                    self._last_rows(batch, self.swa_ring))
+            spec_out = self.spec.step(batch, logits)
         req_of = np.repeat(np.arange(batch.num_requests), batch.num_logits)
         return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
-                             captured=captured)
+                             captured=captured, **(spec_out or {}))
+
+    # ------------------------------------------------------------------ Engram rows and token context
+    def _last_rows(self, b: ForwardBatch, ring: int) -> torch.Tensor:
+        """Mask [N] of each request's last ``ring`` rows (the only ones a ring of that size keeps)."""
+        off = b.offsets
+        row = np.arange(b.num_tokens)
+        return torch.as_tensor(row >= np.repeat(off[1:], b.query_lens) - ring, device=self.device)
+
+    def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Fetch this step's Engram rows (n-grams continue each sequence from the slot's token ring),
+        then record the step's tokens in the ring. Runs after validation, before any layer."""
+        n_ctx = self.cfg.engram_max_ngram - 1
+        ctx = np.full((b.num_requests, n_ctx), -1, np.int64)
+        for i, (s, slot) in enumerate(zip(b.start_pos.tolist(), b.state_slots.tolist())):
+            back = np.arange(s - 1, s - 1 - n_ctx, -1)
+            ok = back >= 0
+            ctx[i, ok] = self._tokens[slot, back[ok] % self.tok_ring]
+        rows = {}
+        if self.cfg.engram_layer_ids:
+            rows = self.model.engram_rows(tokens, torch.as_tensor(b.offsets), torch.as_tensor(ctx), self.engram_tables)
+        keep = self._last_rows(b, self.tok_ring).cpu().numpy()
+        pos = b.positions
+        self._tokens[np.repeat(b.state_slots, b.query_lens)[keep], pos[keep] % self.tok_ring] = b.token_ids[keep]
+        if self.spec is not None:
+            for i in np.flatnonzero(b.start_pos == 0):
+                self.spec.restart(int(b.state_slots[i]))
+        return rows
 
     # ------------------------------------------------------------------ cache writes
     def _store(self, pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, kind: str) -> None:
@@ -359,3 +420,26 @@ class ModelExecutor:
         flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
         kb = fmt.main.dequantize(flat[slot_of(ids)]).to(self.dtype)
         return sink_attention(q, k_a, mask_a, kb, valid, a.attn_sink, a.scale)
+
+
+def make_engram_tables(model: DeepSeekV41, placement: str, group: object | None) -> dict[int, object]:
+    """The model's Engram tables in the chosen placement (same rows, same values)."""
+    if placement not in ("local", "host", "sharded"):
+        raise ValueError(f"engram_placement={placement!r}: must be 'local', 'host' or 'sharded'")
+    if not model.cfg.engram_layer_ids or placement == "local":
+        return dict(model.engram_tables) if model.cfg.engram_layer_ids else {}
+    from deepinfer_core.engram import HostEngramTable, ShardedEngramTable, shard_range
+
+    out: dict[int, object] = {}
+    for lid, t in model.engram_tables.items():
+        data, scales = t.data, getattr(t, "scales", None)
+        if placement == "host":
+            out[lid] = HostEngramTable(data, scales, device=model.embed.device, out_dtype=torch.float32)
+        else:
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(group), dist.get_rank(group)  # type: ignore[arg-type]
+            a, z = shard_range(data.shape[0], world, rank)
+            out[lid] = ShardedEngramTable(data[a:z], None if scales is None else scales[a:z], data.shape[0],
+                                          group, out_dtype=torch.float32)  # type: ignore[arg-type]
+    return out

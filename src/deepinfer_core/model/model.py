@@ -4,24 +4,31 @@
 sequence with no cache at all (masks over complete matrices): it is the ground truth the cached
 :class:`~deepinfer_core.model.executor.ModelExecutor` is tested against.
 
-Part-2 hooks: ``residual`` (mHC replaces :class:`PlainResidual`; the same four methods) and ``engram``
-(a ModuleDict keyed by layer id, called on the residual before that layer's attention).
+Part 2: ``residual`` is :class:`~deepinfer_core.model.mhc.MHCResidual` when ``hc_mult > 1`` (else
+:class:`PlainResidual`, same methods); ``engram`` holds an :class:`EngramLayer` per configured layer, fed
+with rows the ``engram`` component's hasher and tables return (:meth:`DeepSeekV41.engram_rows`);
+``drafter`` is the DSpark drafter when ``num_nextn_predict_layers > 0``; every MoE accepts an expert
+placement (:meth:`DeepSeekV41.set_expert_placement`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA, ModelConfig
+from deepinfer_core.model.drafter import DSparkDrafter
 from deepinfer_core.model.layers.attention import Attention, sink_attention
+from deepinfer_core.model.layers.engram import EngramLayer
 from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, topk_mask
 from deepinfer_core.model.layers.moe import MoE
 from deepinfer_core.model.layers.norm import RMSNorm
+from deepinfer_core.model.mhc import MHCResidual
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +48,15 @@ class PlainResidual(nn.Module):
     def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
         return state + out
 
+    def collapse(self, state: torch.Tensor) -> torch.Tensor:
+        return state
+
     def end(self, state: torch.Tensor) -> torch.Tensor:
         return state
+
+
+# Engram tables are drawn in memory only up to this many values; bigger ones must be given
+_MAX_RANDOM_TABLE_VALUES = 1 << 27
 
 
 class Block(nn.Module):
@@ -63,10 +77,11 @@ class DeepSeekV41(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.residual: nn.Module = PlainResidual()
-        self.engram = nn.ModuleDict()  # part 2: {str(layer_id): engram module}
-        if cfg.hc_mult > 1 or cfg.engram_layer_ids or cfg.num_nextn_predict_layers:
-            log.info("mHC / Engram / DSpark are part 2: this model runs a plain residual, no Engram, no drafter")
+        self.residual: nn.Module = MHCResidual(cfg) if cfg.hc_mult > 1 else PlainResidual()
+        self.engram = nn.ModuleDict({str(i): EngramLayer(cfg, i) for i in cfg.engram_layer_ids})
+        self.drafter = DSparkDrafter(cfg) if cfg.num_nextn_predict_layers else None
+        self._engram_hasher: Any = None
+        self._engram_tables: dict[int, Any] | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -96,27 +111,114 @@ class DeepSeekV41(nn.Module):
         for b in self.layers:
             b.attn.reset_parameters(gen)
             b.ffn.reset_parameters(gen)
+        if isinstance(self.residual, MHCResidual):
+            self.residual.reset_parameters(gen)
+        for e in self.engram.values():
+            e.reset_parameters(gen)
+        if self.drafter is not None:
+            self.drafter.reset_parameters(gen)
+
+    # ------------------------------------------------------------------ Engram rows
+    @property
+    def engram_hasher(self) -> Any:
+        """The ``engram`` component's hasher for this config (identity canonical map)."""
+        if self._engram_hasher is None:
+            from deepinfer_core.engram import EngramConfig, EngramHasher
+
+            c = self.cfg
+            self._engram_hasher = EngramHasher(EngramConfig(
+                layer_ids=c.engram_layer_ids, max_ngram=c.engram_max_ngram, heads_per_order=c.engram_n_heads,
+                table_sizes=c.engram_table_sizes, vocab_size=c.vocab_size, pad_id=c.engram_pad_id,
+                seed=c.engram_seed, head_dim=c.engram_head_dim))
+        return self._engram_hasher
+
+    @property
+    def engram_tables(self) -> dict[int, Any]:
+        """{layer id: EngramTable}. Default: seeded N(0, 1) rows in bf16 (``engram_seed``), built on first
+        use; a real checkpoint's tables are given with :meth:`set_engram_tables`."""
+        if self._engram_tables is None:
+            from deepinfer_core.engram import LocalEngramTable
+
+            h, c = self.engram_hasher, self.cfg
+            tables = {}
+            for lid in c.engram_layer_ids:
+                rows = h.num_rows(lid)
+                if rows * c.engram_head_dim > _MAX_RANDOM_TABLE_VALUES:
+                    raise ValueError(f"engram_table_sizes={c.engram_table_sizes}: layer {lid}'s table has {rows:,} "
+                                     "rows, too big to draw at random; give real tables with set_engram_tables()")
+                g = torch.Generator().manual_seed(c.engram_seed * 1000003 + lid)
+                vals = torch.randn(rows, c.engram_head_dim, generator=g)
+                tables[lid] = LocalEngramTable(vals.to(torch.bfloat16), None, out_dtype=torch.float32)
+            self._engram_tables = tables
+        return self._engram_tables
+
+    def set_engram_tables(self, tables: Mapping[int, Any]) -> None:
+        """Use these ``EngramTable``s (one per Engram layer, ``num_rows`` and ``row_dim`` checked)."""
+        want = set(self.cfg.engram_layer_ids)
+        if set(tables) != want:
+            raise ValueError(f"tables: keys {sorted(tables)}, expected the Engram layers {sorted(want)}")
+        for lid, t in tables.items():
+            if t.num_rows != self.engram_hasher.num_rows(lid) or t.row_dim != self.cfg.engram_head_dim:
+                raise ValueError(f"tables[{lid}]: {t.num_rows} x {t.row_dim}, expected "
+                                 f"{self.engram_hasher.num_rows(lid)} x {self.cfg.engram_head_dim}")
+        self._engram_tables = dict(tables)
+
+    def engram_rows(self, token_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                    context: torch.Tensor | None = None, tables: Mapping[int, Any] | None = None) -> dict[int, torch.Tensor]:
+        """{layer: fetched rows [T, orders * heads * head_dim]} in the model dtype. ``cu_seqlens`` /
+        ``context`` as in ``EngramHasher.hash`` (context continues sequences across steps); ``tables``
+        defaults to :attr:`engram_tables` (the executor passes its placement's tables)."""
+        if not self.cfg.engram_layer_ids:
+            return {}
+        tabs = self.engram_tables if tables is None else tables
+        h = self.engram_hasher
+        rows = h.hash(token_ids.cpu(), None if cu_seqlens is None else cu_seqlens.cpu(),
+                      None if context is None else context.cpu())
+        dt, dev = self.embed.dtype, self.embed.device
+        return {lid: tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(token_ids.shape[0], -1).to(dev, dt)
+                for lid in self.cfg.engram_layer_ids}
+
+    # ------------------------------------------------------------------ expert placement
+    def set_expert_placement(self, phy2log: Any, log2phy: Any = None, logcnt: Any = None) -> None:
+        """Route every layer's tokens over physical expert slots (EPLB's ``phy2log`` [layers, slots];
+        ``log2phy`` / ``logcnt`` are derived when omitted and checked when given). None restores the
+        plain one-slot-per-expert layout. Outputs do not change: replicas share their expert's weights."""
+        from deepinfer_core.model.layers.moe import SlotPlacement
+
+        if phy2log is None:
+            for b in self.layers:
+                b.ffn.placement = None
+            return
+        places = SlotPlacement.from_eplb(phy2log, log2phy, logcnt, self.cfg.num_hidden_layers, self.cfg.n_routed_experts)
+        dev = self.embed.device
+        for b, p in zip(self.layers, places):
+            b.ffn.placement = p.to(dev)
 
     # ------------------------------------------------------------------ shared layer loop
     def run_layers(self, token_ids: torch.Tensor, attend: AttendFn, source_only: AttendFn | None = None,
-                   capture: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   capture: dict[int, torch.Tensor] | None = None,
+                   engram_rows: Mapping[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states [N, D] (after the final norm) and expert counts [layers, experts].
 
         With ``source_only`` (CED prefix prefill), the loop stops at the first decoder layer: that
         layer's input goes to ``source_only`` (which writes the decoder's global KV) and the returned
         hidden state is that input; counts cover the encoder layers only. ``capture`` (a dict whose keys
-        are layer ids) receives each listed layer's output residual state (the drafter's conditioning
-        input in part 2).
+        are layer ids) receives each listed layer's output residual state, streams summed ([T, D]; the
+        drafter's conditioning input). ``engram_rows`` ({layer: [T, row_dim]}, see :meth:`engram_rows`)
+        feeds the Engram layers; None fetches them here for one sequence without context.
         """
+        if engram_rows is None and len(self.engram):
+            engram_rows = self.engram_rows(token_ids)
         state = self.residual.begin(self.embed[token_ids])
         counts = []
         for blk in self.layers:
             lid = blk.layer_id
             if str(lid) in self.engram:
-                state = self.engram[str(lid)](state, token_ids)
+                state = self.engram[str(lid)](state, engram_rows[lid])  # type: ignore[index]
             x = blk.attn_norm(self.residual.sublayer_input(state, lid, 0))
             if source_only is not None and lid == self.cfg.encoder_layers:
                 source_only(lid, blk.attn, x)
+                self.residual.end(state)  # drops pending coefficients
                 return x, torch.stack(counts)
             o = attend(lid, blk.attn, x)
             state = self.residual.sublayer_output(state, blk.attn.output(o), lid, 0)
@@ -124,7 +226,7 @@ class DeepSeekV41(nn.Module):
             state = self.residual.sublayer_output(state, y, lid, 1)
             counts.append(c)
             if capture is not None and lid in capture:
-                capture[lid] = state
+                capture[lid] = self.residual.collapse(state)
         return self.norm(self.residual.end(state)), torch.stack(counts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,8 +235,9 @@ class DeepSeekV41(nn.Module):
 
     # ------------------------------------------------------------------ the ground truth
     @torch.no_grad()
-    def forward_full(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [T, V] and expert counts of one whole sequence, with no cache (the oracle)."""
+    def forward_full(self, token_ids: torch.Tensor, capture: Sequence[int] | None = None) -> Any:
+        """Logits [T, V] and expert counts of one whole sequence, with no cache (the oracle); with
+        ``capture`` (layer ids) also {layer: output state [T, D]} as a third element."""
         cfg = self.cfg
         t = token_ids.shape[0]
         pos = torch.arange(t, device=token_ids.device)
@@ -171,5 +274,8 @@ class DeepSeekV41(nn.Module):
             assert isrc is not None
             return sink_attention(q, kswa, win, comp[src], sel[isrc], a.attn_sink, a.scale)
 
-        hidden, counts = self.run_layers(token_ids, attend)
+        caps: dict[int, torch.Tensor] | None = dict.fromkeys(capture) if capture is not None else None  # type: ignore[arg-type]
+        hidden, counts = self.run_layers(token_ids, attend, capture=caps)
+        if caps is not None:
+            return self.logits(hidden), counts, caps
         return self.logits(hidden), counts

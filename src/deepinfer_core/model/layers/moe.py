@@ -3,12 +3,22 @@
 Routed experts are computed grouped by expert: token-expert pairs are sorted by expert id and each
 expert runs one matmul over its tokens (no per-token Python loop). ``forward`` also returns the number of
 tokens each expert received, the load source of EPLB.
+
+Expert placement (EPLB's ``phy2log`` / ``log2phy`` / ``logcnt``): with a :class:`SlotPlacement` set, each
+token-expert pair goes to one physical slot of its expert, round robin in flat (token, k) order per
+expert, so an expert's replicas get token counts that differ by at most one, and the same batch always
+splits the same way. A slot computes with its logical expert's weights (read through ``phy2log``; in an
+EP deployment the slot holds a copy, which ``eplb.transfer`` moves), so the output is the same under any
+placement up to summation order.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +36,55 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)
     return F.silu(gate) * up
+
+
+@attrs.frozen
+class SlotPlacement:
+    """One layer's physical slots: ``phy2log`` [P], ``log2phy`` [E, max replicas] (-1 padded), ``logcnt`` [E]."""
+
+    phy2log: torch.Tensor
+    log2phy: torch.Tensor
+    logcnt: torch.Tensor
+
+    def to(self, device: torch.device | str) -> SlotPlacement:
+        return SlotPlacement(self.phy2log.to(device), self.log2phy.to(device), self.logcnt.to(device))
+
+    @staticmethod
+    def from_eplb(phy2log: Any, log2phy: Any, logcnt: Any, layers: int, experts: int) -> list[SlotPlacement]:
+        """Check EPLB's arrays (numpy or torch) and split them per layer; ``log2phy`` / ``logcnt`` may be
+        None (derived: replicas in slot order). Errors name the field."""
+        p2l = np.asarray(phy2log.cpu() if isinstance(phy2log, torch.Tensor) else phy2log)
+        if p2l.ndim != 2 or p2l.shape[0] != layers or p2l.shape[1] < experts:
+            raise ValueError(f"phy2log: shape {p2l.shape}, expected [{layers} layers, >= {experts} slots]")
+        if not np.issubdtype(p2l.dtype, np.integer) or p2l.min() < 0 or p2l.max() >= experts:
+            raise ValueError(f"phy2log: entries must be logical expert ids in [0, {experts})")
+        cnt = np.stack([np.bincount(row, minlength=experts) for row in p2l])
+        if (cnt == 0).any():
+            lay, e = (int(v) for v in np.argwhere(cnt == 0)[0])
+            raise ValueError(f"phy2log: layer {lay} has no slot for expert {e}; every expert needs >= 1 replica")
+        if logcnt is not None:
+            lc = np.asarray(logcnt.cpu() if isinstance(logcnt, torch.Tensor) else logcnt)
+            if lc.shape != cnt.shape or not (lc == cnt).all():
+                raise ValueError(f"logcnt: does not match the replica counts of phy2log (shape {lc.shape})")
+        width = int(cnt.max())
+        if log2phy is None:
+            l2p = np.full((layers, experts, width), -1, np.int64)
+            for lay in range(layers):
+                for e in range(experts):
+                    s = np.flatnonzero(p2l[lay] == e)
+                    l2p[lay, e, : len(s)] = s
+        else:
+            l2p = np.asarray(log2phy.cpu() if isinstance(log2phy, torch.Tensor) else log2phy).astype(np.int64)
+            if l2p.ndim != 3 or l2p.shape[:2] != (layers, experts) or l2p.shape[2] < width:
+                raise ValueError(f"log2phy: shape {l2p.shape}, expected [{layers}, {experts}, >= {width}]")
+            for lay in range(layers):
+                for e in range(experts):
+                    got = l2p[lay, e, : cnt[lay, e]]
+                    if sorted(got.tolist()) != np.flatnonzero(p2l[lay] == e).tolist() or (l2p[lay, e, cnt[lay, e]:] != -1).any():
+                        raise ValueError(f"log2phy: layer {lay} expert {e} lists slots {l2p[lay, e].tolist()}, "
+                                         f"phy2log puts it at {np.flatnonzero(p2l[lay] == e).tolist()}")
+        return [SlotPlacement(torch.from_numpy(p2l[i].astype(np.int64)), torch.from_numpy(l2p[i]),
+                              torch.from_numpy(cnt[i].astype(np.int64))) for i in range(layers)]
 
 
 def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -58,6 +117,7 @@ class MoE(nn.Module):
             self.s_w1 = nn.Parameter(torch.empty(si, d))
             self.s_w3 = nn.Parameter(torch.empty(si, d))
             self.s_w2 = nn.Parameter(torch.empty(d, si))
+        self.placement: SlotPlacement | None = None  # physical slots (EPLB); None = one slot per expert
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
@@ -76,22 +136,42 @@ class MoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return ids, w * self.scale
 
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Physical slot [N, k] of each token-expert pair: per expert, round robin over its replicas in
+        flat (token, k) order (replica counts differ by at most one; deterministic)."""
+        pl = self.placement
+        if pl is None:
+            return ids
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        e = flat[order]
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(flat.shape[0], device=flat.device) - start[e]
+        out = torch.empty_like(flat)
+        out[order] = pl.log2phy[e, rank % pl.logcnt[e]]
+        return out.view_as(ids)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output [N, D], tokens per routed expert [E] int64)."""
+        """(output [N, D], tokens per routed (logical) expert [E] int64)."""
         n = x.shape[0]
         ids, w = self.route(x)
-        flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
+        flat = self.slots(ids).reshape(-1)
+        nslots = self.n_experts if self.placement is None else self.placement.phy2log.shape[0]
+        per_slot = torch.bincount(flat, minlength=nslots)
+        weight_of = None if self.placement is None else self.placement.phy2log.tolist()
         order = torch.argsort(flat, stable=True)
         tok = order // self.top_k
         wts = w.reshape(-1)[order]
         # each (token, slot) pair's output lands back in its flat slot; summing the k slots per token
         # is deterministic (no scatter-add) and independent of how the batch was grouped
         buf = x.new_empty(n * self.top_k, x.shape[1])
-        bounds = torch.cumsum(counts, 0).tolist()
+        bounds = torch.cumsum(per_slot, 0).tolist()
         start = 0
-        for e, end in enumerate(bounds):
+        for slot, end in enumerate(bounds):
             if end > start:
+                e = slot if weight_of is None else weight_of[slot]
                 t = tok[start:end]
                 xs = x[t]
                 h = clamped_swiglu(xs @ self.w1[e].t(), xs @ self.w3[e].t(), self.limit)

@@ -1,0 +1,109 @@
+"""mHC (manifold-constrained hyper-connections): the residual as ``hc_mult`` streams.
+
+The state is ``[T, n, D]``. Before each sublayer (attention, MoE) the coefficients are computed from the
+token's own streams (dynamic hyper-connections): ``x = RMSNorm(state.flatten())`` (no weight), then
+``raw = x @ phi^T`` split into
+
+- ``pre``  [n]:    ``sigmoid(a_pre * raw + b_pre)``: the sublayer input is ``sum_j pre_j state_j``;
+- ``post`` [n]:    ``2 sigmoid(a_post * raw + b_post)``: how much of the sublayer output each stream gets;
+- ``res``  [n, n]: ``Sinkhorn(exp(a_res * raw + b_res))``: stream-to-stream mixing, made doubly
+  stochastic by ``hc_sinkhorn_iters`` alternating row / column normalisations (20).
+
+and ``state' = res @ state + post * out``. Everything is per token, so caching and chunking cannot
+change it. ``hc_single_pass`` (V4.1's variant, our reading; docs/model.md) computes the coefficients of
+*both* sublayers of a layer in one pass from the layer's input streams (one norm and one matmul per
+layer instead of two); the default paper form recomputes them from the state entering each sublayer.
+``begin`` copies the embedding into every stream; ``end`` sums the streams (the final RMSNorm follows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepinfer_core.model.config import ModelConfig
+
+__all__ = ["MHCResidual", "sinkhorn"]
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Doubly stochastic [..., n, n] from ``exp(logits)`` by ``iters`` row-then-column normalisations.
+
+    The per-matrix max is subtracted first (a common factor, which the first normalisation cancels) so
+    ``exp`` cannot overflow. The last step normalises columns: columns sum to 1 exactly, rows to within
+    the iteration's convergence (tested).
+    """
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+class MHCResidual(nn.Module):
+    """Drop-in for ``PlainResidual`` (``begin``, ``sublayer_input``, ``sublayer_output``, ``end``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n, d, layers = cfg.hc_mult, cfg.hidden_size, cfg.num_hidden_layers
+        self.n, self.iters, self.single_pass = n, cfg.hc_sinkhorn_iters, cfg.hc_single_pass
+        self.eps = cfg.rms_norm_eps
+        k = 2 * n + n * n
+        # [layer, sublayer (0 attention, 1 MoE), coefficient, n * D]
+        self.phi = nn.Parameter(torch.empty(layers, 2, k, n * d))
+        self.alpha = nn.Parameter(torch.empty(layers, 2, 3))  # scales of pre / post / res
+        self.bias = nn.Parameter(torch.empty(layers, 2, k))
+        # coefficients computed by sublayer_input, consumed by the matching sublayer_output
+        self._pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        dev = gen.device
+        self.phi.copy_(torch.randn(self.phi.shape, generator=gen, device=dev) / math.sqrt(self.phi.shape[-1]))
+        self.alpha.copy_(0.5 + 0.5 * torch.rand(self.alpha.shape, generator=gen, device=dev))
+        # random biases make the mixing far from uniform, so tests see streams that really differ
+        self.bias.copy_(torch.randn(self.bias.shape, generator=gen, device=dev))
+
+    def _coefficients(self, state: torch.Tensor, layer: int, subs: tuple[int, ...]) -> None:
+        n = self.n
+        x = state.reshape(state.shape[0], -1)
+        xf = x if x.dtype == torch.float64 else x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(state.dtype)
+        phi = self.phi[layer, list(subs)]  # [S, k, nD]
+        raw = torch.einsum("tc,skc->tsk", x, phi)
+        for i, sub in enumerate(subs):
+            a, b, r = self.alpha[layer, sub], self.bias[layer, sub], raw[:, i]
+            pre = torch.sigmoid(a[0] * r[:, :n] + b[:n])
+            post = 2 * torch.sigmoid(a[1] * r[:, n : 2 * n] + b[n : 2 * n])
+            res = sinkhorn((a[2] * r[:, 2 * n :] + b[2 * n :]).view(-1, n, n), self.iters)
+            self._pending[(layer, sub)] = (pre, post, res)
+
+    def coefficients(self, state: torch.Tensor, layer: int, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre [T, n], post [T, n], res [T, n, n]) of one sublayer for streams ``state`` (tests, docs)."""
+        self._coefficients(state, layer, (sub,))
+        return self._pending.pop((layer, sub))
+
+    # ---------------------------------------------------------------- the residual protocol
+    def begin(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, None, :].expand(-1, self.n, -1).contiguous()
+
+    def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+        if (layer_id, sub) not in self._pending:
+            subs = (0, 1) if self.single_pass and sub == 0 else (sub,)
+            self._coefficients(state, layer_id, subs)
+        pre = self._pending[(layer_id, sub)][0]
+        return torch.einsum("tn,tnd->td", pre, state)
+
+    def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+        _, post, res = self._pending.pop((layer_id, sub))
+        return torch.einsum("tij,tjd->tid", res, state) + post[:, :, None] * out[:, None, :]
+
+    def collapse(self, state: torch.Tensor) -> torch.Tensor:
+        """Streams summed, [T, D] (what ``end`` returns; also the captured per-layer state)."""
+        return state.sum(1)
+
+    def end(self, state: torch.Tensor) -> torch.Tensor:
+        self._pending.clear()  # a stopped loop (encoder-only prefill) may leave coefficients behind
+        return self.collapse(state)

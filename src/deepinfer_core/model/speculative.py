@@ -1,0 +1,145 @@
+"""The executor's DSpark side: drafter context rings, lossless verification, the next draft block.
+
+Per state slot the executor keeps, next to the target's caches, (1) one ring per draft stage of context
+keys and one ring of fused target features, written for every row the target processes (indexed by
+position, ``window + backtrack`` entries, so a rollback needs no undo, exactly like the SWA rings);
+(2) the drafts it made last step with their distributions, so a verify step can be checked (the fed
+drafts must be the ones made) and verified losslessly with ``deepinfer_core.spec.verify``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from deepinfer_core.model.batch import BatchError, ForwardBatch
+
+if TYPE_CHECKING:
+    from deepinfer_core.model.executor import ModelExecutor
+
+
+class SpecState:
+    def __init__(self, ex: ModelExecutor, seed: int) -> None:
+        model = ex.model
+        d = model.drafter
+        assert d is not None
+        self.ex, self.drafter = ex, d
+        self.block = d.block
+        n, ring = ex.num_slots, ex.swa_ring
+        self.swa = [torch.zeros(n, ring, ex.fmt.swa.bytes_per_token, dtype=torch.uint8, device=ex.device)
+                    for _ in d.stages]
+        self.feat = torch.zeros(n, ring, ex.cfg.hidden_size, dtype=ex.dtype, device=ex.device)
+        self.tokens = np.full((n, self.block), -1, np.int64)
+        self.pos = np.full(n, -1, np.int64)  # position of the accepted token the drafts follow
+        self.y = np.full(n, -1, np.int64)
+        self.probs: dict[int, torch.Tensor] = {}
+        self.gen = torch.Generator(device=ex.device).manual_seed(seed)
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() for t in self.swa) + self.feat.numel() * self.feat.element_size()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, b: ForwardBatch, i: int, toks: np.ndarray, s: int, slot: int, k: int) -> None:
+        n = toks.shape[0]
+        v = 0 if b.verify_lens is None else int(b.verify_lens[i])
+        if b.draft is not None and b.draft[i] and k < 1:
+            raise BatchError(i, "draft", "drafting needs num_logits >= 1 (the row the next token comes from)")
+        if v == 0:
+            return
+        if not 0 < v < n or v > self.block:
+            raise BatchError(i, "verify_lens", f"{v}: must be in [0, min(query_lens - 1, {self.block})]")
+        if k < v + 1:
+            raise BatchError(i, "num_logits", f"{k}: verifying {v} drafts needs >= {v + 1} logits rows")
+        at = s + n - v - 1
+        if self.pos[slot] != at or self.y[slot] != toks[n - v - 1] or (self.tokens[slot, :v] != toks[n - v :]).any():
+            raise BatchError(i, "verify_lens", f"the last {v} tokens at position {at + 1} are not the drafts this "
+                             f"executor made for slot {slot} (made after position {int(self.pos[slot])})")
+
+    # ------------------------------------------------------------------ context rings
+    def write_context(self, layer_states: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+                      keep: torch.Tensor) -> None:
+        """Fused features and each stage's context keys of the processed rows ``keep`` into the rings."""
+        feat = self.drafter.features(layer_states)[keep]
+        pos, sl = positions[keep], slots[keep]
+        self.feat[sl, pos % self.ex.swa_ring] = feat
+        for st, ring in zip(self.drafter.stages, self.swa):
+            self.ex._ring_store(ring, st.context_keys(feat, pos), None, sl, pos)
+
+    def restart(self, slot: int) -> None:
+        self.pos[slot] = -1
+        self.probs.pop(slot, None)
+
+    # ------------------------------------------------------------------ verify + draft
+    def step(self, b: ForwardBatch, logits: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        from deepinfer_core.spec import verify
+
+        r = b.num_requests
+        vl = np.zeros(r, np.int64) if b.verify_lens is None else b.verify_lens
+        dr = np.zeros(r, bool) if b.draft is None else b.draft
+        idx = np.flatnonzero((vl > 0) | dr)
+        if idx.size == 0:
+            return None
+        ex, dev, dt = self.ex, self.ex.device, logits.dtype
+        temp_all = np.zeros(r) if b.temperature is None else b.temperature
+        temp = torch.as_tensor(temp_all[idx], dtype=dt, device=dev)
+        greedy = temp <= 0
+        tscale = torch.where(greedy, torch.ones_like(temp), temp)
+        d = int(vl[idx].max())
+        lend = np.cumsum(b.num_logits)
+        vocab = logits.shape[-1]
+        tp = torch.empty(idx.size, d + 1, vocab, dtype=dt, device=dev)
+        dtok = torch.zeros(idx.size, d, dtype=torch.long, device=dev)
+        dprob = torch.full((idx.size, d, vocab), 1.0 / vocab, dtype=dt, device=dev)
+        for j, i in enumerate(idx):
+            v = int(vl[i])
+            rows = logits[lend[i] - v - 1 : lend[i]]
+            p = torch.softmax(rows / tscale[j], dim=-1)
+            tp[j, : v + 1] = p
+            tp[j, v + 1 :] = p[-1]
+            if v:
+                slot = int(b.state_slots[i])
+                dtok[j, :v] = torch.as_tensor(self.tokens[slot, :v], device=dev)
+                dprob[j, :v] = self.probs[slot][:v]
+        lengths = torch.as_tensor(vl[idx], device=dev)
+        res = verify(dtok, None if bool(greedy.all()) else dprob, tp, lengths, self.gen, greedy=greedy)
+        acc, nxt = res.num_accepted, res.next_token
+        out = {
+            "num_accepted": torch.zeros(r, dtype=torch.long, device=dev),
+            "next_token": torch.full((r,), -1, dtype=torch.long, device=dev),
+            "drafts": torch.full((r, self.block), -1, dtype=torch.long, device=dev),
+            "draft_confidence": torch.full((r, self.block), float("nan"), dtype=dt, device=dev),
+        }
+        out["num_accepted"][idx] = acc
+        out["next_token"][idx] = nxt
+        for i in idx:
+            self.restart(int(b.state_slots[i]))
+        want = dr[idx]
+        if not want.any():
+            return out
+        j = np.flatnonzero(want)
+        ii = idx[j]
+        jt = torch.as_tensor(j, device=dev)
+        s = torch.as_tensor(b.start_pos[ii] + b.query_lens[ii] - vl[ii], device=dev)
+        q = s + acc[jt]  # position of the accepted / sampled token
+        slots = torch.as_tensor(b.state_slots[ii], device=dev)
+        w, ring = self.drafter.window, ex.swa_ring
+        kp = q[:, None] - w + torch.arange(w, device=dev)[None, :]
+        valid = kp >= 0
+        ent = kp.clamp(min=0) % ring
+        keys = [ex.fmt.swa.dequantize(rg[slots[:, None], ent]).to(dt) for rg in self.swa]
+        cond = self.feat[slots, (q - 1) % ring]
+        y = nxt[jt]
+        hidden = self.drafter.run_block(ex.model, y, q, cond, keys, valid)
+        dres = self.drafter.heads(ex.model, hidden, y, temp[jt], self.gen)
+        out["drafts"][torch.as_tensor(ii, device=dev)] = dres.tokens
+        out["draft_confidence"][torch.as_tensor(ii, device=dev)] = dres.confidence
+        toks_np = dres.tokens.cpu().numpy()
+        for k, i in enumerate(ii):
+            slot = int(b.state_slots[i])
+            self.tokens[slot] = toks_np[k]
+            self.pos[slot] = int(q[k])
+            self.y[slot] = int(y[k])
+            self.probs[slot] = dres.probs[k]
+        return out
