@@ -29,6 +29,7 @@ def demo() -> None:
         "ebnf": GrammarSpec("ebnf", 'root ::= "(" num ("+" num){0,3} ")"\nnum ::= [1-9] [0-9]?'),
         "bad": GrammarSpec("regex", "[unclosed"),
     }
+    texts: dict[str, dict[str, str]] = {}
     for backend_name in ("xgrammar", "llguidance"):
         mgr = StructuredOutputManager(make_backend(backend_name, tok))
         for rid, spec in specs.items():
@@ -54,12 +55,15 @@ def demo() -> None:
         print(f"[{backend_name}] {steps} steps")
         for rid in specs:
             text = tok.decode(out[rid])
+            texts.setdefault(backend_name, {})[rid] = text
             why = mgr.finish_reason(rid)
             extra = f" ({mgr.error(rid).splitlines()[0]})" if mgr.error(rid) else ""
             print(f"  {rid:5s} {why.value if why else None:15s} {text!r}{extra}")
             if rid == "json" and why == "stop":
                 json.loads(text)  # the constrained text is valid JSON
         mgr.close()
+    same = texts["xgrammar"] == texts["llguidance"]
+    print(f"same seed and logits, same texts from both backends: {same}")
 
 
 if __name__ == "__main__":
