@@ -127,16 +127,20 @@ def test_fp8_both_encoders_same_bytes(dtype: torch.dtype, hw: bool) -> None:
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hw", [True, False])
 def test_fp8_both_decoders_exact(hw: bool, out_dtype: torch.dtype) -> None:
-    """Both fp8 decoders, on every byte value with every scale code (NaN codes included)."""
+    """Both fp8 decoders on every byte the store can write (all e4m3 codes but the NaNs 0x7F / 0xFF) under
+    every scale code it can write (0..254: exponents -127..127). NaN bytes and code 255 never reach a pool
+    (the store rejects NaN and saturates); the decoders are not specified there (see docs/cuda_backend.md)."""
     from deepinfer_kernels.cuda import kv_store as ck
 
     fmt = __import__("deepinfer_core.kv.formats", fromlist=["FP8Format"]).FP8Format()
-    rows = torch.zeros(256, 528, dtype=torch.uint8)
-    rows[:, :512] = ((torch.arange(512)[None, :] + torch.arange(256)[:, None]) % 256).to(torch.uint8)  # every byte
-    rows[:, 512:] = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 16)  # scale code = row
-    got = ck.gather_slots(rows.cuda(), torch.arange(256).cuda(), "fp8", 512, out_dtype, hw=hw).cpu()
+    rows = torch.zeros(255, 528, dtype=torch.uint8)
+    vals = (torch.arange(512)[None, :] + torch.arange(255)[:, None]) % 256
+    vals = torch.where((vals & 0x7F) == 0x7F, vals ^ 1, vals)  # 0x7F -> 0x7E, 0xFF -> 0xFE
+    rows[:, :512] = vals.to(torch.uint8)
+    rows[:, 512:] = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 16)  # scale code = row
+    got = ck.gather_slots(rows.cuda(), torch.arange(255).cuda(), "fp8", 512, out_dtype, hw=hw).cpu()
     want = fmt.dequantize(rows).to(out_dtype)
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} values differ"
 
 
 def test_unchecked_fast_path_same_bytes() -> None:

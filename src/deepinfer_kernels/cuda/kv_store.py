@@ -165,13 +165,14 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False):
                     for j in T.unroll(group):
                         if fmt == "fp8" and hw:
                             # hardware e4m3 decode, one float32 multiply: the exact product rounded once, as
-                            # the reference's float64 product rounded to float32 (code 255 takes float64)
+                            # the reference's float64 product rounded to float32; codes >= 247 could overflow
+                            # float32 (448 * 2^120 > max) where the reference saturates, so they take float64
                             byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
                             e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
                             v = T.Cast("float64", e4) * sc
                             res[j] = T.Cast(
                                 out_dtype,
-                                T.if_then_else(code < 255, e4 * sv, T.Cast("float32", T.min(T.max(v, T.float64(-fmax)), T.float64(fmax)))),
+                                T.if_then_else(code < 247, e4 * sv, T.Cast("float32", T.min(T.max(v, T.float64(-fmax)), T.float64(fmax)))),
                             )
                         elif fmt == "fp8":
                             byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
@@ -227,9 +228,12 @@ def store_slots(pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, name: 
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
 
 
-# fp8 loads decoded by the hardware e4m3 conversion and one float32 multiply instead of the float64 path;
-# tests check both against the reference on every byte value and scale code.
-HW_FP8_DECODE = True
+# fp8 loads decoded by the hardware e4m3 conversion and one float32 multiply instead of the float64 path
+# (1.3x faster on the H200: 61 vs 79 us). Off by default: on the H200 it differed from the reference for
+# scale codes >= 247, where the float32 product overflows (the reference saturates); such codes need
+# inputs near the float32 maximum. The ``code < 247`` guard in ``_build_gather`` fixes that but has not been re-run on
+# the GPU yet, so the verified float64 decoder stays the default.
+HW_FP8_DECODE = False
 
 
 def gather_slots(
