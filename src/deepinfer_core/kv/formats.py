@@ -276,6 +276,10 @@ class V32Format:
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         x = _check_input(x, self.dim, self.name)
+        # Clamp to the finite float32 range first: an inf would make the block scale inf and inf/inf a NaN
+        # whose fp8 byte differs between CPU and CUDA; saturating keeps the bytes defined everywhere.
+        f32_max = torch.finfo(torch.float32).max
+        x = x.clamp(-f32_max, f32_max)
         nope, rope = _groups(x[..., : self.nope_dim], self.group), x[..., self.nope_dim :]
         # fp32 scale: max of the block maps exactly to 448; the tiny floor keeps all-zero blocks finite.
         scale = (nope.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
