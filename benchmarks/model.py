@@ -4,6 +4,9 @@
     next to the cache-free ``forward_full`` of the same tokens, with KV quantisation on and off.
 (b) Decode: B requests with a fixed context each, one token per request per step, for B in a sweep;
     quantisation on (FP4 / FP8 / MXFP4 caches) and off, row-wise path and per-request path.
+(c) Part 2, decode steps at a fixed context: the cost of each feature (mHC streams, Engram layers, the
+    drafter's context writes, an EPLB placement with replicas) as variants of one config with that
+    feature off, and DSpark steps (decode + draft; verify 5 drafts + draft) against a plain decode step.
 Side by side in one run. On the CPU, throughput is quoted per CPU second of this process (the machine is
 shared; wall-clock figures are emitted too). With ``--device cuda`` times are synchronised wall clock.
 ``--config wide`` is the released V4.1-Flash width (hidden 5120, 64 heads x 512, indexer 32 x 128,
@@ -20,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import attrs
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -45,8 +49,8 @@ def wide_config() -> ModelConfig:
     """V4.1-Flash widths, 6 layers (SWA, 2 x ratio 2, 3 x ratio 1 with a Reindex layer), 8 experts."""
     return flash_config(num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3],
                         index_source_layer_ids=[1, 3, 5], num_encoder_layers=3, candidate_source_layer_id=3,
-                        n_routed_experts=8, engram_layer_ids=[1], dspark_target_layer_ids=[5],
-                        num_nextn_predict_layers=0)
+                        n_routed_experts=8, engram_layer_ids=[1], engram_table_sizes=[8009],
+                        dspark_target_layer_ids=[3, 4, 5], num_nextn_predict_layers=1)
 
 
 class Clock:
@@ -143,6 +147,94 @@ def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: 
     return res
 
 
+def _decode_setup(model: DeepSeekV41, batch: int, ctx: int, steps: int):
+    ex, pool = _executor(model, False, batch, ctx + steps + 8)
+    toks = torch.randint(0, model.cfg.vocab_size, (batch, ctx + steps + 8))
+    ids = list(range(batch))
+    for i in ids:
+        pool.allocate(i, ctx + steps + 8)
+    tables = pool.block_tables(ids)
+    drafting = model.drafter is not None
+    out = ex.execute(ForwardBatch(token_ids=toks[:, :ctx].reshape(-1).numpy(), query_lens=[ctx] * batch,
+                                  start_pos=[0] * batch, block_tables=tables, state_slots=ids, num_logits=[1] * batch,
+                                  draft=[drafting] * batch))
+    return ex, toks, tables, out
+
+
+def _time_steps(clock: Clock, steps: int, step: Callable[[int], object]) -> float:
+    step(0)  # warm-up
+    q0, _ = clock.now()
+    for k in range(steps):
+        step(k)
+    q1, _ = clock.now()
+    return (q1 - q0) / steps
+
+
+def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, clock: Clock, base: dict, batch: int,
+                   ctx: int, steps: int) -> None:
+    """(c): per-feature decode step cost (variants of ``cfg``) and DSpark step cost, one run."""
+    from deepinfer_core.eplb import rebalance_experts
+
+    n = cfg.num_hidden_layers
+    variants: dict[str, dict] = {"all": {}, "no_mhc": {"hc_mult": 1}, "no_engram": {"engram_layer_ids": []},
+                                 "no_drafter": {"num_nextn_predict_layers": 0, "compress_ratios": cfg.compress_ratios[:n]}}
+    variants["none"] = {k: v for d in variants.values() for k, v in d.items()}
+    ms = {}
+    for name, over in [*variants.items(), ("all+placement", {})]:
+        model = DeepSeekV41.from_config(attrs.evolve(cfg, **over), seed=0, dtype=dtype, device=dev)
+        if name == "all+placement":
+            e = cfg.n_routed_experts
+            load = np.random.default_rng(0).pareto(1.0, (cfg.num_hidden_layers, e)) + 0.1
+            model.set_expert_placement(*rebalance_experts(load, e + e // 2, 1, 1, 4))
+        ex, toks, tables, _ = _decode_setup(model, batch, ctx, steps)
+
+        def step(k: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables) -> None:
+            ex.execute(ForwardBatch(token_ids=toks[:, ctx + k].numpy(), query_lens=[1] * batch,
+                                    start_pos=[ctx + k] * batch, block_tables=tables, state_slots=list(range(batch)),
+                                    num_logits=[1] * batch))
+
+        ms[name] = _time_steps(clock, steps, step) * 1e3
+        emit(BENCH, {**base, "batch": batch, "context": ctx, "variant": name},
+             f"decode_ms_per_step_{clock.unit.removesuffix('_s')}", ms[name], "ms")
+    for name in variants:
+        if name != "all":
+            emit(BENCH, {**base, "batch": batch, "context": ctx, "variant": name}, "decode_step_cost_ratio_all_vs_variant",
+                 ms["all"] / ms[name], "x")
+    emit(BENCH, {**base, "batch": batch, "context": ctx}, "decode_step_cost_ratio_placement_vs_all",
+         ms["all+placement"] / ms["all"], "x")
+    # DSpark steps on the full model, following the protocol: feed the returned token (+ drafts) at the
+    # position after the accepted ones (random drafter weights: drafts are mostly rejected)
+    blk = cfg.dspark_block_size
+    ids = list(range(batch))
+    res = {}
+    for name, v, dr in (("decode", 0, False), ("decode+draft", 0, True), (f"verify{blk}+draft", blk, True)):
+        model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev)
+        ex, toks, tables, out = _decode_setup(model, batch, ctx, (blk + 1) * (steps + 1))
+        st = {"q": np.full(batch, ctx), "y": out.next_token.cpu().numpy(), "d": out.drafts.cpu().numpy()}
+
+        def step(k: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables,
+                 st: dict = st, v: int = v, dr: bool = dr) -> None:
+            q = st["q"]
+            if dr:
+                fed = np.concatenate([np.concatenate(([st["y"][i]], st["d"][i, :v])) for i in ids])
+            else:
+                fed = toks[np.arange(batch), q].numpy()
+            o = ex.execute(ForwardBatch(token_ids=fed, query_lens=[v + 1] * batch, start_pos=q,
+                                        block_tables=tables, state_slots=ids, num_logits=[v + 1] * batch,
+                                        verify_lens=[v] * batch, draft=[dr] * batch))
+            st["q"] = q + 1 + (o.num_accepted.cpu().numpy() if dr else 0)
+            if dr:
+                st["y"], st["d"] = o.next_token.cpu().numpy(), o.drafts.cpu().numpy()
+
+        res[name] = _time_steps(clock, steps, step) * 1e3
+        emit(BENCH, {**base, "batch": batch, "context": ctx, "step": name},
+             f"spec_ms_per_step_{clock.unit.removesuffix('_s')}", res[name], "ms")
+    emit(BENCH, {**base, "batch": batch, "context": ctx}, "draft_cost_ratio_decode_draft_vs_decode",
+         res["decode+draft"] / res["decode"], "x")
+    emit(BENCH, {**base, "batch": batch, "context": ctx}, f"spec_cost_ratio_verify{blk}_draft_vs_decode",
+         res[f"verify{blk}+draft"] / res["decode"], "x")
+
+
 def main() -> None:
     ap = parser(__doc__ or "")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1: shared)")
@@ -178,6 +270,8 @@ def main() -> None:
     curve = {}
     for b in tqdm(batches, desc="decode", disable=args.quick):
         curve[b] = bench_decode(model, clock, base, b, ctx, steps)
+    for b in tqdm(batches[-2:], desc="part 2", disable=args.quick):
+        bench_features(cfg, dtype, dev, clock, base, b, ctx, steps)
     if args.plot:
         import matplotlib
 

@@ -72,13 +72,14 @@ class MHCResidual(nn.Module):
         xf = x if x.dtype == torch.float64 else x.float()
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(state.dtype)
         phi = self.phi[layer, list(subs)]  # [S, k, nD]
+        a, b = self.alpha[layer, list(subs)], self.bias[layer, list(subs)]  # [S, 3], [S, k]
         raw = torch.einsum("tc,skc->tsk", x, phi)
+        pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
+        post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
+        # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
+        res = sinkhorn((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), self.iters)
         for i, sub in enumerate(subs):
-            a, b, r = self.alpha[layer, sub], self.bias[layer, sub], raw[:, i]
-            pre = torch.sigmoid(a[0] * r[:, :n] + b[:n])
-            post = 2 * torch.sigmoid(a[1] * r[:, n : 2 * n] + b[n : 2 * n])
-            res = sinkhorn((a[2] * r[:, 2 * n :] + b[2 * n :]).view(-1, n, n), self.iters)
-            self._pending[(layer, sub)] = (pre, post, res)
+            self._pending[(layer, sub)] = (pre[:, i], post[:, i], res[:, i])
 
     def coefficients(self, state: torch.Tensor, layer: int, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, n], post [T, n], res [T, n, n]) of one sublayer for streams ``state`` (tests, docs)."""
