@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from deepinfer_core.model import DeepSeekV41
+    from deepinfer_core.tokenizer import ByteTokenizer
 
 
 def demo() -> None:
@@ -46,6 +51,7 @@ def demo() -> None:
             full = model.forward_full(torch.tensor(s))[0][-1]
             print(f"  request {i}: greedy ids {s[-gen:]}; cached decode vs full forward max |dlogit| = "
                   f"{(out.logits[i] - full).abs().max().item():.2e} after {len(s)} tokens (random weights)")
+        _demo_part2(model, tok)
         f = flash_config()
         fmt = CacheFormats.make(f.head_dim, f.index_head_dim, quantize=True, dtype=torch.float32)
         ring = f.sliding_window + 6
@@ -56,6 +62,48 @@ def demo() -> None:
         print(f"  ({time.perf_counter() - t0:.1f} s)")
     finally:
         torch.set_num_threads(threads)
+
+
+def _demo_part2(model: DeepSeekV41, tok: ByteTokenizer) -> None:
+    """DSpark drafts verified losslessly (MTPVarlen picks how many), under an EPLB placement."""
+    from deepinfer_core.eplb import rebalance_experts
+    from deepinfer_core.kv import PagedKVPool
+    from deepinfer_core.model import ForwardBatch, ModelExecutor
+    from deepinfer_core.spec import MTPVarlen, StepTimeProfile
+
+    cfg = model.cfg
+    load = np.random.default_rng(0).pareto(1.0, (cfg.num_hidden_layers, cfg.n_routed_experts)) + 0.1
+    phy2log, log2phy, logcnt = rebalance_experts(load, 12, 1, 1, 4)
+    model.set_expert_placement(phy2log, log2phy, logcnt)
+    print(f"  mHC {cfg.hc_mult} streams (Sinkhorn {cfg.hc_sinkhorn_iters}, single pass {cfg.hc_single_pass}); Engram at "
+          f"layers {list(cfg.engram_layer_ids)}; EPLB placement: 12 slots, replicas per expert (layer 0) {logcnt[0].tolist()}")
+    prompt = torch.tensor(tok.encode("Speculative decoding drafts five tokens and verifies them in one step."))
+    pool = PagedKVPool(32, 16)
+    pool.allocate(0, len(prompt) + 40)
+    ex = ModelExecutor(model, 32, 16, num_state_slots=2, quantize=False)
+    table = pool.block_tables([0])
+    out = ex.execute(ForwardBatch(token_ids=prompt.numpy(), query_lens=[len(prompt)], start_pos=[0],
+                                  block_tables=table, state_slots=[0], num_logits=[1], draft=[True]))
+    policy = MTPVarlen(StepTimeProfile.published(), max_drafts=cfg.dspark_block_size)
+    q, emitted, steps = len(prompt), [int(out.next_token[0])], 0
+    while len(emitted) < 12:
+        conf = out.draft_confidence.numpy()
+        n = int(policy.plan(conf, None).lengths[0])
+        d = out.drafts[0, :n]
+        fed = np.concatenate(([emitted[-1]], d.numpy()))
+        out = ex.execute(ForwardBatch(token_ids=fed, query_lens=[n + 1], start_pos=[q], block_tables=table,
+                                      state_slots=[0], num_logits=[n + 1], verify_lens=[n], draft=[True]))
+        a = int(out.num_accepted[0])
+        emitted += [*d[:a].tolist(), int(out.next_token[0])]
+        q += a + 1
+        steps += 1
+        if steps == 1:
+            print(f"  step 1: drafts {d.tolist()} confidences {[round(float(c), 2) for c in conf[0]]} -> MTPVarlen verifies "
+                  f"{n}, {a} accepted (random drafter weights)")
+    full = model.forward_full(torch.cat((prompt, torch.tensor(emitted[:-1]))))[0]
+    greedy = full[len(prompt) - 1 :].argmax(-1).tolist()
+    print(f"  {len(emitted)} tokens in {steps} verify steps; equal to greedy without speculation: {greedy == emitted}")
+    model.set_expert_placement(None)
 
 
 if __name__ == "__main__":

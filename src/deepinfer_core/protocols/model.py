@@ -19,8 +19,13 @@ class ModelExecutor(Protocol):
         position ``start_pos[i]`` (a smaller start than last time rolls back rejected tokens, within the
         executor's backtracking budget); ``block_tables`` / ``state_slots`` come from the KV block pool
         and the state pool. Returns a ``ForwardOutput``: logits for the last ``num_logits[i]`` rows of
-        each request, per-layer per-expert token counts and, when a drafter is configured (part 2),
-        drafts with their confidences. An invalid request raises ``BatchError`` naming the request and
+        each request and per-layer per-expert token counts. With a drafter (DSpark), a request may
+        verify the drafts the executor made last step (``verify_lens[i]``: its last fed tokens, checked
+        losslessly against this step's logits) and ask for new ones (``draft[i]``): the output then
+        carries ``num_accepted``, ``next_token`` (fed next at ``start + query_len - verify_len +
+        num_accepted``), up to ``dspark_block_size`` (5) ``drafts`` and their ``draft_confidence``
+        (each draft's acceptance probability given the earlier ones were accepted: the input of
+        the spec component's MTPVarlen). An invalid request raises ``BatchError`` naming the request and
         field before any cache is written, so the rest of the batch can be rerun without it.
         """
         ...
