@@ -18,7 +18,7 @@ run on the same GPU. Against the CPU reference a last-bit difference of ``log`` 
 import torch
 
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
-from deepinfer_kernels.ops.sampling import _check
+from deepinfer_kernels.ops.sampling import _check, survivors
 from deepinfer_kernels.ops.sampling import sample as _reference
 from deepinfer_kernels.registry import register
 
@@ -89,19 +89,7 @@ def survivor_threshold(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature used, threshold value, threshold id, mode) per row, by the reference's own torch ops."""
-    v = logits.shape[1]
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = logits.float() / t[:, None]
-    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=x.device)[None, :]
-    k = torch.where(top_k >= 1, top_k, torch.full_like(top_k, v)).clamp(max=v)
-    keep = rank < k[:, None]
-    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs
-    keep &= before < top_p.float()[:, None]
-    keep[:, 0] = True
-    keep &= torch.isfinite(vals)
+    greedy, t, vals, idx, keep = survivors(logits, temperature, top_k, top_p)
     last = (keep.sum(dim=1) - 1).clamp(min=0)[:, None]  # keep is a prefix of the sorted order
     thr_val = vals.gather(1, last).squeeze(1)
     thr_idx = idx.gather(1, last).squeeze(1).to(torch.int32)

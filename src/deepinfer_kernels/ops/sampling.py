@@ -53,6 +53,32 @@ def _check(logits: torch.Tensor, **rows: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected shape ({logits.shape[0]},), got {tuple(t.shape)}")
 
 
+def survivors(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens that top-k and top-p leave, as a prefix of each row's stable descending sort.
+
+    Returns ``(greedy, t, vals, idx, keep)``: greedy rows, the temperature used per row (1 for greedy rows),
+    the sorted scaled logits and their token ids, and the survivor mask over sorted positions. Shared by
+    the reference sampler and the CUDA kernel's threshold, so both filter by the same float operations.
+    """
+    v = logits.shape[1]
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    x = logits.float() / t[:, None]
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    rank = torch.arange(v, device=x.device)[None, :]
+    k = torch.where(top_k >= 1, top_k, torch.full_like(top_k, v)).clamp(max=v)
+    keep = rank < k[:, None]
+    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+    before = torch.cumsum(probs, dim=-1) - probs
+    keep &= before < top_p.float()[:, None]
+    keep[:, 0] = True
+    keep &= torch.isfinite(vals)
+    return greedy, t, vals, idx, keep
+
+
 @register("sample")
 def sample(
     logits: torch.Tensor,
@@ -68,22 +94,8 @@ def sample(
     bitmask) are never drawn while any finite logit remains; a row with no finite logit returns -1.
     """
     _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
-    v = logits.shape[1]
-    x = logits.float()
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = x / t[:, None]
-    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=x.device)[None, :]
-    k = torch.where(top_k >= 1, top_k, torch.full_like(top_k, v)).clamp(max=v)
-    keep = rank < k[:, None]
-    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-    before = torch.cumsum(probs, dim=-1) - probs
-    keep &= before < top_p.float()[:, None]
-    keep[:, 0] = True
-    keep &= torch.isfinite(vals)
-    u = counter_uniform(seeds, positions, v)
+    greedy, _, vals, idx, keep = survivors(logits, temperature, top_k, top_p)
+    u = counter_uniform(seeds, positions, logits.shape[1])
     gumbel = -torch.log(-torch.log(u))
     score = torch.where(keep, vals + gumbel.gather(1, idx), torch.full_like(vals, float("-inf")))
     pick = idx.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
