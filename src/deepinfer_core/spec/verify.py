@@ -42,19 +42,25 @@ def verify(
     *,
     greedy: bool | torch.Tensor = False,
     backend: str = "reference",
+    seeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Standard speculative sampling over a batch (see ``deepinfer_kernels.ops.spec_verify``).
 
     Lossless: emitted tokens follow ``target_probs`` exactly. ``greedy`` marks temperature-0 rows
     (exact match against the target's argmax). Returns accepted counts, the bonus/correction token and
     the emitted tokens laid out as [R, D + 1] padded with -1.
+
+    Counter mode: ``seeds`` / ``positions`` (int [R]: request seed, sequence position of the first draft)
+    instead of ``generator`` make every random number a function of (seed, position): batch-invariant and
+    reproducible by the cuda kernel (``backend="cuda"``).
     """
     import torch
 
     from deepinfer_kernels import get_op
 
     num_accepted, next_token = get_op("spec_verify", backend)(
-        draft_tokens, draft_probs, target_probs, verify_lengths, generator, greedy
+        draft_tokens, draft_probs, target_probs, verify_lengths, generator, greedy, seeds=seeds, positions=positions
     )
     R, D = draft_tokens.shape
     dev = num_accepted.device
