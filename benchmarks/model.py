@@ -181,7 +181,8 @@ def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, cloc
     variants["none"] = {k: v for d in variants.values() for k, v in d.items()}
     ms = {}
     for name, over in [*variants.items(), ("all+placement", {})]:
-        model = DeepSeekV41.from_config(attrs.evolve(cfg, **over), seed=0, dtype=dtype, device=dev)
+        model = DeepSeekV41.from_config(attrs.evolve(cfg, **over), seed=0, dtype=dtype, device=dev,
+                                        init_on_device=dev.type == "cuda")
         if name == "all+placement":
             e = cfg.n_routed_experts
             load = np.random.default_rng(0).pareto(1.0, (cfg.num_hidden_layers, e)) + 0.1
@@ -208,7 +209,7 @@ def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, cloc
     ids = list(range(batch))
     res = {}
     for name, v, dr in (("decode", 0, False), ("decode+draft", 0, True), (f"verify{blk}+draft", blk, True)):
-        model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev)
+        model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=dev.type == "cuda")
         ex, toks, tables, out = _decode_setup(model, batch, ctx, (blk + 1) * (steps + 1))
         st = {"q": np.full(batch, ctx), "y": out.next_token.cpu().numpy(), "d": out.drafts.cpu().numpy()}
 

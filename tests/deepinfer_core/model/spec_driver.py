@@ -44,9 +44,9 @@ def greedy_spec(s: Session, prompts: dict[int, torch.Tensor], n: int, lengths_of
     toks = {sid: [int(out.next_token[i])] for i, sid in enumerate(sids)}
     accepted: list[list[int]] = []
     while min(len(t) for t in toks.values()) < n:
-        conf = out.draft_confidence.numpy()
+        conf = out.draft_confidence.cpu().numpy()
         lens = [out.drafts.shape[1]] * len(sids) if lengths_of is None else [int(v) for v in lengths_of(conf)]
-        drafts = out.drafts
+        drafts = out.drafts.cpu()
         items = [(sid, torch.cat((torch.tensor(toks[sid][-1:]), drafts[i, : lens[i]])), q[sid], lens[i] + 1, lens[i], True)
                  for i, sid in enumerate(sids)]
         out = spec_step(s, items)

@@ -9,6 +9,7 @@ from deepinfer_core.model.config import tiny_config
 from deepinfer_core.model.model import DeepSeekV41
 
 from .session import Session
+from .spec_driver import greedy_plain, greedy_spec
 
 
 @pytest.mark.gpu
@@ -42,3 +43,20 @@ def test_cuda_backend_cache_writes_match_plain_writes() -> None:
         assert torch.equal(plain.ex.index_keys[lid], via.ex.index_keys[lid]), lid
     assert all(torch.equal(x, y) for x, y in zip(plain.ex.swa, via.ex.swa))
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_dspark_and_placement_keep_greedy_output() -> None:
+    """On CUDA (float64), DSpark drafting + in-step verification under an EPLB placement emits exactly
+    the CPU model's plain greedy tokens."""
+    from deepinfer_core.eplb import rebalance_experts
+
+    g = torch.Generator().manual_seed(5)
+    prompts = {0: torch.randint(0, 512, (70,), generator=g), 1: torch.randint(0, 512, (45,), generator=g)}
+    cpu = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.float64)
+    gpu = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.float64, device="cuda")
+    load = torch.rand(8, 8, generator=g).numpy() + 0.1
+    gpu.set_expert_placement(*rebalance_experts(load, 12, 1, 1, 4))
+    plain = greedy_plain(Session(cpu), prompts, 16)
+    spec, _ = greedy_spec(Session(gpu), prompts, 16)
+    assert spec == plain
