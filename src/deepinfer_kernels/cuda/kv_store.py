@@ -16,6 +16,7 @@ import torch
 
 from deepinfer_kernels.cuda import _codecs as C
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
+from deepinfer_kernels.cuda.kv_coop import build_gather_coop, build_store_coop
 from deepinfer_kernels.ops import kv_store as ref
 from deepinfer_kernels.registry import register
 
@@ -215,16 +216,34 @@ def _usable(fmt: object, dim: int, *tensors: torch.Tensor) -> str | None:
 # to torch on the H200 (tested, both paths) and 1.5x faster there (51 vs 75 us for 65,536 tokens).
 HW_FP8 = True
 
+# Kernel layout: "group" (one thread per scale group, verified on the H200) or "coop" (8 values a thread,
+# shuffles for the group max, coalesced stores: ``kv_coop``; not yet run on a GPU). Both are tested byte
+# for byte against the reference and timed side by side in benchmarks/kernels.py; flip after a GPU run.
+VARIANTS = ("group", "coop")
+STORE_VARIANT = "group"
+LOAD_VARIANT = "group"
 
-def store_slots(pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, name: str, hw_fp8: bool | None = None) -> None:
+
+def _variant(v: str | None, default: str) -> str:
+    v = default if v is None else v
+    if v not in VARIANTS:
+        raise ValueError(f"variant: must be one of {VARIANTS}, got {v!r}")
+    return v
+
+
+def store_slots(
+    pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, name: str, hw_fp8: bool | None = None, variant: str | None = None
+) -> None:
     """Launch the store kernel (no checks): x [T, dim] -> pool rows ``slots`` (int64, < 0 skipped)."""
+    v = _variant(variant, STORE_VARIANT)
     if x.shape[0] == 0:
         return
     dim = x.shape[1]
     dt = torch_dtype_name(x.dtype)
     hw = HW_FP8 if hw_fp8 is None else hw_fp8
     hw = hw and name == "fp8"
-    kern = compile_kernel(("kv_store", name, dim, dt, hw), lambda: _build_store(name, dim, dt, hw))
+    build = build_store_coop if v == "coop" else _build_store
+    kern = compile_kernel(("kv_store", v, name, dim, dt, hw), lambda: build(name, dim, dt, hw))
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
 
 
@@ -237,15 +256,23 @@ HW_FP8_DECODE = False
 
 
 def gather_slots(
-    pool: torch.Tensor, slots: torch.Tensor, name: str, dim: int, out_dtype: torch.dtype, hw: bool | None = None
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    name: str,
+    dim: int,
+    out_dtype: torch.dtype,
+    hw: bool | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
     """Launch the gather kernel: rows ``slots`` (int64 [N], < 0 gives zeros) dequantised to [N, dim]."""
+    v = _variant(variant, LOAD_VARIANT)
     out = torch.empty(slots.shape[0], dim, dtype=out_dtype, device=pool.device)
     if slots.shape[0] == 0:
         return out
     dt = torch_dtype_name(out_dtype)
     hw = (HW_FP8_DECODE if hw is None else hw) and name == "fp8"
-    kern = compile_kernel(("kv_gather", name, dim, dt, hw), lambda: _build_gather(name, dim, dt, hw))
+    build = build_gather_coop if v == "coop" else _build_gather
+    kern = compile_kernel(("kv_gather", v, name, dim, dt, hw), lambda: build(name, dim, dt, hw))
     kern(pool, pool.view(torch.int32), slots.contiguous(), out)
     return out
 
