@@ -46,8 +46,12 @@ class SpecState:
         v = 0 if b.verify_lens is None else int(b.verify_lens[i])
         if b.draft is not None and b.draft[i] and k < 1:
             raise BatchError(i, "draft", "drafting needs num_logits >= 1 (the row the next token comes from)")
+        if b.encoder_only and (v or (b.draft is not None and b.draft[i])):
+            raise BatchError(i, "draft", "encoder-only steps produce no logits: no drafting or verifying")
         if v == 0:
             return
+        if s == 0:
+            raise BatchError(i, "verify_lens", f"{v}: a sequence (re)starting at position 0 has no drafts to verify")
         if not 0 < v < n or v > self.block:
             raise BatchError(i, "verify_lens", f"{v}: must be in [0, min(query_lens - 1, {self.block})]")
         if k < v + 1:

@@ -143,3 +143,26 @@ def test_partly_right_drafter_gives_partial_acceptance_and_the_same_output() -> 
     assert spec == plain
     seen = {a for step in acc for a in step}
     assert 0 in seen and len(seen & {1, 2, 3, 4}) >= 2, seen
+
+
+def test_drafts_in_a_batch_equal_drafts_alone(model64: DeepSeekV41) -> None:
+    """Two requests drafting and verifying together get the drafts and confidences each gets alone."""
+    seqs = {0: _tokens(81, 70), 1: _tokens(82, 55)}
+    both = Session(model64)
+    alone = {sid: Session(model64) for sid in seqs}
+    ob = spec_step(both, [(sid, t, 0, 1, 0, True) for sid, t in seqs.items()])
+    oa = {sid: spec_step(alone[sid], [(sid, t, 0, 1, 0, True)]) for sid, t in seqs.items()}
+    for i, sid in enumerate(seqs):
+        assert torch.equal(ob.drafts[i], oa[sid].drafts[0])
+        assert (ob.draft_confidence[i] - oa[sid].draft_confidence[0]).abs().max() < TOL
+    # a verify step of different lengths per request (2 and 5 drafts)
+    items = {sid: (sid, torch.cat((ob.next_token[i : i + 1], ob.drafts[i, :v])), len(seqs[sid]), v + 1, v, True)
+             for (i, sid), v in zip(enumerate(seqs), (2, 5))}
+    ob2 = spec_step(both, list(items.values()))
+    for i, sid in enumerate(seqs):
+        oa2 = spec_step(alone[sid], [items[sid]])
+        assert int(ob2.num_accepted[i]) == int(oa2.num_accepted[0]) and int(ob2.next_token[i]) == int(oa2.next_token[0])
+        assert torch.equal(ob2.drafts[i], oa2.drafts[0])
+        assert (ob2.draft_confidence[i] - oa2.draft_confidence[0]).abs().max() < TOL
+    with pytest.raises(BatchError, match="no drafts to verify"):
+        spec_step(Session(model64), [(0, seqs[0][:4], 0, 4, 3, True)])
