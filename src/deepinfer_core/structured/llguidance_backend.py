@@ -159,8 +159,11 @@ class LLGuidanceBackend:
                 if m._terminated:
                     bitmask[r].zero_()
                     continue
-                m._m.unsafe_compute_mask_ptr(ptr + r * nbytes, nbytes)
-                if m._m.is_error():
+                raw = m._m
+                raw.unsafe_compute_mask_ptr(ptr + r * nbytes, nbytes)
+                # On an error llguidance writes an EOS-only row (not all-zero), so the dead-row pass
+                # cannot stand in for this check.
+                if raw.is_error():
                     m._recover(bitmask, r)
             return
         pairs = []
@@ -175,6 +178,26 @@ class LLGuidanceBackend:
         for m, r in zip(matchers, rows):
             if not m._terminated and m._m.is_error():
                 m._recover(bitmask, r)
+
+    # ----- the manager's fast path: keys are our matchers (the per-row call is Python either way) -----
+    @staticmethod
+    def batch_key(matcher: LLGuidanceMatcher) -> LLGuidanceMatcher:
+        return matcher
+
+    def fill_keys(self, keys: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int] | None) -> None:
+        """:meth:`fill_rows` with ``rows=None`` meaning row ``i`` for ``keys[i]``."""
+        self.fill_rows(keys, bitmask, range(len(keys)) if rows is None else rows)
+
+    @staticmethod
+    def accept_key(key: LLGuidanceMatcher, token: int) -> int:
+        """Draft step: 0 rejected (state unchanged), 1 accepted, 2 accepted EOS (the end)."""
+        if not key.accept_token(token):
+            return 0
+        return 2 if key._terminated else 1
+
+    @staticmethod
+    def rollback_key(key: LLGuidanceMatcher, num_tokens: int) -> None:
+        key.rollback(num_tokens)
 
     @property
     def vocab_size(self) -> int:

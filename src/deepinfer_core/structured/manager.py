@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from deepinfer_core.protocols import GrammarBackend, GrammarMatcher
+from deepinfer_core.structured import _fastpath
 from deepinfer_core.structured.spec import FinishReason, GrammarSpec
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class StructuredOutputManager:
     Call it from one thread (the engine loop); only compilation runs on the pool.
     """
 
-    def __init__(self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256) -> None:
+    def __init__(
+        self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256, fast_path: bool = True
+    ) -> None:
         if compile_workers < 1:
             raise ValueError(f"compile_workers={compile_workers}: must be >= 1")
         if cache_size < 1:
@@ -87,6 +90,13 @@ class StructuredOutputManager:
         self._tail_keep = None if tail == 0 else np.int32(np.uint32((1 << tail) - 1))
         self._tail_keep_c = -1 if tail == 0 else (1 << tail) - 1
         self._view_cache: dict[int, tuple[torch.Tensor, np.ndarray, np.ndarray | None]] = {}
+        # Fast path (backends with batch keys; fast_path=False keeps the general path, which tests use
+        # as the reference): request id -> the backend's batch key, for requests with a live matcher
+        # and no finish reason, so a step is one dict lookup per request.
+        self._keys: dict[Hashable, Any] | None = {} if fast_path and _fastpath.has_fast_path(backend) else None
+        # rows -> (tensor view, its address, the BatchMask a draft-free batch of that size returns when
+        # no row is dead: offsets, num_drafts and dead_end are then the same every step, read-only).
+        self._fast_views: dict[int, tuple[torch.Tensor, int, BatchMask | None]] = {}
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -130,6 +140,10 @@ class StructuredOutputManager:
             return False
         try:
             req.matcher = self._backend.matcher(req.future.result())
+            if self._keys is not None:
+                key = self._backend.batch_key(req.matcher)  # type: ignore[attr-defined]
+                if key is not None:
+                    self._keys[request_id] = key
         except ValueError as e:  # the backend's own message: the request fails alone
             req.finish = FinishReason.INVALID_GRAMMAR
             self._errors[request_id] = str(e)
@@ -167,10 +181,16 @@ class StructuredOutputManager:
 
     def remove_request(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
+        self._end(request_id)
         self._errors.pop(request_id, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _end(self, request_id: Hashable) -> None:
+        """The request has no next mask any more: off the fast path."""
+        if self._keys is not None:
+            self._keys.pop(request_id, None)
 
     # ----- per step ----------------------------------------------------------------------------------
     def _active_matcher(self, rid: Hashable) -> GrammarMatcher:
@@ -187,9 +207,90 @@ class StructuredOutputManager:
         """Masks for ``batch`` = [(request_id, draft_tokens), ...], ``1 + len(drafts)`` rows each.
 
         ``out`` (int32 CPU, contiguous, at least that many rows) is reused when given; otherwise an
-        internal buffer grows as needed (the returned tensor is a view of it, valid until the next call).
+        internal buffer grows as needed (the returned tensor is a view of it, valid until the next call;
+        the returned arrays may be read-only and shared between calls).
         Requests whose row 0 allows nothing are finished with ``DEAD_END`` and flagged in ``dead_end``.
         """
+        keys_of = self._keys
+        if keys_of is not None and out is None and batch:
+            # The fast path: every request active and known, in one loop (a miss, e.g. a request not
+            # resolved yet or finished, goes to the general path, which raises the clear errors).
+            keys: list[Any] = []
+            add, any_drafts = keys.append, False
+            try:
+                for rid, drafts in batch:
+                    add(keys_of[rid])
+                    if drafts:
+                        any_drafts = True
+            except (KeyError, TypeError, ValueError):
+                pass
+            else:
+                got = self._fill_fast_drafts(batch, keys) if any_drafts else self._fill_fast(batch, keys)
+                if got is not None:
+                    return got
+        return self._fill_general(batch, out)
+
+    def _fast_view(self, rows: int) -> tuple[torch.Tensor, int, BatchMask | None]:
+        hit = self._fast_views.get(rows)
+        if hit is None:
+            if self._buf.shape[0] < rows:
+                self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
+                self._view_cache.clear()
+                self._fast_views.clear()
+            bm = self._buf[:rows]
+            hit = self._fast_views[rows] = (bm, bm.data_ptr(), None)
+        return hit
+
+    def _fill_fast(self, batch: Sequence[tuple[Hashable, Sequence[int]]], keys: list[Any]) -> BatchMask | None:
+        n = len(keys)
+        bm, ptr, same = self._fast_view(n)
+        try:
+            self._backend.fill_keys(keys, bm, None)  # type: ignore[attr-defined]
+        except RuntimeError:  # xgrammar: a matcher past EOS (stepped outside the manager); no state changed
+            return None
+        dead = _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c)
+        if not dead:
+            if same is None:
+                same = BatchMask(bitmask=bm, offsets=_frozen(np.arange(n + 1, dtype=np.int64)),
+                                 num_drafts=_frozen(np.zeros(n, dtype=np.int64)), dead_end=_frozen(np.zeros(n, dtype=bool)))
+                self._fast_views[n] = (bm, ptr, same)
+            return same
+        offs = np.arange(n + 1, dtype=np.int64)
+        num_drafts, dead_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
+        return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+
+    def _fill_fast_drafts(self, batch: Sequence[tuple[Hashable, Sequence[int]]], keys: list[Any]) -> BatchMask | None:
+        n = len(keys)
+        offsets, drafts, total = [0] * (n + 1), [], 0
+        for i, (_, d) in enumerate(batch):
+            drafts.append(d)
+            total += 1 + len(d)
+            offsets[i + 1] = total
+        bm, ptr, _ = self._fast_view(total)
+        try:
+            accepted, copies = _fastpath.fill_drafts(self._backend, keys, bm, offsets, drafts)
+        except RuntimeError:  # raised by the depth-0 fill, before any draft was accepted
+            return None
+        dead = _fastpath.FINISH_PTR(ptr, total, self._words, self._tail_keep_c, copies)
+        offs, num_drafts = np.array(offsets, dtype=np.int64), np.array(accepted, dtype=np.int64)
+        dead_end = np.zeros(n, dtype=bool)
+        if dead:
+            self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
+        return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+
+    def _cut_rows(
+        self, batch: Sequence[tuple[Hashable, Sequence[int]]], a: np.ndarray, offs: np.ndarray, dead_rows: list[int],
+        num_drafts: np.ndarray, dead_end: np.ndarray,
+    ) -> None:
+        """Finish requests whose row 0 is dead; cut drafts before a dead later row."""
+        for i in np.unique(np.searchsorted(offs, dead_rows, side="right") - 1):
+            self._cut_dead(batch[i][0], a, int(offs[i]), int(offs[i + 1]), num_drafts, dead_end, i)
+
+    def _fill_general(
+        self, batch: Sequence[tuple[Hashable, Sequence[int]]], out: torch.Tensor | None = None
+    ) -> BatchMask:
+        """Any backend, any ``out``: the reference the fast path is tested against."""
         # Per-call and per-request costs in Python are what this layer adds to the engines' own work,
         # so one loop gathers offsets and matchers, the buffer views are cached between calls, and the
         # draft-free case (the common one) skips the draft machinery.
@@ -229,8 +330,7 @@ class StructuredOutputManager:
         # row always lies within the valid ones.)
         dead_rows = _finish_rows(a, tail, self._tail_keep, self._tail_keep_c)
         if len(dead_rows):
-            for i in np.unique(np.searchsorted(offs, dead_rows, side="right") - 1):
-                self._cut_dead(batch[i][0], a, int(offs[i]), int(offs[i + 1]), num_drafts, dead_end, i)
+            self._cut_rows(batch, a, offs, dead_rows, num_drafts, dead_end)
         return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
 
     def _views(self, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
@@ -239,6 +339,7 @@ class StructuredOutputManager:
             if self._buf.shape[0] < rows:
                 self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
                 self._view_cache.clear()
+                self._fast_views.clear()  # they hold addresses into the old buffer
             hit = self._view_cache.get(rows)
             if hit is None:
                 bm = self._buf[:rows]
@@ -261,6 +362,7 @@ class StructuredOutputManager:
             dead_end[i] = True
             num_drafts[i] = 0
             self._requests[rid].finish = FinishReason.DEAD_END
+            self._end(rid)
             log.info("request %r: grammar dead end (no token can continue)", rid)
             return
         cut = int(np.argmin(live)) - 1  # drafts up to the one before the dead state survive
@@ -278,12 +380,19 @@ class StructuredOutputManager:
         for j, t in enumerate(tokens):
             if not m.accept_token(int(t)):
                 req.finish = FinishReason.REJECTED_TOKEN
+                self._end(request_id)
                 log.warning("request %r: grammar rejected committed token %d", request_id, int(t))
                 return j
             if m.is_terminated():
                 req.finish = FinishReason.STOP
+                self._end(request_id)
                 return j + 1
         return len(tokens)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
 
 
 def _finish_rows_numpy(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None) -> list[int]:
