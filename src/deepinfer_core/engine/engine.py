@@ -76,10 +76,10 @@ class LLMEngine:
         self.envs = envs if envs is not None else get_envs()
         if cfg.speculative:
             # Hook: DSpark drafts -> spec.MTPVarlen plan -> verify. The executor output must carry drafts.
-            if "drafts" not in {f.name for f in attrs.fields(ForwardOutput)}:
-                raise ValueError("EngineConfig.speculative: the model's executor produces no drafts yet "
-                                 "(DSpark drafter not built); use speculative=False")
-            raise NotImplementedError("EngineConfig.speculative: drafts -> verify is not wired into the engine yet")
+            has = "drafts" in {f.name for f in attrs.fields(ForwardOutput)}
+            raise NotImplementedError("EngineConfig.speculative: " + (
+                "drafts -> MTPVarlen -> verify is not wired into the engine yet" if has else
+                "the model's executor produces no drafts (no DSpark drafter)") + "; use speculative=False")
         self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
         self.backend = get_backend(cfg.backend)
         self.device = self.backend.device
