@@ -6,7 +6,10 @@ data). Each kernel reports achieved GB/s (memory-bound ops: the fewest bytes it 
 and the torch reference on the same inputs. Timing: CUDA events around each call, median of many calls
 after warm-up, inputs rotated among several copies so the L2 (60 MB) is not what is measured.
 
-    python benchmarks/kernels.py [--quick] [--plot] [--json-out FILE]
+    python benchmarks/kernels.py [--quick] [--plot] [--json-out FILE] [--only kv,small,...] [--no-reference]
+
+Kernel variants (``cuda/kv_store.VARIANTS``, ``cuda/engram.GATHER_VARIANTS``) are timed side by side;
+rows of the non-default variant carry its name as a suffix.
 """
 
 # The timing lambdas capture loop variables on purpose: each is called only within its own iteration.
@@ -29,6 +32,7 @@ from _common import emit, log, out_path, parser
 from deepinfer_kernels import get_op
 
 ROWS: list[dict[str, Any]] = []
+SKIP_REFERENCE = False  # --no-reference: skip the (slow, already recorded) torch reference timings
 
 
 def cuda_time(fn: Callable[[], Any], reps: int = 50, warmup: int = 5) -> float:
@@ -72,6 +76,12 @@ def rotating(make: Callable[[], Any], n: int) -> Callable[[], Any]:
         return items[state["i"]]
 
     return get
+
+
+def record_ref(bench: str, params: dict[str, Any], fn: Callable[[], Any], reps: int, nbytes: float = 0.0, flops: float = 0.0, ceil: dict[str, float] | None = None) -> None:
+    """Time a torch-reference baseline unless --no-reference."""
+    if not SKIP_REFERENCE:
+        record(bench, params, cuda_time(fn, reps=reps), nbytes, flops, ceil)
 
 
 def record(bench: str, params: dict[str, Any], seconds: float, nbytes: float = 0.0, flops: float = 0.0, ceil: dict[str, float] | None = None) -> None:
@@ -133,7 +143,7 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
         record("bitmask_tilelang", p, cuda_time(lambda: cuda(*g())), nbytes, ceil=ceil)
         if xg is not None:
             record("bitmask_xgrammar_cuda", p, cuda_time(lambda: xg(*g())), nbytes, ceil=ceil)
-        record("bitmask_torch_reference", p, cuda_time(lambda: ref(*g()), reps=10), nbytes, ceil=ceil)
+        record_ref("bitmask_torch_reference", p, lambda: ref(*g()), 10, nbytes, ceil=ceil)
         if rows <= 64:  # latency without host overhead: the same calls replayed from a CUDA graph
             lg1, m1 = g()
             for name, fn in (("bitmask_tilelang_graph", lambda: cuda(lg1, m1)), ("bitmask_xgrammar_cuda_graph", lambda: xg(lg1, m1))):
@@ -168,10 +178,12 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
         record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
         record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)
         flat = pool.view(-1, bpt)
-        record(f"kv_store_{fmt}_kernel_only", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt)), nbytes, ceil=ceil)
-        if fmt == "fp8":
-            record("kv_store_fp8_kernel_only_integer_encoder", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt, hw_fp8=False)), nbytes, ceil=ceil)
-        record(f"kv_store_{fmt}_torch_reference", p, cuda_time(lambda: store_ref(pool, g(), slots, fmt), reps=5), nbytes, ceil=ceil)
+        for var in ck.VARIANTS:  # "group" (verified default) and "coop" side by side
+            sfx = "" if var == "group" else f"_{var}"
+            record(f"kv_store_{fmt}_kernel_only{sfx}", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt, variant=var)), nbytes, ceil=ceil)
+            if fmt == "fp8":
+                record(f"kv_store_fp8_kernel_only_integer_encoder{sfx}", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt, hw_fp8=False, variant=var)), nbytes, ceil=ceil)
+        record_ref(f"kv_store_{fmt}_torch_reference", p, lambda: store_ref(pool, g(), slots, fmt), 5, nbytes, ceil=ceil)
         b, m = (8, 8) if quick else (64, 16)  # sequences x blocks of 64 tokens
         table = torch.randint(1, pool.shape[0], (b, m), dtype=torch.int32, device="cuda")
         lens = torch.full((b,), m * 64, device="cuda")
@@ -180,9 +192,12 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
         record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
         record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
         sl = torch.randint(0, flat.shape[0], (b * m * 64,), device="cuda")
-        record(f"kv_load_{fmt}_kernel_only", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
-        if fmt == "fp8":
-            record("kv_load_fp8_kernel_only_float64_decoder", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, hw=False)), nbytes, ceil=ceil)
+        for var in ck.VARIANTS:
+            sfx = "" if var == "group" else f"_{var}"
+            record(f"kv_load_{fmt}_kernel_only{sfx}", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var)), nbytes, ceil=ceil)
+            if fmt == "fp8":  # the float64 decoder (default) and the float32 one with its code >= 247 guard
+                record(f"kv_load_fp8_kernel_only_float64_decoder{sfx}", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, hw=False, variant=var)), nbytes, ceil=ceil)
+                record(f"kv_load_fp8_kernel_only_float32_decoder{sfx}", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, hw=True, variant=var)), nbytes, ceil=ceil)
 
 
 def bench_sampling(ceil: dict[str, float], quick: bool) -> None:
@@ -195,7 +210,7 @@ def bench_sampling(ceil: dict[str, float], quick: bool) -> None:
                 torch.full((b,), 0.9, device="cuda"), torch.arange(b, device="cuda"), torch.arange(b, device="cuda")]
         p = {"batch": b, "vocab": vocab}
         record("sample_end_to_end_tilelang", p, cuda_time(lambda: cuda(*args), reps=20), b * vocab * 4, ceil=ceil)
-        record("sample_torch_reference", p, cuda_time(lambda: ref(*args), reps=10), b * vocab * 4, ceil=ceil)
+        record_ref("sample_torch_reference", p, lambda: ref(*args), 10, b * vocab * 4, ceil=ceil)
         # the fused kernel alone (RNG + Gumbel + filter + argmax), given the threshold
         t, tv, ti, mode = cs.survivor_threshold(args[0], args[1], args[2], args[3])
         keys = cs._row_keys(args[4], args[5])
@@ -210,7 +225,7 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
         conf = torch.rand(r, 5, device="cuda")
         total = torch.tensor(r * 2, device="cuda")
         record("mtp_redistribute_tilelang", {"requests": r, "drafts": 5}, cuda_time(lambda: red(total, conf)))
-        record("mtp_redistribute_torch_reference", {"requests": r, "drafts": 5}, cuda_time(lambda: red_ref(total, conf), reps=10))
+        record_ref("mtp_redistribute_torch_reference", {"requests": r, "drafts": 5}, lambda: red_ref(total, conf), 10)
     h_ref = get_op("engram_hash", "reference")
     from deepinfer_kernels.cuda import engram as ce
 
@@ -223,13 +238,18 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
     record("engram_hash_tilelang", {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8}, cuda_time(lambda: ce.engram_hash_tilelang(ids, mult, sizes, offs)), nbytes, ceil=ceil)
     if ce._HAVE_TILE_KERNELS:
         record("engram_hash_tile_kernels", {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8}, cuda_time(lambda: ce.engram_hash_tile_kernels(ids, mult, sizes, offs)), nbytes, ceil=ceil)
-    record("engram_hash_torch_reference", {"tokens": t}, cuda_time(lambda: h_ref(ids, mult, sizes, offs), reps=10), nbytes, ceil=ceil)
+    record_ref("engram_hash_torch_reference", {"tokens": t}, lambda: h_ref(ids, mult, sizes, offs), 10, nbytes, ceil=ceil)
     gat = get_op("engram_gather", "cuda")
     rows = 1 << 20 if quick else 1 << 23
     table = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     n = 16384 if quick else 262_144
     g = rotating(lambda: torch.randint(0, rows, (n,), device="cuda"), 4)
-    record("engram_gather_bf16", {"rows": n, "dim": 256, "table_rows": rows}, cuda_time(lambda: gat(table, g())), n * 256 * 2 * 2, ceil=ceil)
+    pg = {"rows": n, "dim": 256, "table_rows": rows}
+    record("engram_gather_bf16", pg, cuda_time(lambda: gat(table, g())), n * 256 * 2 * 2, ceil=ceil)
+    out = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
+    no_sc = torch.empty(rows, 1, dtype=torch.uint8, device="cuda")
+    for var in ce.GATHER_VARIANTS:  # kernel only (no id range check, which costs a host sync)
+        record(f"engram_gather_bf16_kernel_only_{var}", pg, cuda_time(lambda: ce.gather_rows(table, no_sc, g(), out, 0, var)), n * 256 * 2 * 2, ceil=ceil)
     # indexer: T queries x S keys, 32 heads x 128 dims (V4.1), full (non-causal) range
     sc = get_op("indexer_scores", "cuda")
     tq, s = (256, 4096) if quick else (2048, 16384)
@@ -238,7 +258,25 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
     w = torch.rand(tq, 32, device="cuda")
     ks, ke = torch.zeros(tq, dtype=torch.int32, device="cuda"), torch.full((tq,), s, dtype=torch.int32, device="cuda")
     record("indexer_scores_tilelang", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, cuda_time(lambda: sc(q, w, k, ks, ke), reps=20), flops=2 * tq * s * 32 * 128, ceil=ceil)
-    record("indexer_scores_torch_reference", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, cuda_time(lambda: get_op("indexer_scores")(q, w, k, ks, ke), reps=5), flops=2 * tq * s * 32 * 128, ceil=ceil)
+    record_ref("indexer_scores_torch_reference", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, lambda: get_op("indexer_scores")(q, w, k, ks, ke), 5, flops=2 * tq * s * 32 * 128, ceil=ceil)
+
+
+def bench_spec(ceil: dict[str, float], quick: bool) -> None:
+    """Counter-mode acceptance step: the kernel against the torch reference on the same inputs."""
+    cuda, ref = get_op("spec_verify", "cuda"), get_op("spec_verify", "reference")
+    vocab, d = 129_280, 5
+    for r in ([16] if quick else [1, 64, 256]):
+        p = torch.softmax(torch.randn(r, d + 1, vocab, device="cuda"), -1)
+        q = torch.softmax(torch.randn(r, d, vocab, device="cuda"), -1)
+        drafts = torch.multinomial(q.reshape(-1, vocab), 1).view(r, d)
+        lens = torch.full((r,), d, device="cuda")
+        seeds, pos = torch.arange(r, device="cuda"), torch.full((r,), 100, device="cuda")
+        prm = {"requests": r, "drafts": d, "vocab": vocab}
+        nbytes = r * vocab * 4 * 2  # at least p and q at the emitted position
+        record("spec_verify_tilelang", prm, cuda_time(lambda: cuda(drafts, q, p, lens, seeds=seeds, positions=pos), reps=20), nbytes, ceil=ceil)
+        record_ref("spec_verify_torch_reference", prm, lambda: ref(drafts, q, p, lens, seeds=seeds, positions=pos), 10, nbytes, ceil=ceil)
+        g = torch.rand(r, device="cuda") < 2  # all greedy: an argmax per draft position
+        record("spec_verify_tilelang_greedy", prm, cuda_time(lambda: cuda(drafts, q, p, lens, None, g, seeds=seeds, positions=pos), reps=20), r * vocab * 4 * (d + 1), ceil=ceil)
 
 
 def table() -> str:
@@ -255,15 +293,18 @@ def table() -> str:
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--json-out", help="also write every row as JSON to this file")
-    ap.add_argument("--only", default="", help="comma-separated groups: bitmask,kv,sampling,small")
+    ap.add_argument("--only", default="", help="comma-separated groups: bitmask,kv,sampling,small,spec")
+    ap.add_argument("--no-reference", action="store_true", help="skip the torch reference timings (slow)")
     args = ap.parse_args()
+    global SKIP_REFERENCE
+    SKIP_REFERENCE = args.no_reference
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         log("benchmarks/kernels.py: no CUDA device; nothing to measure")
         return
     log(f"device: {torch.cuda.get_device_name()}")
     ceil = ceilings(args.quick)
-    groups = {"bitmask": bench_bitmask, "kv": bench_kv, "sampling": bench_sampling, "small": bench_small}
+    groups = {"bitmask": bench_bitmask, "kv": bench_kv, "sampling": bench_sampling, "small": bench_small, "spec": bench_spec}
     for name, fn in groups.items():
         if args.only and name not in args.only.split(","):
             continue

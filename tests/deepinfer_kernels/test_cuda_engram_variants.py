@@ -11,9 +11,9 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("variant", ["rows", "vec"])
-@pytest.mark.parametrize(("dtype", "blocks"), [(torch.bfloat16, 0), (torch.float32, 0), (torch.float16, 0), (torch.float8_e4m3fn, 2), (torch.float8_e4m3fn, 32)])
-@pytest.mark.parametrize("dim", [256, 64, 100])
-@pytest.mark.parametrize("n", [1, 51, 3001])
+@pytest.mark.parametrize(("dtype", "blocks"), [(torch.bfloat16, 0), (torch.float32, 0), (torch.float8_e4m3fn, 2), (torch.float8_e4m3fn, 32)])
+@pytest.mark.parametrize("dim", [256, 100])
+@pytest.mark.parametrize("n", [1, 3001])
 def test_gather_variant_exact(variant: str, dtype: torch.dtype, blocks: int, dim: int, n: int) -> None:
     from deepinfer_kernels.cuda import _tl
     from deepinfer_kernels.cuda import engram as ce

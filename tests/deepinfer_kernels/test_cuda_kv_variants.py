@@ -36,9 +36,9 @@ def _rows(n: int, dim: int, g: torch.Generator, dtype: torch.dtype) -> torch.Ten
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("fmt", "dim", "bpt"), FORMATS)
-@pytest.mark.parametrize("n", [1, 3, 97, 1000])
+@pytest.mark.parametrize("n", [1, 97, 1000])
 def test_store_variant_bytes_exact(variant: str, fmt: str, dim: int, bpt: int, dtype: torch.dtype, n: int) -> None:
     ck = _ck()
     ref = get_op("kv_store", "reference")
