@@ -15,8 +15,9 @@ try:  # the C++ pass is what makes the fast path cheap; without it the manager k
     from deepinfer_core._C import structured as _C_structured
 
     FINISH_PTR: Any = _C_structured.finish_rows_ptr
+    COUNT_DEAD: Any = _C_structured.count_dead_ptr
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build
-    FINISH_PTR = None
+    FINISH_PTR = COUNT_DEAD = None
 
 
 def has_fast_path(backend: object) -> bool:
@@ -37,7 +38,7 @@ def fill_drafts(
     """
     n = len(keys)
     fill, accept = backend.fill_keys, backend.accept_key
-    fill(keys, bm, offsets[:n])
+    fill(keys, bm, offsets[:n], False)
     accepted = [0] * n
     eos_at: set[int] = set()
     active = [i for i in range(n) if drafts[i]]
@@ -59,7 +60,7 @@ def fill_drafts(
             if len(d) > depth:
                 nxt.append(i)
         if go:
-            fill(go, bm, rows)
+            fill(go, bm, rows, False)
         active = nxt
     rollback, copies = backend.rollback_key, []
     for i in range(n):

@@ -184,7 +184,9 @@ class LLGuidanceBackend:
     def batch_key(matcher: LLGuidanceMatcher) -> LLGuidanceMatcher:
         return matcher
 
-    def fill_keys(self, keys: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int] | None) -> None:
+    def fill_keys(
+        self, keys: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int] | None, debug_print: bool = False
+    ) -> None:
         """:meth:`fill_rows` with ``rows=None`` meaning row ``i`` for ``keys[i]``."""
         self.fill_rows(keys, bitmask, range(len(keys)) if rows is None else rows)
 

@@ -104,6 +104,8 @@ class XGrammarBackend:
         # Both are private names, so without them (another xgrammar version) the manager keeps the
         # public-API path.
         self._batch_handle = getattr(self._batch, "_handle", None)
+        if self._batch_handle is not None:  # the bound library call itself: no Python frame of ours
+            self.fill_keys = self._batch_handle.batch_fill_next_token_bitmask
         self._eos = self._vocab.eos_token_id
 
     @property
@@ -147,13 +149,14 @@ class XGrammarBackend:
             return None
         return getattr(matcher._m, "_handle", None)
 
-    def fill_keys(self, keys: list[object], bitmask: torch.Tensor, rows: list[int] | None) -> None:
+    def fill_keys(self, keys: list[object], bitmask: torch.Tensor, rows: list[int] | None, debug_print: bool) -> None:
         """Fill ``bitmask[rows[i]]`` (``rows=None``: row ``i``) for the handles ``keys`` in one call.
 
-        Raises RuntimeError (from xgrammar, before any state changes) if a matcher already accepted
-        EOS; the manager then takes its general path, which writes such rows as all-zero.
+        Replaced in ``__init__`` by xgrammar's bound batch call (same signature). Raises RuntimeError
+        (from xgrammar, before any state changes) if a matcher already accepted EOS; the manager then
+        takes its general path, which writes such rows as all-zero.
         """
-        self._batch_handle.batch_fill_next_token_bitmask(keys, bitmask, rows, False)
+        raise RuntimeError("xgrammar has no BatchGrammarMatcher handle here: the manager's general path fills masks")
 
     def accept_key(self, key: object, token: int) -> int:
         """Draft step on a handle: 0 rejected (state unchanged), 1 accepted, 2 accepted EOS (the end)."""
