@@ -147,12 +147,12 @@ def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: 
     return res
 
 
-def _decode_setup(model: DeepSeekV41, batch: int, ctx: int, steps: int):
-    ex, pool = _executor(model, False, batch, ctx + steps + 8)
-    toks = torch.randint(0, model.cfg.vocab_size, (batch, ctx + steps + 8))
+def _decode_setup(model: DeepSeekV41, batch: int, ctx: int, room: int):
+    ex, pool = _executor(model, False, batch, ctx + room)
+    toks = torch.randint(0, model.cfg.vocab_size, (batch, ctx + room))
     ids = list(range(batch))
     for i in ids:
-        pool.allocate(i, ctx + steps + 8)
+        pool.allocate(i, ctx + room)
     tables = pool.block_tables(ids)
     drafting = model.drafter is not None
     out = ex.execute(ForwardBatch(token_ids=toks[:, :ctx].reshape(-1).numpy(), query_lens=[ctx] * batch,
@@ -161,79 +161,88 @@ def _decode_setup(model: DeepSeekV41, batch: int, ctx: int, steps: int):
     return ex, toks, tables, out
 
 
-def _time_steps(clock: Clock, steps: int, step: Callable[[int], object]) -> float:
-    step(0)  # warm-up
-    q0, _ = clock.now()
-    for k in range(steps):
-        step(k)
-    q1, _ = clock.now()
-    return (q1 - q0) / steps
+def _interleaved(clock: Clock, steps: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, float]:
+    """Median ms per step of each closure, timed in alternation (A B C A B C ...) so that the load of the
+    shared machine hits every variant alike; one warm-up step each first."""
+    for f in steps.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, f in steps.items():
+            q0, _ = clock.now()
+            for _ in range(per_round):
+                f()
+            q1, _ = clock.now()
+            times[k].append((q1 - q0) / per_round * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, clock: Clock, base: dict, batch: int,
-                   ctx: int, steps: int) -> None:
-    """(c): per-feature decode step cost (variants of ``cfg``) and DSpark step cost, one run."""
+                   ctx: int, rounds: int) -> None:
+    """(c): per-feature decode step cost (variants of ``cfg``) and DSpark step cost, interleaved."""
     from deepinfer_core.eplb import rebalance_experts
 
+    per_round = 2
+    room = (rounds * per_round + 2) * (cfg.dspark_block_size + 1) + 8
     n = cfg.num_hidden_layers
     variants: dict[str, dict] = {"all": {}, "no_mhc": {"hc_mult": 1}, "no_engram": {"engram_layer_ids": []},
                                  "no_drafter": {"num_nextn_predict_layers": 0, "compress_ratios": cfg.compress_ratios[:n]}}
     variants["none"] = {k: v for d in variants.values() for k, v in d.items()}
-    ms = {}
-    for name, over in [*variants.items(), ("all+placement", {})]:
+    ids = list(range(batch))
+    blk = cfg.dspark_block_size
+
+    def make(over: dict, placement: bool = False):
         model = DeepSeekV41.from_config(attrs.evolve(cfg, **over), seed=0, dtype=dtype, device=dev,
                                         init_on_device=dev.type == "cuda")
-        if name == "all+placement":
+        if placement:
             e = cfg.n_routed_experts
-            load = np.random.default_rng(0).pareto(1.0, (cfg.num_hidden_layers, e)) + 0.1
+            load = np.random.default_rng(0).pareto(1.0, (n, e)) + 0.1
             model.set_expert_placement(*rebalance_experts(load, e + e // 2, 1, 1, 4))
-        ex, toks, tables, _ = _decode_setup(model, batch, ctx, steps)
+        return _decode_setup(model, batch, ctx, room)
 
-        def step(k: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables) -> None:
-            ex.execute(ForwardBatch(token_ids=toks[:, ctx + k].numpy(), query_lens=[1] * batch,
-                                    start_pos=[ctx + k] * batch, block_tables=tables, state_slots=list(range(batch)),
-                                    num_logits=[1] * batch))
+    def plain_step(ex: ModelExecutor, toks: torch.Tensor, tables: np.ndarray) -> Callable[[], object]:
+        pos = [ctx]
 
-        ms[name] = _time_steps(clock, steps, step) * 1e3
-        emit(BENCH, {**base, "batch": batch, "context": ctx, "variant": name},
-             f"decode_ms_per_step_{clock.unit.removesuffix('_s')}", ms[name], "ms")
+        def f() -> None:
+            ex.execute(ForwardBatch(token_ids=toks[:, pos[0]].numpy(), query_lens=[1] * batch, start_pos=[pos[0]] * batch,
+                                    block_tables=tables, state_slots=ids, num_logits=[1] * batch))
+            pos[0] += 1
+        return f
+
+    def spec_step(ex: ModelExecutor, out: object, tables: np.ndarray, v: int) -> Callable[[], object]:
+        # the protocol: feed the returned token (+ v drafts) after the accepted ones (random drafter
+        # weights: drafts are mostly rejected, so positions advance ~1 per step)
+        st = {"q": np.full(batch, ctx), "y": out.next_token.cpu().numpy(), "d": out.drafts.cpu().numpy()}  # type: ignore[attr-defined]
+
+        def f() -> None:
+            fed = np.concatenate([np.concatenate(([st["y"][i]], st["d"][i, :v])) for i in ids])
+            o = ex.execute(ForwardBatch(token_ids=fed, query_lens=[v + 1] * batch, start_pos=st["q"], block_tables=tables,
+                                        state_slots=ids, num_logits=[v + 1] * batch, verify_lens=[v] * batch,
+                                        draft=[True] * batch))
+            st["q"] = st["q"] + 1 + o.num_accepted.cpu().numpy()
+            st["y"], st["d"] = o.next_token.cpu().numpy(), o.drafts.cpu().numpy()
+        return f
+
+    steps: dict[str, Callable[[], object]] = {}
+    for name, over in variants.items():
+        ex, toks, tables, _ = make(over)
+        steps[name] = plain_step(ex, toks, tables)
+    ex, toks, tables, _ = make({}, placement=True)
+    steps["all+placement"] = plain_step(ex, toks, tables)
+    for name, v in (("decode+draft", 0), (f"verify{blk}+draft", blk)):
+        ex, _, tables, out = make({})
+        steps[name] = spec_step(ex, out, tables, v)
+    ms = _interleaved(clock, steps, rounds, per_round)
+    unit = clock.unit.removesuffix("_s")
+    p = {**base, "batch": batch, "context": ctx}
+    for name, v in ms.items():
+        emit(BENCH, {**p, "variant": name}, f"decode_ms_per_step_{unit}", v, "ms")
     for name in variants:
         if name != "all":
-            emit(BENCH, {**base, "batch": batch, "context": ctx, "variant": name}, "decode_step_cost_ratio_all_vs_variant",
-                 ms["all"] / ms[name], "x")
-    emit(BENCH, {**base, "batch": batch, "context": ctx}, "decode_step_cost_ratio_placement_vs_all",
-         ms["all+placement"] / ms["all"], "x")
-    # DSpark steps on the full model, following the protocol: feed the returned token (+ drafts) at the
-    # position after the accepted ones (random drafter weights: drafts are mostly rejected)
-    blk = cfg.dspark_block_size
-    ids = list(range(batch))
-    res = {}
-    for name, v, dr in (("decode", 0, False), ("decode+draft", 0, True), (f"verify{blk}+draft", blk, True)):
-        model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=dev.type == "cuda")
-        ex, toks, tables, out = _decode_setup(model, batch, ctx, (blk + 1) * (steps + 1))
-        st = {"q": np.full(batch, ctx), "y": out.next_token.cpu().numpy(), "d": out.drafts.cpu().numpy()}
-
-        def step(k: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables,
-                 st: dict = st, v: int = v, dr: bool = dr) -> None:
-            q = st["q"]
-            if dr:
-                fed = np.concatenate([np.concatenate(([st["y"][i]], st["d"][i, :v])) for i in ids])
-            else:
-                fed = toks[np.arange(batch), q].numpy()
-            o = ex.execute(ForwardBatch(token_ids=fed, query_lens=[v + 1] * batch, start_pos=q,
-                                        block_tables=tables, state_slots=ids, num_logits=[v + 1] * batch,
-                                        verify_lens=[v] * batch, draft=[dr] * batch))
-            st["q"] = q + 1 + (o.num_accepted.cpu().numpy() if dr else 0)
-            if dr:
-                st["y"], st["d"] = o.next_token.cpu().numpy(), o.drafts.cpu().numpy()
-
-        res[name] = _time_steps(clock, steps, step) * 1e3
-        emit(BENCH, {**base, "batch": batch, "context": ctx, "step": name},
-             f"spec_ms_per_step_{clock.unit.removesuffix('_s')}", res[name], "ms")
-    emit(BENCH, {**base, "batch": batch, "context": ctx}, "draft_cost_ratio_decode_draft_vs_decode",
-         res["decode+draft"] / res["decode"], "x")
-    emit(BENCH, {**base, "batch": batch, "context": ctx}, f"spec_cost_ratio_verify{blk}_draft_vs_decode",
-         res[f"verify{blk}+draft"] / res["decode"], "x")
+            emit(BENCH, {**p, "variant": name}, "step_cost_ratio_all_vs_variant", ms["all"] / ms[name], "x")
+    emit(BENCH, p, "step_cost_ratio_placement_vs_all", ms["all+placement"] / ms["all"], "x")
+    emit(BENCH, p, "step_cost_ratio_decode_draft_vs_decode", ms["decode+draft"] / ms["all"], "x")
+    emit(BENCH, p, f"step_cost_ratio_verify{blk}_draft_vs_decode", ms[f"verify{blk}+draft"] / ms["all"], "x")
 
 
 def main() -> None:
@@ -272,7 +281,7 @@ def main() -> None:
     for b in tqdm(batches, desc="decode", disable=args.quick):
         curve[b] = bench_decode(model, clock, base, b, ctx, steps)
     for b in tqdm(batches[-2:], desc="part 2", disable=args.quick):
-        bench_features(cfg, dtype, dev, clock, base, b, ctx, steps)
+        bench_features(cfg, dtype, dev, clock, base, b, ctx, 1 if args.quick else 7)
     if args.plot:
         import matplotlib
 
