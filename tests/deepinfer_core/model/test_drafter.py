@@ -34,6 +34,10 @@ def test_cached_drafts_equal_the_oracle(model64: DeepSeekV41) -> None:
     want = model64.drafter.draft_full(model64, seq, y)
     assert torch.equal(out.drafts[0], want.tokens[0])
     assert (out.draft_confidence[0] - want.confidence[0]).abs().max() < TOL
+    # the drafts depend on the target's context (not only on y): change one token inside the window
+    other = seq.clone()
+    other[-3] = (other[-3] + 1) % 512
+    assert (model64.drafter.draft_full(model64, other, y).confidence - want.confidence).abs().max() > 1e-6
     # feed y + 3 drafts; whatever is accepted, the next drafts follow the accepted prefix
     d = out.drafts[0, :3]
     out2 = spec_step(s, [(0, torch.cat((torch.tensor([y]), d)), 100, 4, 3, True)])
