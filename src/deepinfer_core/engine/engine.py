@@ -78,7 +78,8 @@ class LLMEngine:
             # Hook: DSpark drafts -> spec.MTPVarlen plan -> verify. The executor output must carry drafts.
             has = "drafts" in {f.name for f in attrs.fields(ForwardOutput)}
             raise NotImplementedError("EngineConfig.speculative: " + (
-                "drafts -> MTPVarlen -> verify is not wired into the engine yet" if has else
+                "the scheduler plans one-token decode rows only (no verify rows of 1 + drafts), so drafts "
+                "-> MTPVarlen -> verify is not wired into the engine yet" if has else
                 "the model's executor produces no drafts (no DSpark drafter)") + "; use speculative=False")
         self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
         self.backend = get_backend(cfg.backend)
