@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from deepinfer_core.engine import LLM
+from deepinfer_core.envs import Envs
 from deepinfer_core.sampling_params import SamplingParams
 from tests.deepinfer_core.engine.helpers import random_prompts
 
@@ -57,3 +58,11 @@ def test_seed_controls_sampling(case: dict) -> None:
     outs = case["outs"]
     assert outs[3].token_ids == outs[1].token_ids  # same prompt, same seed
     assert outs[4].token_ids != outs[1].token_ids  # another seed: P(equal) ~ 0 over N near-flat draws
+
+
+def test_batch_invariant_mode_from_envs(case: dict) -> None:
+    # DEEPINFER_BATCH_INVARIANT, read once through Envs: each request runs as its own executor call
+    llm = LLM(seed=7, num_blocks=128, max_num_seqs=8, envs=Envs(batch_invariant=True))
+    assert llm.engine.batch_invariant
+    got = [o.token_ids for o in llm.generate(case["prompts"], case["params"], use_tqdm=False)]
+    assert got == case["batched"], f"seed {case['seed']}"
