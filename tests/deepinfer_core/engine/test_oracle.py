@@ -54,6 +54,7 @@ def test_greedy_equals_full_forward_oracle(case: dict) -> None:
         # synchronous scheduling with a pool that holds every prompt but not their growth: decode
         # preempts the longest-output requests, which are recomputed by prefill later
         pytest.param({"async_scheduling": False, "num_blocks": "tight", "block_size": 8}, id="sync-preempted"),
+        pytest.param({"num_blocks": "tight", "block_size": 8}, id="async-preempted"),
         pytest.param({"max_num_batched_tokens": 40}, id="chunked-prefill"),
     ],
 )
