@@ -22,7 +22,7 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the build
 
 def has_fast_path(backend: object) -> bool:
     return FINISH_PTR is not None and all(
-        callable(getattr(backend, a, None)) for a in ("batch_key", "fill_keys", "accept_key", "rollback_key")
+        callable(getattr(backend, a, None)) for a in ("batch_key", "fill_keys", "accept_key")
     )
 
 
@@ -34,43 +34,65 @@ def fill_drafts(
     Returns (drafts accepted per request, flat (src, end) row copies for the C++ pass: rows after a
     request's last valid row repeat it). An accepted EOS draft ends its request's draft and its row
     repeats the previous one (nothing is sampled after EOS). Raises whatever the depth-0 fill raises
-    before any state changed (the caller then takes the general path).
+    before any state changed, or a TypeError after rolling every matcher back (the caller then takes
+    the general path). ``offsets`` has ``n + 1`` entries.
     """
     n = len(keys)
-    fill, accept = backend.fill_keys, backend.accept_key
+    fill = backend.fill_keys
     fill(keys, bm, offsets[:n], False)
     accepted = [0] * n
     eos_at: set[int] = set()
-    active = [i for i in range(n) if drafts[i]]
+    drafted = active = [i for i in range(n) if drafts[i]]
+    # xgrammar's handles are stepped inline (its refusal set and EOS id from the backend): a Python
+    # call per draft would be most of what the manager adds per draft. Other keys go through
+    # backend.accept_key.
+    refuse, eos = getattr(backend, "key_refuse", None), getattr(backend, "key_eos", None)
+    accept = backend.accept_key
     depth = 0
-    while active:
-        depth += 1
-        go, rows, nxt = [], [], []
-        for i in active:
-            d = drafts[i]
-            r = accept(keys[i], int(d[depth - 1]))
-            if not r:
-                continue
-            accepted[i] = depth
-            if r == 2:  # EOS: not filled; the copy pass repeats the previous row
-                eos_at.add(i)
-                continue
-            go.append(keys[i])
-            rows.append(offsets[i] + depth)
-            if len(d) > depth:
-                nxt.append(i)
-        if go:
-            fill(go, bm, rows, False)
-        active = nxt
-    rollback, copies = backend.rollback_key, []
-    for i in range(n):
-        d = drafts[i]
-        if d:
-            a = accepted[i]
+    try:
+        while active:
+            depth += 1
+            go, rows, nxt = [], [], []
+            for i in active:
+                d = drafts[i]
+                t = d[depth - 1]  # ints (numpy ints too); anything else raises TypeError below
+                key = keys[i]
+                if refuse is not None:
+                    if t in refuse or not key.accept_token(t, False):
+                        continue
+                    accepted[i] = depth
+                    if t == eos:  # EOS: not filled; the copy pass repeats the previous row
+                        eos_at.add(i)
+                        continue
+                else:
+                    r = accept(key, t)
+                    if not r:
+                        continue
+                    accepted[i] = depth
+                    if r == 2:
+                        eos_at.add(i)
+                        continue
+                go.append(key)
+                rows.append(offsets[i] + depth)
+                if len(d) > depth:
+                    nxt.append(i)
+            if go:
+                fill(go, bm, rows, False)
+            active = nxt
+    except Exception:  # e.g. a draft that is not an int: leave every matcher where it was
+        for key, a in zip(keys, accepted):
             if a:
-                rollback(keys[i], a)
-            src = offsets[i] + a - (i in eos_at)
-            end = offsets[i] + 1 + len(d)
-            if src + 1 < end:
-                copies += (src, end)
+                key.rollback(a)
+        raise
+    copies: list[int] = []
+    for i in drafted:
+        a = accepted[i]
+        if a:
+            keys[i].rollback(a)  # xgrammar handles and our matchers both roll back this way
+        end = offsets[i + 1]
+        src = offsets[i] + a
+        if i in eos_at:
+            copies += (src - 1, end)
+        elif src + 1 < end:
+            copies += (src, end)
     return accepted, copies

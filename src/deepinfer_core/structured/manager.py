@@ -24,6 +24,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
 import attrs
@@ -265,19 +266,17 @@ class StructuredOutputManager:
         keys_of = self._keys
         assert keys_of is not None
         n = len(batch)
-        keys, offsets, drafts, total = [None] * n, [0] * (n + 1), [], 0
-        for i, (rid, d) in enumerate(batch):
-            k = keys_of.get(rid)
-            if k is None:
-                return None
-            keys[i] = k
-            drafts.append(d)
-            total += 1 + len(d)
-            offsets[i + 1] = total
+        try:
+            keys = [keys_of[rid] for rid, _ in batch]
+        except KeyError:
+            return None
+        drafts = [d for _, d in batch]
+        offsets = [0, *accumulate([len(d) + 1 for d in drafts])]
+        total = offsets[-1]
         bm, ptr, _ = self._fast_view(total)
         try:
             accepted, copies = _fastpath.fill_drafts(self._backend, keys, bm, offsets, drafts)
-        except RuntimeError:  # raised by the depth-0 fill, before any draft was accepted
+        except (RuntimeError, TypeError):  # the depth-0 fill (no state changed) or a non-int draft (rolled back)
             return None
         dead = _fastpath.FINISH_PTR(ptr, total, self._words, self._tail_keep_c, copies)
         offs, num_drafts = np.array(offsets, dtype=np.int64), np.array(accepted, dtype=np.int64)

@@ -107,6 +107,9 @@ class XGrammarBackend:
         if self._batch_handle is not None:  # the bound library call itself: no Python frame of ours
             self.fill_keys = self._batch_handle.batch_fill_next_token_bitmask
         self._eos = self._vocab.eos_token_id
+        # For the manager's draft loop, which steps handles inline: refused ids (controls) and EOS.
+        self.key_refuse: frozenset[int] = frozenset(self._refuse)
+        self.key_eos = self._eos
 
     @property
     def vocab_size(self) -> int:
@@ -159,14 +162,12 @@ class XGrammarBackend:
         raise RuntimeError("xgrammar has no BatchGrammarMatcher handle here: the manager's general path fills masks")
 
     def accept_key(self, key: object, token: int) -> int:
-        """Draft step on a handle: 0 rejected (state unchanged), 1 accepted, 2 accepted EOS (the end)."""
+        """Draft step on a handle: 0 rejected (state unchanged), 1 accepted, 2 accepted EOS (the end).
+
+        (The manager inlines this using ``key_refuse`` / ``key_eos``; keys also ``rollback(n)``.)"""
         if token in self._refuse or not key.accept_token(token, False):
             return 0
         return 2 if token == self._eos else 1
-
-    @staticmethod
-    def rollback_key(key: object, num_tokens: int) -> None:
-        key.rollback(num_tokens)
 
     def matcher(self, compiled: object) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words, self._refuse, self._vocab.eos_token_id)
