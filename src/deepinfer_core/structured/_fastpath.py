@@ -48,6 +48,7 @@ def fill_drafts(
     # backend.accept_key.
     refuse, eos = getattr(backend, "key_refuse", None), getattr(backend, "key_eos", None)
     accept = backend.accept_key
+    llg_eos = getattr(backend, "key_inline_eos", None)
     depth = 0
     try:
         while active:
@@ -64,6 +65,14 @@ def fill_drafts(
                     if t == eos:  # EOS: not filled; the copy pass repeats the previous row
                         eos_at.add(i)
                         continue
+                elif llg_eos is not None and t != llg_eos and not key._terminated:
+                    # llguidance, a non-EOS token on a live matcher: LLGuidanceMatcher.accept_token
+                    # without its Python frame (the same two steps; fast == general tests hold it).
+                    t = int(t)
+                    if key._m.try_consume_tokens([t]) != 1:
+                        continue
+                    key._history.append(t)
+                    accepted[i] = depth
                 else:
                     r = accept(key, t)
                     if not r:

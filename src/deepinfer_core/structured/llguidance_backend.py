@@ -152,6 +152,8 @@ class LLGuidanceBackend:
         self._nbytes = self._vocab.bitmask_words * 4
         self._last_bm: torch.Tensor | None = None  # fill_keys' cached buffer address (a strong ref keeps it valid)
         self._last_ptr = 0
+        # The manager's draft loop steps non-EOS tokens on our matchers inline (see _fastpath).
+        self.key_inline_eos = self._vocab.eos_token_id
 
     def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""
