@@ -379,12 +379,14 @@ class LLMEngine:
             g = self._grammar
             g.advance(req.request_id, [t])
             why = g.finish_reason(req.request_id)
+            if why is None:
+                continue
+            s.dead[seq[r]] = True  # the grammar is done: a row already planned one step ahead is dropped
             # the grammar accepted its end: EOS was sampled, which the scheduler stops on unless
-            # ignore_eos; then the engine ends it itself after this token is applied
-            if why is not None and (req.params.ignore_eos or str(why) != STOP):
+            # ignore_eos; then the engine ends it itself once this token is applied
+            if req.params.ignore_eos or str(why) != STOP:
                 req.reason = str(why)
                 if str(why) != STOP:
                     req.error = f"grammar: {why}"
-                s.dead[seq[r]] = True  # no more rows; a row already planned one step ahead is dropped
                 self._to_abort.append(req.request_id)
         return tok.astype(np.int32)
