@@ -35,11 +35,13 @@ def greedy_plain(s: Session, prompts: dict[int, torch.Tensor], n: int) -> dict[i
     return toks
 
 
-def greedy_spec(s: Session, prompts: dict[int, torch.Tensor], n: int, lengths_of=None):
+def greedy_spec(s: Session, prompts: dict[int, torch.Tensor], n: int, lengths_of=None, temperature: float = 0.0):
     """Greedy decode with DSpark drafts verified losslessly; ``lengths_of(conf [R, B]) -> [R]`` picks how
-    many drafts to verify (default all). Returns (tokens per prompt, accepted counts per step)."""
+    many drafts to verify (default all); ``temperature`` > 0 goes through the sampling path instead.
+    Returns (tokens per prompt, accepted counts per step)."""
     sids = list(prompts)
-    out = spec_step(s, [(sid, p, 0, 1, 0, True) for sid, p in prompts.items()])
+    temp = [temperature] * len(sids)
+    out = spec_step(s, [(sid, p, 0, 1, 0, True) for sid, p in prompts.items()], temp)
     q = {sid: len(prompts[sid]) for sid in sids}
     toks = {sid: [int(out.next_token[i])] for i, sid in enumerate(sids)}
     accepted: list[list[int]] = []
@@ -49,7 +51,7 @@ def greedy_spec(s: Session, prompts: dict[int, torch.Tensor], n: int, lengths_of
         drafts = out.drafts.cpu()
         items = [(sid, torch.cat((torch.tensor(toks[sid][-1:]), drafts[i, : lens[i]])), q[sid], lens[i] + 1, lens[i], True)
                  for i, sid in enumerate(sids)]
-        out = spec_step(s, items)
+        out = spec_step(s, items, temp)
         step_acc = []
         for i, sid in enumerate(sids):
             a = int(out.num_accepted[i])

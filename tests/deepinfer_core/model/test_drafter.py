@@ -147,6 +147,11 @@ def test_partly_right_drafter_gives_partial_acceptance_and_the_same_output() -> 
     assert spec == plain
     seen = {a for step in acc for a in step}
     assert 0 in seen and len(seen & {1, 2, 3, 4}) >= 2, seen
+    # the sampling path (speculative sampling against stored draft distributions) at a temperature so
+    # low that every distribution is one-hot to float64 precision must emit the same tokens and accept
+    # the same drafts: a misaligned draft / target row would accept or reject differently
+    cold, acc_cold = greedy_spec(Session(m), prompts, 30, temperature=1e-3)
+    assert cold == plain and acc_cold == acc
 
 
 def test_drafts_in_a_batch_equal_drafts_alone(model64: DeepSeekV41) -> None:
