@@ -297,7 +297,9 @@ class LLMEngine:
             tokens[hole] = seqs.last_token[np.repeat(seq_ids, ntok)[hole]]
         keep = ~seqs.dead[seq_ids]  # rows of requests that already ended are discarded by the scheduler
         rows = np.flatnonzero(keep)
-        for seq in seq_ids[rows].tolist():
+        # only a sequence's first chunk (position 0: new, or recomputed after preemption) needs a slot;
+        # every later row holds one already, so this is no per-row loop in decode steps
+        for seq in seq_ids[rows[plan.start[rows] == 0]].tolist():
             if not self.state_pool.contains(seq) and self.state_pool.acquire(seq) is None:
                 raise RuntimeError(f"engine: no free state slot for seq {seq} ({self.state_pool.num_slots} slots)")
         sampled = np.zeros(plan.num_rows, np.int32)
