@@ -134,15 +134,18 @@ class DSparkDrafter(nn.Module):
     def heads(self, model: DeepSeekV41, hidden: torch.Tensor, y: torch.Tensor, temperature: torch.Tensor,
               generator: torch.Generator | None = None) -> DraftResult:
         """Drafts, confidences and draft distributions; rows with temperature 0 are greedy."""
-        base = model.logits(hidden)  # [R, B, V]
+        # probabilities and confidences in >= float32 (a bf16 model's drafts feed a lossless verify)
+        cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        base = model.logits(hidden).to(cd)  # [R, B, V]
         greedy = temperature <= 0
         t = torch.where(greedy, torch.ones_like(temperature), temperature).to(base.dtype)
         prev = y
         toks, confs, probs = [], [], []
         for k in range(self.block):
-            code = self.markov_in[prev]
-            lg = base[:, k] + code @ self.markov_out.t()
-            confs.append(torch.sigmoid(torch.cat((hidden[:, k], code), dim=-1) @ self.conf_w + self.conf_b))
+            code = self.markov_in[prev].to(cd)
+            lg = base[:, k] + code @ self.markov_out.to(cd).t()
+            feat = torch.cat((hidden[:, k].to(cd), code), dim=-1)
+            confs.append(torch.sigmoid(feat @ self.conf_w.to(cd) + self.conf_b.to(cd)))
             am = lg.argmax(-1)
             p = torch.softmax(lg / t[:, None], dim=-1)
             if bool((~greedy).any()):

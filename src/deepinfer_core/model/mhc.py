@@ -68,18 +68,20 @@ class MHCResidual(nn.Module):
 
     def _coefficients(self, state: torch.Tensor, layer: int, subs: tuple[int, ...]) -> None:
         n = self.n
-        x = state.reshape(state.shape[0], -1)
-        xf = x if x.dtype == torch.float64 else x.float()
-        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(state.dtype)
-        phi = self.phi[layer, list(subs)]  # [S, k, nD]
-        a, b = self.alpha[layer, list(subs)], self.bias[layer, list(subs)]  # [S, 3], [S, k]
-        raw = torch.einsum("tc,skc->tsk", x, phi)
+        # coefficients in >= float32 (a bf16 Sinkhorn drifts); the stream update stays in the model dtype
+        cd = torch.float64 if state.dtype == torch.float64 else torch.float32
+        x = state.reshape(state.shape[0], -1).to(cd)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        idx = list(subs)
+        phi, a, b = self.phi[layer, idx].to(cd), self.alpha[layer, idx].to(cd), self.bias[layer, idx].to(cd)
+        raw = torch.einsum("tc,skc->tsk", x, phi)  # [T, S, k]
         pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
         post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
         # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
         res = sinkhorn((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), self.iters)
+        dt = state.dtype
         for i, sub in enumerate(subs):
-            self._pending[(layer, sub)] = (pre[:, i], post[:, i], res[:, i])
+            self._pending[(layer, sub)] = (pre[:, i].to(dt), post[:, i].to(dt), res[:, i].to(dt))
 
     def coefficients(self, state: torch.Tensor, layer: int, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, n], post [T, n], res [T, n, n]) of one sublayer for streams ``state`` (tests, docs)."""

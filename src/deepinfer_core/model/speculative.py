@@ -85,7 +85,10 @@ class SpecState:
         idx = np.flatnonzero((vl > 0) | dr)
         if idx.size == 0:
             return None
-        ex, dev, dt = self.ex, self.ex.device, logits.dtype
+        ex, dev = self.ex, self.ex.device
+        # probabilities in >= float32 whatever the model dtype (they feed the lossless verify)
+        dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logits = logits.to(dt)
         temp_all = np.zeros(r) if b.temperature is None else b.temperature
         temp = torch.as_tensor(temp_all[idx], dtype=dt, device=dev)
         greedy = temp <= 0
@@ -132,8 +135,9 @@ class SpecState:
         kp = q[:, None] - w + torch.arange(w, device=dev)[None, :]
         valid = kp >= 0
         ent = kp.clamp(min=0) % ring
-        keys = [ex.fmt.swa.dequantize(rg[slots[:, None], ent]).to(dt) for rg in self.swa]
+        keys = [ex.fmt.swa.dequantize(rg[slots[:, None], ent]) for rg in self.swa]
         cond = self.feat[slots, (q - 1) % ring]
+        keys = [k.to(ex.dtype) for k in keys]
         y = nxt[jt]
         hidden = self.drafter.run_block(ex.model, y, q, cond, keys, valid)
         dres = self.drafter.heads(ex.model, hidden, y, temp[jt], self.gen)

@@ -175,3 +175,17 @@ def test_drafts_in_a_batch_equal_drafts_alone(model64: DeepSeekV41) -> None:
         assert (ob2.draft_confidence[i] - oa2.draft_confidence[0]).abs().max() < TOL
     with pytest.raises(BatchError, match="no drafts to verify"):
         spec_step(Session(model64), [(0, seqs[0][:4], 0, 4, 3, True)])
+
+
+def test_bf16_model_drafts_with_float32_probabilities() -> None:
+    """A bf16 model (the GPU benchmark dtype): coefficients, draft and target probabilities are kept in
+    float32, so confidences are float32 probabilities and greedy spec output equals plain greedy."""
+    m = DeepSeekV41.from_config(tiny_config(), seed=3, dtype=torch.bfloat16)
+    prompts = {0: _tokens(91, 50)}
+    s = Session(m)
+    out = spec_step(s, [(0, prompts[0], 0, 1, 0, True)])
+    assert out.draft_confidence.dtype == torch.float32
+    assert ((out.draft_confidence > 0) & (out.draft_confidence < 1)).all()
+    assert s.ex.spec.probs[s.slot[0]].dtype == torch.float32
+    spec, _ = greedy_spec(Session(m), prompts, 6)
+    assert spec == greedy_plain(Session(m), prompts, 6)
