@@ -18,18 +18,20 @@ last token) and only the store is guarded by the token range and the slot, never
 from deepinfer_kernels.cuda import _codecs as C
 from deepinfer_kernels.cuda._tl import T
 
-_VPT = 8  # values per thread: 16 bytes of bf16 input, 8 (fp8) or 4 (fp4) bytes of pool output
+_VPT = 8  # default values per thread: 16 bytes of bf16 input, 8 (fp8) or 4 (fp4) bytes of pool output
 _THREADS = 256
 # name -> (group, bits per value); mirrors kv_store._LAYOUT
 _GROUP = {"fp8": (32, 8), "fp4": (16, 4), "mxfp4": (32, 4)}
 
 
-def coop_sizes(fmt: str, dim: int) -> tuple[int, int, int, int, int]:
+def coop_sizes(fmt: str, dim: int, vpt: int = _VPT) -> tuple[int, int, int, int, int]:
     """(threads per token, threads per group, words per thread, value bytes, bytes per token)."""
     group, bits = _GROUP[fmt]
+    if vpt not in (8, 16) or dim % group:
+        raise ValueError(f"coop kernels: vpt must be 8 or 16 and dim a multiple of {group}, got vpt={vpt}, dim={dim}")
     groups = dim // group
     value_bytes = groups * group * bits // 8
-    return dim // _VPT, group // _VPT, _VPT * bits // 32, value_bytes, value_bytes + groups
+    return dim // vpt, max(group // vpt, 1), vpt * bits // 32, value_bytes, value_bytes + groups
 
 
 def _pack(codes, w: int, bits: int):
@@ -40,11 +42,12 @@ def _pack(codes, w: int, bits: int):
     return T.reinterpret(acc, "int32")
 
 
-def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
-    tpt, lanes, wpt, value_bytes, bpt = coop_sizes(fmt, dim)
+def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False, vpt: int = _VPT):
+    """``vpt`` values a thread: 8 ("coop") or 16 ("coop16": 16-byte fp8 stores, fewer shuffles)."""
+    tpt, lanes, wpt, value_bytes, bpt = coop_sizes(fmt, dim, vpt)
     bits = _GROUP[fmt][1]
-    # int2 stores where the row (and so every 8-byte chunk) is 8-byte aligned; 68-byte mxfp4 rows are not
-    wloop = T.vectorized if (bpt % 8 == 0 and wpt > 1) else T.unroll
+    # vector word stores where every thread's chunk is aligned to its size (68-byte mxfp4 rows are not)
+    wloop = T.vectorized if (bpt % (4 * wpt) == 0 and wpt > 1) else T.unroll
     n = T.dynamic("n")
     ns = T.dynamic("num_slots")
 
@@ -57,9 +60,9 @@ def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
     ):
         with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
-            raw = T.alloc_local((_VPT,), in_dtype)
-            vals = T.alloc_local((_VPT,), "float32")
-            codes = T.alloc_local((_VPT,), "uint32")
+            raw = T.alloc_local((vpt,), in_dtype)
+            vals = T.alloc_local((vpt,), "float32")
+            codes = T.alloc_local((vpt,), "uint32")
             words = T.alloc_local((wpt,), "int32")
             amax = T.alloc_var("float32")
             e = T.alloc_var("int32")
@@ -72,18 +75,18 @@ def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
             gid = bx * _THREADS + tx
             t = T.min(gid // tpt, n - 1)  # clamped: spare tail lanes still join the shuffles
             c = gid % tpt  # this thread's 8-value chunk of the token
-            for j in T.vectorized(_VPT):
-                raw[j] = x[t, c * _VPT + j]
+            for j in T.vectorized(vpt):
+                raw[j] = x[t, c * vpt + j]
             amax = T.float32(0)
-            for j in T.unroll(_VPT):
+            for j in T.unroll(vpt):
                 vals[j] = T.Cast("float32", raw[j])
                 amax = T.max(amax, T.abs(vals[j]))
-            for d in (1, 2)[: lanes.bit_length() - 1]:  # lanes is 2 or 4: xor 1 (, 2) stays in the group
+            for d in (1, 2)[: lanes.bit_length() - 1]:  # lanes 1, 2 or 4: no shuffle, xor 1, xor 1 and 2
                 amax = T.max(amax, T.shfl_xor(amax, d))
             if fmt == "fp8":
                 e = C.pow2_exponent_f64(amax, 448.0)
                 inv = C.pow2_f64(-e)
-                for j in T.unroll(_VPT):
+                for j in T.unroll(vpt):
                     if hw_fp8:
                         q = T.min(T.max(vals[j] * T.reinterpret((127 - e) << 23, "float32"), T.float32(-448.0)), T.float32(448.0))
                         codes[j] = T.Cast("uint32", T.reinterpret(T.Cast("float8_e4m3fn", q), "uint8"))
@@ -94,7 +97,7 @@ def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
             elif fmt == "mxfp4":
                 e = C.pow2_exponent_f64(amax, 6.0)
                 inv = C.pow2_f64(-e)
-                for j in T.unroll(_VPT):
+                for j in T.unroll(vpt):
                     q = T.Cast("float32", T.Cast("float64", vals[j]) * inv)
                     codes[j] = T.Cast("uint32", C.e2m1_code(q))
                 sb = e + 127
@@ -105,7 +108,7 @@ def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
                 if (sv < sc) & (sb < 0x7E):
                     sb = sb + 1
                 sv = C.e4m3_value(sb)
-                for j in T.unroll(_VPT):
+                for j in T.unroll(vpt):
                     q = T.ieee_fdiv(vals[j], sv)
                     codes[j] = T.Cast("uint32", C.e2m1_code(q))
             for w in T.unroll(wpt):
@@ -120,9 +123,9 @@ def build_store_coop(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
     return store
 
 
-def build_gather_coop(fmt: str, dim: int, out_dtype: str, hw: bool = False):
-    tpt, lanes, wpt, value_bytes, bpt = coop_sizes(fmt, dim)
-    wloop = T.vectorized if (bpt % 8 == 0 and wpt > 1) else T.unroll
+def build_gather_coop(fmt: str, dim: int, out_dtype: str, hw: bool = False, vpt: int = _VPT):
+    tpt, lanes, wpt, value_bytes, bpt = coop_sizes(fmt, dim, vpt)
+    wloop = T.vectorized if (bpt % (4 * wpt) == 0 and wpt > 1) else T.unroll
     n = T.dynamic("n")
     ns = T.dynamic("num_slots")
     fmax = 3.4028234663852886e38
@@ -137,7 +140,7 @@ def build_gather_coop(fmt: str, dim: int, out_dtype: str, hw: bool = False):
         with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
             words = T.alloc_local((wpt,), "int32")
-            res = T.alloc_local((_VPT,), out_dtype)
+            res = T.alloc_local((vpt,), out_dtype)
             code = T.alloc_var("int32")
             sv = T.alloc_var("float32")
             sc = T.alloc_var("float64")
@@ -148,7 +151,7 @@ def build_gather_coop(fmt: str, dim: int, out_dtype: str, hw: bool = False):
                 c = gid % tpt
                 s = slots[t]
                 if s < 0:
-                    for j in T.unroll(_VPT):
+                    for j in T.unroll(vpt):
                         res[j] = T.Cast(out_dtype, 0)
                 else:
                     for w in wloop(wpt):
@@ -156,7 +159,7 @@ def build_gather_coop(fmt: str, dim: int, out_dtype: str, hw: bool = False):
                     code = T.Cast("int32", pool8[s, value_bytes + c // lanes])
                     sc = C.pow2_f64(code - 127)
                     sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
-                    for j in T.unroll(_VPT):
+                    for j in T.unroll(vpt):
                         if fmt == "fp8" and hw:  # see kv_store._build_gather: codes >= 247 take float64
                             byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
                             e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
@@ -176,7 +179,7 @@ def build_gather_coop(fmt: str, dim: int, out_dtype: str, hw: bool = False):
                             else:
                                 v = T.Cast("float64", C.e2m1_value(nib)) * sc
                                 res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-fmax)), T.float64(fmax))))
-                for j in T.vectorized(_VPT):
-                    out[t, c * _VPT + j] = res[j]
+                for j in T.vectorized(vpt):
+                    out[t, c * vpt + j] = res[j]
 
     return gather

@@ -216,10 +216,11 @@ def _usable(fmt: object, dim: int, *tensors: torch.Tensor) -> str | None:
 # to torch on the H200 (tested, both paths) and 1.5x faster there (51 vs 75 us for 65,536 tokens).
 HW_FP8 = True
 
-# Kernel layout: "group" (one thread per scale group, verified on the H200) or "coop" (8 values a thread,
-# shuffles for the group max, coalesced stores: ``kv_coop``; not yet run on a GPU). Both are tested byte
+# Kernel layout: "group" (one thread per scale group, verified on the H200) or "coop" / "coop16" (8 / 16
+# values a thread, shuffles for the group max, coalesced stores: ``kv_coop``; not yet run on a GPU). Both are tested byte
 # for byte against the reference and timed side by side in benchmarks/kernels.py; flip after a GPU run.
-VARIANTS = ("group", "coop")
+VARIANTS = ("group", "coop", "coop16")  # coop16: the coop layout with 16 values a thread
+_VPT = {"coop": 8, "coop16": 16}
 STORE_VARIANT = "group"
 LOAD_VARIANT = "group"
 
@@ -242,8 +243,10 @@ def store_slots(
     dt = torch_dtype_name(x.dtype)
     hw = HW_FP8 if hw_fp8 is None else hw_fp8
     hw = hw and name == "fp8"
-    build = build_store_coop if v == "coop" else _build_store
-    kern = compile_kernel(("kv_store", v, name, dim, dt, hw), lambda: build(name, dim, dt, hw))
+    if v == "group":
+        kern = compile_kernel(("kv_store", v, name, dim, dt, hw), lambda: _build_store(name, dim, dt, hw))
+    else:
+        kern = compile_kernel(("kv_store", v, name, dim, dt, hw), lambda: build_store_coop(name, dim, dt, hw, _VPT[v]))
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
 
 
@@ -271,8 +274,10 @@ def gather_slots(
         return out
     dt = torch_dtype_name(out_dtype)
     hw = (HW_FP8_DECODE if hw is None else hw) and name == "fp8"
-    build = build_gather_coop if v == "coop" else _build_gather
-    kern = compile_kernel(("kv_gather", v, name, dim, dt, hw), lambda: build(name, dim, dt, hw))
+    if v == "group":
+        kern = compile_kernel(("kv_gather", v, name, dim, dt, hw), lambda: _build_gather(name, dim, dt, hw))
+    else:
+        kern = compile_kernel(("kv_gather", v, name, dim, dt, hw), lambda: build_gather_coop(name, dim, dt, hw, _VPT[v]))
     kern(pool, pool.view(torch.int32), slots.contiguous(), out)
     return out
 
