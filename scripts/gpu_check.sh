@@ -96,5 +96,27 @@ if rows:
             print(f"  {name}: {vals}")
 else:
     print("bench: no rows")
+# verdict per kernel variant: its tests (pytest ids carry the variant) and its time against the default's
+import re
+try:
+    cases = [(c.get("name", ""), bool(c.findall("failure") or c.findall("error")), bool(c.findall("skipped"))) for c in root.iter("testcase")]
+except Exception:
+    cases = []
+times = {k: m.get("time_us") for k, m in rows.items()}
+for var, default in (("coop", "group"), ("coop16", "group"), ("vec", "rows")):
+    mine = [c for c in cases if re.search(rf"[\[-]{var}[\]-]", c[0])]
+    ok = sum(1 for c in mine if not c[1] and not c[2])
+    bad = sum(1 for c in mine if c[1])
+    line = f"variant {var}: tests {ok} passed, {bad} failed"
+    for k, t in times.items():
+        name, _, prm = k.partition(" ")
+        base = None
+        if name.endswith(f"_{var}") and default == "group":
+            base = name[: -len(var) - 1] + " " + prm
+        elif name.endswith(f"_{var}"):
+            base = name[: -len(var)] + default + " " + prm
+        if base in times and t and times[base]:
+            line += f"; {name}: {t:.1f} vs {times[base]:.1f} us ({times[base] / t:.2f}x)"
+    print(line)
 PY
 say "== total $((SECONDS - T0)) s"
