@@ -6,14 +6,14 @@
     byte tokenizer (512 ids) and a synthetic byte-level BPE of ~128k tokens (trained once with
     ``tokenizers`` and cached under benchmarks/out/); backends: xgrammar and llguidance.
 (b) Manager overhead: on the same states, ``StructuredOutputManager.fill_bitmask`` (bookkeeping, draft
-    cuts, dead-row pass, tail clearing, our matcher wrappers) against the same library calls made
-    directly on the libraries' own matchers, depth by depth as the manager does (xgrammar: one
-    ``BatchGrammarMatcher`` call per depth on one thread; llguidance: one call per matcher), accept and
-    rollback by hand. Also the naive loop of one library call per row (what xgrammar's batch API saves),
-    and for llguidance its ``LLExecutor`` batch call on one thread. With 0 and 3 drafts per request.
-Timing: process CPU time (``time.process_time``), minimum of 5 interleaved repeats per step (each repeat
-times enough back-to-back calls to span ~0.3 ms), summed over 12 steps: the machine is shared, and CPU time of the one thread that fills masks is what contention
-distorts least. Absolute CPU numbers are indicative; ratios measured side by side are the result.
+    cuts, dead-row pass, padding, copies of unused draft rows) against "bare": the same library calls
+    made directly, as cheaply as the libraries allow and as the manager's fast path makes them
+    (xgrammar: its C++ handles and one ``BatchGrammarMatcher`` call per draft depth on one thread;
+    llguidance: one ``unsafe_compute_mask_ptr`` per row), accept and rollback by hand, the library
+    objects gathered from a dict by request id (an engine holding them itself does the same);
+    "bare_list" skips even that gather (a lower bound). Also timed: the manager's general path (round
+    1's code path, ``general_*``), the naive loop of one public-API call per row, and for llguidance
+    its ``LLExecutor`` on one thread. With 0 and 3 drafts per request.
 (c) Compile time of each grammar (cold, no cache) per backend and vocabulary.
 
     python benchmarks/structured.py [--quick] [--plot]
