@@ -7,6 +7,11 @@ it back, so the attention sees exactly what a later step will see.
 
 Per layer the dense work (projections, MoE) runs on all rows at once; attention loops over requests,
 because each has its own window, compressed entries and top-k.
+
+Part 2 state, per slot and indexed by position like the SWA rings: the recent tokens (Engram n-gram
+context across steps) and, with a drafter, the drafter's context rings and last drafts
+(:mod:`deepinfer_core.model.speculative`). Engram rows are fetched once per step before the layer loop
+from the tables of the chosen placement.
 """
 
 from __future__ import annotations
