@@ -99,8 +99,20 @@ std::vector<int64_t> finish_rows_ptr(uintptr_t ptr, int64_t rows, int64_t words,
 
 // The draft-free step's form: no copies, and only a count comes back (building the vector and the
 // Python list costs ~0.25 us, most of a small batch's pass); the manager asks finish_rows_ptr for the
-// rows only when the count is non-zero (clearing the padding twice is harmless).
-int64_t count_dead_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t tail_keep) {
+// rows only when the count is non-zero (clearing the padding twice is harmless). With eos >= 0 a row
+// whose only allowed token is eos counts too: llguidance writes such a row for a matcher in its error
+// state (and after EOS), so the manager checks those matchers only when one shows up, instead of
+// asking every matcher every step.
+bool only_eos(const uint32_t* row, int64_t words, int64_t eos) {
+  const int64_t ew = eos / 32;
+  if (ew >= words || row[ew] != (1u << (eos % 32))) return false;
+  for (int64_t w = 0; w < words; ++w) {
+    if (w != ew && row[w] != 0) return false;
+  }
+  return true;
+}
+
+int64_t count_dead_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t tail_keep, int64_t eos) {
   need(ptr != 0, "ptr: must be the address of a live int32 buffer");
   need(rows >= 0, "rows: must be >= 0");
   need(words > 0, "words: needs at least one word per row");
@@ -108,14 +120,18 @@ int64_t count_dead_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t tail_
   auto* data = reinterpret_cast<int32_t*>(ptr);
   const bool clear_tail = tail_keep != -1;
   const auto keep = static_cast<uint32_t>(tail_keep & 0xFFFFFFFFLL);
-  int64_t dead = 0;
+  int64_t found = 0;
   auto work = [&] {
     for (int64_t r = 0; r < rows; ++r) {
       auto* row = reinterpret_cast<uint32_t*>(data + r * words);
       if (clear_tail) row[words - 1] &= keep;
       int64_t w = 0;
       while (w < words && row[w] == 0) ++w;
-      dead += w == words;
+      if (w == words) {
+        ++found;
+      } else if (eos >= 0 && w == eos / 32 && only_eos(row, words, eos)) {
+        ++found;
+      }
     }
   };
   if (rows < 64) {
@@ -124,7 +140,18 @@ int64_t count_dead_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t tail_
     nb::gil_scoped_release release;
     work();
   }
-  return dead;
+  return found;
+}
+
+std::vector<int64_t> eos_only_rows_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t eos) {
+  need(ptr != 0, "ptr: must be the address of a live int32 buffer");
+  need(rows >= 0 && words > 0 && eos >= 0, "rows, words, eos: must be >= 0, > 0, >= 0");
+  const auto* data = reinterpret_cast<const uint32_t*>(ptr);
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (only_eos(data + r * words, words, eos)) out.push_back(r);
+  }
+  return out;
 }
 
 }  // namespace
@@ -140,5 +167,9 @@ DI_SUBMODULE(structured, "grammar bitmask post-processing for structured outputs
         "live and large enough), after copying row src over rows src+1..end-1 for each flat (src, end) "
         "pair in copies.");
   m.def("count_dead_ptr", &count_dead_ptr, nb::arg("ptr"), nb::arg("rows"), nb::arg("words"), nb::arg("tail_keep"),
-        "finish_rows_ptr without copies, returning only the number of rows that allow no token.");
+        nb::arg("eos") = -1,
+        "finish_rows_ptr without copies, returning only the number of rows that allow no token (or, with "
+        "eos >= 0, only token eos).");
+  m.def("eos_only_rows_ptr", &eos_only_rows_ptr, nb::arg("ptr"), nb::arg("rows"), nb::arg("words"), nb::arg("eos"),
+        "Indices of the rows whose only allowed token is eos.");
 }
