@@ -16,8 +16,9 @@ try:  # the C++ pass is what makes the fast path cheap; without it the manager k
 
     FINISH_PTR: Any = _C_structured.finish_rows_ptr
     COUNT_DEAD: Any = _C_structured.count_dead_ptr
+    EOS_ONLY: Any = _C_structured.eos_only_rows_ptr
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build
-    FINISH_PTR = COUNT_DEAD = None
+    FINISH_PTR = COUNT_DEAD = EOS_ONLY = None
 
 
 def has_fast_path(backend: object) -> bool:

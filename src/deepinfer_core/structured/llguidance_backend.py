@@ -154,6 +154,7 @@ class LLGuidanceBackend:
         self._last_ptr = 0
         # The manager's draft loop steps non-EOS tokens on our matchers inline (see _fastpath).
         self.key_inline_eos = self._vocab.eos_token_id
+        self.key_check_eos = self._vocab.eos_token_id  # see fill_keys / check_rows
 
     def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""
@@ -192,28 +193,34 @@ class LLGuidanceBackend:
     def fill_keys(
         self, keys: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int] | None, debug_print: bool = False
     ) -> None:
-        """:meth:`fill_rows` with ``rows=None`` meaning row ``i`` for ``keys[i]``.
-
-        The per-row loop is what the bare library loop is too, so only checks that cannot be skipped
-        stay in it (EOS taken, llguidance's error state); the buffer address is cached per tensor
-        object (the manager reuses its views), since ``data_ptr()`` costs ~0.2 us.
+        """:meth:`fill_rows` for the manager; ``rows=None`` means row ``i`` for ``keys[i]`` *without*
+        the per-row checks (EOS taken, error state), which the manager then runs through
+        :meth:`check_rows` on the rows its C++ pass flags: llguidance writes an EOS-only row for a
+        matcher in its error state and after EOS (``key_check_eos``), so the loop is the bare library
+        loop. The buffer address is cached per tensor object (the manager reuses its views), since
+        ``data_ptr()`` costs ~0.2 us.
         """
-        if self._executor is not None:
+        if self._executor is not None or rows is not None:
             self.fill_rows(keys, bitmask, range(len(keys)) if rows is None else rows)
             return
         if bitmask is self._last_bm:
-            ptr = self._last_ptr
+            p = self._last_ptr
         else:
-            ptr = bitmask.data_ptr()
-            self._last_bm, self._last_ptr = bitmask, ptr
+            p = bitmask.data_ptr()
+            self._last_bm, self._last_ptr = bitmask, p
         nbytes = self._nbytes
-        for m, r in zip(keys, range(len(keys)) if rows is None else rows):
+        for m in keys:
+            m._m.unsafe_compute_mask_ptr(p, nbytes)
+            p += nbytes
+
+    def check_rows(self, keys: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """After ``fill_keys(keys, bitmask, None)``: fix the rows (indices into ``keys``) that allow only
+        EOS or nothing: all-zero after EOS was taken, dead-end recovery in llguidance's error state."""
+        for r in rows:
+            m = keys[r]
             if m._terminated:
                 bitmask[r].zero_()
-                continue
-            raw = m._m
-            raw.unsafe_compute_mask_ptr(ptr + r * nbytes, nbytes)
-            if raw.is_error():
+            elif m._m.is_error():
                 m._recover(bitmask, r)
 
     @staticmethod

@@ -96,6 +96,10 @@ class StructuredOutputManager:
         # and no finish reason, so a step is one dict lookup per request.
         self._keys: dict[Hashable, Any] | None = {} if fast_path and _fastpath.has_fast_path(backend) else None
         self._fill_keys = getattr(backend, "fill_keys", None)
+        # >= 0: the backend's draft-free fill skips per-row checks; rows allowing only this token (or
+        # nothing) are handed to backend.check_rows (llguidance's error and after-EOS rows look so).
+        check_eos = getattr(backend, "key_check_eos", None) if self._keys is not None else None
+        self._check_eos = -1 if check_eos is None or not callable(getattr(backend, "check_rows", None)) else int(check_eos)
         # rows -> (tensor view, its address, the BatchMask a draft-free batch of that size returns when
         # no row is dead: offsets, num_drafts and dead_end are then the same every step, read-only).
         self._fast_views: dict[int, tuple[torch.Tensor, int, BatchMask | None]] = {}
@@ -234,11 +238,16 @@ class StructuredOutputManager:
                 self._fill_keys(keys, bm, None, False)
             except RuntimeError:  # xgrammar: a matcher past EOS (stepped outside the manager); no state changed
                 return self._fill_general(batch, out)
-            if _COUNT_DEAD(ptr, n, self._words, self._tail_keep_c) == 0:
+            if _COUNT_DEAD(ptr, n, self._words, self._tail_keep_c, self._check_eos) == 0:
+                return same if same is not None else self._same_mask(n)
+            if self._check_eos >= 0:  # the backend's unchecked rows (llguidance): fix the flagged ones
+                self._backend.check_rows(keys, bm, _fastpath.EOS_ONLY(ptr, n, self._words, self._check_eos))  # type: ignore[attr-defined]
+                self._backend.check_rows(keys, bm, _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c))  # type: ignore[attr-defined]
+            dead = _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c)
+            if not dead:
                 return same if same is not None else self._same_mask(n)
             offs = np.arange(n + 1, dtype=np.int64)
             num_drafts, dead_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-            dead = _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c)
             self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
             return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
         return self._fill_general(batch, out)
