@@ -175,3 +175,44 @@ def test_cpp_ptr_pass_equals_numpy(seed: int) -> None:
     assert np.array_equal(b, bb)  # padding cleared the same way
     with pytest.raises(ValueError, match="copies"):
         _fastpath.FINISH_PTR(a.ctypes.data, rows, words, keep_c, [0, rows + 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpp_eos_only_rows(seed: int) -> None:
+    # Brute force: a row counts when it is all-zero or (eos given) exactly the eos bit.
+    rng = np.random.default_rng(100 + seed)
+    rows, words = int(rng.integers(1, 80)), int(rng.integers(1, 40))
+    eos = int(rng.integers(0, words * 32))
+    a = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    kind = rng.integers(0, 4, size=rows)
+    a[kind == 0] = 0
+    a[kind == 1] = 0
+    a[kind == 1, eos // 32] = np.int32(np.uint32(1 << (eos % 32)))
+    a[kind == 2, eos // 32] |= np.int32(np.uint32(1 << (eos % 32)))  # EOS plus others: not flagged
+    bits = np.unpackbits(a.view(np.uint8), axis=1, bitorder="little")
+    only = [r for r in range(rows) if bits[r].sum() == 1 and bits[r, eos] == 1]
+    dead = [r for r in range(rows) if bits[r].sum() == 0]
+    assert _fastpath.EOS_ONLY(a.ctypes.data, rows, words, eos) == only
+    assert _fastpath.COUNT_DEAD(a.ctypes.data, rows, words, -1, eos) == len(only) + len(dead)
+    assert _fastpath.COUNT_DEAD(a.ctypes.data, rows, words, -1) == len(dead)
+
+
+def test_llguidance_dead_end_and_stop_in_a_draft_free_batch(backend_for, byte_tok) -> None:
+    # The unchecked llguidance loop: an error row (dead end), a stopped matcher and live rows in one
+    # draft-free batch give the general path's masks and flags.
+    from .test_manager import DigitsTokenizer
+
+    be = make_backend("llguidance", DigitsTokenizer())
+    res = []
+    for fast_path in (True, False):
+        mgr = StructuredOutputManager(be, fast_path=fast_path)
+        for rid, rx in (("dead", "[a-z]+"), ("live", "[0-9]{1,3}"), ("later", "[0-9]x"), ("stop", "[0-9]")):
+            mgr.add_request(rid, {"regex": rx})
+        mgr.wait(["dead", "live", "later", "stop"])
+        assert mgr.advance("later", [5]) == 1
+        m = mgr.matcher("stop")
+        assert m.accept_token(3) and m.accept_token(be.eos_token_id)  # outside the manager
+        bm = mgr.fill_bitmask([("live", []), ("dead", []), ("later", []), ("stop", [])])
+        res.append((bm.bitmask.clone(), bm.dead_end.tolist(), [mgr.finish_reason(r) for r in ("dead", "later")]))
+        assert bm.dead_end.tolist() == [False, True, True, True]
+    assert torch.equal(res[0][0], res[1][0]) and res[0][1:] == res[1][1:]
