@@ -14,6 +14,11 @@
     "bare_list" skips even that gather (a lower bound). Also timed: the manager's general path (round
     1's code path, ``general_*``), the naive loop of one public-API call per row, and for llguidance
     its ``LLExecutor`` on one thread. With 0 and 3 drafts per request.
+Timing: process CPU time (``time.process_time``), minimum of 7 interleaved repeats per step (each repeat
+times enough back-to-back calls to span ~1 ms; variants in a random order each repeat, all filling the
+manager's own buffer), summed over 12 steps: the machine is shared, and CPU time of the one thread that
+fills masks is what contention distorts least. Absolute CPU numbers are indicative; ratios measured
+side by side are the result.
 (c) Compile time of each grammar (cold, no cache) per backend and vocabulary.
 
     python benchmarks/structured.py [--quick] [--plot]
