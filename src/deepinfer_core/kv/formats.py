@@ -127,9 +127,16 @@ def e4m3_round_up(s: torch.Tensor) -> torch.Tensor:
     return torch.where(low, b + 1, b).to(torch.uint8)  # positive e4m3 codes are monotone in value
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` rounded once, on every device. torch's CUDA division by a Python scalar multiplies by the
+    rounded reciprocal (1/448 is inexact), which can differ from the CPU's true division in the last bit;
+    dividing by a tensor on the same device is a correctly rounded division everywhere."""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
+
+
 def pow2_scale_exponent(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     """Smallest e with amax / 2^e <= elem_max, clamped to the ue8m0 range [-127, 127] (int32)."""
-    y = amax.to(torch.float64) / elem_max
+    y = _div(amax.to(torch.float64), elem_max)
     mant, exp = torch.frexp(y)  # y = mant * 2^exp, mant in [0.5, 1)
     e = torch.where(mant == 0.5, exp - 1, exp)  # exact powers of two need no extra step
     e = torch.where(y > 0, e, torch.full_like(e, -UE8M0_BIAS))
@@ -176,7 +183,7 @@ class FP4Format:
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         x = _groups(_check_input(x, self.dim, self.name), self.group)
         amax = x.abs().amax(dim=-1, keepdim=True)
-        s = (amax / E2M1_MAX).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+        s = _div(amax, E2M1_MAX).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
         sb = e4m3_round_up(s)
         codes = e2m1_encode(x / e4m3_decode(sb))
         vals = pack_nibbles(codes.flatten(-2))
@@ -282,7 +289,7 @@ class V32Format:
         x = x.clamp(-f32_max, f32_max)
         nope, rope = _groups(x[..., : self.nope_dim], self.group), x[..., self.nope_dim :]
         # fp32 scale: max of the block maps exactly to 448; the tiny floor keeps all-zero blocks finite.
-        scale = (nope.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = _div(nope.abs().amax(dim=-1, keepdim=True), E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         vals = e4m3_encode(nope / scale).flatten(-2)
         sbytes = scale.squeeze(-1).contiguous().view(torch.uint8)
         bf_max = torch.finfo(torch.bfloat16).max

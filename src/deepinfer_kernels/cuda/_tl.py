@@ -61,6 +61,11 @@ def kernel_source(key: tuple[Any, ...]) -> str:
     return _CACHE[key].get_kernel_source()
 
 
+# Dtypes the kernels are built for; other dtypes (float64 precision runs) take the torch reference, which
+# is the same contract, so the cuda backend accepts whatever the reference accepts.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def torch_dtype_name(dt: torch.dtype) -> str:
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if dt not in names:

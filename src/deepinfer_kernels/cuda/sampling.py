@@ -17,7 +17,7 @@ run on the same GPU. Against the CPU reference a last-bit difference of ``log`` 
 # No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
 import torch
 
-from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
+from deepinfer_kernels.cuda._tl import HAVE_TILELANG, KERNEL_DTYPES, T, compile_kernel, torch_dtype_name
 from deepinfer_kernels.ops.sampling import _check, survivors
 from deepinfer_kernels.ops.sampling import sample as _reference
 from deepinfer_kernels.registry import register
@@ -118,7 +118,7 @@ def sample(
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """Same contract and tokens as the reference ``sample``; CUDA tensors."""
-    if not HAVE_TILELANG or logits.device.type != "cuda":
+    if not HAVE_TILELANG or logits.device.type != "cuda" or logits.dtype not in KERNEL_DTYPES:
         return _reference(logits, temperature, top_k, top_p, seeds, positions)
     _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
     b, vocab = logits.shape

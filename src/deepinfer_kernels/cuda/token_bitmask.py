@@ -11,7 +11,14 @@ the reference. Kernels are specialised on (vocab, words, dtype, indexed) and sym
 # No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
 import torch
 
-from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, require_cuda, torch_dtype_name
+from deepinfer_kernels.cuda._tl import (
+    HAVE_TILELANG,
+    KERNEL_DTYPES,
+    T,
+    compile_kernel,
+    require_cuda,
+    torch_dtype_name,
+)
 from deepinfer_kernels.ops.token_bitmask import apply_token_bitmask as _reference
 from deepinfer_kernels.registry import register
 
@@ -63,7 +70,7 @@ def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Same contract as the reference (in place, returns ``logits``); CUDA tensors, float32/bf16/fp16."""
-    if not HAVE_TILELANG or logits.device.type != "cuda":
+    if not HAVE_TILELANG or logits.device.type != "cuda" or logits.dtype not in KERNEL_DTYPES:
         return _reference(logits, bitmask, rows)
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits: must be a 2-D floating tensor, got {logits.dtype} {tuple(logits.shape)}")
