@@ -93,6 +93,12 @@ def _backend() -> Any:
     return get_backend("reference")
 
 
+def _engine() -> Any:
+    from deepinfer_core.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig())
+
+
 def _tokenizer() -> Any:
     from deepinfer_core.tokenizer import ByteTokenizer
 
@@ -113,6 +119,7 @@ CASES: list[tuple[str, Callable[[], Any]]] = [
     ("ModelExecutor", _executor),
     ("Backend", _backend),
     ("Tokenizer", _tokenizer),
+    ("Engine", _engine),
 ]
 
 

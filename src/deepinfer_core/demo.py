@@ -1,8 +1,8 @@
-"""The main job: a tour of the components that exist, each on a small realistic input.
+"""The main job: the reference engine generating with the built-in tiny model (no download), then a tour
+of the components, each on a small realistic input.
 
-Each section imports its component lazily and prints its result; a component that is not built yet is
-reported as such instead of failing the tour. Once the reference engine lands, this becomes generation
-with the built-in tiny model.
+Each section imports its component lazily and prints its result; ``--only TEXT`` runs the sections whose
+title contains TEXT (e.g. ``--only engine``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _build() -> None:
 
 # Each component ships `deepinfer_core/<component>/demo.py` with a `demo()` that prints its own result.
 COMPONENTS = (
+    ("reference engine: LLM.generate on the built-in tiny model", "engine"),
     ("KV byte accounting, pools and prefix index", "kv"),
     ("EPLB on a skewed expert load", "eplb"),
     ("MTPVarlen verify plan (DSpark)", "spec"),

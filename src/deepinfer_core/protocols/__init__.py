@@ -5,6 +5,7 @@ only place that knows all concrete classes. Each protocol is ``runtime_checkable
 that every concrete component satisfies its seam.
 """
 
+from deepinfer_core.protocols.engine import Engine
 from deepinfer_core.protocols.engram import EngramTable
 from deepinfer_core.protocols.eplb import ExpertPlacementPolicy
 from deepinfer_core.protocols.kv import KVBlockPool, PrefixIndex, StatePool
@@ -16,6 +17,7 @@ from deepinfer_core.protocols.tokenizer import Tokenizer
 
 __all__ = [
     "Backend",
+    "Engine",
     "EngramTable",
     "ExpertPlacementPolicy",
     "GrammarBackend",
