@@ -44,8 +44,9 @@ void check_keep(int64_t tail_keep) {
 inline int64_t first_nonzero(const uint32_t* row, int64_t words) {
   int64_t w = 0;
   for (; w + 16 <= words; w += 16) {
-    uint32_t acc = 0;
-    for (int k = 0; k < 16; ++k) acc |= row[w + k];
+    uint64_t part[8];
+    std::memcpy(part, row + w, sizeof(part));  // 64-bit lanes without aliasing trouble
+    const uint64_t acc = (part[0] | part[1]) | (part[2] | part[3]) | (part[4] | part[5]) | (part[6] | part[7]);
     if (acc != 0) break;
   }
   while (w < words && row[w] == 0) ++w;
