@@ -6,7 +6,9 @@ stay queued and every admission check sees them). A step is ``plan = schedule()`
 ``update(plan, sampled)`` with a preallocated token array: everything the CPU does per step except
 running the model. Measured three ways in alternating rounds of 10 consecutive steps: the Python API
 (what an engine calls), the C++ core through its binding alone (the Python wrapper's share is the
-difference), and the asynchronous mode (schedule N+1 before update N). Times are CPU time of the
+difference), the asynchronous mode (schedule N+1 before update N), and speculative verify rows ("spec":
+every request asks for 2 drafts, one is accepted: rows of 3 tokens, 2 tokens applied per row, the
+rejected draft's KV given back; the drafts dict is built once, as an engine's drafter output would be). Times are CPU time of the
 calling thread (the core releases the GIL but runs on that thread), median and 10th percentile over
 steps, plus wall time. Also: one prefill step packing waiting prompts under a time budget.
 
@@ -64,8 +66,13 @@ def measure(n: int, steps: int) -> dict[str, float]:
     sync = build(n, False)
     asyn = build(n, True)
     toks = np.full(n, 7, dtype=np.int32)
+    spec = build(n, False)
     impl = sync._impl
     pending: list = [asyn.schedule()]
+    ask = {f"r{i}": 2 for i in range(n)}
+    stoks = np.full(2 * n, 7, dtype=np.int32)
+    counts = np.full(n, 2, dtype=np.int32)
+    no_counts = np.zeros(0, np.int32)
 
     def api_step() -> None:
         plan = sync.schedule()
@@ -74,14 +81,19 @@ def measure(n: int, steps: int) -> dict[str, float]:
 
     def core_step() -> None:
         t = impl.schedule(False, False, True)
-        impl.update(t[0], toks)
+        impl.update(t[0], toks, no_counts)
+
+    def spec_step() -> None:
+        plan = spec.schedule(num_draft_tokens=ask)
+        assert int(plan.num_drafts.sum()) == 2 * n and not plan.preempted
+        spec.update(plan, stoks, counts)
 
     def async_step() -> None:
         nxt = asyn.schedule()  # step N+1 planned before step N's tokens are applied
         asyn.update(pending.pop(), toks)
         pending.append(nxt)
 
-    fns = {"api": api_step, "core": core_step, "async": async_step}
+    fns = {"api": api_step, "core": core_step, "async": async_step, "spec": spec_step}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     wall: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
@@ -112,14 +124,14 @@ def main() -> None:
         med = measure(n, steps)
         results[n] = med
         params = {"running": n, "waiting": WAITING, "prompt": PROMPT, "block_size": BLOCK, "steps": steps}
-        for k in ("api", "core", "async"):
+        for k in ("api", "core", "async", "spec"):
             emit(BENCH, {**params, "path": k}, "cpu_us_per_step", round(med[k], 2), "us")
             emit(BENCH, {**params, "path": k}, "cpu_ns_per_request", round(1e3 * med[k] / n, 1), "ns")
             emit(BENCH, {**params, "path": k}, "wall_us_per_step", round(med[f"{k}_wall"], 2), "us")
             emit(BENCH, {**params, "path": k}, "cpu_us_per_step_p10", round(med[f"{k}_p10"], 2), "us")
         emit(BENCH, params, "wrapper_share", round(1 - med["core"] / med["api"], 3), "ratio")
         emit(BENCH, params, "cpu_fraction_of_10ms_step", round(med["api"] / 10_000, 5), "ratio")
-        log(f"N={n}: CPU us/step api {med['api']:.1f}, core {med['core']:.1f}, async {med['async']:.1f}; "
+        log(f"N={n}: CPU us/step api {med['api']:.1f}, core {med['core']:.1f}, async {med['async']:.1f}, spec {med['spec']:.1f}; "
             f"wall api {med['api_wall']:.1f}")
 
     # One prefill step: pack waiting 512-token prompts under a 20 ms budget (fitted-looking model).

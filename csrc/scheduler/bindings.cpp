@@ -104,7 +104,7 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
             // has ten of them.
             const size_t n = p.seq_ids.size(), ntok = p.token_ids.size(), w = static_cast<size_t>(p.width);
             const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
-            auto i32 = di::new_array<int32_t>({3 * n + ntok + n * w + nk});
+            auto i32 = di::new_array<int32_t>({4 * n + ntok + n * w + nk});
             int32_t* o = i32.data();
             auto put32 = [&o](const int32_t* src, size_t len) {
               if (len) std::memcpy(o, src, len * sizeof(int32_t));
@@ -113,6 +113,7 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
             put32(p.num_tokens.data(), n);
             put32(p.start.data(), n);
             for (size_t k = 0; k < n; ++k) *o++ = p.sample[k];
+            put32(p.num_drafts.data(), n);
             put32(p.token_ids.data(), ntok);
             put32(p.block_tables.data(), n * w);
             put32(p.kv_load_tokens.data(), nk);
@@ -127,15 +128,25 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           },
           nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"),
           "(step_id, step_type, i32, i64, rows, tokens, width, preempted, kv_loads, predicted_ns); i32 = "
-          "[num_tokens | start | sample | token_ids | block_tables | kv_load_tokens], i64 = [seq_ids | "
+          "[num_tokens | start | sample | num_drafts | token_ids | block_tables | kv_load_tokens], i64 = [seq_ids | "
           "preempted | kv_load_ids]")
       .def(
+          "set_drafts",
+          [](StepScheduler& s, di::CArray1<int64_t> seq_ids, di::CArray1<int32_t> ks) {
+            di::require(seq_ids.shape(0) == ks.shape(0), "num_draft_tokens: seq_ids and counts differ in length");
+            s.set_drafts(seq_ids.data(), ks.data(), static_cast<int64_t>(seq_ids.shape(0)));
+          },
+          nb::arg("seq_ids"), nb::arg("num_drafts"), "Drafts to verify per decode request in the next schedule().")
+      .def(
           "update",
-          [](StepScheduler& s, int64_t step_id, di::CArray1<int32_t> sampled) {
+          [](StepScheduler& s, int64_t step_id, di::CArray1<int32_t> sampled, di::CArray1<int32_t> counts) {
             std::vector<di::sched::Ended> ended;
             {
               nb::gil_scoped_release release;
-              ended = s.update(step_id, sampled.data(), static_cast<int64_t>(sampled.shape(0)));
+              // empty counts: one token per row (rows that verify drafts need counts)
+              const bool per_row = counts.shape(0) == 0;
+              ended = s.update(step_id, sampled.data(), static_cast<int64_t>(sampled.shape(0)),
+                               per_row ? nullptr : counts.data(), static_cast<int64_t>(counts.shape(0)));
             }
             nb::list out;
             for (auto& e : ended) {
@@ -146,7 +157,7 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
             }
             return out;
           },
-          nb::arg("step_id"), nb::arg("sampled"),
+          nb::arg("step_id"), nb::arg("sampled"), nb::arg("counts"),
           "Apply the oldest outstanding plan's samples; [(seq_id, reason, output, handoff_blocks, preemptions)].")
       .def("has_unfinished", &StepScheduler::has_unfinished)
       .def_prop_ro("num_live", &StepScheduler::num_live)

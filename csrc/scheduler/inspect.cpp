@@ -52,7 +52,8 @@ void StepScheduler::check_invariants() const {
     if (r.num_computed > r.total()) fail(id + "computed beyond its tokens");
     if (r.known != static_cast<int64_t>(r.tokens.size()) || r.last_token != r.tokens.back()) fail(id + "token cache");
     if (r.status == Status::DECODING && r.num_computed != r.total() - 1) fail(id + "decoding but not one token behind");
-    if (r.pending < 0 || r.pending > r.in_flight) fail(id + "pending tokens without an outstanding row");
+    if (r.pending < 0 || (r.pending > 0 && r.in_flight == 0)) fail(id + "pending tokens without an outstanding row");
+    if (r.spec_in_flight < 0 || r.spec_in_flight > r.in_flight) fail(id + "verify rows in flight exceed rows in flight");
     if (r.in_flight > static_cast<int32_t>(plans_.size())) fail(id + "in flight in more plans than outstanding");
     if (r.schedule_cnt - r.process_cnt != r.in_flight) fail(id + "schedule_cnt - process_cnt != in_flight");
     if (r.status != Status::ENDED) ++live;

@@ -169,12 +169,14 @@ StepType StepScheduler::decide(bool all_prefill, bool any_prefill, bool any_deco
 
 // flatten: the -O2 build otherwise leaves vector::push_back as an out-of-line call per field per row,
 // measured at ~20% of a decode step.
-__attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample) {
+__attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample,
+                                                     int32_t drafts) {
   Req& r = at(slot);
   out.seq_ids.push_back(r.seq_id);
   out.num_tokens.push_back(static_cast<int32_t>(q));
   out.start.push_back(static_cast<int32_t>(r.num_computed));
   out.sample.push_back(sample ? 1 : 0);
+  out.num_drafts.push_back(drafts);
   const int64_t known = r.known;
   if (q == 1) {  // decode: the last known token, or the placeholder of the one still in flight
     out.token_ids.push_back(r.num_computed == known - 1 ? r.last_token : r.num_computed < known ? r.tokens[r.num_computed] : -1);
@@ -182,13 +184,15 @@ __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec,
     for (int64_t p = r.num_computed; p < r.num_computed + q; ++p) out.token_ids.push_back(p < known ? r.tokens[p] : -1);
   }
   r.num_computed += q;
-  if (sample) ++r.pending;
+  if (sample) r.pending += 1 + drafts;  // a verify row yields up to 1 + drafts tokens
+  if (drafts > 0) ++r.spec_in_flight;
   ++r.in_flight;
   ++r.schedule_cnt;
   out.width = std::max<int64_t>(out.width, static_cast<int64_t>(r.blocks.size()));  // final after all reservations
   rec.slots.push_back(slot);
   rec.seq_ids.push_back(r.seq_id);
   rec.sample.push_back(sample ? 1 : 0);
+  rec.drafts.push_back(drafts);
 }
 
 void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
@@ -314,9 +318,25 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
   while (i <= l && rows < cfg_.max_num_seqs && tokens_left > 0) {
     const int32_t slot = decoding_[i];
     Req& r = at(slot);
-    if (r.output_len() >= r.max_tokens) {  // its last token is in flight: it ends at update
+    if (r.output_len() >= r.max_tokens || r.spec_in_flight > 0) {
+      // its last token is in flight (it ends at update), or a verify row is: where its next token
+      // goes depends on how many of those drafts are accepted
       ++i;
       continue;
+    }
+    int64_t k = r.want_k;
+    if (k > 0) {
+      // never verify more than can be kept (max_tokens, max_model_len) or than the step has room for;
+      // drafts are optional, so no draft ever preempts anything
+      k = std::min<int64_t>({k, r.max_tokens - r.output_len() - 1, cfg_.max_model_len - r.total() - 1, tokens_left - 1});
+      if (k > 0 && !reserve(r, r.num_computed + 1 + k)) k = 0;
+      if (k > 0) {
+        add_row(out, rec, slot, 1 + k, true, static_cast<int32_t>(k));
+        ++rows;
+        tokens_left -= 1 + k;
+        ++i;
+        continue;
+      }
     }
     const int64_t need = r.num_computed + 1;
     bool ok = reserve(r, need);
@@ -384,6 +404,8 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
   for (auto* v : {&out.seq_ids, &rec.seq_ids}) v->reserve(est);
   out.sample.reserve(est);
   rec.sample.reserve(est);
+  out.num_drafts.reserve(est);
+  rec.drafts.reserve(est);
   if (out.type == StepType::DECODE) out.token_ids.reserve(est);
   if (out.type == StepType::PREFILL) {
     decode_since_prefill_ = 0;
@@ -392,6 +414,8 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
     if (decode_since_prefill_ < std::numeric_limits<int32_t>::max()) ++decode_since_prefill_;
     schedule_decode(out, rec);
   }
+  for (int32_t slot : draft_slots_) at(slot).want_k = 0;  // draft requests hold for one schedule() only
+  draft_slots_.clear();
   // Block tables from the mirrors (identical to pool_.fill_block_tables on these ids, which the
   // invariant check and the tests verify, without a hash lookup per row).
   const size_t n = rec.slots.size();
@@ -403,6 +427,22 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
   }
   plans_.push_back(std::move(rec));
   return out;
+}
+
+void StepScheduler::set_drafts(const int64_t* seq_ids, const int32_t* ks, int64_t n) {
+  // validate everything first: a bad entry changes nothing
+  for (int64_t i = 0; i < n; ++i) {
+    if (ks[i] < 0 || ks[i] > kMaxDrafts)
+      bad("num_draft_tokens[" + s(seq_ids[i]) + "]=" + s(ks[i]) + ": must be in [0, " + s(kMaxDrafts) + "]");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    // a request that ended (e.g. aborted) since the caller looked is simply not planned
+    auto it = slot_of_.find(seq_ids[i]);
+    if (it == slot_of_.end() || at(it->second).status == Status::ENDED) continue;
+    const int32_t slot = it->second;
+    if (at(slot).want_k == 0 && ks[i] > 0) draft_slots_.push_back(slot);
+    at(slot).want_k = ks[i];
+  }
 }
 
 FinishReason StepScheduler::stop_reason(const Req& r, int32_t tok) const {
@@ -452,41 +492,78 @@ void StepScheduler::erase_if_done(int32_t slot) {
   free_slots_.push_back(slot);
 }
 
-std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled, int64_t n) {
+std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled, int64_t n, const int32_t* counts,
+                                         int64_t ncounts) {
   if (plans_.empty()) throw std::runtime_error("update: no plan is outstanding");
   const PlanRec& front = plans_.front();
   if (front.step_id != step_id)
     bad("plan.step_id=" + s(step_id) + ": updates must come in schedule order; the oldest outstanding plan is step " +
         s(front.step_id));
-  if (n != static_cast<int64_t>(front.slots.size()))
-    bad("result: expected " + s(static_cast<int64_t>(front.slots.size())) + " sampled tokens (one per plan row), got " +
-        s(n));
+  const int64_t rows = static_cast<int64_t>(front.slots.size());
+  if (counts == nullptr) {
+    if (n != rows) bad("result: expected " + s(rows) + " sampled tokens (one per plan row), got " + s(n));
+  } else {
+    if (ncounts != rows) bad("num_sampled: expected " + s(rows) + " counts (one per plan row), got " + s(ncounts));
+    int64_t sum = 0;
+    for (int64_t k = 0; k < rows; ++k) {
+      const int64_t lo = front.sample[k] ? 1 : 0, hi = front.sample[k] ? 1 + front.drafts[k] : 1;
+      if (counts[k] < lo || counts[k] > hi)
+        bad("num_sampled[" + s(k) + "]=" + s(counts[k]) + ": must be in [" + s(lo) + ", " + s(hi) +
+            "] (a row yields its accepted drafts + one token)");
+      sum += counts[k];
+    }
+    if (sum != n) bad("result: expected sum(num_sampled)=" + s(sum) + " tokens, got " + s(n));
+  }
   PlanRec rec = std::move(plans_.front());
   plans_.pop_front();
   std::vector<int32_t> done;  // rows whose request has ended: erased once every list is compacted
+  int64_t off = 0;
   for (size_t k = 0; k < rec.slots.size(); ++k) {
     const int32_t slot = rec.slots[k];
     Req& r = at(slot);
     if (r.seq_id != rec.seq_ids[k]) throw std::logic_error("scheduler: plan row points at a reused slot");
+    const int32_t kd = rec.drafts[k];
+    const int64_t m = counts == nullptr ? 1 : counts[k];
+    const int32_t* toks = sampled + off;
+    off += m;
     --r.in_flight;
     ++r.process_cnt;
+    if (kd > 0) --r.spec_in_flight;
     if (r.status == Status::ENDED) {  // ended after this step was scheduled: slot discarded
       done.push_back(slot);
       continue;
     }
     if (!rec.sample[k]) continue;
-    --r.pending;
-    const int32_t tok = sampled[k];
-    if (tok < 0) {  // a bad sample fails its own request, not the batch
-      end(slot, FinishReason::FAILED);
+    r.pending -= 1 + kd;
+    bool ended = false;
+    for (int64_t j = 0; j < m && !ended; ++j) {  // token by token: whatever follows a stop is dropped
+      const int32_t tok = toks[j];
+      if (tok < 0) {  // a bad sample fails its own request, not the batch
+        end(slot, FinishReason::FAILED);
+        ended = true;
+        break;
+      }
+      r.push(tok);
+      const FinishReason why = stop_reason(r, tok);
+      if (why != FinishReason::NONE || r.status == Status::HANDOFF) {
+        end(slot, why != FinishReason::NONE ? why : FinishReason::HANDOFF);
+        ended = true;
+      }
+    }
+    if (ended) {
       done.push_back(slot);
       continue;
     }
-    r.push(tok);
-    const FinishReason why = stop_reason(r, tok);
-    if (why != FinishReason::NONE || r.status == Status::HANDOFF) {
-      end(slot, why != FinishReason::NONE ? why : FinishReason::HANDOFF);
-      done.push_back(slot);
+    if (kd > 0 && r.status == Status::DECODING) {
+      // m - 1 drafts accepted: the KV of the 1 + kd - m rejected ones is stale; recompute from there
+      // and give back the whole blocks past what the next step needs
+      r.num_computed -= static_cast<int32_t>(1 + kd - m);
+      const int64_t keep = round_up(r.num_computed + 1);
+      if (keep < r.kv_slots) {
+        pool_.truncate(r.seq_id, keep);
+        r.kv_slots = static_cast<int32_t>(keep);
+        r.blocks = pool_.block_table(r.seq_id);
+      }
     }
   }
   compact_lists();

@@ -7,13 +7,22 @@
 //
 // Token accounting of a request (the numbers every rule below refers to):
 //   tokens         prompt + output tokens whose values are known
-//   pending        tokens already scheduled to be sampled whose values are not known yet (async mode)
+//   pending        tokens already scheduled to be sampled whose values are not known yet (async mode);
+//                  a verify row of 1 + k tokens counts 1 + k (the most it can yield)
 //   total          tokens.size() + pending
 //   num_computed   tokens whose KV is computed or scheduled to be computed
 //   output length  total - prompt_len: output tokens generated so far, counting kept output from
 //                  before a preemption and tokens still in flight. Decode admission is
 //                  shortest-output-first and preemption takes the longest-output request first; ties
 //                  go by arrival (earlier arrival = admitted first, preempted last).
+//
+// Speculative decoding: set_drafts() before schedule() asks for k draft tokens to be verified per
+// decode request. Its row is then 1 + k tokens [last token, k drafts] (drafts are -1 placeholders the
+// caller fills), KV is reserved for 1 + k, and update() takes 1..1+k tokens for it (accepted drafts +
+// the correction / bonus token), stop-checked one by one (tokens after a stop are dropped). The KV of
+// rejected drafts is given back (num_computed steps back; whole trailing blocks return to the pool).
+// While a verify row is outstanding (async mode) its request is not planned again: where its next
+// token goes depends on how many drafts are accepted.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +36,8 @@
 #include "scheduler/cost_model.h"
 
 namespace di::sched {
+
+inline constexpr int32_t kMaxDrafts = 64;  // drafts one verify row may carry
 
 enum class EngineType : int32_t { NORMAL = 0, PROMPT = 1, COMPLETION = 2 };
 enum class StepType : int32_t { IDLE = 0, PREFILL = 1, DECODE = 2 };
@@ -74,6 +85,8 @@ struct alignas(64) Req {
   // ---- second line ----
   int32_t prefill_target = 0;  // tokens to compute before the first sample of this admission
   int32_t num_preemptions = 0;
+  int32_t want_k = 0;          // drafts asked for by set_drafts() for the next schedule()
+  int32_t spec_in_flight = 0;  // outstanding verify rows (rows with drafts)
   FinishReason reason = FinishReason::NONE;
   std::vector<int32_t> tokens;  // prompt + known output
   // Mirror of the pool's block table, refreshed whenever the reservation changes, so a step copies
@@ -99,6 +112,7 @@ struct PlanOut {
   std::vector<int32_t> num_tokens;
   std::vector<int32_t> start;        // num_computed before the step = position of the first new token
   std::vector<uint8_t> sample;       // row samples a token (decode rows, last prefill chunk)
+  std::vector<int32_t> num_drafts;   // drafts the row verifies (its last num_drafts tokens)
   std::vector<int32_t> token_ids;    // flat, sum(num_tokens); -1 = placeholder (previous step's sample)
   std::vector<int32_t> block_tables; // [n, width], padded with the null block 0
   int64_t width = 0;
@@ -131,8 +145,15 @@ class StepScheduler {
   // The step type every rank of the group derives from the same group facts and the same counter.
   StepType decide(bool all_prefill, bool any_prefill, bool any_decode) const;
   PlanOut schedule(bool all_prefill, bool any_prefill, bool any_decode);
-  // Sampled tokens of the oldest outstanding plan, one per row (rows that do not sample: ignored).
-  std::vector<Ended> update(int64_t step_id, const int32_t* sampled, int64_t n);
+  // Drafts to verify in the next schedule() (decode requests only; capped there by max_tokens, the
+  // token cap and free KV). k in [0, kMaxDrafts]; ended / unknown seq ids are skipped. Cleared by
+  // schedule().
+  void set_drafts(const int64_t* seq_ids, const int32_t* ks, int64_t n);
+  // Sampled tokens of the oldest outstanding plan. counts == nullptr: one per row (rows that do not
+  // sample: ignored). Else counts[i] tokens for row i, flat in `sampled`: 1..1 + num_drafts[i] for a
+  // sampling row, 0 or 1 (ignored) for a row that does not sample.
+  std::vector<Ended> update(int64_t step_id, const int32_t* sampled, int64_t n, const int32_t* counts = nullptr,
+                            int64_t ncounts = 0);
 
   bool has_unfinished() const { return live_ > 0 || !plans_.empty() || !ended_.empty(); }
   int64_t num_live() const { return live_; }
@@ -155,6 +176,7 @@ class StepScheduler {
     std::vector<int32_t> slots;
     std::vector<int64_t> seq_ids;
     std::vector<uint8_t> sample;
+    std::vector<int32_t> drafts;
   };
 
   Req& at(int32_t slot) { return slots_[slot]; }
@@ -168,7 +190,7 @@ class StepScheduler {
   void sort_decoding();
   void preempt(int32_t slot, PlanOut& out);
   void end(int32_t slot, FinishReason reason);
-  void add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample);
+  void add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample, int32_t drafts = 0);
   void schedule_prefill(PlanOut& out, PlanRec& rec);
   void schedule_decode(PlanOut& out, PlanRec& rec);
   void erase_if_done(int32_t slot);
@@ -185,6 +207,7 @@ class StepScheduler {
   std::vector<int32_t> decoding_;    // by (output length, arrival), re-sorted each decode step
   std::deque<PlanRec> plans_;
   std::vector<Ended> ended_;         // ended since the last update() returned
+  std::vector<int32_t> draft_slots_; // slots with want_k set by set_drafts(), cleared by schedule()
   int64_t next_arrival_ = 0;
   int64_t next_step_ = 0;
   int64_t live_ = 0;

@@ -7,6 +7,7 @@ GIL released; Python only maps string request ids to the pool's int64 sequence i
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from deepinfer_core.scheduler.vote import LocalVote
 logger = logging.getLogger(__name__)
 
 _INT32_MAX = 2**31 - 1
+_NO_COUNTS = np.zeros(0, np.int32)
 
 
 class Scheduler:
@@ -125,9 +127,28 @@ class Scheduler:
         """This rank's (has prefill work it can start now, has decode work), for the group vote."""
         return tuple(self._impl.wish())  # type: ignore[return-value]
 
-    def schedule(self, group: tuple[bool, bool, bool] | None = None) -> Plan:
+    def schedule(
+        self, group: tuple[bool, bool, bool] | None = None, num_draft_tokens: Mapping[str, int] | None = None
+    ) -> Plan:
         """Plan the next step. ``group`` is the DP group's (all have prefill, any has prefill, any has
-        decode); by default this rank's wish goes through ``self.vote``."""
+        decode); by default this rank's wish goes through ``self.vote``.
+
+        ``num_draft_tokens`` ({request id: k}) asks for verify rows: a decode request's row becomes
+        ``[last token, k drafts]`` (the drafts are ``-1`` placeholders the caller fills; ``plan.num_drafts``
+        gives the k actually planned, which may be smaller: capped by max_tokens, the token cap and free
+        KV, and 0 while a verify row of the request is still outstanding). Its ``update`` then takes
+        1..1 + k tokens for that row (see ``update``)."""
+        if num_draft_tokens:
+            seqs, ks = [], []
+            for rid, k in num_draft_tokens.items():
+                seq = self._seq_of.get(rid)
+                if seq is None:
+                    raise ValueError(f"num_draft_tokens: request {rid!r} is not live")
+                if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+                    raise ValueError(f"num_draft_tokens[{rid!r}]: {k!r} must be an int")
+                seqs.append(seq)
+                ks.append(int(k))
+            self._impl.set_drafts(np.asarray(seqs, np.int64), np.asarray(ks, np.int32))
         if group is None:
             group = self.vote.decide(*self._impl.wish())
         all_p, any_p, any_d = group
@@ -135,7 +156,7 @@ class Scheduler:
             bool(all_p), bool(any_p), bool(any_d)
         )
         # Slice the core's two flat buffers into the plan's arrays (views, no copies).
-        a = 3 * n + ntok
+        a = 4 * n + ntok
         preempted_ids = i64[n : n + npre]
         preempted = tuple(self._id_of[s] for s in preempted_ids.tolist()) if npre else ()
         if preempted:
@@ -147,7 +168,8 @@ class Scheduler:
             num_tokens=i32[:n],
             start=i32[n : 2 * n],
             sample=i32[2 * n : 3 * n],
-            token_ids=i32[3 * n : a],
+            num_drafts=i32[3 * n : 4 * n],
+            token_ids=i32[4 * n : a],
             block_tables=i32[a : a + n * w].reshape(n, w),
             preempted=preempted,
             kv_load_seq_ids=i64[n + npre :],
@@ -156,11 +178,17 @@ class Scheduler:
             names=self._id_of,
         )
 
-    def update(self, plan: Plan, result: Any) -> list[FinishedRequest]:
-        """Apply ``plan``'s sampled tokens (one per row); return every request that ended since the
-        previous ``update`` (stopped, length, handed off, aborted or failed), each exactly once."""
+    def update(self, plan: Plan, result: Any, num_sampled: Any = None) -> list[FinishedRequest]:
+        """Apply ``plan``'s sampled tokens; return every request that ended since the previous
+        ``update`` (stopped, length, handed off, aborted or failed), each exactly once.
+
+        ``num_sampled`` None: ``result`` holds one token per row. Otherwise ``num_sampled[i]`` tokens of
+        row i lie flat in ``result``: for a sampling row 1..1 + ``plan.num_drafts[i]`` (its accepted
+        drafts, then the correction / bonus token), for a row that does not sample 0 or 1 (ignored).
+        Tokens are stop-checked one by one; those after a stop are dropped."""
         sampled = np.ascontiguousarray(np.asarray(result).reshape(-1), dtype=np.int32)
-        ended = self._impl.update(plan.step_id, sampled)
+        counts = _NO_COUNTS if num_sampled is None else np.ascontiguousarray(np.asarray(num_sampled).reshape(-1), np.int32)
+        ended = self._impl.update(plan.step_id, sampled, counts)
         out: list[FinishedRequest] = []
         for seq, reason, output, blocks, npre in ended:
             rid = self._id_of.pop(seq)

@@ -123,7 +123,8 @@ class Plan:
     """One step's plan. Row ``i`` computes ``num_tokens[i]`` tokens of sequence ``seq_ids[i]`` starting
     at position ``start[i]``; its input tokens are ``token_ids[offsets[i]:offsets[i+1]]`` where ``-1``
     is a placeholder for the token the previous step sampled for that sequence (asynchronous mode).
-    Rows with ``sample[i]`` produce one token. ``block_tables`` is [rows, max blocks], padded with 0.
+    Rows with ``sample[i]`` produce one token (a verify row, ``num_drafts[i] = k > 0``: 1..1 + k tokens;
+    its last k input tokens are ``-1`` placeholders for the caller's drafts). ``block_tables`` is [rows, max blocks], padded with 0.
     """
 
     step_id: int
@@ -132,6 +133,7 @@ class Plan:
     num_tokens: np.ndarray  # int32 [n]
     start: np.ndarray  # int32 [n]
     sample: np.ndarray  # int32 [n], 1 where the row samples a token
+    num_drafts: np.ndarray  # int32 [n], drafts a verify row checks (its last num_drafts input tokens)
     token_ids: np.ndarray  # int32 [sum(num_tokens)]
     block_tables: np.ndarray  # int32 [n, w]
     preempted: tuple[str, ...]

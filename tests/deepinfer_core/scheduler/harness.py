@@ -90,33 +90,64 @@ class Oracle:
 
 
 class FakeExecutor:
-    """Runs a plan: resolves placeholders from its own previous samples, checks inputs, samples."""
+    """Runs a plan: resolves placeholders from its own previous samples, checks inputs, samples.
 
-    def __init__(self, oracle: Oracle) -> None:
+    Verify rows (``plan.num_drafts[i] = k > 0``): a fake drafter fills the k draft placeholders, each
+    right (the oracle's token) with probability ``p_right``, else wrong; verification accepts the
+    longest right prefix and appends the oracle's next token, so a random prefix of the drafts is
+    accepted and the stream stays the oracle's. ``run`` then returns (flat tokens, count per row).
+    """
+
+    def __init__(self, oracle: Oracle, rng: np.random.Generator | None = None, p_right: float = 0.6) -> None:
         self.oracle = oracle
         self.last: dict[str, int] = {}
+        self.rng, self.p_right = rng, p_right
+        self.drafts_fed = self.drafts_accepted = 0
 
-    def run(self, plan: Plan) -> np.ndarray:
+    def run(self, plan: Plan) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         out = np.full(plan.num_rows, -7, dtype=np.int32)  # non-sampling rows: a value update must ignore
+        flat: list[int] = []
+        counts = np.zeros(plan.num_rows, np.int32)
         off = 0
         rids = plan.request_ids
         for i, rid in enumerate(rids):
             q = int(plan.num_tokens[i])
+            k = int(plan.num_drafts[i])
             start = int(plan.start[i])
             toks = plan.token_ids[off : off + q].copy()
             off += q
+            assert k == 0 or (plan.step_type is StepType.DECODE and q == 1 + k and plan.sample[i])
+            assert (toks[q - k :] == -1).all(), f"{rid}: draft slots must be placeholders"
             if toks[0] == -1:
-                assert plan.step_type is StepType.DECODE and q == 1, "placeholder outside a decode row"
+                assert plan.step_type is StepType.DECODE and q == 1 + k, "placeholder outside a decode row"
                 toks[0] = self.last[rid]
-            assert (toks >= 0).all(), f"{rid}: placeholder not at the row's first token"
-            for j, t in enumerate(toks.tolist()):
+            assert (toks[: q - k] >= 0).all(), f"{rid}: placeholder not at the row's first token"
+            for j, t in enumerate(toks[: q - k].tolist()):
                 assert t == self.oracle.token(rid, start + j), f"{rid}: wrong input token at position {start + j}"
-            if plan.sample[i]:
-                no = self.oracle.specs[rid].no
+            no = self.oracle.specs[rid].no
+            if k:
+                assert self.rng is not None, "verify row without a drafter"
+                true = [self.oracle.token(rid, start + j) for j in range(1, k + 2)]
+                right = self.rng.random(k) < self.p_right
+                acc = int(np.argmin(right)) if not right.all() else k
+                row = true[: acc + 1]  # accepted drafts (right by construction) + the next token
+                self.drafts_fed += k
+                self.drafts_accepted += acc
+                flat += row
+                counts[i] = len(row)
+                self.last[rid] = row[-1]
+            elif plan.sample[i]:
                 out[i] = next_token(no, start + q, int(toks[-1]))
                 self.last[rid] = int(out[i])
+                flat.append(int(out[i]))
+                counts[i] = 1
+            else:
+                flat.append(-7)
+                counts[i] = 1
         assert off == plan.token_ids.shape[0]
-        return out
+        if self.rng is None:
+            return out
+        return np.asarray(flat, np.int32), counts
 
 
 @attrs.define
@@ -124,6 +155,8 @@ class RunResult:
     finished: list[FinishedRequest]
     plans: int
     max_steps_hit: bool
+    drafts_fed: int = 0
+    drafts_accepted: int = 0
 
 
 def drive(
@@ -134,10 +167,17 @@ def drive(
     on_plan: Callable[[Scheduler, Plan], None] | None = None,
     before_schedule: Callable[[Scheduler], None] | None = None,
     max_steps: int = 5000,
+    drafts: np.random.Generator | None = None,
+    max_drafts: int = 4,
 ) -> RunResult:
-    """Step ``sched`` until every request ended. ``lag`` 0: synchronous; 1: one step ahead."""
+    """Step ``sched`` until every request ended. ``lag`` 0: synchronous; 1: one step ahead.
+
+    ``drafts``: before every schedule, ask for a random 0..max_drafts drafts per live request (the
+    fake executor verifies them, see :class:`FakeExecutor`)."""
     oracle = Oracle(specs)
-    ex = FakeExecutor(oracle)
+    ex = FakeExecutor(oracle, drafts)
+    reported: set[str] = set()
+    arrived: list[str] = []
     arrivals: dict[int, list[Spec]] = {}
     aborts: dict[int, list[Spec]] = {}
     for s in specs:
@@ -151,21 +191,28 @@ def drive(
     for step in range(max_steps):
         for s in arrivals.get(step, []):
             sched.add_request(s.request())
+            arrived.append(s.rid)
         for s in aborts.get(step, []):
             sched.abort(s.rid)
         live = sched.num_live > 0
         if live or (not inflight and sched.has_unfinished()):
             if before_schedule is not None:
                 before_schedule(sched)
-            plan = sched.schedule()
+            ask = None
+            if drafts is not None:
+                live_ids = [r for r in arrived if r not in reported]
+                ask = {r: int(k) for r, k in zip(live_ids, drafts.integers(0, max_drafts + 1, len(live_ids)))}
+            plan = sched.schedule(num_draft_tokens=ask)
             plans += 1
             if on_plan is not None:
                 on_plan(sched, plan)
             inflight.append((plan, ex.run(plan)))
         if inflight and (len(inflight) > lag or sched.num_live == 0):
             p, r = inflight.popleft()
-            finished.extend(sched.update(p, r))
+            ended = sched.update(p, *r) if isinstance(r, tuple) else sched.update(p, r)
+            reported.update(f.request_id for f in ended)
+            finished.extend(ended)
         sched.check_invariants()
         if step > last_event and not inflight and not sched.has_unfinished():
-            return RunResult(finished, plans, False)
-    return RunResult(finished, plans, True)
+            return RunResult(finished, plans, False, ex.drafts_fed, ex.drafts_accepted)
+    return RunResult(finished, plans, True, ex.drafts_fed, ex.drafts_accepted)

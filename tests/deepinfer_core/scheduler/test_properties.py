@@ -85,6 +85,7 @@ class StepChecker:
         self.cost = cost
         self.decoding: list[int] = []  # seq ids of decoding requests before the step, in expected order
         self.preemptions = 0
+        self.drafts_fed = self.drafts_accepted = 0
 
     def before(self, sched: Scheduler) -> None:
         keyed = []
@@ -108,7 +109,7 @@ class StepChecker:
                 assert abs(predicted - plan.predicted_ns) <= 1e-9 * max(1.0, predicted)
         elif plan.step_type is StepType.DECODE:
             assert cfg.engine_type is not EngineType.PROMPT
-            assert (plan.num_tokens == 1).all() and plan.sample.all()
+            assert (plan.num_tokens == 1 + plan.num_drafts).all() and plan.sample.all()
             loaded = set(plan.kv_load_seq_ids.tolist())
             # COMPLETION admissions: the KV to load is exactly what the row's first token attends to.
             starts = dict(zip(plan.seq_ids.tolist(), plan.start.tolist()))
@@ -129,12 +130,14 @@ class StepChecker:
             assert plan.num_rows == 0
 
 
-def run(params: dict, specs: list[Spec], async_mode: bool) -> tuple[dict, StepChecker]:
+def run(params: dict, specs: list[Spec], async_mode: bool, draft_seed: int | None = None) -> tuple[dict, StepChecker]:
     pool = PagedKVPool(params["num_blocks"], params["block_size"])
     cfg = SchedulerConfig(async_mode=async_mode, **params["cfg"])
     sched = Scheduler(pool, cfg, cost_model=params["cost"])
     chk = StepChecker(cfg, params["cost"])
-    res = drive(sched, specs, lag=1 if async_mode else 0, before_schedule=chk.before, on_plan=chk.after)
+    rng = None if draft_seed is None else np.random.default_rng(draft_seed)
+    res = drive(sched, specs, lag=1 if async_mode else 0, before_schedule=chk.before, on_plan=chk.after, drafts=rng)
+    chk.drafts_fed, chk.drafts_accepted = res.drafts_fed, res.drafts_accepted
     assert not res.max_steps_hit, "workload did not finish"
     ids = [f.request_id for f in res.finished]
     assert len(ids) == len(set(ids)), "a request ended twice"
@@ -180,5 +183,44 @@ def test_preemption_happens_in_property_workloads() -> None:
         assert chk.preemptions > 0
         assert sum(f.num_preemptions for f in done.values()) == chk.preemptions
         oracle = Oracle(specs)
+        for s in specs:
+            assert list(done[s.rid].output_token_ids) == oracle.expected(s.rid, EngineType.NORMAL)[0]
+
+
+@pytest.mark.parametrize("engine", [EngineType.NORMAL, EngineType.COMPLETION], ids=["NORMAL", "COMPLETION"])
+@given(data=st.data())
+def test_speculative_sync_equals_async_and_oracle(engine: EngineType, data: st.DataObject) -> None:
+    """Verify rows of 1 + k tokens, a random prefix of the drafts accepted: the same streams as the
+    oracle in both modes, stops inside an accepted run honoured, every block back (checked in run)."""
+    params, specs = data.draw(workloads(engine))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    sync, _ = run(params, specs, async_mode=False, draft_seed=seed)
+    asyn, _ = run(params, specs, async_mode=True, draft_seed=seed + 1)
+    oracle = Oracle(specs)
+    for s in specs:
+        want, why = oracle.expected(s.rid, engine)
+        for got in (sync[s.rid], asyn[s.rid]):
+            if got.finish_reason is FinishReason.ABORT:
+                assert list(got.output_token_ids) == want[: len(got.output_token_ids)]
+            else:
+                assert got.finish_reason is why
+                assert list(got.output_token_ids) == want
+
+
+def test_speculative_drafts_are_planned_and_accepted() -> None:
+    """Guard against a vacuous property: drafts are fed and accepted, with preemption in a tight pool,
+    and accepted drafts take fewer steps than one token a step."""
+    specs = [Spec(no=i, arrive=0, prompt=[1 + i] * 3, max_tokens=30, ignore_eos=True) for i in range(6)]
+    params = {
+        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS),
+        "cost": CostModel(),
+        "num_blocks": 40,
+        "block_size": 2,
+    }
+    oracle = Oracle(specs)
+    for mode in (False, True):
+        done, chk = run(params, specs, async_mode=mode, draft_seed=7)
+        assert chk.drafts_fed > 0 and 0 < chk.drafts_accepted < chk.drafts_fed
+        assert chk.preemptions > 0
         for s in specs:
             assert list(done[s.rid].output_token_ids) == oracle.expected(s.rid, EngineType.NORMAL)[0]
