@@ -32,7 +32,10 @@ class EngineConfig:
     ``async_scheduling`` plans step N+1 before step N's tokens are applied (DeepInfer's one-step-ahead
     mode; same tokens as synchronous). ``batch_invariant`` (None: ``DEEPINFER_BATCH_INVARIANT``) runs
     each request of a step as its own executor call, so no kernel ever sees another request's rows.
-    ``speculative`` is the hook for DSpark drafts + MTPVarlen verification (off; see docs/engine.md).
+    ``speculative`` turns on DSpark drafts verified inside the step, ``num_speculative_tokens`` drafts at
+    most per request and step (None: ``DEEPINFER_USE_NEXTN_DECODE``; 0: off), how many of them each step
+    verifies picked by ``spec.MTPVarlen`` (``DEEPINFER_ENABLE_MTP_VARLEN``; off: all of them). Only greedy,
+    unconstrained requests draft, and scheduling is synchronous while speculating (docs/engine.md).
     """
 
     model: str = "tiny"
@@ -49,6 +52,7 @@ class EngineConfig:
     batch_invariant: bool | None = None
     structured_backend: str = "xgrammar"
     speculative: bool = False
+    num_speculative_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check(self.model in MODELS, "model", f"{self.model!r}: must be one of {list(MODELS)} (no downloads here)")
@@ -66,5 +70,9 @@ class EngineConfig:
                f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
         for name in ("quantize", "async_scheduling", "speculative"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
+        _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)
+                                                        and 0 <= self.num_speculative_tokens <= 5),
+               "num_speculative_tokens", f"{self.num_speculative_tokens!r}: must be None (from "
+               "DEEPINFER_USE_NEXTN_DECODE) or an int in [0, 5]")
         _check(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",
                f"{self.batch_invariant!r}: must be None (from DEEPINFER_BATCH_INVARIANT) or a bool")

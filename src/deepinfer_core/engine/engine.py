@@ -29,6 +29,7 @@ from deepinfer_core.engine.requests import (
     normalize_params,
     normalize_prompt,
 )
+from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.envs import Envs, get_envs
 from deepinfer_core.kv import PagedKVPool, StatePool
 from deepinfer_core.model import (
@@ -40,6 +41,7 @@ from deepinfer_core.model import (
     tiny_config,
 )
 from deepinfer_core.scheduler import FinishedRequest, FinishReason, Plan, Request, Scheduler, SchedulerConfig
+from deepinfer_core.spec import make_policy
 from deepinfer_core.tokenizer import ByteTokenizer
 from deepinfer_kernels import get_backend
 
@@ -61,6 +63,7 @@ class StepStats:
     sample_s: float = 0.0  # mask + sample + grammar advance
     update_s: float = 0.0
     tokens_sampled: int = 0
+    verify_rows: int = 0  # decode rows that verified drafts
 
 
 class LLMEngine:
@@ -71,24 +74,25 @@ class LLMEngine:
     :func:`deepinfer_core.envs.get_envs`, read once here.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None,
+                 model: DeepSeekV41 | None = None) -> None:
+        """``model``: a prebuilt model (its own config) instead of the tiny one drawn from ``seed``: a
+        test hook (e.g. a drafter built to copy the target); it must match ``dtype`` / ``backend``."""
         self.config = cfg = config if config is not None else EngineConfig()
         self.envs = envs if envs is not None else get_envs()
-        if cfg.speculative:
-            # Hook: DSpark drafts -> spec.MTPVarlen plan -> verify. The executor output must carry drafts.
-            has = "drafts" in {f.name for f in attrs.fields(ForwardOutput)}
-            raise NotImplementedError("EngineConfig.speculative: " + (
-                "the scheduler plans one-token decode rows only (no verify rows of 1 + drafts), so drafts "
-                "-> MTPVarlen -> verify is not wired into the engine yet" if has else
-                "the model's executor produces no drafts (no DSpark drafter)") + "; use speculative=False")
         self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
         self.backend = get_backend(cfg.backend)
         self.device = self.backend.device
-        self.model_config = tiny_config()
+        self.model_config = tiny_config() if model is None else model.cfg
         self.tokenizer = ByteTokenizer(self.model_config.vocab_size)
         self.vocab_size = self.model_config.vocab_size
-        self.model = DeepSeekV41.from_config(self.model_config, seed=cfg.seed, dtype=_DTYPES[cfg.dtype],
-                                             device=self.device)
+        self.model = model if model is not None else DeepSeekV41.from_config(
+            self.model_config, seed=cfg.seed, dtype=_DTYPES[cfg.dtype], device=self.device)
+        self.num_speculative_tokens = self._spec_tokens()
+        self.drafts: DraftBook | None = None
+        if self.num_speculative_tokens > 0:
+            self.drafts = DraftBook(make_policy(self.envs.enable_mtp_varlen, self.num_speculative_tokens),
+                                    self.num_speculative_tokens)
         self.kv_pool = PagedKVPool(cfg.num_blocks, cfg.block_size)
         self.state_pool = StatePool(cfg.max_num_seqs)
         self.executor = ModelExecutor(self.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
@@ -97,7 +101,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_pool, SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
-            async_mode=cfg.async_scheduling))
+            # a verify row's next position depends on how many drafts are accepted, so with drafts the
+            # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
+            async_mode=cfg.async_scheduling and self.drafts is None))
         self._sample = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")
         self._grammar: Any = None  # StructuredOutputManager, built on the first constrained request
@@ -111,9 +117,27 @@ class LLMEngine:
         self._serial = 0
         self._idle_steps = 0
         self.stats = StepStats()
+        if self.drafts is not None:
+            log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
+                     self.num_speculative_tokens, type(self.drafts.policy).__name__)
         log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
                  "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, cfg.num_blocks,
                  cfg.block_size, cfg.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+
+    def _spec_tokens(self) -> int:
+        cfg = self.config
+        if not cfg.speculative:
+            return 0
+        n = self.envs.use_nextn_decode if cfg.num_speculative_tokens is None else cfg.num_speculative_tokens
+        if self.model.drafter is None:
+            raise ValueError("EngineConfig.speculative: the model has no DSpark drafter (num_nextn_predict_layers = 0)")
+        block = self.model.drafter.block
+        if n > block:
+            raise ValueError(f"EngineConfig.num_speculative_tokens: {n} must be <= {block} (the drafter's block)")
+        if n > self.envs.max_backtracking_tokens:
+            raise ValueError(f"EngineConfig.num_speculative_tokens: {n} must be <= DEEPINFER_MAX_BACKTRACKING_TOKENS="
+                             f"{self.envs.max_backtracking_tokens} (rejected drafts are rolled back)")
+        return n
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
@@ -220,7 +244,8 @@ class LLMEngine:
         if not sched.has_unfinished():
             return out
         t0 = time.perf_counter()
-        plan = sched.schedule()
+        ask = self.drafts.ask(self._by_seq) if self.drafts is not None else None
+        plan = sched.schedule(num_draft_tokens=ask)
         st.schedule_s += time.perf_counter() - t0
         if self._inflight is not None:  # async: apply the previous step's tokens after planning this one
             out += self._update(*self._inflight)
@@ -234,15 +259,16 @@ class LLMEngine:
         self._idle_steps = 0
         sampled = self._run(plan)
         st.steps += 1
-        if self.config.async_scheduling:
+        st.verify_rows += int((plan.num_drafts > 0).sum())
+        if self.scheduler.config.async_mode:
             self._inflight = (plan, sampled)
         else:
             out += self._update(plan, sampled)
         return out
 
-    def _update(self, plan: Plan, sampled: np.ndarray) -> list[RequestOutput]:
+    def _update(self, plan: Plan, sampled: np.ndarray | tuple[np.ndarray, np.ndarray]) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        ended = self.scheduler.update(plan, sampled)
+        ended = self.scheduler.update(plan, *sampled) if isinstance(sampled, tuple) else self.scheduler.update(plan, sampled)
         outs = [self._finish(fr) for fr in ended]
         # the engine's own ends (a grammar that accepted its end under ignore_eos) take effect once the
         # token that ended them is applied
@@ -260,6 +286,8 @@ class LLMEngine:
         del self._by_seq[seq]
         if self.state_pool.contains(seq):
             self.state_pool.release(seq)
+        if self.drafts is not None:
+            self.drafts.drop(seq)
         if req.structured:
             self._grammar.remove_request(req.request_id)
         reason = req.reason if req.reason is not None else _REASONS.get(fr.finish_reason, ERROR)
@@ -281,17 +309,23 @@ class LLMEngine:
         self.scheduler.abort(req.request_id)
 
     # ------------------------------------------------------------------ build, execute, sample
-    def _run(self, plan: Plan) -> np.ndarray:
-        """Execute ``plan`` and sample; returns one token per plan row (0 for rows that sample nothing)."""
-        st, seqs = self.stats, self._seqs
+    def _run(self, plan: Plan) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Execute ``plan`` and sample. Returns one token per plan row (0 for rows that sample nothing),
+        or with speculation (flat tokens, count per row): a verify row yields its accepted drafts and
+        the executor's next token."""
+        st, seqs, book = self.stats, self._seqs, self.drafts
         t0 = time.perf_counter()
         for rid in plan.preempted:  # its caches restart at position 0 when it is admitted again
             seq = self._reqs[rid].seq if rid in self._reqs else -1
             if seq >= 0 and self.state_pool.contains(seq):
                 self.state_pool.release(seq)
+            if seq >= 0 and book is not None:
+                book.drop(seq)  # the executor forgets its drafts when the slot restarts
         seq_ids = plan.seq_ids
         ntok = plan.num_tokens.astype(np.int64)
         tokens = plan.token_ids.astype(np.int64)
+        if book is not None:
+            book.fill(plan, tokens, seq_ids)
         hole = tokens < 0
         if hole.any():  # one step ahead: the token the previous step sampled for that sequence
             tokens[hole] = seqs.last_token[np.repeat(seq_ids, ntok)[hole]]
@@ -303,15 +337,22 @@ class LLMEngine:
             if not self.state_pool.contains(seq) and self.state_pool.acquire(seq) is None:
                 raise RuntimeError(f"engine: no free state slot for seq {seq} ({self.state_pool.num_slots} slots)")
         sampled = np.zeros(plan.num_rows, np.int32)
+        nd = plan.num_drafts.astype(np.int64)
+        # rows whose token comes from the executor (greedy verify / draft); the rest sample here
+        spec_row = (plan.sample > 0) & (DraftBook.eligible(seqs, seq_ids) if book is not None else False)
+        got: dict[int, list[int]] = {}
         while rows.size:
             tok_keep = np.repeat(np.isin(np.arange(plan.num_rows), rows), ntok)
+            spec_kw: dict[str, Any] = {}
+            if book is not None:
+                spec_kw = dict(verify_lens=nd[rows], draft=spec_row[rows], temperature=np.zeros(rows.size))
             batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=ntok[rows], start_pos=plan.start[rows],
                                  block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(seq_ids[rows]),
-                                 num_logits=plan.sample[rows])
+                                 num_logits=plan.sample[rows] + nd[rows], **spec_kw)
             st.build_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             try:
-                logits = self._execute(batch)
+                logits, spec_out = self._execute(batch)
             except BatchError as e:  # one bad request: fail it, rerun the others (nothing was written)
                 if e.request is None:
                     raise
@@ -320,26 +361,74 @@ class LLMEngine:
                 continue
             st.execute_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            srows = rows[plan.sample[rows] > 0]
-            sampled[srows] = self._sample_rows(logits, seq_ids[srows], plan.context_lens[srows].astype(np.int64))
+            last = np.cumsum(batch.num_logits) - 1  # each request's last logits row
+            plain = np.flatnonzero((plan.sample[rows] > 0) & ~spec_row[rows])
+            srows = rows[plain]
+            sampled[srows] = self._sample_rows(logits[torch.as_tensor(last[plain], device=logits.device)],
+                                               seq_ids[srows], plan.context_lens[srows].astype(np.int64))
+            if book is not None:
+                got = self._collect(plan, rows, spec_row, spec_out, tokens, ntok)
             st.sample_s += time.perf_counter() - t0
             break
-        return sampled
+        if book is None:
+            return sampled
+        flat: list[int] = []
+        counts = np.zeros(plan.num_rows, np.int32)
+        for i in range(plan.num_rows):
+            if i in got:
+                flat += got[i]
+                counts[i] = len(got[i])
+            elif plan.sample[i]:  # sampled here, or a dropped row (its request ended: the token is ignored)
+                flat.append(int(sampled[i]))
+                counts[i] = 1
+        return np.asarray(flat, np.int32), counts
 
-    def _execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of the sampled rows, request by request."""
+    def _collect(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, out: dict[str, np.ndarray],
+                 tokens: np.ndarray, ntok: np.ndarray) -> dict[int, list[int]]:
+        """Executor-verified rows: [accepted drafts..., next token] per plan row; keep the new drafts."""
+        book, seqs = self.drafts, self._seqs
+        assert book is not None
+        ends = np.cumsum(ntok)
+        got: dict[int, list[int]] = {}
+        for j, i in enumerate(rows.tolist()):
+            if not spec_row[i]:
+                continue
+            k, a, seq = int(plan.num_drafts[i]), int(out["num_accepted"][j]), int(plan.seq_ids[i])
+            row = [*tokens[ends[i] - k : ends[i] - k + a].tolist(), int(out["next_token"][j])]
+            got[i] = row
+            book.verified += k
+            book.accepted += a
+            book.store(seq, out["drafts"][j], out["draft_confidence"][j])
+            seqs.last_token[seq] = row[-1]
+            seqs.n_out[seq] += len(row)
+            self.stats.tokens_sampled += len(row)
+        return got
+
+    def _execute(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """Logits of the sampled rows, request by request, and the DSpark outputs (numpy; empty when
+        nothing drafts or verifies)."""
         if not self.batch_invariant or batch.num_requests == 1:
-            return self.executor.execute(batch).logits
-        # batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch
-        self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
-        off = batch.offsets
-        parts = []
-        for i in range(batch.num_requests):
-            one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[i:i + 1],
-                               start_pos=batch.start_pos[i:i + 1], block_tables=batch.block_tables[i:i + 1],
-                               state_slots=batch.state_slots[i:i + 1], num_logits=batch.num_logits[i:i + 1])
-            parts.append(self.executor.execute(one).logits)
-        return torch.cat(parts)
+            outs = [self.executor.execute(batch)]
+        else:
+            # batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch
+            self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
+            off = batch.offsets
+            outs = []
+            for i in range(batch.num_requests):
+                sl = slice(i, i + 1)
+                opt = {n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
+                       for n in ("verify_lens", "draft", "temperature")}
+                one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[sl],
+                                   start_pos=batch.start_pos[sl], block_tables=batch.block_tables[sl],
+                                   state_slots=batch.state_slots[sl], num_logits=batch.num_logits[sl], **opt)
+                outs.append(self.executor.execute(one))
+        logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
+        spec: dict[str, np.ndarray] = {}
+        if self.drafts is not None:
+            for name in ("num_accepted", "next_token", "drafts", "draft_confidence"):
+                parts = [_spec_field(o, name, batch.num_requests if len(outs) == 1 else 1) for o in outs]
+                spec[name] = np.concatenate(parts)
+        return logits, spec
 
     def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars."""
@@ -392,3 +481,13 @@ class LLMEngine:
                     req.error = f"grammar: {why}"
                 self._to_abort.append(req.request_id)
         return tok.astype(np.int32)
+
+
+def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:
+    """A DSpark output of ``out`` as numpy (filled with "nothing" when no row drafted or verified)."""
+    v = getattr(out, name)
+    if v is not None:
+        return v.detach().cpu().numpy()
+    if name in ("drafts", "draft_confidence"):
+        return np.full((r, 5), -1 if name == "drafts" else np.nan)
+    return np.full(r, 0 if name == "num_accepted" else -1)

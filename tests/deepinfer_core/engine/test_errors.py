@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core.engine import LLM, EngineConfig
+from deepinfer_core.envs import Envs
 from deepinfer_core.sampling_params import SamplingParams
 
 
@@ -52,8 +53,10 @@ def test_caller_errors_raise() -> None:
         EngineConfig(backend="tpu")
     with pytest.raises(ValueError, match=r"EngineConfig\.model"):
         LLM(model="deepseek-v4")
-    with pytest.raises(NotImplementedError, match=r"EngineConfig\.speculative"):
-        LLM(speculative=True)
+    with pytest.raises(ValueError, match=r"EngineConfig\.num_speculative_tokens"):
+        EngineConfig(speculative=True, num_speculative_tokens=6)
+    with pytest.raises(ValueError, match=r"EngineConfig\.num_speculative_tokens.*BACKTRACKING"):
+        LLM(speculative=True, num_speculative_tokens=5, envs=Envs(use_nextn_decode=2))
     llm = LLM(num_blocks=8, max_num_seqs=1)
     with pytest.raises(ValueError, match="sampling_params: 1 given for 2 prompts"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
