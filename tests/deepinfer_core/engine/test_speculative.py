@@ -84,12 +84,17 @@ def test_seeded_sampling_is_batch_invariant_with_speculation() -> None:
     sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=seed + i, max_tokens=8, ignore_eos=True)
                for i in range(2)]
     greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(2)]
-    kw = dict(seed=5, num_blocks=128, max_num_seqs=8)
+    # batch-invariant mode (each request its own executor call): the engine's exact guarantee. The default
+    # float32 mode can differ in a last-place bit between batch shapes, with or without speculation
+    # (seen at seed 743359848 with speculation off too), which rarely flips a sampled token.
+    kw = dict(seed=5, num_blocks=128, max_num_seqs=8, envs=Envs(batch_invariant=True))
     alone = [_run(LLM(**kw), [p], s)[0] for p, s in zip(prompts[:2], sampled)]
     spec = LLM(**kw, speculative=True)
     mixed = _run(spec, [prompts[2], prompts[0], prompts[3], prompts[1]], [greedy[0], sampled[0], greedy[1], sampled[1]])
     assert [mixed[1], mixed[3]] == alone, f"seed {seed}"
     assert spec.engine.stats.verify_rows > 0  # the greedy neighbours did verify drafts
+    # and speculation changes nothing for the greedy ones either (same batch-invariant engine setup)
+    assert [mixed[0], mixed[2]] == _run(LLM(**kw), [prompts[2], prompts[3]], greedy)
 
 
 def test_structured_requests_do_not_draft() -> None:
