@@ -8,6 +8,11 @@ grammar advance), schedule + update (the C++ scheduler), build (ForwardBatch fro
 ``overhead`` = (schedule + build + sample + update) / (all stages): the engine's cost around the model.
 A structured run (regex per request) at B = 8 shows the grammar mask's share.
 
+Speculative decoding (synchronous scheduling, greedy, B in (1, 8)), each side by side with the same run
+without it: (a) the tiny model with random weights (its drafter's drafts are almost never accepted, so
+this measures the overhead of drafting and verifying, not a gain); (b) float64, raw KV, a drafter built
+to copy the target (every draft accepted: the best case, 5 drafts per step).
+
     python benchmarks/engine.py [--quick] [--plot] [--threads N]
 """
 
@@ -18,7 +23,10 @@ import time
 import torch
 
 from _common import emit, log, out_path, parser
-from deepinfer_core.engine import LLM
+from deepinfer_core.engine import LLM, EngineConfig
+from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.envs import Envs
+from deepinfer_core.model import DeepSeekV41, tiny_config
 from deepinfer_core.sampling_params import SamplingParams
 
 BENCH = "engine"
@@ -47,6 +55,40 @@ def run(batch: int, prompt_len: int, gen: int, async_mode: bool, regex: str | No
     }
 
 
+def copying_model(seed: int) -> DeepSeekV41:
+    """Target whose greedy next token is perm[token], and a drafter that predicts exactly that chain:
+    embeddings scaled by 1e4 dominate the residual stream, head rows are the embeddings permuted, and a
+    full-rank Markov head adds 1e4 to perm[previous token] (the construction the model tests use)."""
+    m = DeepSeekV41.from_config(tiny_config(dspark_markov_rank=512), seed=seed, dtype=torch.float64)
+    inv = torch.argsort(torch.randperm(512, generator=torch.Generator().manual_seed(seed)))
+    with torch.no_grad():
+        m.head.copy_(m.embed.clone()[inv])
+        m.embed.mul_(1e4)
+        m.drafter.markov_in.copy_(torch.eye(512, dtype=torch.float64))
+        m.drafter.markov_out.copy_(1e4 * torch.eye(512, dtype=torch.float64)[inv])
+    return m
+
+
+def run_spec(batch: int, prompt_len: int, gen: int, speculative: bool, copying: bool) -> dict[str, float]:
+    kw = dict(dtype="float64", quantize=False) if copying else {}
+    cfg = EngineConfig(seed=0, num_blocks=1024, max_num_seqs=max(batch, 1), async_scheduling=False,
+                       speculative=speculative, **kw)
+    eng = LLMEngine(cfg, envs=Envs(), model=copying_model(0) if copying else None)
+    prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp)
+    n_out = 0
+    while eng.has_unfinished():
+        n_out += sum(len(o.token_ids) for o in eng.step())
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    book = eng.drafts
+    return {"out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": eng.stats.steps,
+            "drafts_verified": 0 if book is None else book.verified,
+            "acceptance": 0.0 if book is None or not book.verified else book.accepted / book.verified}
+
+
 def main() -> None:
     ap = parser(__doc__ or "")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model is dispatch-bound)")
@@ -72,6 +114,18 @@ def main() -> None:
     for k, v in rs.items():
         emit(BENCH, {"batch": 8, "structured": "regex", "async": True}, k, v,
              "ratio" if k.endswith("frac") else "tok/s" if "tok" in k else "ms" if k.endswith("ms_per_step") else "count")
+    for copying in (False, True):
+        for b in (1, 8):
+            pair = {}
+            for spec in (False, True):
+                log(f"speculative={spec} batch {b} copying_drafter={copying}")
+                r = pair[spec] = run_spec(b, args.prompt_len, gen, spec, copying)
+                params = {"batch": b, "prompt_len": args.prompt_len, "gen": gen, "speculative": spec,
+                          "drafter": "copying" if copying else "random", "threads": args.threads}
+                for k, v in r.items():
+                    emit(BENCH, params, k, v, "tok/s" if "tok" in k else "ratio" if k == "acceptance" else "count")
+            emit(BENCH, {"batch": b, "drafter": "copying" if copying else "random"}, "spec_over_plain_tok_per_s_cpu",
+                 pair[True]["out_tok_per_s_cpu"] / pair[False]["out_tok_per_s_cpu"], "ratio")
     if args.plot:
         import matplotlib
 
