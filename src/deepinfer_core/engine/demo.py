@@ -40,6 +40,13 @@ def demo() -> None:
         agree = sum(a == b for a, b in zip(outs[0].token_ids, o.token_ids))
         print(f"  float64 raw-KV engine: greedy stream == argmax of forward_full: {ref == list(o.token_ids)}; "
               f"default float32 + FP4/FP8 KV agrees on {agree}/{len(o.token_ids)} tokens (random weights)")
+        # speculative decoding (DSpark drafts verified in the step): the same greedy stream
+        spec = LLM(seed=0, dtype="float64", quantize=False, num_blocks=32, max_num_seqs=2, speculative=True)
+        so = spec.generate(prompts[:1], params[:1], use_tqdm=False)[0]
+        book = spec.engine.drafts
+        print(f"  speculative=True: same greedy stream: {so.token_ids == o.token_ids}; {book.verified} drafts "
+              f"verified, {book.accepted} accepted (random weights: low acceptance); "
+              f"{spec.engine.stats.steps} steps vs {exact.engine.stats.steps}")
         st = llm.engine.stats
         print(f"  {st.steps} steps; time in execute {st.execute_s:.2f} s, schedule+build+sample+update "
               f"{st.schedule_s + st.build_s + st.sample_s + st.update_s:.3f} s; ({time.perf_counter() - t0:.1f} s)")
