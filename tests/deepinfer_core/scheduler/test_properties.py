@@ -149,22 +149,28 @@ def run(params: dict, specs: list[Spec], async_mode: bool, draft_seed: int | Non
     return {f.request_id: f for f in res.finished}, chk
 
 
+def _assert_match_oracle(specs: list[Spec], engine: EngineType, *runs: dict) -> None:
+    """Every run's stream equals the oracle's; an aborted request (when depends on the mode) a prefix."""
+    oracle = Oracle(specs)
+    for s in specs:
+        want, why = oracle.expected(s.rid, engine)
+        for done in runs:
+            got = done[s.rid]
+            if got.finish_reason is FinishReason.ABORT:
+                assert list(got.output_token_ids) == want[: len(got.output_token_ids)]
+            else:
+                assert got.finish_reason is why
+                assert list(got.output_token_ids) == want
+
+
 @pytest.mark.parametrize("engine", list(EngineType), ids=[e.name for e in EngineType])
 @given(data=st.data())
 def test_sync_equals_async_and_oracle(engine: EngineType, data: st.DataObject) -> None:
     params, specs = data.draw(workloads(engine))
     sync, _ = run(params, specs, async_mode=False)
     asyn, _ = run(params, specs, async_mode=True)
-    oracle = Oracle(specs)
+    _assert_match_oracle(specs, engine, sync, asyn)
     for s in specs:
-        want, why = oracle.expected(s.rid, engine)
-        for got in (sync[s.rid], asyn[s.rid]):
-            if got.finish_reason is FinishReason.ABORT:
-                # Aborted at a time that depends on the mode: whatever it produced is a prefix.
-                assert list(got.output_token_ids) == want[: len(got.output_token_ids)]
-            else:
-                assert got.finish_reason is why
-                assert list(got.output_token_ids) == want
         if s.abort_at is None:
             assert sync[s.rid].output_token_ids == asyn[s.rid].output_token_ids
 
@@ -196,15 +202,7 @@ def test_speculative_sync_equals_async_and_oracle(engine: EngineType, data: st.D
     seed = data.draw(st.integers(0, 2**32 - 1))
     sync, _ = run(params, specs, async_mode=False, draft_seed=seed)
     asyn, _ = run(params, specs, async_mode=True, draft_seed=seed + 1)
-    oracle = Oracle(specs)
-    for s in specs:
-        want, why = oracle.expected(s.rid, engine)
-        for got in (sync[s.rid], asyn[s.rid]):
-            if got.finish_reason is FinishReason.ABORT:
-                assert list(got.output_token_ids) == want[: len(got.output_token_ids)]
-            else:
-                assert got.finish_reason is why
-                assert list(got.output_token_ids) == want
+    _assert_match_oracle(specs, engine, sync, asyn)
 
 
 def test_speculative_drafts_are_planned_and_accepted() -> None:
