@@ -14,6 +14,7 @@ there is no sort, no host sync (``total`` may stay on the device), and the resul
 import torch
 
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel
+from deepinfer_kernels.ops.mtp_redistribute import check_inputs
 from deepinfer_kernels.ops.mtp_redistribute import mtp_redistribute as _reference
 from deepinfer_kernels.registry import register
 
@@ -72,25 +73,12 @@ def mtp_redistribute(
     """Same contract and result as the reference; ``total`` may be a 0-d device tensor (no sync)."""
     if not HAVE_TILELANG or confidences.device.type != "cuda":
         return _reference(total, confidences, num_drafts)
-    if confidences.dim() != 2:
-        raise ValueError(f"confidences: must be [requests, drafts], got shape {tuple(confidences.shape)}")
-    if not confidences.is_floating_point():
-        raise ValueError(f"confidences: must be floating point, got {confidences.dtype}")
-    r, d = confidences.shape
+    r, d, total_0d = check_inputs(total, confidences, num_drafts)
     dev = confidences.device
-    if isinstance(total, torch.Tensor):
-        if total.numel() != 1:
-            raise ValueError(f"total: must be a scalar, got shape {tuple(total.shape)}")
-        total_t = total.reshape(1).to(device=dev, dtype=torch.int64)
-    else:
-        if int(total) != total or total < 0 or total > r * d:
-            raise ValueError(f"total={total!r}: must be an integer in [0, {r * d}] (requests x drafts)")
-        total_t = torch.full((1,), int(total), device=dev, dtype=torch.int64)
+    total_t = total_0d.reshape(1)
     if num_drafts is None:
         nd = torch.full((r,), d, dtype=torch.int32, device=dev)
     else:
-        if num_drafts.shape != (r,):
-            raise ValueError(f"num_drafts: must have shape ({r},), got {tuple(num_drafts.shape)}")
         nd = num_drafts.to(device=dev, dtype=torch.int32).clamp(0, d)
     out = torch.zeros(r, dtype=torch.int32, device=dev)
     if r == 0 or d == 0:

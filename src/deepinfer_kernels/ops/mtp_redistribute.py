@@ -16,17 +16,11 @@ import torch
 from deepinfer_kernels.registry import register
 
 
-@register("mtp_redistribute")
-def mtp_redistribute(
-    total: int | torch.Tensor, confidences: torch.Tensor, num_drafts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-request verify lengths (int32 [R]) keeping the ``total`` drafts of highest cumulative rate.
-
-    ``confidences``: float [R, D] per-draft acceptance probabilities in [0, 1]; ``num_drafts``: int [R]
-    valid drafts per row (default all D). ``total`` may be a Python int or a 0-d device tensor (so the
-    CPU-chosen total need not be synchronised); a total above the number of valid drafts selects them
-    all (checking that would cost a device sync). Batched: the only Python loop is over draft positions.
-    """
+def check_inputs(
+    total: int | torch.Tensor, confidences: torch.Tensor, num_drafts: torch.Tensor | None
+) -> tuple[int, int, torch.Tensor]:
+    """Validate the arguments of ``mtp_redistribute`` (errors name the argument); returns
+    ``(requests, drafts, total as a 0-d int64 tensor on the confidences' device)``."""
     if confidences.dim() != 2:
         raise ValueError(f"confidences: must be [requests, drafts], got shape {tuple(confidences.shape)}")
     if not confidences.is_floating_point():
@@ -41,12 +35,28 @@ def mtp_redistribute(
         if int(total) != total or total < 0 or total > R * D:
             raise ValueError(f"total={total!r}: must be an integer in [0, {R * D}] (requests x drafts)")
         total_t = torch.tensor(int(total), device=dev, dtype=torch.int64)
+    if num_drafts is not None and num_drafts.shape != (R,):
+        raise ValueError(f"num_drafts: must have shape ({R},), got {tuple(num_drafts.shape)}")
+    return R, D, total_t
+
+
+@register("mtp_redistribute")
+def mtp_redistribute(
+    total: int | torch.Tensor, confidences: torch.Tensor, num_drafts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-request verify lengths (int32 [R]) keeping the ``total`` drafts of highest cumulative rate.
+
+    ``confidences``: float [R, D] per-draft acceptance probabilities in [0, 1]; ``num_drafts``: int [R]
+    valid drafts per row (default all D). ``total`` may be a Python int or a 0-d device tensor (so the
+    CPU-chosen total need not be synchronised); a total above the number of valid drafts selects them
+    all (checking that would cost a device sync). Batched: the only Python loop is over draft positions.
+    """
+    R, D, total_t = check_inputs(total, confidences, num_drafts)
+    dev = confidences.device
     pos = torch.arange(D, device=dev)
     if num_drafts is None:
         valid = torch.ones(R, D, dtype=torch.bool, device=dev)
     else:
-        if num_drafts.shape != (R,):
-            raise ValueError(f"num_drafts: must have shape ({R},), got {tuple(num_drafts.shape)}")
         valid = pos[None, :] < num_drafts.to(dev)[:, None]
     conf = confidences.to(torch.float64)
     # Left-to-right running product over <= 5 positions, same association as the C++ greedy.
