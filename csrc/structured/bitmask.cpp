@@ -20,10 +20,15 @@
 
 #include "core/buffers.h"
 #include "core/registry.h"
+#include "structured/fastfill.h"
+#include "structured/scan.h"
 
 namespace nb = nanobind;
 
 namespace {
+
+using di_structured::first_nonzero;
+using di_structured::only_eos;
 
 using Bitmask = nb::ndarray<int32_t, nb::numpy, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
@@ -36,21 +41,6 @@ inline void need(bool ok, const char* msg) {
 void check_keep(int64_t tail_keep) {
   need(tail_keep >= -1 && tail_keep <= 0xFFFFFFFFLL,
               "tail_keep: must be -1 (no padding) or a 32-bit mask of the valid bits of the last word");
-}
-
-// Index of the first non-zero word of a row (words if none). A 128k-token row is 4000 words, and a
-// state that allows only, say, digits has its first set bit far in; OR-ing 16 words at a time (a loop
-// the compiler vectorises) makes that prefix ~10x cheaper than a word-by-word early-exit loop.
-inline int64_t first_nonzero(const uint32_t* row, int64_t words) {
-  int64_t w = 0;
-  for (; w + 16 <= words; w += 16) {
-    uint64_t part[8];
-    std::memcpy(part, row + w, sizeof(part));  // 64-bit lanes without aliasing trouble
-    const uint64_t acc = (part[0] | part[1]) | (part[2] | part[3]) | (part[4] | part[5]) | (part[6] | part[7]);
-    if (acc != 0) break;
-  }
-  while (w < words && row[w] == 0) ++w;
-  return w;
 }
 
 // Clear padding, collect all-zero rows; caller holds no GIL.
@@ -117,15 +107,6 @@ std::vector<int64_t> finish_rows_ptr(uintptr_t ptr, int64_t rows, int64_t words,
 // whose only allowed token is eos counts too: llguidance writes such a row for a matcher in its error
 // state (and after EOS), so the manager checks those matchers only when one shows up, instead of
 // asking every matcher every step.
-bool only_eos(const uint32_t* row, int64_t words, int64_t eos) {
-  const int64_t ew = eos / 32;
-  if (ew >= words || row[ew] != (1u << (eos % 32))) return false;
-  for (int64_t w = 0; w < words; ++w) {
-    if (w != ew && row[w] != 0) return false;
-  }
-  return true;
-}
-
 int64_t count_dead_ptr(uintptr_t ptr, int64_t rows, int64_t words, int64_t tail_keep, int64_t eos) {
   need(ptr != 0, "ptr: must be the address of a live int32 buffer");
   need(rows >= 0, "rows: must be >= 0");
@@ -185,4 +166,5 @@ DI_SUBMODULE(structured, "grammar bitmask post-processing for structured outputs
         "eos >= 0, only token eos).");
   m.def("eos_only_rows_ptr", &eos_only_rows_ptr, nb::arg("ptr"), nb::arg("rows"), nb::arg("words"), nb::arg("eos"),
         "Indices of the rows whose only allowed token is eos.");
+  di_structured::register_fastfill(m);
 }

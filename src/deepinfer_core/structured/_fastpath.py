@@ -19,12 +19,42 @@ try:  # the C++ pass is what makes the fast path cheap; without it the manager k
     EOS_ONLY: Any = _C_structured.eos_only_rows_ptr
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build
     FINISH_PTR = COUNT_DEAD = EOS_ONLY = None
+try:  # round 3: the whole per-call path in C++ (csrc/structured/fastfill.cpp)
+    from deepinfer_core._C.structured import FastFill as _FastFill
+except (ImportError, AttributeError):  # pragma: no cover - depends on the build
+    _FastFill = None
+
+_KINDS = {"xgrammar": 0, "llguidance": 1}
 
 
 def has_fast_path(backend: object) -> bool:
     return FINISH_PTR is not None and all(
         callable(getattr(backend, a, None)) for a in ("batch_key", "fill_keys", "accept_key")
     )
+
+
+def make_fast_fill(mgr: Any, backend: Any, batch_mask_type: type) -> Any | None:
+    """The C++ ``fill_bitmask`` for ``mgr`` (``FastFill.fill``), or None to keep the Python fast path.
+
+    Only for the two backends whose library calls fastfill.cpp makes itself: the backend says so with
+    ``fast_fill_kind`` ("xgrammar" when it has xgrammar's batch handle, "llguidance" when it fills one
+    matcher at a time, i.e. without an LLExecutor). The object shares the manager's ``_keys`` and
+    ``_fast_views`` dicts (never rebound, only mutated) and falls back to the class's Python
+    ``fill_bitmask``.
+    """
+    kind = _KINDS.get(getattr(backend, "fast_fill_kind", None))  # type: ignore[arg-type]
+    if _FastFill is None or kind is None or mgr._keys is None:
+        return None
+    import numpy as np
+
+    ff = _FastFill(
+        kind, mgr._keys, mgr._fast_views, mgr, type(mgr).fill_bitmask,
+        backend.fill_keys if kind == 0 else None, backend.accept_key if kind == 1 else None,
+        batch_mask_type, np.empty, np.zeros, np.dtype(np.int64), np.dtype(np.bool_),
+        mgr._words, mgr._vocab_size, mgr._tail_keep_c, int(backend.eos_token_id),
+        sorted(getattr(backend, "key_refuse", ())),
+    )
+    return ff
 
 
 def fill_drafts(

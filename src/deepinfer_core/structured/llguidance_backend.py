@@ -155,6 +155,9 @@ class LLGuidanceBackend:
         # The manager's draft loop steps non-EOS tokens on our matchers inline (see _fastpath).
         self.key_inline_eos = self._vocab.eos_token_id
         self.key_check_eos = self._vocab.eos_token_id  # see fill_keys / check_rows
+        # "llguidance": the manager's C++ fast path (fastfill.cpp) makes the per-row library calls of
+        # fill_keys / fill_rows / accept_token itself; with an executor the Python fast path runs.
+        self.fast_fill_kind: str | None = "llguidance" if self._executor is None else None
 
     def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""

@@ -106,6 +106,12 @@ class StructuredOutputManager:
         self._fast_views: dict[int, tuple[torch.Tensor, int, BatchMask | None]] = {}
         self.cache_hits = 0
         self.cache_misses = 0
+        # Round 3: for xgrammar and llguidance the whole fast path is C++ (csrc/structured/fastfill.cpp):
+        # the instance attribute shadows the method below, so mgr.fill_bitmask(batch) runs no Python
+        # frame of ours; anything unusual comes back to the method (the Python path).
+        self._fast_fill = _fastpath.make_fast_fill(self, backend, BatchMask)
+        if self._fast_fill is not None:
+            self.fill_bitmask = self._fast_fill.fill  # type: ignore[method-assign]
 
     # ----- submission and compilation -------------------------------------------------------------
     @property
@@ -241,17 +247,36 @@ class StructuredOutputManager:
                 return self._fill_general(batch, out)
             if _COUNT_DEAD(ptr, n, self._words, self._tail_keep_c, self._check_eos) == 0:
                 return same if same is not None else self._same_mask(n)
-            if self._check_eos >= 0:  # the backend's unchecked rows (llguidance): fix the flagged ones
-                self._backend.check_rows(keys, bm, _fastpath.EOS_ONLY(ptr, n, self._words, self._check_eos))  # type: ignore[attr-defined]
-                self._backend.check_rows(keys, bm, _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c))  # type: ignore[attr-defined]
-            dead = _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c)
-            if not dead:
-                return same if same is not None else self._same_mask(n)
-            offs = np.arange(n + 1, dtype=np.int64)
-            num_drafts, dead_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-            self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
-            return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+            return self._fast_dead(batch, keys, bm, ptr, n)
         return self._fill_general(batch, out)
+
+    def _fast_dead(
+        self, batch: Sequence[tuple[Hashable, Sequence[int]]], keys: list[Any], bm: torch.Tensor, ptr: int, n: int
+    ) -> BatchMask:
+        """A draft-free fast step (Python or C++) whose pass flagged rows: dead rows, and for a backend
+        with unchecked rows (llguidance) EOS-only rows, whose matchers are checked here."""
+        if self._check_eos >= 0:  # the backend's unchecked rows (llguidance): fix the flagged ones
+            self._backend.check_rows(keys, bm, _fastpath.EOS_ONLY(ptr, n, self._words, self._check_eos))  # type: ignore[attr-defined]
+            self._backend.check_rows(keys, bm, _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c))  # type: ignore[attr-defined]
+        dead = _fastpath.FINISH_PTR(ptr, n, self._words, self._tail_keep_c)
+        if not dead:
+            same = self._fast_views[n][2]
+            return same if same is not None else self._same_mask(n)
+        offs = np.arange(n + 1, dtype=np.int64)
+        num_drafts, dead_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
+        return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+
+    def _drafts_tail(
+        self, batch: Sequence[tuple[Hashable, Sequence[int]]], bm: torch.Tensor, offsets: list[int],
+        accepted: list[int], dead: list[int],
+    ) -> BatchMask:
+        """A drafted fast step (Python or C++) with dead rows (copies and padding already done)."""
+        offs, num_drafts = np.array(offsets, dtype=np.int64), np.array(accepted, dtype=np.int64)
+        dead_end = np.zeros(len(batch), dtype=bool)
+        if dead:
+            self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
+        return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
 
     def _fast_view(self, rows: int) -> tuple[torch.Tensor, int, BatchMask | None]:
         hit = self._fast_views.get(rows)
@@ -275,7 +300,6 @@ class StructuredOutputManager:
     def _fill_fast_drafts(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> BatchMask | None:
         keys_of = self._keys
         assert keys_of is not None
-        n = len(batch)
         try:
             keys = [keys_of[rid] for rid, _ in batch]
         except KeyError:
@@ -289,11 +313,7 @@ class StructuredOutputManager:
         except (RuntimeError, TypeError):  # the depth-0 fill (no state changed) or a non-int draft (rolled back)
             return None
         dead = _fastpath.FINISH_PTR(ptr, total, self._words, self._tail_keep_c, copies)
-        offs, num_drafts = np.array(offsets, dtype=np.int64), np.array(accepted, dtype=np.int64)
-        dead_end = np.zeros(n, dtype=bool)
-        if dead:
-            self._cut_rows(batch, bm.numpy(), offs, dead, num_drafts, dead_end)
-        return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+        return self._drafts_tail(batch, bm, offsets, accepted, dead)
 
     def _cut_rows(
         self, batch: Sequence[tuple[Hashable, Sequence[int]]], a: np.ndarray, offs: np.ndarray, dead_rows: list[int],

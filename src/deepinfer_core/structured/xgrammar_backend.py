@@ -104,8 +104,11 @@ class XGrammarBackend:
         # Both are private names, so without them (another xgrammar version) the manager keeps the
         # public-API path.
         self._batch_handle = getattr(self._batch, "_handle", None)
+        # "xgrammar": the manager's C++ fast path (fastfill.cpp) calls fill_keys and steps the handles.
+        self.fast_fill_kind: str | None = None
         if self._batch_handle is not None:  # the bound library call itself: no Python frame of ours
             self.fill_keys = self._batch_handle.batch_fill_next_token_bitmask
+            self.fast_fill_kind = "xgrammar"
         self._eos = self._vocab.eos_token_id
         # For the manager's draft loop, which steps handles inline: refused ids (controls) and EOS.
         self.key_refuse: frozenset[int] = frozenset(self._refuse)
