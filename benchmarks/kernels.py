@@ -108,8 +108,8 @@ def ceilings(quick: bool) -> dict[str, float]:
     n = (1 << 28) if not quick else (1 << 26)  # bytes per buffer: 256 MiB (full) / 64 MiB (quick)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = cuda_time(lambda: dst.copy_(src), reps=30 if not quick else 5)
-    copy = 2 * n / t / 1e9
+    t = min(cuda_time(lambda: dst.copy_(src), reps=30 if not quick else 5), graph_time(lambda: dst.copy_(src), calls=5, reps=10))
+    copy = 2 * n / t / 1e9  # the faster of per-call events and graph replay: the higher, stricter ceiling
     m = 8192 if not quick else 4096
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -163,41 +163,51 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
         record("bitmask_xgrammar_cuda_spec_rows", p, cuda_time(lambda: xgrammar.apply_token_bitmask_inplace(*g(), indices=idx.to(torch.int32), backend="cuda")), nbytes, ceil=ceil)
 
 
+# (variant, codec switch) pairs timed per format: the layouts with the default codecs, and the previous
+# codec at one group a thread (fp8 store: integer encoder; e2m1: division / select-chain codecs).
+KV_CONFIGS = {
+    "fp8": [("group", None), ("group2", None), ("group4", None)],
+    "fp4": [("group", False), ("group", None), ("group2", None), ("group4", None)],
+}
+
+
 def bench_kv(ceil: dict[str, float], quick: bool) -> None:
+    """KV store / load: the ops end to end (with and without input checks), then each kernel configuration
+    alone, replayed from a CUDA graph (no Python or launch gaps: what an engine's captured step sees)."""
     from deepinfer_kernels.cuda import kv_store as ck
 
     store, store_ref = get_op("kv_store", "cuda"), get_op("kv_store", "reference")
     load = get_op("kv_load", "cuda")
-    n = 4096 if quick else 65_536
+    sizes = [4096] if quick else [65_536, 262_144]
     for fmt, bpt in (("fp8", 528), ("fp4", 288)):
-        pool = torch.zeros(n // 64 + 1, 64, bpt, dtype=torch.uint8, device="cuda")
-        slots = torch.randperm(n, device="cuda")
-        g = rotating(lambda: torch.randn(n, 512, device="cuda", dtype=torch.bfloat16), 4)
-        nbytes = n * (512 * 2 + bpt)
-        p = {"tokens": n, "fmt": fmt, "in": "bf16"}
-        record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
-        record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)
-        flat = pool.view(-1, bpt)
-        for var in ck.VARIANTS:  # "group" (verified default) and "coop" side by side
-            sfx = "" if var == "group" else f"_{var}"
-            record(f"kv_store_{fmt}_kernel_only{sfx}", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt, variant=var)), nbytes, ceil=ceil)
-            if fmt == "fp8":
-                record(f"kv_store_fp8_kernel_only_integer_encoder{sfx}", p, cuda_time(lambda: ck.store_slots(flat, g(), slots, fmt, hw_fp8=False, variant=var)), nbytes, ceil=ceil)
-        record_ref(f"kv_store_{fmt}_torch_reference", p, lambda: store_ref(pool, g(), slots, fmt), 5, nbytes, ceil=ceil)
-        b, m = (8, 8) if quick else (64, 16)  # sequences x blocks of 64 tokens
-        table = torch.randint(1, pool.shape[0], (b, m), dtype=torch.int32, device="cuda")
-        lens = torch.full((b,), m * 64, device="cuda")
-        nbytes = b * m * 64 * (bpt + 512 * 2)
-        pl = {"seqs": b, "tokens_each": m * 64, "fmt": fmt, "out": "bf16"}
-        record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
-        record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
-        sl = torch.randint(0, flat.shape[0], (b * m * 64,), device="cuda")
-        for var in ck.VARIANTS:
-            sfx = "" if var == "group" else f"_{var}"
-            record(f"kv_load_{fmt}_kernel_only{sfx}", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var)), nbytes, ceil=ceil)
-            if fmt == "fp8":  # the float64 decoder (default) and the float32 one with its code >= 247 guard
-                record(f"kv_load_fp8_kernel_only_float64_decoder{sfx}", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, hw=False, variant=var)), nbytes, ceil=ceil)
-                record(f"kv_load_fp8_kernel_only_float32_decoder{sfx}", pl, cuda_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, hw=True, variant=var)), nbytes, ceil=ceil)
+        for n in sizes:
+            pool = torch.zeros(n // 64 + 1, 64, bpt, dtype=torch.uint8, device="cuda")
+            flat = pool.view(-1, bpt)
+            slots = torch.randperm(n, device="cuda")
+            g = rotating(lambda: torch.randn(n, 512, device="cuda", dtype=torch.bfloat16), 4)
+            nbytes = n * (512 * 2 + bpt)
+            p = {"tokens": n, "fmt": fmt, "in": "bf16"}
+            if n == sizes[0]:
+                record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
+                record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)
+                record_ref(f"kv_store_{fmt}_torch_reference", p, lambda: store_ref(pool, g(), slots, fmt), 5, nbytes, ceil=ceil)
+            for var, fast in KV_CONFIGS[fmt]:
+                sfx = ("" if var == "group" else f"_{var}") + ("_division_codec" if fast is False else "")
+                t = graph_time(lambda: ck.store_slots(flat, g(), slots, fmt, variant=var, fast_e2m1=fast))
+                record(f"kv_store_{fmt}_kernel_graph{sfx}", p, t, nbytes, ceil=ceil)
+            m = n // (64 * 64)  # 64 sequences of m blocks of 64 tokens: n tokens in all
+            table = torch.randint(1, pool.shape[0], (64, m), dtype=torch.int32, device="cuda")
+            lens = torch.full((64,), m * 64, device="cuda")
+            nbytes = n * (bpt + 512 * 2)
+            pl = {"seqs": 64, "tokens_each": m * 64, "fmt": fmt, "out": "bf16"}
+            if n == sizes[0]:
+                record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
+                record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
+            sl = torch.randint(0, flat.shape[0], (n,), device="cuda")
+            for var, fast in KV_CONFIGS[fmt]:
+                sfx = ("" if var == "group" else f"_{var}") + ("_select_codec" if fast is False else "")
+                t = graph_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var, fast_e2m1=fast))
+                record(f"kv_load_{fmt}_kernel_graph{sfx}", pl, t, nbytes, ceil=ceil)
 
 
 def bench_sampling(ceil: dict[str, float], quick: bool) -> None:

@@ -7,8 +7,10 @@
 #   summary.txt  device, versions, step times, test counts + failures, variant comparison (also printed)
 #   pip.log  pytest.log  junit.xml  bench.jsonl (one JSON line per measurement)  bench.err (table, logs)
 #   bench.json (rows, written when the benchmark finishes)  others.log (fast parts of other benchmarks)
-# Budget: about 6 minutes wall; each step gets what is left of it and is cut (SIGINT, then KILL) at the
-# deadline; every step runs whatever the previous ones did (no set -e).
+# Budget: about 6 minutes wall (GPU_CHECK_BUDGET_S); each step gets what is left of it and is cut (SIGINT,
+# then KILL) at the deadline; every step runs whatever the previous ones did (no set -e).
+# GPU_CHECK_TESTS (default: tests/) and GPU_CHECK_BENCH (default: kv,small,spec) narrow a run to the
+# tests and benchmark sections a change touched; GPU_CHECK_REST=0 skips the remaining benchmarks.
 set +e
 set -u
 OUT=${OUT:-$PWD/gpu_out}
@@ -48,16 +50,16 @@ step pip 150 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OU
 say "$(python3 -c 'import torch, tilelang; print("torch", torch.__version__, "cuda", torch.version.cuda, "tilelang", tilelang.__version__)' 2>&1 | tail -1)"
 
 # 3. every GPU test (kernels vs references, both variants of each new kernel)
-step pytest 200 python3 -m pytest -m gpu tests/ -q -n 8 -p no:cacheprovider -rfE --durations=10 \
+step pytest 200 python3 -m pytest -m gpu ${GPU_CHECK_TESTS:-tests/} -q -n 8 -p no:cacheprovider -rfE --durations=10 \
   --junitxml="$OUT/junit.xml" >"$OUT/pytest.log" 2>&1
 
 # 4. kernel benchmarks: the variant comparisons first (kv, engram gather, spec), then the rest if time is left
-step bench 120 python3 -u benchmarks/kernels.py --only kv,small,spec --no-reference --json-out "$OUT/bench.json" \
+step bench 200 python3 -u benchmarks/kernels.py --only "${GPU_CHECK_BENCH:-kv,small,spec}" --no-reference --json-out "$OUT/bench.json" \
   >"$OUT/bench.jsonl" 2>"$OUT/bench.err"
-step bench_rest 60 python3 -u benchmarks/kernels.py --only bitmask,sampling --no-reference >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
+[ "${GPU_CHECK_REST:-1}" = 0 ] || step bench_rest 60 python3 -u benchmarks/kernels.py --only bitmask,sampling --no-reference >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
 : >"$OUT/others.log"
 for b in mtp_varlen engram; do  # fast parts of the other GPU benchmarks
-  step "$b --quick" 40 python3 -u "benchmarks/$b.py" --quick >>"$OUT/others.log" 2>&1
+  [ "${GPU_CHECK_REST:-1}" = 0 ] || step "$b --quick" 40 python3 -u "benchmarks/$b.py" --quick >>"$OUT/others.log" 2>&1
 done
 
 # 5. summary: test counts and failures, then each kernel variant's bandwidth side by side
@@ -103,7 +105,7 @@ try:
 except Exception:
     cases = []
 times = {k: m.get("time_us") for k, m in rows.items()}
-for var, default in (("coop", "group"), ("coop16", "group"), ("vec", "rows")):
+for var, default in (("group2", "group"), ("group4", "group"), ("division_codec", "group"), ("select_codec", "group"), ("vec", "rows")):
     mine = [c for c in cases if re.search(rf"[\[-]{var}[\]-]", c[0])]
     ok = sum(1 for c in mine if not c[1] and not c[2])
     bad = sum(1 for c in mine if c[1])

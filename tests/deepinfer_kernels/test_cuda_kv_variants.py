@@ -1,6 +1,6 @@
-"""Every KV kernel variant ("group": verified default, "coop": warp-cooperative) against the torch
-reference, byte for byte (stores) and value for value (loads). The lead's GPU run tells which variants
-are correct; benchmarks/kernels.py times them side by side."""
+"""Every KV kernel variant (1, 2 or 4 scale groups a thread) and codec path (hardware / integer fp8,
+threshold / division e2m1) against the torch reference, byte for byte (stores) and value for value
+(loads); benchmarks/kernels.py times them side by side."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from deepinfer_kernels import get_op
 pytestmark = pytest.mark.gpu
 
 FORMATS = [("fp8", 512, 528), ("fp4", 512, 288), ("mxfp4", 128, 68), ("fp8", 128, 132), ("fp4", 64, 36)]
-VARIANTS = ["group", "coop", "coop16"]
+VARIANTS = ["group", "group2", "group4"]
 
 
 def _ck():  # type: ignore[no-untyped-def]
@@ -22,6 +22,11 @@ def _ck():  # type: ignore[no-untyped-def]
     assert _tl.HAVE_TILELANG, "tilelang must import on the GPU machine"
     assert tuple(VARIANTS) == ck.VARIANTS
     return ck
+
+
+def _paths(fmt: str) -> list[tuple[bool | None, bool | None]]:
+    """(hw_fp8, fast_e2m1) pairs: both fp8 codecs, both e2m1 codecs."""
+    return [(True, None), (False, None)] if fmt == "fp8" else [(None, True), (None, False)]
 
 
 def _rows(n: int, dim: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -52,10 +57,10 @@ def test_store_variant_bytes_exact(variant: str, fmt: str, dim: int, bpt: int, d
         slots[-1] = -5
     slots = slots.cuda()
     want = ref(pool.clone(), x, slots, fmt)
-    for hw in ([True, False] if fmt == "fp8" else [None]):
+    for hw, fast in _paths(fmt):
         got = pool.clone()
-        ck.store_slots(got, x, slots, fmt, hw_fp8=hw, variant=variant)
-        assert torch.equal(got, want), f"{variant} hw={hw}: {(got != want).sum().item()} bytes differ"
+        ck.store_slots(got, x, slots, fmt, hw_fp8=hw, variant=variant, fast_e2m1=fast)
+        assert torch.equal(got, want), f"{variant} hw={hw} fast_e2m1={fast}: {(got != want).sum().item()} bytes differ"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -73,9 +78,9 @@ def test_gather_variant_exact(variant: str, fmt: str, dim: int, bpt: int, out_dt
     want = ref_load(pool, table, lens, fmt, dim, out_dtype)
     t = torch.arange(4 * bs).cuda()
     slots = (table.long()[:, t // bs] * bs + t % bs).masked_fill(t[None, :] >= lens[:, None], -1).reshape(-1)
-    for hw in ([True, False] if fmt == "fp8" else [None]):
-        got = ck.gather_slots(pool.view(-1, bpt), slots, fmt, dim, out_dtype, hw=hw, variant=variant).view(5, 4 * bs, dim)
-        assert torch.equal(got, want), f"{variant} hw={hw}: {(got != want).sum().item()} values differ"
+    for hw, fast in _paths(fmt):
+        got = ck.gather_slots(pool.view(-1, bpt), slots, fmt, dim, out_dtype, hw=hw, variant=variant, fast_e2m1=fast).view(5, 4 * bs, dim)
+        assert torch.equal(got, want), f"{variant} hw={hw} fast_e2m1={fast}: {(got != want).sum().item()} values differ"
     assert ck.gather_slots(pool.view(-1, bpt), slots[:0], fmt, dim, out_dtype, variant=variant).shape == (0, dim)
 
 
@@ -95,6 +100,23 @@ def test_fp8_decoders_every_byte_every_scale(variant: str, hw: bool) -> None:
         got = ck.gather_slots(rows.cuda(), torch.arange(255).cuda(), "fp8", 512, out_dtype, hw=hw, variant=variant).cpu()
         want = fmt.dequantize(rows).to(out_dtype)
         assert torch.equal(got, want), f"{variant} hw={hw} {out_dtype}: {(got != want).sum().item()} values differ"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp4_decoders_every_byte_every_scale(variant: str, fast: bool) -> None:
+    """All 256 code pairs under every e4m3 scale byte a store writes (0..126): the float16-bit decoder
+    (fast_e2m1) and the select chain, against the reference."""
+    ck = _ck()
+    fmt = __import__("deepinfer_core.kv.formats", fromlist=["FP4Format"]).FP4Format()
+    rows = torch.zeros(127, 288, dtype=torch.uint8)
+    rows[:, :256] = ((torch.arange(256)[None, :] + torch.arange(127)[:, None]) % 256).to(torch.uint8)
+    rows[:, 256:] = torch.arange(127, dtype=torch.uint8)[:, None].expand(127, 32)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = ck.gather_slots(rows.cuda(), torch.arange(127).cuda(), "fp4", 512, out_dtype, variant=variant, fast_e2m1=fast).cpu()
+        want = fmt.dequantize(rows).to(out_dtype)
+        assert torch.equal(got, want), f"{variant} fast={fast} {out_dtype}: {(got != want).sum().item()} values differ"
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

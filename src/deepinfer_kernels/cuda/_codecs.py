@@ -6,9 +6,8 @@ on the fp8 conversion intrinsics, fast-math flags or ``rint``). Each function ta
 ``PrimExpr``; they are called while a ``T.prim_func`` is being built and inline into it.
 """
 
+from deepinfer_core.kv.formats import _E2M1_MID as E2M1_MIDS  # round to nearest, ties to the lower code
 from deepinfer_kernels.cuda._tl import T
-
-E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # round to nearest, ties to the lower code
 
 
 def _rne_shift(m, s):
@@ -87,3 +86,40 @@ def pow2_f64(k):
 def ue8m0_scale_f32(code):
     """ue8m0 byte -> 2**(code - 127) in float32 (code 0 gives 2**-127, a float32 subnormal)."""
     return T.Cast("float32", pow2_f64(code - 127))
+
+
+def e2m1_thresholds(scale):
+    """The seven e2m1 decision points ``mid_k * scale`` for a float32 ``scale`` (a list of PrimExpr).
+
+    ``e2m1_code(x / scale)`` counts the mids below the rounded quotient. For an e4m3 scale (<= 4
+    significant bits) or a power of two, ``mid_k * scale`` is exact in float32 (mids have <= 3 bits),
+    and no float32 ``x`` lies strictly between ``mid_k * scale`` and the largest real whose quotient still
+    rounds down to ``mid_k`` (that gap, half an ulp of ``mid_k`` times the scale, is below one ulp of
+    ``mid_k * scale``). So ``fl(|x| / scale) > mid_k`` iff ``|x| > mid_k * scale``: the same codes without
+    a division (``tests/deepinfer_kernels/test_e2m1_thresholds.py`` checks the identity on the CPU).
+    """
+    return [T.float32(mid) * scale for mid in E2M1_MIDS]
+
+
+def e2m1_code_by_thresholds(v, th):
+    """e2m1 code of ``v / scale`` from ``th = e2m1_thresholds(scale)`` (held in registers): a binary
+    search over the sorted thresholds, 3 comparisons instead of 7 plus a division."""
+    a = T.abs(v)
+    hi = a > th[3]  # code >= 4
+    m1 = a > T.if_then_else(hi, th[5], th[1])
+    lo_t = T.if_then_else(m1, th[2], th[0])
+    hi_t = T.if_then_else(m1, th[6], th[4])
+    m2 = a > T.if_then_else(hi, hi_t, lo_t)
+    code = T.if_then_else(hi, 4, 0) + T.if_then_else(m1, 2, 0) + T.if_then_else(m2, 1, 0)
+    return code | T.if_then_else((v < T.float32(0)) & (code > 0), 8, 0)
+
+
+def e2m1_as_half(code):
+    """4-bit e2m1 code -> float16 equal to its value times 2**-14 (exact, subnormal 0.5 included).
+
+    e2m1 is sign | 2-bit exponent (bias 1) | 1-bit mantissa; placed at float16's sign and at the low end of
+    its exponent field (bias 15) the same bits read as the value scaled by 2**(1 - 15). One shift-and-or
+    and the hardware half -> float conversion replace the select chain of ``e2m1_value``.
+    """
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return T.reinterpret(T.Cast("uint16", bits), "float16")

@@ -1,28 +1,35 @@
 """TileLang KV cache kernels: quantise + scatter (``kv_store``, ``swa_ring_write``) and gather + dequantise
 (``kv_load``, ``swa_ring_read``) in the byte formats of ``deepinfer_core.kv.formats``.
 
-One thread per scale group (32 values for fp8 / mxfp4, 16 for fp4): it loads its values with 16-byte
-loads, takes their absolute max, derives the scale exactly as the torch reference does (integer
-arithmetic on the IEEE bits, see ``_codecs``), packs the codes into 32-bit words and writes them with
-16-byte stores (through an int32 view of the pool: rows of 528 / 288 / 68 bytes are 4-byte aligned), then
-its scale byte. Byte-wide stores were 5% of copy bandwidth on the H200; word stores fix that. The bytes are identical to the reference
-(tested bit for bit). Loads go through one generic "gather slots and dequantise" kernel; block tables and
-ring positions are turned into flat slots by a few elementwise torch ops first (8 bytes of index per
-token against 2 KB of output, so that extra pass costs well under 1% of the traffic).
+A thread owns ``gpt`` consecutive scale groups of one token (32 values for fp8 / mxfp4, 16 for fp4). It
+issues all its loads first (16-byte vector loads of the inputs, or of the packed codes and the scale
+bytes), then derives each group's scale exactly as the torch reference does, encodes or decodes, and
+writes 32-bit words with 16-byte stores (through an int32 view of the pool: rows of 528 / 288 / 68 bytes
+are 4-byte aligned). Several groups a thread put more bytes in flight per thread, which is what the
+loads lacked (one fp4 group is 9 bytes read for 32 written). The bytes are identical to the reference
+(tested bit for bit). Loads go through one generic "gather slots and dequantise" kernel; block tables
+and ring positions are turned into flat slots by a few elementwise torch ops first.
+
+Codecs (``_codecs``): fp8 encodes with the hardware e4m3 conversion (RNE, satfinite) and decodes with it
+plus one float32 multiply; e2m1 (fp4, mxfp4) encodes by comparing ``|x|`` with the seven exact
+thresholds ``mid * scale`` (no division; same codes, see ``_codecs.e2m1_thresholds``) and fp4 decodes
+through float16 bits. Each has an integer-exact or float64 fallback kept as a switch for the tests.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
+import math
+
 import torch
 
 from deepinfer_kernels.cuda import _codecs as C
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
-from deepinfer_kernels.cuda.kv_coop import build_gather_coop, build_store_coop
 from deepinfer_kernels.ops import kv_store as ref
 from deepinfer_kernels.registry import register
 
 _THREADS = 128
 # name -> (group, value bytes per group, kind); mxfp4's element max is 6 with a power-of-two scale.
 _LAYOUT = {"fp8": (32, 32, "fp8"), "fp4": (16, 8, "fp4"), "mxfp4": (32, 16, "mxfp4")}
+_FMAX = 3.4028234663852886e38
 
 
 def _sizes(fmt: str, dim: int) -> tuple[int, int, int, int]:
@@ -39,12 +46,24 @@ def _pack_nibbles(codes, w):
     return acc
 
 
-def _build_store(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
+def _pow2_f32(e):
+    """2.0**e as float32 for int32 e in [-127, 127] (2**-127 is the subnormal 0x00400000)."""
+    return T.if_then_else(e == -127, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret((e + 127) << 23, "float32"))
+
+
+def _word_loop(bpt: int, gpt: int, vw: int):
+    """16-byte vector access where each thread's words are aligned to their size (68-byte mxfp4 rows and
+    single 8-byte fp4 groups are not), else word by word."""
+    return T.vectorized if bpt % 16 == 0 and (gpt * vw * 4) % 16 == 0 else T.unroll
+
+
+def _build_store(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False, gpt: int = 1, fast_e2m1: bool = True):
     group, groups, value_bytes, bpt = _sizes(fmt, dim)
     vb = _LAYOUT[fmt][1]
     vw = vb // 4  # value words (int32) per group
-    # 68-byte mxfp4 rows are only 4-byte aligned: vector (16 B) word access only where rows are 16-byte aligned.
-    wloop = T.vectorized if bpt % 16 == 0 else T.unroll
+    gpt = math.gcd(gpt, groups)
+    tpt = groups // gpt  # threads per token
+    wloop = _word_loop(bpt, gpt, vw)
     n = T.dynamic("n")
     ns = T.dynamic("num_slots")
 
@@ -55,12 +74,14 @@ def _build_store(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
         x: T.Tensor((n, dim), in_dtype),
         slots: T.Tensor((n,), "int64"),
     ):
-        with T.Kernel(T.ceildiv(n * groups, _THREADS), threads=_THREADS) as bx:
+        with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
-            raw = T.alloc_local((group,), in_dtype)
+            raw = T.alloc_local((gpt * group,), in_dtype)
             vals = T.alloc_local((group,), "float32")
             codes = T.alloc_local((group,), "uint32")
-            words = T.alloc_local((vw,), "int32")
+            words = T.alloc_local((gpt * vw,), "int32")
+            sbs = T.alloc_local((gpt,), "uint8")
+            th = T.alloc_local((7,), "float32")
             amax = T.alloc_var("float32")
             # Named scalars (not Python expressions) so the codec expressions are built once, not re-inlined.
             e = T.alloc_var("int32")
@@ -69,70 +90,86 @@ def _build_store(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False):
             sb = T.alloc_var("int32")
             sv = T.alloc_var("float32")
             q = T.alloc_var("float32")
-            gid = bx * _THREADS + tx
-            if gid < n * groups:
-                t = gid // groups
-                g = gid % groups
+            tid = bx * _THREADS + tx
+            if tid < n * tpt:
+                t = tid // tpt
+                g0 = (tid % tpt) * gpt
                 s = slots[t]
                 if s >= 0:
-                    for j in T.vectorized(group):  # 16-byte loads of the group's inputs
-                        raw[j] = x[t, g * group + j]
-                    amax = T.float32(0)
-                    for j in T.unroll(group):
-                        vals[j] = T.Cast("float32", raw[j])
-                        amax = T.max(amax, T.abs(vals[j]))
-                    if fmt == "fp8":
-                        e = C.pow2_exponent_f64(amax, 448.0)
-                        inv = C.pow2_f64(-e)
+                    for j in T.vectorized(gpt * group):  # every load first: gpt * 64 bytes of bf16 in flight
+                        raw[j] = x[t, g0 * group + j]
+                    for gg in T.unroll(gpt):
+                        amax = T.float32(0)
                         for j in T.unroll(group):
-                            if hw_fp8:  # the hardware cvt (RNE, satfinite); 2^-e is exact in float32 for e <= 126
-                                q = T.min(T.max(vals[j] * T.reinterpret((127 - e) << 23, "float32"), T.float32(-448.0)), T.float32(448.0))
-                                codes[j] = T.Cast("uint32", T.reinterpret(T.Cast("float8_e4m3fn", q), "uint8"))
-                            else:
-                                q = T.min(T.max(T.Cast("float32", T.Cast("float64", vals[j]) * inv), T.float32(-448.0)), T.float32(448.0))
-                                codes[j] = T.Cast("uint32", C.e4m3_bits(q))
-                        sb = e + 127
-                    elif fmt == "mxfp4":
-                        e = C.pow2_exponent_f64(amax, 6.0)
-                        inv = C.pow2_f64(-e)
-                        for j in T.unroll(group):
-                            q = T.Cast("float32", T.Cast("float64", vals[j]) * inv)
-                            codes[j] = T.Cast("uint32", C.e2m1_code(q))
-                        sb = e + 127
-                    else:  # fp4: e4m3 scale = amax / 6 rounded up to an e4m3 value
-                        sc = T.min(T.max(T.ieee_fdiv(amax, T.float32(6.0)), T.float32(2.0**-9)), T.float32(448.0))
-                        sb = C.e4m3_bits(sc)
-                        sv = C.e4m3_value(sb)
-                        if (sv < sc) & (sb < 0x7E):
-                            sb = sb + 1
-                        sv = C.e4m3_value(sb)
-                        for j in T.unroll(group):
-                            q = T.ieee_fdiv(vals[j], sv)
-                            codes[j] = T.Cast("uint32", C.e2m1_code(q))
-                    # Pack little-endian words: 4 bytes (fp8) or 8 nibbles (fp4 / mxfp4) per word.
-                    for w in T.unroll(vw):
+                            vals[j] = T.Cast("float32", raw[gg * group + j])
+                            amax = T.max(amax, T.abs(vals[j]))
                         if fmt == "fp8":
-                            words[w] = T.reinterpret(
-                                codes[4 * w] | (codes[4 * w + 1] << T.uint32(8)) | (codes[4 * w + 2] << T.uint32(16)) | (codes[4 * w + 3] << T.uint32(24)),
-                                "int32",
-                            )
-                        else:
-                            words[w] = T.reinterpret(_pack_nibbles(codes, w), "int32")
-                    for w in wloop(vw):
-                        pool32[s, g * vw + w] = words[w]
-                    pool8[s, value_bytes + g] = T.Cast("uint8", sb)
+                            e = C.pow2_exponent_f64(amax, 448.0)
+                            inv = C.pow2_f64(-e)
+                            for j in T.unroll(group):
+                                if hw_fp8:  # the hardware cvt (RNE, satfinite); 2^-e is exact in float32 for e <= 126
+                                    q = T.min(T.max(vals[j] * T.reinterpret((127 - e) << 23, "float32"), T.float32(-448.0)), T.float32(448.0))
+                                    codes[j] = T.Cast("uint32", T.reinterpret(T.Cast("float8_e4m3fn", q), "uint8"))
+                                else:
+                                    q = T.min(T.max(T.Cast("float32", T.Cast("float64", vals[j]) * inv), T.float32(-448.0)), T.float32(448.0))
+                                    codes[j] = T.Cast("uint32", C.e4m3_bits(q))
+                            sb = e + 127
+                        elif fmt == "mxfp4":
+                            e = C.pow2_exponent_f64(amax, 6.0)
+                            if fast_e2m1:
+                                for k, v in enumerate(C.e2m1_thresholds(_pow2_f32(e))):
+                                    th[k] = v
+                                for j in T.unroll(group):
+                                    codes[j] = T.Cast("uint32", C.e2m1_code_by_thresholds(vals[j], th))
+                            else:
+                                inv = C.pow2_f64(-e)
+                                for j in T.unroll(group):
+                                    q = T.Cast("float32", T.Cast("float64", vals[j]) * inv)
+                                    codes[j] = T.Cast("uint32", C.e2m1_code(q))
+                            sb = e + 127
+                        else:  # fp4: e4m3 scale = amax / 6 rounded up to an e4m3 value
+                            sc = T.min(T.max(T.ieee_fdiv(amax, T.float32(6.0)), T.float32(2.0**-9)), T.float32(448.0))
+                            sb = C.e4m3_bits(sc)
+                            sv = C.e4m3_value(sb)
+                            if (sv < sc) & (sb < 0x7E):
+                                sb = sb + 1
+                            sv = C.e4m3_value(sb)
+                            if fast_e2m1:
+                                for k, v in enumerate(C.e2m1_thresholds(sv)):
+                                    th[k] = v
+                                for j in T.unroll(group):
+                                    codes[j] = T.Cast("uint32", C.e2m1_code_by_thresholds(vals[j], th))
+                            else:
+                                for j in T.unroll(group):
+                                    q = T.ieee_fdiv(vals[j], sv)
+                                    codes[j] = T.Cast("uint32", C.e2m1_code(q))
+                        # Pack little-endian words: 4 bytes (fp8) or 8 nibbles (fp4 / mxfp4) per word.
+                        for w in T.unroll(vw):
+                            if fmt == "fp8":
+                                words[gg * vw + w] = T.reinterpret(
+                                    codes[4 * w] | (codes[4 * w + 1] << T.uint32(8)) | (codes[4 * w + 2] << T.uint32(16)) | (codes[4 * w + 3] << T.uint32(24)),
+                                    "int32",
+                                )
+                            else:
+                                words[gg * vw + w] = T.reinterpret(_pack_nibbles(codes, w), "int32")
+                        sbs[gg] = T.Cast("uint8", sb)
+                    for w in wloop(gpt * vw):
+                        pool32[s, g0 * vw + w] = words[w]
+                    for gg in T.unroll(gpt):
+                        pool8[s, value_bytes + g0 + gg] = sbs[gg]
 
     return store
 
 
-def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False):
+def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int = 1, fast_e2m1: bool = True):
     group, groups, value_bytes, bpt = _sizes(fmt, dim)
     vb = _LAYOUT[fmt][1]
     vw = vb // 4
-    wloop = T.vectorized if bpt % 16 == 0 else T.unroll
+    gpt = math.gcd(gpt, groups)
+    tpt = groups // gpt
+    wloop = _word_loop(bpt, gpt, vw)
     n = T.dynamic("n")
     ns = T.dynamic("num_slots")
-    fmax = 3.4028234663852886e38
 
     @T.prim_func
     def gather(
@@ -141,53 +178,75 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False):
         slots: T.Tensor((n,), "int64"),
         out: T.Tensor((n, dim), out_dtype),
     ):
-        with T.Kernel(T.ceildiv(n * groups, _THREADS), threads=_THREADS) as bx:
+        with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
-            words = T.alloc_local((vw,), "int32")
+            words = T.alloc_local((gpt * vw,), "int32")
+            sbs = T.alloc_local((gpt,), "int32")
             res = T.alloc_local((group,), out_dtype)
             code = T.alloc_var("int32")
             sv = T.alloc_var("float32")
             sc = T.alloc_var("float64")
-            gid = bx * _THREADS + tx
-            if gid < n * groups:
-                t = gid // groups
-                g = gid % groups
+            tid = bx * _THREADS + tx
+            if tid < n * tpt:
+                t = tid // tpt
+                g0 = (tid % tpt) * gpt
                 s = slots[t]
                 if s < 0:
                     for j in T.unroll(group):
                         res[j] = T.Cast(out_dtype, 0)
+                    for gg in T.unroll(gpt):
+                        for j in T.vectorized(group):
+                            out[t, (g0 + gg) * group + j] = res[j]
                 else:
-                    for w in wloop(vw):
-                        words[w] = pool32[s, g * vw + w]
-                    code = T.Cast("int32", pool8[s, value_bytes + g])
-                    sc = C.pow2_f64(code - 127)
-                    # float32 scale 2^(code-127): exact for codes 1..254; code 0 is 2^-127 (a float32 subnormal)
-                    sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
-                    for j in T.unroll(group):
+                    for w in wloop(gpt * vw):  # every load first: the codes and scales of gpt groups
+                        words[w] = pool32[s, g0 * vw + w]
+                    for gg in T.unroll(gpt):
+                        sbs[gg] = T.Cast("int32", pool8[s, value_bytes + g0 + gg])
+                    for gg in T.unroll(gpt):
+                        code = sbs[gg]
                         if fmt == "fp8" and hw:
-                            # hardware e4m3 decode, one float32 multiply: the exact product rounded once, as
-                            # the reference's float64 product rounded to float32; codes >= 247 could overflow
-                            # float32 (448 * 2^120 > max) where the reference saturates, so they take float64
-                            byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
-                            e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
-                            v = T.Cast("float64", e4) * sc
-                            res[j] = T.Cast(
-                                out_dtype,
-                                T.if_then_else(code < 247, e4 * sv, T.Cast("float32", T.min(T.max(v, T.float64(-fmax)), T.float64(fmax)))),
-                            )
-                        elif fmt == "fp8":
-                            byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
-                            v = T.Cast("float64", C.e4m3_signed_value(byte)) * sc
-                            res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-fmax)), T.float64(fmax))))
-                        else:
-                            nib = (words[j // 8] >> (4 * (j % 8))) & 0xF
-                            if fmt == "fp4":
-                                res[j] = T.Cast(out_dtype, C.e2m1_value(nib) * C.e4m3_value(code))
+                            # hardware e4m3 decode and one float32 multiply: the exact product rounded once, as
+                            # the reference's float64 product rounded to float32. Codes >= 247 could overflow
+                            # float32 (448 * 2^120 > max) where the reference saturates: float64 for them.
+                            if code < 247:
+                                sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
+                                for j in T.unroll(group):
+                                    byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
+                                    e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
+                                    res[j] = T.Cast(out_dtype, e4 * sv)
                             else:
+                                sc = C.pow2_f64(code - 127)
+                                for j in T.unroll(group):
+                                    byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
+                                    e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
+                                    v = T.Cast("float64", e4) * sc
+                                    res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
+                        elif fmt == "fp8":
+                            sc = C.pow2_f64(code - 127)
+                            for j in T.unroll(group):
+                                byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
+                                v = T.Cast("float64", C.e4m3_signed_value(byte)) * sc
+                                res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
+                        elif fmt == "fp4" and fast_e2m1:
+                            # value = (e2m1 * 2^-14 as float16) * (scale * 2^14): both factors exact, so the
+                            # float32 product is the reference's exact e2m1 * scale.
+                            sv = C.e4m3_value(code) * T.float32(2.0**14)
+                            for j in T.unroll(group):
+                                nib = (words[gg * vw + j // 8] >> (4 * (j % 8))) & 0xF
+                                res[j] = T.Cast(out_dtype, T.Cast("float32", C.e2m1_as_half(nib)) * sv)
+                        elif fmt == "fp4":
+                            sv = C.e4m3_value(code)
+                            for j in T.unroll(group):
+                                nib = (words[gg * vw + j // 8] >> (4 * (j % 8))) & 0xF
+                                res[j] = T.Cast(out_dtype, C.e2m1_value(nib) * sv)
+                        else:
+                            sc = C.pow2_f64(code - 127)
+                            for j in T.unroll(group):
+                                nib = (words[gg * vw + j // 8] >> (4 * (j % 8))) & 0xF
                                 v = T.Cast("float64", C.e2m1_value(nib)) * sc
-                                res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-fmax)), T.float64(fmax))))
-                for j in T.vectorized(group):  # 16-byte stores of the group's outputs
-                    out[t, g * group + j] = res[j]
+                                res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
+                        for j in T.vectorized(group):  # 16-byte stores of the group's outputs
+                            out[t, (g0 + gg) * group + j] = res[j]
 
     return gather
 
@@ -216,43 +275,52 @@ def _usable(fmt: object, dim: int, *tensors: torch.Tensor) -> str | None:
 # to torch on the H200 (tested, both paths) and 1.5x faster there (51 vs 75 us for 65,536 tokens).
 HW_FP8 = True
 
-# Kernel layout: "group" (one thread per scale group, verified on the H200) or "coop" / "coop16" (8 / 16
-# values a thread, shuffles for the group max, coalesced stores: ``kv_coop``; not yet run on a GPU). Both are tested byte
-# for byte against the reference and timed side by side in benchmarks/kernels.py; flip after a GPU run.
-VARIANTS = ("group", "coop", "coop16")  # coop16: the coop layout with 16 values a thread
-_VPT = {"coop": 8, "coop16": 16}
+# e2m1 (fp4 / mxfp4) encoded by the seven exact thresholds and fp4 decoded through float16 bits, instead
+# of a float32 division (fp4) / float64 multiply (mxfp4) per value and the select chain of ``e2m1_value``.
+# Same bytes and values by construction (``_codecs.e2m1_thresholds``); the GPU tests run both paths.
+FAST_E2M1 = True
+
+# Kernel layout: scale groups a thread ("group": 1, "group2": 2, "group4": 4; fewer when a row has fewer
+# groups). Every variant is tested byte for byte against the reference and timed side by side in
+# benchmarks/kernels.py; the defaults are what the H200 measured fastest.
+VARIANTS = ("group", "group2", "group4")
+_GPT = {"group": 1, "group2": 2, "group4": 4}
 STORE_VARIANT = "group"
 LOAD_VARIANT = "group"
 
 
-def _variant(v: str | None, default: str) -> str:
+def _variant(v: str | None, default: str) -> int:
+    """Groups per thread of variant ``v`` (None: the module default)."""
     v = default if v is None else v
     if v not in VARIANTS:
         raise ValueError(f"variant: must be one of {VARIANTS}, got {v!r}")
-    return v
+    return _GPT[v]
 
 
 def store_slots(
-    pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, name: str, hw_fp8: bool | None = None, variant: str | None = None
+    pool: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    name: str,
+    hw_fp8: bool | None = None,
+    variant: str | None = None,
+    fast_e2m1: bool | None = None,
 ) -> None:
     """Launch the store kernel (no checks): x [T, dim] -> pool rows ``slots`` (int64, < 0 skipped)."""
-    v = _variant(variant, STORE_VARIANT)
+    gpt = _variant(variant, STORE_VARIANT)
     if x.shape[0] == 0:
         return
     dim = x.shape[1]
     dt = torch_dtype_name(x.dtype)
-    hw = HW_FP8 if hw_fp8 is None else hw_fp8
-    hw = hw and name == "fp8"
-    if v == "group":
-        kern = compile_kernel(("kv_store", v, name, dim, dt, hw), lambda: _build_store(name, dim, dt, hw))
-    else:
-        kern = compile_kernel(("kv_store", v, name, dim, dt, hw), lambda: build_store_coop(name, dim, dt, hw, _VPT[v]))
+    hw = (HW_FP8 if hw_fp8 is None else hw_fp8) and name == "fp8"
+    fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name != "fp8"
+    kern = compile_kernel(("kv_store", gpt, name, dim, dt, hw, fast), lambda: _build_store(name, dim, dt, hw, gpt, fast))
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
 
 
 # fp8 loads decoded by the hardware e4m3 conversion and one float32 multiply instead of the float64 path
 # (1.27x faster on the H200: 62.6 vs 79.8 us for 64 x 1,024 tokens). Scale codes >= 247, where the float32
-# product would overflow while the reference saturates, take the float64 path (the ``code < 247`` guard in
+# product would overflow while the reference saturates, take the float64 path (the ``code < 247`` branch in
 # ``_build_gather``). Default since the H200 run of 2026-11-30, where every e4m3 byte under every scale
 # code matched the reference bit for bit (test_fp8_decoders_every_byte_every_scale, all variants).
 HW_FP8_DECODE = True
@@ -266,18 +334,17 @@ def gather_slots(
     out_dtype: torch.dtype,
     hw: bool | None = None,
     variant: str | None = None,
+    fast_e2m1: bool | None = None,
 ) -> torch.Tensor:
     """Launch the gather kernel: rows ``slots`` (int64 [N], < 0 gives zeros) dequantised to [N, dim]."""
-    v = _variant(variant, LOAD_VARIANT)
+    gpt = _variant(variant, LOAD_VARIANT)
     out = torch.empty(slots.shape[0], dim, dtype=out_dtype, device=pool.device)
     if slots.shape[0] == 0:
         return out
     dt = torch_dtype_name(out_dtype)
     hw = (HW_FP8_DECODE if hw is None else hw) and name == "fp8"
-    if v == "group":
-        kern = compile_kernel(("kv_gather", v, name, dim, dt, hw), lambda: _build_gather(name, dim, dt, hw))
-    else:
-        kern = compile_kernel(("kv_gather", v, name, dim, dt, hw), lambda: build_gather_coop(name, dim, dt, hw, _VPT[v]))
+    fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name == "fp4"
+    kern = compile_kernel(("kv_gather", gpt, name, dim, dt, hw, fast), lambda: _build_gather(name, dim, dt, hw, gpt, fast))
     kern(pool, pool.view(torch.int32), slots.contiguous(), out)
     return out
 
