@@ -21,7 +21,7 @@ fills masks is what contention distorts least. Absolute CPU numbers are indicati
 side by side are the result.
 (c) Compile time of each grammar (cold, no cache) per backend and vocabulary.
 
-    python benchmarks/structured.py [--quick] [--plot]
+    python benchmarks/structured.py [--quick] [--plot] [--only xgrammar/byte] [--batches 1,16]
 """
 
 from __future__ import annotations
@@ -218,12 +218,16 @@ def _library_calls(backend_name: str, buf: torch.Tensor, executor: bool = False)
     return (lambda w: w.raw), per_matcher, accept
 
 
-def bench_masks(toks: dict[str, object], quick: bool) -> list[dict]:
+def bench_masks(toks: dict[str, object], quick: bool, only: str | None = None, batches_arg: str | None = None) -> list[dict]:
     batches = (1, 16) if quick else (1, 4, 16, 64, 256)
+    if batches_arg:
+        batches = tuple(int(b) for b in batches_arg.split(","))
     steps = 3 if quick else 12
     reps = 2 if quick else 7
     results = []
     combos = [(b, v, g) for b in ("xgrammar", "llguidance") for v in toks for g in GRAMMARS]
+    if only:  # e.g. "llguidance/byte" or "xgrammar/bpe128k/json_schema": a subset of the configurations
+        combos = [c for c in combos if only in "/".join(c)]
     for backend_name, vocab, gname in tqdm(combos, desc="masks"):
         # One mask thread: CPU time then measures work, not a thread pool spinning on 2 shared cores.
         backend = make_backend(backend_name, toks[vocab], mask_threads=1)
@@ -354,10 +358,13 @@ def _plot(results: list[dict]) -> None:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run the configurations whose 'backend/vocab/grammar' contains this")
+    ap.add_argument("--batches", help="comma-separated batch sizes instead of 1,4,16,64,256")
+    args = ap.parse_args()
     torch.set_num_threads(1)  # masks are filled on the calling thread; keep torch's pool out of the way
     toks = _tokenizers(args.quick)
-    results = bench_masks(toks, args.quick)
+    results = bench_masks(toks, args.quick, args.only, args.batches)
     if args.plot:
         _plot(results)
 

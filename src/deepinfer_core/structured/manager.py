@@ -104,6 +104,7 @@ class StructuredOutputManager:
         # rows -> (tensor view, its address, the BatchMask a draft-free batch of that size returns when
         # no row is dead: offsets, num_drafts and dead_end are then the same every step, read-only).
         self._fast_views: dict[int, tuple[torch.Tensor, int, BatchMask | None]] = {}
+        self._fast_fill: Any = None
         self.cache_hits = 0
         self.cache_misses = 0
         # Round 3: for xgrammar and llguidance the whole fast path is C++ (csrc/structured/fastfill.cpp):
@@ -111,7 +112,7 @@ class StructuredOutputManager:
         # frame of ours; anything unusual comes back to the method (the Python path).
         self._fast_fill = _fastpath.make_fast_fill(self, backend, BatchMask)
         if self._fast_fill is not None:
-            self.fill_bitmask = self._fast_fill.fill  # type: ignore[method-assign]
+            self.fill_bitmask = self._fast_fill.fill_bitmask  # type: ignore[method-assign]
 
     # ----- submission and compilation -------------------------------------------------------------
     @property
@@ -282,12 +283,18 @@ class StructuredOutputManager:
         hit = self._fast_views.get(rows)
         if hit is None:
             if self._buf.shape[0] < rows:
-                self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
-                self._view_cache.clear()
-                self._fast_views.clear()
+                self._grow(rows)
             bm = self._buf[:rows]
             hit = self._fast_views[rows] = (bm, bm.data_ptr(), None)
         return hit
+
+    def _grow(self, rows: int) -> None:
+        """A larger buffer: every cached view (here and in the C++ fast path) pointed into the old one."""
+        self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
+        self._view_cache.clear()
+        self._fast_views.clear()
+        if self._fast_fill is not None:
+            self._fast_fill.invalidate()
 
     def _same_mask(self, n: int) -> BatchMask:
         """The draft-free, no-dead-row result for ``n`` requests: identical every step, so built once."""
@@ -373,9 +380,7 @@ class StructuredOutputManager:
         """(tensor rows, the same memory as numpy, its last column when it has padding bits)."""
         if out is None:
             if self._buf.shape[0] < rows:
-                self._buf = torch.empty((max(rows, 2 * self._buf.shape[0]), self._words), dtype=torch.int32)
-                self._view_cache.clear()
-                self._fast_views.clear()  # they hold addresses into the old buffer
+                self._grow(rows)
             hit = self._view_cache.get(rows)
             if hit is None:
                 bm = self._buf[:rows]
