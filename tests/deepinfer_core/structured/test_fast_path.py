@@ -102,6 +102,12 @@ def test_fast_path_equals_general_path(name: str, vocab: str, threads: int | Non
             assert fast.finish_reason(r) is slow.finish_reason(r)
     assert steps_with_drafts >= 3 and steps_without >= 3
     assert cut >= 3 and kept >= 3, (cut, kept)  # both draft outcomes compared
+    # The C++ fill_bitmask (fastfill.cpp) ran these steps, except llguidance with its executor
+    # (mask_threads > 1), which keeps the Python fast path.
+    ff = fast._fast_fill
+    assert (ff is not None) == (name == "xgrammar" or threads is None)
+    if ff is not None:
+        assert ff.fast_calls + ff.tail_calls >= 10 and ff.fallback_calls == 0, (ff.fast_calls, ff.tail_calls, ff.fallback_calls)
 
 
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
