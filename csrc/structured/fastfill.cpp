@@ -83,12 +83,14 @@ inline bool general_path_error() {
 struct SlotCache {
   PyTypeObject* type = nullptr;
   Py_ssize_t offset = -1;
+  nb::object keep;  // the type: its address must not be reused by another while cached
 
   PyObject* get(PyObject* obj, PyObject* name) {  // new reference, nullptr with an error set
     PyTypeObject* t = Py_TYPE(obj);
     if (t != type) {
       type = t;
       offset = -1;
+      keep = nb::borrow(reinterpret_cast<PyObject*>(t));
       PyObject* raw = _PyType_Lookup(t, name);  // borrowed, no descriptor call
       if (raw != nullptr && Py_TYPE(raw) == &PyMemberDescr_Type) {
         PyMemberDef* def = reinterpret_cast<PyMemberDescrObject*>(raw)->d_member;
