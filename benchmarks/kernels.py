@@ -163,12 +163,20 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
         record("bitmask_xgrammar_cuda_spec_rows", p, cuda_time(lambda: xgrammar.apply_token_bitmask_inplace(*g(), indices=idx.to(torch.int32), backend="cuda")), nbytes, ceil=ceil)
 
 
-# (variant, codec switch) pairs timed per format: the layouts with the default codecs, and the previous
-# codec at one group a thread (fp8 store: integer encoder; e2m1: division / select-chain codecs).
-KV_CONFIGS = {
-    "fp8": [("group", None), ("group2", None), ("group4", None)],
+# (variant, e2m1 codec switch) per format, timed side by side: the layouts with the default codecs, and
+# the previous codec at one group a thread (division / select-chain e2m1).
+STORE_CONFIGS = {
+    "fp8": [("group", None), ("group2", None)],
     "fp4": [("group", False), ("group", None), ("group2", None), ("group4", None)],
 }
+LOAD_CONFIGS = {
+    "fp8": [("group", None), ("group2", None)],
+    "fp4": [("group", False), ("group", None)],
+}
+
+
+def _cfg_suffix(var: str, fast: bool | None, old: str) -> str:
+    return ("" if var == "group" else f"_{var}") + (f"_{old}" if fast is False else "")
 
 
 def bench_kv(ceil: dict[str, float], quick: bool) -> None:
@@ -191,8 +199,8 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
                 record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
                 record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)
                 record_ref(f"kv_store_{fmt}_torch_reference", p, lambda: store_ref(pool, g(), slots, fmt), 5, nbytes, ceil=ceil)
-            for var, fast in KV_CONFIGS[fmt]:
-                sfx = ("" if var == "group" else f"_{var}") + ("_division_codec" if fast is False else "")
+            for var, fast in STORE_CONFIGS[fmt]:
+                sfx = _cfg_suffix(var, fast, "division_codec")
                 t = graph_time(lambda: ck.store_slots(flat, g(), slots, fmt, variant=var, fast_e2m1=fast))
                 record(f"kv_store_{fmt}_kernel_graph{sfx}", p, t, nbytes, ceil=ceil)
             m = n // (64 * 64)  # 64 sequences of m blocks of 64 tokens: n tokens in all
@@ -204,8 +212,8 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
                 record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
                 record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
             sl = torch.randint(0, flat.shape[0], (n,), device="cuda")
-            for var, fast in KV_CONFIGS[fmt]:
-                sfx = ("" if var == "group" else f"_{var}") + ("_select_codec" if fast is False else "")
+            for var, fast in LOAD_CONFIGS[fmt]:
+                sfx = _cfg_suffix(var, fast, "select_codec")
                 t = graph_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var, fast_e2m1=fast))
                 record(f"kv_load_{fmt}_kernel_graph{sfx}", pl, t, nbytes, ceil=ceil)
 

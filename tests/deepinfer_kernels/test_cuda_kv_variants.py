@@ -25,8 +25,11 @@ def _ck():  # type: ignore[no-untyped-def]
 
 
 def _paths(fmt: str) -> list[tuple[bool | None, bool | None]]:
-    """(hw_fp8, fast_e2m1) pairs: both fp8 codecs, both e2m1 codecs."""
-    return [(True, None), (False, None)] if fmt == "fp8" else [(None, True), (None, False)]
+    """(hw_fp8, fast_e2m1) pairs: both fp8 codecs; both e2m1 codecs (fp4: with the hardware / integer
+    e4m3 scale byte)."""
+    if fmt == "fp8":
+        return [(True, None), (False, None)]
+    return [(True, True), (False, False)] if fmt == "fp4" else [(None, True), (None, False)]
 
 
 def _rows(n: int, dim: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:

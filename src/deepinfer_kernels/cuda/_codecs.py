@@ -123,3 +123,14 @@ def e2m1_as_half(code):
     """
     bits = ((code & 8) << 12) | ((code & 7) << 9)
     return T.reinterpret(T.Cast("uint16", bits), "float16")
+
+
+def e4m3_bits_hw(v):
+    """Non-negative float32 ``v`` (<= 448) -> e4m3 byte by the hardware conversion (RNE, satfinite): the
+    same byte as ``e4m3_bits`` (the fp8 store path relies on the same equivalence, tested on the H200)."""
+    return T.Cast("int32", T.reinterpret(T.Cast("float8_e4m3fn", v), "uint8"))
+
+
+def e4m3_value_hw(code):
+    """e4m3 byte (int32) -> float32 by the hardware conversion (exact)."""
+    return T.Cast("float32", T.reinterpret(T.Cast("uint8", code), "float8_e4m3fn"))

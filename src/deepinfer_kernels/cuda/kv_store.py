@@ -57,7 +57,9 @@ def _word_loop(bpt: int, gpt: int, vw: int):
     return T.vectorized if bpt % 16 == 0 and (gpt * vw * 4) % 16 == 0 else T.unroll
 
 
-def _build_store(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False, gpt: int = 1, fast_e2m1: bool = True):
+def _build_store(
+    fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False, gpt: int = 1, fast_e2m1: bool = True
+):
     group, groups, value_bytes, bpt = _sizes(fmt, dim)
     vb = _LAYOUT[fmt][1]
     vw = vb // 4  # value words (int32) per group
@@ -129,11 +131,11 @@ def _build_store(fmt: str, dim: int, in_dtype: str, hw_fp8: bool = False, gpt: i
                             sb = e + 127
                         else:  # fp4: e4m3 scale = amax / 6 rounded up to an e4m3 value
                             sc = T.min(T.max(T.ieee_fdiv(amax, T.float32(6.0)), T.float32(2.0**-9)), T.float32(448.0))
-                            sb = C.e4m3_bits(sc)
-                            sv = C.e4m3_value(sb)
+                            sb = C.e4m3_bits_hw(sc) if hw_fp8 else C.e4m3_bits(sc)
+                            sv = C.e4m3_value_hw(sb) if hw_fp8 else C.e4m3_value(sb)
                             if (sv < sc) & (sb < 0x7E):
                                 sb = sb + 1
-                            sv = C.e4m3_value(sb)
+                            sv = C.e4m3_value_hw(sb) if hw_fp8 else C.e4m3_value(sb)
                             if fast_e2m1:
                                 for k, v in enumerate(C.e2m1_thresholds(sv)):
                                     th[k] = v
@@ -205,22 +207,20 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
                     for gg in T.unroll(gpt):
                         code = sbs[gg]
                         if fmt == "fp8" and hw:
-                            # hardware e4m3 decode and one float32 multiply: the exact product rounded once, as
-                            # the reference's float64 product rounded to float32. Codes >= 247 could overflow
-                            # float32 (448 * 2^120 > max) where the reference saturates: float64 for them.
+                            # hardware e4m3 decode and one float32 multiply by 2^(code-127) (exact in float32 for
+                            # every code a store writes, 0..254): the exact product (4 significant bits) rounded
+                            # once, as the reference's float64 product rounded to float32. Codes >= 247 can
+                            # overflow to +-inf where the reference saturates at +-max: they clamp (off the
+                            # common path, so it pays nothing for them; float32 keeps the registers low).
+                            sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
                             if code < 247:
-                                sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
                                 for j in T.unroll(group):
                                     byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
-                                    e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
-                                    res[j] = T.Cast(out_dtype, e4 * sv)
+                                    res[j] = T.Cast(out_dtype, C.e4m3_value_hw(byte) * sv)
                             else:
-                                sc = C.pow2_f64(code - 127)
                                 for j in T.unroll(group):
                                     byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
-                                    e4 = T.Cast("float32", T.reinterpret(T.Cast("uint8", byte), "float8_e4m3fn"))
-                                    v = T.Cast("float64", e4) * sc
-                                    res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
+                                    res[j] = T.Cast(out_dtype, T.min(T.max(C.e4m3_value_hw(byte) * sv, T.float32(-_FMAX)), T.float32(_FMAX)))
                         elif fmt == "fp8":
                             sc = C.pow2_f64(code - 127)
                             for j in T.unroll(group):
@@ -306,13 +306,16 @@ def store_slots(
     variant: str | None = None,
     fast_e2m1: bool | None = None,
 ) -> None:
-    """Launch the store kernel (no checks): x [T, dim] -> pool rows ``slots`` (int64, < 0 skipped)."""
+    """Launch the store kernel (no checks): x [T, dim] -> pool rows ``slots`` (int64, < 0 skipped).
+
+    ``hw_fp8``: hardware e4m3 conversion for fp8 codes and the fp4 scale byte; the other switches are
+    the module flags above (None: the flag)."""
     gpt = _variant(variant, STORE_VARIANT)
     if x.shape[0] == 0:
         return
     dim = x.shape[1]
     dt = torch_dtype_name(x.dtype)
-    hw = (HW_FP8 if hw_fp8 is None else hw_fp8) and name == "fp8"
+    hw = (HW_FP8 if hw_fp8 is None else hw_fp8) and name in ("fp8", "fp4")
     fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name != "fp8"
     kern = compile_kernel(("kv_store", gpt, name, dim, dt, hw, fast), lambda: _build_store(name, dim, dt, hw, gpt, fast))
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
