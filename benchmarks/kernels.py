@@ -167,11 +167,11 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
 # the previous codec at one group a thread (division / select-chain e2m1).
 STORE_CONFIGS = {
     "fp8": [("group", None), ("group2", None)],
-    "fp4": [("group", False), ("group", None), ("group2", None), ("group4", None)],
+    "fp4": [("group", False), ("group", None), ("group4", None), ("bf16x2", None), ("bf16x2g2", None)],
 }
 LOAD_CONFIGS = {
-    "fp8": [("group", None), ("group2", None)],
-    "fp4": [("group", False), ("group", None)],
+    "fp8": [("group", None), ("lanes", None)],
+    "fp4": [("group", False), ("group", None), ("lanes", None)],
 }
 
 
@@ -203,6 +203,12 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
                 sfx = _cfg_suffix(var, fast, "division_codec")
                 t = graph_time(lambda: ck.store_slots(flat, g(), slots, fmt, variant=var, fast_e2m1=fast))
                 record(f"kv_store_{fmt}_kernel_graph{sfx}", p, t, nbytes, ceil=ceil)
+            # prefill-like: the tokens go to consecutive slots (rows above are decode-like, a random slot each)
+            seq = torch.arange(n, device="cuda")
+            for var, fast in STORE_CONFIGS[fmt][-2:]:
+                sfx = _cfg_suffix(var, fast, "division_codec")
+                t = graph_time(lambda: ck.store_slots(flat, g(), seq, fmt, variant=var, fast_e2m1=fast))
+                record(f"kv_store_{fmt}_kernel_graph_consecutive_slots{sfx}", p, t, nbytes, ceil=ceil)
             m = n // (64 * 64)  # 64 sequences of m blocks of 64 tokens: n tokens in all
             table = torch.randint(1, pool.shape[0], (64, m), dtype=torch.int32, device="cuda")
             lens = torch.full((64,), m * 64, device="cuda")
@@ -211,7 +217,9 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
             if n == sizes[0]:
                 record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
                 record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
-            sl = torch.randint(0, flat.shape[0], (n,), device="cuda")
+            # the slots kv_load derives from the block table (random blocks, 64 consecutive tokens each)
+            tk = torch.arange(m * 64, device="cuda")
+            sl = (table.long()[:, tk // 64] * 64 + tk % 64).reshape(-1)
             for var, fast in LOAD_CONFIGS[fmt]:
                 sfx = _cfg_suffix(var, fast, "select_codec")
                 t = graph_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var, fast_e2m1=fast))

@@ -163,6 +163,111 @@ def _build_store(
     return store
 
 
+# Two-lane bf16 helpers for the fp4 store: ``set.gt.u32.bf16x2`` (sm_90) gives 0xFFFF in each 16-bit lane
+# where a > b, one instruction for two values.
+_BF16X2_SRC = """
+__device__ __forceinline__ unsigned di_gt_bf16x2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+"""
+
+
+def _build_store_fp4_bf16x2(dim: int, gpt: int = 1):
+    """fp4 store for bf16 input, two values per instruction (``variant="bf16x2"``).
+
+    The input is read as 32-bit words, each two bf16 values. Magnitudes (sign bits cleared) of
+    non-negative floats order like their bit patterns, so the group max is an unsigned 16-bit lane max
+    (``__vmaxu2``). The seven thresholds ``mid * scale`` have <= 7 significant bits, so they are exact in
+    bf16 and the comparisons ``|x| > mid * scale`` (see ``_codecs.e2m1_thresholds``) run on both lanes at
+    once; the binary search picks each lane's next threshold with bit masks instead of selects.
+    Same bytes as the scalar path (tested).
+    """
+    group, groups, value_bytes, bpt = _sizes("fp4", dim)
+    vw = 2  # code words per group: 16 nibbles
+    gpt = math.gcd(gpt, groups)
+    tpt = groups // gpt
+    ipg = group // 2  # input words per group
+    wloop = _word_loop(bpt, gpt, vw)
+    n = T.dynamic("n")
+    ns = T.dynamic("num_slots")
+
+    def gt(a, b):
+        return T.call_extern("uint32", "di_gt_bf16x2", a, b)
+
+    def pick(mask, yes, no):
+        return (yes & mask) | (no & ~mask)
+
+    @T.prim_func
+    def store(
+        pool8: T.Tensor((ns, bpt), "uint8"),
+        pool32: T.Tensor((ns, bpt // 4), "int32"),
+        x32: T.Tensor((n, dim // 2), "uint32"),  # the bf16 input, two values a word
+        slots: T.Tensor((n,), "int64"),
+    ):
+        with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
+            T.import_source(_BF16X2_SRC)
+            tx = T.get_thread_binding(0)
+            raw = T.alloc_local((gpt * ipg,), "uint32")
+            mag = T.alloc_local((ipg,), "uint32")
+            th = T.alloc_local((7,), "uint32")
+            pairs = T.alloc_local((ipg,), "uint32")
+            words = T.alloc_local((gpt * vw,), "int32")
+            sbs = T.alloc_local((gpt,), "uint8")
+            m2 = T.alloc_var("uint32")
+            amax = T.alloc_var("float32")
+            sc = T.alloc_var("float32")
+            sb = T.alloc_var("int32")
+            sv = T.alloc_var("float32")
+            h = T.alloc_var("uint32")
+            m1 = T.alloc_var("uint32")
+            tid = bx * _THREADS + tx
+            if tid < n * tpt:
+                t = tid // tpt
+                g0 = (tid % tpt) * gpt
+                s = slots[t]
+                if s >= 0:
+                    for j in T.vectorized(gpt * ipg):
+                        raw[j] = x32[t, g0 * ipg + j]
+                    for gg in T.unroll(gpt):
+                        m2 = T.uint32(0)
+                        for j in T.unroll(ipg):
+                            mag[j] = raw[gg * ipg + j] & T.uint32(0x7FFF7FFF)
+                            m2 = T.call_extern("uint32", "__vmaxu2", m2, mag[j])
+                        m2 = T.max(m2 & T.uint32(0xFFFF), m2 >> T.uint32(16))
+                        amax = T.reinterpret(m2 << T.uint32(16), "float32")
+                        sc = T.min(T.max(T.ieee_fdiv(amax, T.float32(6.0)), T.float32(2.0**-9)), T.float32(448.0))
+                        sb = C.e4m3_bits_hw(sc)
+                        sv = C.e4m3_value_hw(sb)
+                        if (sv < sc) & (sb < 0x7E):
+                            sb = sb + 1
+                        sv = C.e4m3_value_hw(sb)
+                        for k, v in enumerate(C.e2m1_thresholds(sv)):
+                            m2 = T.reinterpret(v, "uint32") >> T.uint32(16)  # exact: the low 16 bits are zero
+                            th[k] = m2 | (m2 << T.uint32(16))
+                        for j in T.unroll(ipg):
+                            h = gt(mag[j], th[3])
+                            m1 = gt(mag[j], pick(h, th[5], th[1]))
+                            m2 = gt(mag[j], pick(h, pick(m1, th[6], th[4]), pick(m1, th[2], th[0])))
+                            m2 = (h & T.uint32(0x00040004)) | (m1 & T.uint32(0x00020002)) | (m2 & T.uint32(0x00010001))
+                            # sign to bit 3 of each lane where the code is non-zero (|x| > mid_0 * scale)
+                            m2 = m2 | (gt(mag[j], th[0]) & (raw[gg * ipg + j] >> T.uint32(12)) & T.uint32(0x00080008))
+                            pairs[j] = (m2 & T.uint32(0xF)) | ((m2 >> T.uint32(12)) & T.uint32(0xF0))  # two nibbles
+                        for w in T.unroll(vw):
+                            words[gg * vw + w] = T.reinterpret(
+                                pairs[4 * w] | (pairs[4 * w + 1] << T.uint32(8)) | (pairs[4 * w + 2] << T.uint32(16)) | (pairs[4 * w + 3] << T.uint32(24)),
+                                "int32",
+                            )
+                        sbs[gg] = T.Cast("uint8", sb)
+                    for w in wloop(gpt * vw):
+                        pool32[s, g0 * vw + w] = words[w]
+                    for gg in T.unroll(gpt):
+                        pool8[s, value_bytes + g0 + gg] = sbs[gg]
+
+    return store
+
+
 def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int = 1, fast_e2m1: bool = True):
     group, groups, value_bytes, bpt = _sizes(fmt, dim)
     vb = _LAYOUT[fmt][1]
@@ -251,6 +356,64 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
     return gather
 
 
+def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8):
+    """Gather with ``vpt`` values a thread (a slice of one scale group): a warp reads the codes of 256
+    values contiguously and writes their 512 bytes of bf16 with one 16-byte store per thread, where the
+    group layout's stores land 64 bytes apart. fp8 (hardware decode) and fp4 (float16-bit decode) only."""
+    group, _, value_bytes, bpt = _sizes(fmt, dim)
+    bits = 8 if fmt == "fp8" else 4
+    tpg = group // vpt  # threads per scale group
+    tpt = dim // vpt  # threads per token
+    nw = vpt * bits // 32  # code words per thread (2 for fp8, 1 for fp4)
+    n = T.dynamic("n")
+    ns = T.dynamic("num_slots")
+
+    @T.prim_func
+    def gather(
+        pool8: T.Tensor((ns, bpt), "uint8"),
+        pool32: T.Tensor((ns, bpt // 4), "int32"),
+        slots: T.Tensor((n,), "int64"),
+        out: T.Tensor((n, dim), out_dtype),
+    ):
+        with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
+            tx = T.get_thread_binding(0)
+            words = T.alloc_local((nw,), "int32")
+            res = T.alloc_local((vpt,), out_dtype)
+            code = T.alloc_var("int32")
+            sv = T.alloc_var("float32")
+            tid = bx * _THREADS + tx
+            if tid < n * tpt:
+                t = tid // tpt
+                k = tid % tpt  # slice of the row: values k * vpt ...
+                s = slots[t]
+                if s < 0:
+                    for j in T.unroll(vpt):
+                        res[j] = T.Cast(out_dtype, 0)
+                else:
+                    for w in T.vectorized(nw):
+                        words[w] = pool32[s, k * nw + w]
+                    code = T.Cast("int32", pool8[s, value_bytes + k // tpg])
+                    if fmt == "fp8":
+                        sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
+                        if code < 247:
+                            for j in T.unroll(vpt):
+                                byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
+                                res[j] = T.Cast(out_dtype, C.e4m3_value_hw(byte) * sv)
+                        else:
+                            for j in T.unroll(vpt):
+                                byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
+                                res[j] = T.Cast(out_dtype, T.min(T.max(C.e4m3_value_hw(byte) * sv, T.float32(-_FMAX)), T.float32(_FMAX)))
+                    else:
+                        sv = C.e4m3_value(code) * T.float32(2.0**14)
+                        for j in T.unroll(vpt):
+                            nib = (words[j // 8] >> (4 * (j % 8))) & 0xF
+                            res[j] = T.Cast(out_dtype, T.Cast("float32", C.e2m1_as_half(nib)) * sv)
+                for j in T.vectorized(vpt):
+                    out[t, k * vpt + j] = res[j]
+
+    return gather
+
+
 def _fmt_name(fmt: object) -> str | None:
     name = fmt if isinstance(fmt, str) else getattr(fmt, "name", None)
     return name if name in _LAYOUT else None
@@ -280,21 +443,26 @@ HW_FP8 = True
 # Same bytes and values by construction (``_codecs.e2m1_thresholds``); the GPU tests run both paths.
 FAST_E2M1 = True
 
-# Kernel layout: scale groups a thread ("group": 1, "group2": 2, "group4": 4; fewer when a row has fewer
-# groups). Every variant is tested byte for byte against the reference and timed side by side in
-# benchmarks/kernels.py; the defaults are what the H200 measured fastest.
-VARIANTS = ("group", "group2", "group4")
-_GPT = {"group": 1, "group2": 2, "group4": 4}
+# Kernel layouts, name -> (layout, scale groups a thread): "group*" (any format; fewer groups when a row has
+# fewer), "lanes" (loads of fp8 / fp4 with the default codecs: 8 values a thread), "bf16x2*" (fp4 stores
+# of bf16 input: two values an instruction). A layout that does not apply to a call takes "group" with
+# the same groups a thread. Every variant is tested byte for byte against the reference and timed side
+# by side in benchmarks/kernels.py; the defaults are what the H200 measured fastest.
+_LAYOUTS = {
+    "group": ("group", 1), "group2": ("group", 2), "group4": ("group", 4), "lanes": ("lanes", 1),
+    "bf16x2": ("bf16x2", 1), "bf16x2g2": ("bf16x2", 2),
+}
+VARIANTS = tuple(_LAYOUTS)
 STORE_VARIANT = "group"
 LOAD_VARIANT = "group"
 
 
-def _variant(v: str | None, default: str) -> int:
-    """Groups per thread of variant ``v`` (None: the module default)."""
+def _variant(v: str | None, default: str) -> tuple[str, int]:
+    """(layout, groups a thread) of variant ``v`` (None: the module default)."""
     v = default if v is None else v
-    if v not in VARIANTS:
+    if v not in _LAYOUTS:
         raise ValueError(f"variant: must be one of {VARIANTS}, got {v!r}")
-    return _GPT[v]
+    return _LAYOUTS[v]
 
 
 def store_slots(
@@ -310,13 +478,17 @@ def store_slots(
 
     ``hw_fp8``: hardware e4m3 conversion for fp8 codes and the fp4 scale byte; the other switches are
     the module flags above (None: the flag)."""
-    gpt = _variant(variant, STORE_VARIANT)
+    layout, gpt = _variant(variant, STORE_VARIANT)
     if x.shape[0] == 0:
         return
     dim = x.shape[1]
     dt = torch_dtype_name(x.dtype)
     hw = (HW_FP8 if hw_fp8 is None else hw_fp8) and name in ("fp8", "fp4")
     fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name != "fp8"
+    if layout == "bf16x2" and name == "fp4" and dt == "bfloat16" and hw and fast:
+        kern = compile_kernel(("kv_store_bf16x2", gpt, dim), lambda: _build_store_fp4_bf16x2(dim, gpt))
+        kern(pool, pool.view(torch.int32), x.contiguous().view(torch.int32), slots.contiguous())
+        return
     kern = compile_kernel(("kv_store", gpt, name, dim, dt, hw, fast), lambda: _build_store(name, dim, dt, hw, gpt, fast))
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
 
@@ -340,14 +512,17 @@ def gather_slots(
     fast_e2m1: bool | None = None,
 ) -> torch.Tensor:
     """Launch the gather kernel: rows ``slots`` (int64 [N], < 0 gives zeros) dequantised to [N, dim]."""
-    gpt = _variant(variant, LOAD_VARIANT)
+    layout, gpt = _variant(variant, LOAD_VARIANT)
     out = torch.empty(slots.shape[0], dim, dtype=out_dtype, device=pool.device)
     if slots.shape[0] == 0:
         return out
     dt = torch_dtype_name(out_dtype)
     hw = (HW_FP8_DECODE if hw is None else hw) and name == "fp8"
     fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name == "fp4"
-    kern = compile_kernel(("kv_gather", gpt, name, dim, dt, hw, fast), lambda: _build_gather(name, dim, dt, hw, gpt, fast))
+    if layout == "lanes" and ((name == "fp8" and hw) or (name == "fp4" and fast)):
+        kern = compile_kernel(("kv_gather_lanes", name, dim, dt), lambda: _build_gather_lanes(name, dim, dt))
+    else:
+        kern = compile_kernel(("kv_gather", gpt, name, dim, dt, hw, fast), lambda: _build_gather(name, dim, dt, hw, gpt, fast))
     kern(pool, pool.view(torch.int32), slots.contiguous(), out)
     return out
 
