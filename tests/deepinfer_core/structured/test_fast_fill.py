@@ -212,3 +212,19 @@ def test_manager_is_collected_and_a_kept_fill_bitmask_says_so(backend_for) -> No
     assert ref() is None  # FastFill holds the manager weakly: no cycle keeps it (and its buffer) alive
     with pytest.raises(RuntimeError, match="outlived"):
         fill([("missing", [])])  # a miss needs the manager
+
+
+def test_constructor_rejects_bad_arguments(backend_for) -> None:
+    from deepinfer_core.structured.manager import BatchMask
+
+    mgr = StructuredOutputManager(backend_for("xgrammar", "byte"))
+    be = backend_for("xgrammar", "byte")
+    good = dict(kind=0, keys={}, views={}, manager=mgr, fallback=type(mgr).fill_bitmask, fill_keys=be.fill_keys,
+                accept_key=None, batch_mask_type=BatchMask, np_empty=np.empty, np_zeros=np.zeros,
+                dt_int64=np.dtype(np.int64), dt_bool=np.dtype(np.bool_), words=16, vocab=512, tail_keep=-1, eos=0, refuse=[])
+    _fastpath._FastFill(**good)
+    for bad, match in (({"kind": 5}, "kind"), ({"vocab": 600}, "vocab"), ({"tail_keep": -2}, "tail_keep"),
+                       ({"eos": 512}, "eos"), ({"refuse": [512]}, "refuse"), ({"fill_keys": None}, "fill_keys"),
+                       ({"kind": 1}, "accept_key")):
+        with pytest.raises(ValueError, match=match):
+            _fastpath._FastFill(**{**good, **bad})
