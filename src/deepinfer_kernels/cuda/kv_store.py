@@ -203,13 +203,13 @@ def _build_store_fp4_bf16x2(dim: int, gpt: int = 1):
     def store(
         pool8: T.Tensor((ns, bpt), "uint8"),
         pool32: T.Tensor((ns, bpt // 4), "int32"),
-        x32: T.Tensor((n, dim // 2), "uint32"),  # the bf16 input, two values a word
+        x32: T.Tensor((n, dim // 2), "int32"),  # the bf16 input, two values a word
         slots: T.Tensor((n,), "int64"),
     ):
         with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             T.import_source(_BF16X2_SRC)
             tx = T.get_thread_binding(0)
-            raw = T.alloc_local((gpt * ipg,), "uint32")
+            raw = T.alloc_local((gpt * ipg,), "int32")
             mag = T.alloc_local((ipg,), "uint32")
             th = T.alloc_local((7,), "uint32")
             pairs = T.alloc_local((ipg,), "uint32")
@@ -233,7 +233,7 @@ def _build_store_fp4_bf16x2(dim: int, gpt: int = 1):
                     for gg in T.unroll(gpt):
                         m2 = T.uint32(0)
                         for j in T.unroll(ipg):
-                            mag[j] = raw[gg * ipg + j] & T.uint32(0x7FFF7FFF)
+                            mag[j] = T.reinterpret(raw[gg * ipg + j], "uint32") & T.uint32(0x7FFF7FFF)
                             m2 = T.call_extern("uint32", "__vmaxu2", m2, mag[j])
                         m2 = T.max(m2 & T.uint32(0xFFFF), m2 >> T.uint32(16))
                         amax = T.reinterpret(m2 << T.uint32(16), "float32")
@@ -252,7 +252,7 @@ def _build_store_fp4_bf16x2(dim: int, gpt: int = 1):
                             m2 = gt(mag[j], pick(h, pick(m1, th[6], th[4]), pick(m1, th[2], th[0])))
                             m2 = (h & T.uint32(0x00040004)) | (m1 & T.uint32(0x00020002)) | (m2 & T.uint32(0x00010001))
                             # sign to bit 3 of each lane where the code is non-zero (|x| > mid_0 * scale)
-                            m2 = m2 | (gt(mag[j], th[0]) & (raw[gg * ipg + j] >> T.uint32(12)) & T.uint32(0x00080008))
+                            m2 = m2 | (gt(mag[j], th[0]) & (T.reinterpret(raw[gg * ipg + j], "uint32") >> T.uint32(12)) & T.uint32(0x00080008))
                             pairs[j] = (m2 & T.uint32(0xF)) | ((m2 >> T.uint32(12)) & T.uint32(0xF0))  # two nibbles
                         for w in T.unroll(vw):
                             words[gg * vw + w] = T.reinterpret(
