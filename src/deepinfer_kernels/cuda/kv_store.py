@@ -454,7 +454,7 @@ _LAYOUTS = {
 }
 VARIANTS = tuple(_LAYOUTS)
 STORE_VARIANT = "group"
-LOAD_VARIANT = "group"
+LOAD_VARIANT = "lanes"
 
 
 def _variant(v: str | None, default: str) -> tuple[str, int]:
