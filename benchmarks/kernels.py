@@ -195,6 +195,11 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
             g = rotating(lambda: torch.randn(n, 512, device="cuda", dtype=torch.bfloat16), 4)
             nbytes = n * (512 * 2 + bpt)
             p = {"tokens": n, "fmt": fmt, "in": "bf16"}
+            if fmt == "fp8":  # the copy ceiling at this size (bytes read + written as the store's), graph replay
+                half = nbytes // 2
+                src, dst = torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda")
+                record("d2d_copy_same_bytes", {"bytes": 2 * half}, graph_time(lambda: dst.copy_(src)), 2 * half, ceil=ceil)
+                del src, dst
             if n == sizes[0]:
                 record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
                 record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)

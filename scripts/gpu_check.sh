@@ -50,7 +50,7 @@ step pip 150 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OU
 say "$(python3 -c 'import torch, tilelang; print("torch", torch.__version__, "cuda", torch.version.cuda, "tilelang", tilelang.__version__)' 2>&1 | tail -1)"
 
 # 3. every GPU test (kernels vs references, both variants of each new kernel)
-step pytest 200 python3 -m pytest -m gpu ${GPU_CHECK_TESTS:-tests/} -q -n 8 -p no:cacheprovider -rfE --durations=10 \
+step pytest ${GPU_CHECK_PYTEST_S:-200} python3 -m pytest -m gpu ${GPU_CHECK_TESTS:-tests/} -q -n 8 -p no:cacheprovider -rfE --durations=10 \
   --junitxml="$OUT/junit.xml" >"$OUT/pytest.log" 2>&1
 
 # 4. kernel benchmarks: the variant comparisons first (kv, engram gather, spec), then the rest if time is left
@@ -93,7 +93,7 @@ for line in (out / "bench.jsonl").read_text().splitlines() if (out / "bench.json
 if rows:
     print("bench (us, GB/s, % of d2d copy):")
     for name, m in rows.items():
-        if name.startswith(("kv_", "engram_gather", "spec_verify", "ceiling")):
+        if name.startswith(("kv_", "engram_gather", "spec_verify", "ceiling", "d2d_copy")):
             vals = ", ".join(f"{k}={v:.1f}" for k, v in m.items())
             print(f"  {name}: {vals}")
 else:
