@@ -167,7 +167,7 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
 # the previous codec at one group a thread (division / select-chain e2m1).
 STORE_CONFIGS = {
     "fp8": [("group", None), ("group2", None)],
-    "fp4": [("group", False), ("group", None), ("bf16x2", None), ("bf16x2g4", None), ("bf16x2i4", None)],
+    "fp4": [("group", False), ("group", None), ("group4", None), ("bf16x2i4", None)],
 }
 LOAD_CONFIGS = {
     "fp8": [("group", None), ("lanes", None)],

@@ -105,7 +105,7 @@ try:
 except Exception:
     cases = []
 times = {k: m.get("time_us") for k, m in rows.items()}
-for var, default in (("group2", "group"), ("group4", "group"), ("division_codec", "group"), ("select_codec", "group"), ("lanes", "group"), ("bf16x2", "group"), ("bf16x2g2", "group"), ("bf16x2g4", "group"), ("bf16x2i4", "group"), ("vec", "rows")):
+for var, default in (("group2", "group"), ("group4", "group"), ("division_codec", "group"), ("select_codec", "group"), ("lanes", "group"), ("bf16x2i4", "group"), ("vec", "rows")):
     mine = [c for c in cases if re.search(rf"[\[-]{var}[\]-]", c[0])]
     ok = sum(1 for c in mine if not c[1] and not c[2])
     bad = sum(1 for c in mine if c[1])
