@@ -1,6 +1,6 @@
 """Lower and compile TileLang kernels for sm_90 on a machine without a GPU (no run, no correctness).
 
-    /tmp/tl-venv/bin/python scripts/tl_lower_check.py kv_coop:build_store_coop:fp8:512:bfloat16:True \\
+    /tmp/tl-venv/bin/python scripts/tl_lower_check.py kv_kernels:_build_store:fp8:512:bfloat16:True \\
         spec_verify:_build:5:129280 [--src-dir DIR]
 
 Each spec is ``module:builder:arg:...`` under ``deepinfer_kernels.cuda``; integer-looking args become
