@@ -32,6 +32,7 @@ CostModel make_cost(double base, double token, double quad, double ctx) {
 
 DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block pool, cost-model chunking") {
   m.attr("MAX_STEP_TOKENS") = di::sched::kMaxStepTokens;
+  m.attr("MAX_DRAFTS") = di::sched::kMaxDrafts;
 
   m.def(
       "max_chunk",
@@ -133,10 +134,13 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
       .def(
           "set_drafts",
           [](StepScheduler& s, di::CArray1<int64_t> seq_ids, di::CArray1<int32_t> ks) {
-            di::require(seq_ids.shape(0) == ks.shape(0), "num_draft_tokens: seq_ids and counts differ in length");
+            di::require(seq_ids.shape(0) == ks.shape(0), "draft_seq_ids and draft_counts: lengths differ");
+            nb::gil_scoped_release release;
             s.set_drafts(seq_ids.data(), ks.data(), static_cast<int64_t>(seq_ids.shape(0)));
           },
-          nb::arg("seq_ids"), nb::arg("num_drafts"), "Drafts to verify per decode request in the next schedule().")
+          nb::arg("seq_ids"), nb::arg("num_drafts"),
+          "Drafts to verify per decode request in the next schedule(); all-or-nothing validation (see "
+          "step_scheduler.h).")
       .def(
           "update",
           [](StepScheduler& s, int64_t step_id, di::CArray1<int32_t> sampled, di::CArray1<int32_t> counts) {

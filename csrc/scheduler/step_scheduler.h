@@ -87,7 +87,9 @@ struct alignas(64) Req {
   int32_t num_preemptions = 0;
   int32_t want_k = 0;          // drafts asked for by set_drafts() for the next schedule()
   int32_t spec_in_flight = 0;  // outstanding verify rows (rows with drafts)
+  uint32_t draft_stamp = 0;    // set_drafts() call that last named this request (duplicate check)
   FinishReason reason = FinishReason::NONE;
+  bool reported = false;       // ENDED and returned by update() (the slot lives on while rows are in flight)
   std::vector<int32_t> tokens;  // prompt + known output
   // Mirror of the pool's block table, refreshed whenever the reservation changes, so a step copies
   // block tables without a hash lookup per row.
@@ -146,8 +148,11 @@ class StepScheduler {
   StepType decide(bool all_prefill, bool any_prefill, bool any_decode) const;
   PlanOut schedule(bool all_prefill, bool any_prefill, bool any_decode);
   // Drafts to verify in the next schedule() (decode requests only; capped there by max_tokens, the
-  // token cap and free KV). k in [0, kMaxDrafts]; ended / unknown seq ids are skipped. Cleared by
-  // schedule().
+  // token cap and free KV). Cleared by schedule(). All-or-nothing: std::invalid_argument (naming
+  // draft_counts[i] / draft_seq_ids[i]) and no change for k outside [0, kMaxDrafts], a seq id given
+  // twice, or one that is not live: never added, or its end already reported by update() (Python's
+  // notion of a live request id). A request that ended but is not reported yet (aborted, or ended
+  // with a row in flight) is skipped: the caller cannot know yet.
   void set_drafts(const int64_t* seq_ids, const int32_t* ks, int64_t n);
   // Sampled tokens of the oldest outstanding plan. counts == nullptr: one per row (rows that do not
   // sample: ignored). Else counts[i] tokens for row i, flat in `sampled`: 1..1 + num_drafts[i] for a
@@ -208,6 +213,8 @@ class StepScheduler {
   std::deque<PlanRec> plans_;
   std::vector<Ended> ended_;         // ended since the last update() returned
   std::vector<int32_t> draft_slots_; // slots with want_k set by set_drafts(), cleared by schedule()
+  std::vector<int32_t> draft_tmp_;   // set_drafts() scratch: slot per entry, -1 = skip
+  uint32_t draft_call_ = 0;          // set_drafts() calls so far (stamps for the duplicate check)
   int64_t next_arrival_ = 0;
   int64_t next_step_ = 0;
   int64_t live_ = 0;

@@ -245,7 +245,7 @@ class LLMEngine:
             return out
         t0 = time.perf_counter()
         ask = self.drafts.ask(self._by_seq) if self.drafts is not None else None
-        plan = sched.schedule(num_draft_tokens=ask)
+        plan = sched.schedule() if ask is None else sched.schedule(draft_seq_ids=ask[0], draft_counts=ask[1])
         st.schedule_s += time.perf_counter() - t0
         if self._inflight is not None:  # async: apply the previous step's tokens after planning this one
             out += self._update(*self._inflight)

@@ -47,15 +47,17 @@ class DraftBook:
         self._tokens.pop(seq, None)
         self._conf.pop(seq, None)
 
-    def ask(self, live: dict[int, Any]) -> dict[str, int] | None:
-        """{request id: drafts to verify} for every live sequence holding drafts, from the policy
-        (``live``: seq id -> the engine's request record)."""
+    def ask(self, live: dict[int, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(seq ids int64, drafts to verify int32) for every live sequence holding drafts with a
+        non-zero verify length from the policy (``live``: seq id -> the engine's request record): the
+        scheduler's array form, so no request-id mapping per row."""
         seqs = [s for s in self._tokens if s in live]
         if not seqs:
             return None
         conf = np.stack([self._conf[s][: self.max_drafts] for s in seqs])
-        lengths = self.policy.plan(conf, None).lengths
-        return {live[s].request_id: int(k) for s, k in zip(seqs, lengths.tolist()) if k > 0}
+        lengths = np.asarray(self.policy.plan(conf, None).lengths)
+        keep = lengths > 0
+        return np.asarray(seqs, np.int64)[keep], lengths[keep].astype(np.int32)
 
     def fill(self, plan: Plan, tokens: np.ndarray, seq_of_row: np.ndarray) -> None:
         """Write each verify row's drafts over its ``-1`` placeholders (``tokens`` is flat, in place)."""

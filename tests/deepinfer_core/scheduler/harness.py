@@ -157,6 +157,7 @@ class RunResult:
     max_steps_hit: bool
     drafts_fed: int = 0
     drafts_accepted: int = 0
+    asked: list[dict[str, int]] = attrs.Factory(list)  # the drafts asked before each schedule
 
 
 def drive(
@@ -169,11 +170,16 @@ def drive(
     max_steps: int = 5000,
     drafts: np.random.Generator | None = None,
     max_drafts: int = 4,
+    draft_form: str = "dict",
 ) -> RunResult:
     """Step ``sched`` until every request ended. ``lag`` 0: synchronous; 1: one step ahead.
 
     ``drafts``: before every schedule, ask for a random 0..max_drafts drafts per live request (the
-    fake executor verifies them, see :class:`FakeExecutor`)."""
+    fake executor verifies them, see :class:`FakeExecutor`). ``draft_form`` "dict": as
+    ``num_draft_tokens``; "array": the same ask as ``draft_seq_ids`` / ``draft_counts`` (k = 0 entries
+    left out, shuffled, dtypes varied), which must plan exactly the same."""
+    assert draft_form in ("dict", "array")
+    asked: list[dict[str, int]] = []
     oracle = Oracle(specs)
     ex = FakeExecutor(oracle, drafts)
     reported: set[str] = set()
@@ -198,11 +204,13 @@ def drive(
         if live or (not inflight and sched.has_unfinished()):
             if before_schedule is not None:
                 before_schedule(sched)
-            ask = None
+            kw: dict = {}
             if drafts is not None:
                 live_ids = [r for r in arrived if r not in reported]
                 ask = {r: int(k) for r, k in zip(live_ids, drafts.integers(0, max_drafts + 1, len(live_ids)))}
-            plan = sched.schedule(num_draft_tokens=ask)
+                asked.append(ask)
+                kw = {"num_draft_tokens": ask} if draft_form == "dict" else _as_arrays(sched, ask, plans)
+            plan = sched.schedule(**kw)
             plans += 1
             if on_plan is not None:
                 on_plan(sched, plan)
@@ -214,5 +222,19 @@ def drive(
             finished.extend(ended)
         sched.check_invariants()
         if step > last_event and not inflight and not sched.has_unfinished():
-            return RunResult(finished, plans, False, ex.drafts_fed, ex.drafts_accepted)
-    return RunResult(finished, plans, True, ex.drafts_fed, ex.drafts_accepted)
+            return RunResult(finished, plans, False, ex.drafts_fed, ex.drafts_accepted, asked)
+    return RunResult(finished, plans, True, ex.drafts_fed, ex.drafts_accepted, asked)
+
+
+def _as_arrays(sched: Scheduler, ask: dict[str, int], salt: int) -> dict[str, np.ndarray]:
+    """``ask`` in the array form: k = 0 entries dropped (the same as not asking), the order shuffled and
+    the dtypes varied by ``salt`` (its own generator: the drafts generator must be consumed exactly as
+    in the dict form)."""
+    rng = np.random.default_rng(salt)
+    rids = [r for r, k in ask.items() if k > 0]
+    order = rng.permutation(len(rids))
+    seqs = np.array([sched.seq_id(rids[i]) for i in order], np.int64)
+    ks = np.array([ask[rids[i]] for i in order], np.int32)
+    if salt % 2:
+        seqs, ks = seqs.astype(np.int32), ks.astype(np.int64)  # the wrapper's cast path
+    return {"draft_seq_ids": seqs, "draft_counts": ks}
