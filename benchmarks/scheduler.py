@@ -8,7 +8,10 @@ running the model. Measured three ways in alternating rounds of 10 consecutive s
 (what an engine calls), the C++ core through its binding alone (the Python wrapper's share is the
 difference), the asynchronous mode (schedule N+1 before update N), and speculative verify rows ("spec":
 every request asks for 2 drafts, one is accepted: rows of 3 tokens, 2 tokens applied per row, the
-rejected draft's KV given back; the drafts dict is built once, as an engine's drafter output would be). Times are CPU time of the
+rejected draft's KV given back; the drafts dict is built once, as an engine's drafter output would be), and the same
+asked by arrays keyed by seq id ("spec_arr": ``schedule(draft_seq_ids=, draft_counts=)``, arrays built once, as
+an engine holds them). "ask_dict" / "ask_arr" time the draft request alone (the wrapper's conversion and
+validation plus the core's ``set_drafts``, no schedule). Times are CPU time of the
 calling thread (the core releases the GIL but runs on that thread), median and 10th percentile over
 steps, plus wall time. Also: one prefill step packing waiting prompts under a time budget.
 
@@ -28,6 +31,7 @@ from _common import emit, log, out_path, parser
 from deepinfer_core.kv import PagedKVPool
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import CostModel, Request, Scheduler, SchedulerConfig, StepType
+from deepinfer_core.scheduler.scheduler import _draft_arrays
 
 BENCH = "scheduler"
 PROMPT = 512
@@ -67,9 +71,12 @@ def measure(n: int, steps: int) -> dict[str, float]:
     asyn = build(n, True)
     toks = np.full(n, 7, dtype=np.int32)
     spec = build(n, False)
+    speca = build(n, False)
     impl = sync._impl
     pending: list = [asyn.schedule()]
     ask = {f"r{i}": 2 for i in range(n)}
+    ask_seqs = np.array([speca.seq_id(f"r{i}") for i in range(n)], np.int64)
+    ask_ks = np.full(n, 2, np.int32)
     stoks = np.full(2 * n, 7, dtype=np.int32)
     counts = np.full(n, 2, dtype=np.int32)
     no_counts = np.zeros(0, np.int32)
@@ -88,12 +95,26 @@ def measure(n: int, steps: int) -> dict[str, float]:
         assert int(plan.num_drafts.sum()) == 2 * n and not plan.preempted
         spec.update(plan, stoks, counts)
 
+    def spec_arr_step() -> None:
+        plan = speca.schedule(draft_seq_ids=ask_seqs, draft_counts=ask_ks)
+        assert int(plan.num_drafts.sum()) == 2 * n and not plan.preempted
+        speca.update(plan, stoks, counts)
+
+    # The draft request alone (what schedule() does with it before planning). Leaves want_k set on
+    # `spec`, which its next step asks for anyway.
+    def ask_dict() -> None:
+        spec._impl.set_drafts(*spec._drafts_from_dict(ask))
+
+    def ask_arr() -> None:
+        spec._impl.set_drafts(*_draft_arrays(ask_seqs, ask_ks))
+
     def async_step() -> None:
         nxt = asyn.schedule()  # step N+1 planned before step N's tokens are applied
         asyn.update(pending.pop(), toks)
         pending.append(nxt)
 
-    fns = {"api": api_step, "core": core_step, "async": async_step, "spec": spec_step}
+    fns = {"api": api_step, "core": core_step, "async": async_step, "spec": spec_step, "spec_arr": spec_arr_step,
+           "ask_dict": ask_dict, "ask_arr": ask_arr}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     wall: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
@@ -124,14 +145,18 @@ def main() -> None:
         med = measure(n, steps)
         results[n] = med
         params = {"running": n, "waiting": WAITING, "prompt": PROMPT, "block_size": BLOCK, "steps": steps}
-        for k in ("api", "core", "async", "spec"):
+        for k in ("api", "core", "async", "spec", "spec_arr", "ask_dict", "ask_arr"):
             emit(BENCH, {**params, "path": k}, "cpu_us_per_step", round(med[k], 2), "us")
             emit(BENCH, {**params, "path": k}, "cpu_ns_per_request", round(1e3 * med[k] / n, 1), "ns")
             emit(BENCH, {**params, "path": k}, "wall_us_per_step", round(med[f"{k}_wall"], 2), "us")
             emit(BENCH, {**params, "path": k}, "cpu_us_per_step_p10", round(med[f"{k}_p10"], 2), "us")
         emit(BENCH, params, "wrapper_share", round(1 - med["core"] / med["api"], 3), "ratio")
+        # side by side in one run: the array form's cost relative to the dict form's
+        emit(BENCH, params, "spec_arr_over_spec_dict", round(med["spec_arr"] / med["spec"], 3), "ratio")
+        emit(BENCH, params, "ask_arr_over_ask_dict", round(med["ask_arr"] / med["ask_dict"], 3), "ratio")
         emit(BENCH, params, "cpu_fraction_of_10ms_step", round(med["api"] / 10_000, 5), "ratio")
-        log(f"N={n}: CPU us/step api {med['api']:.1f}, core {med['core']:.1f}, async {med['async']:.1f}, spec {med['spec']:.1f}; "
+        log(f"N={n}: CPU us/step api {med['api']:.1f}, core {med['core']:.1f}, async {med['async']:.1f}, spec {med['spec']:.1f} "
+            f"(arrays {med['spec_arr']:.1f}; draft request alone: dict {med['ask_dict']:.1f}, arrays {med['ask_arr']:.1f}); "
             f"wall api {med['api_wall']:.1f}")
 
     # One prefill step: pack waiting 512-token prompts under a 20 ms budget (fitted-looking model).
@@ -165,7 +190,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = sorted(results)
-        for k in ("api", "core", "async"):
+        for k in ("api", "core", "async", "spec", "spec_arr"):
             ax.plot(xs, [results[x][k] for x in xs], marker="o", label=k)
         ax.axhline(TARGET_US, color="gray", ls="--", label="2% of 10 ms")
         ax.set_xscale("log", base=2)
