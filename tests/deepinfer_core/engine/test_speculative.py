@@ -26,7 +26,17 @@ def _run(llm: LLM, prompts: list, params: list | SamplingParams) -> list[tuple[i
 
 @pytest.mark.parametrize("varlen", [True, False], ids=["mtp_varlen", "fixed_length"])
 def test_greedy_speculative_equals_plain_with_preemption(varlen: bool) -> None:
-    seed = random.randrange(2**31)
+    base = random.randrange(2**31)
+    # Whether the small pool preempts depends on the prompts (long ones can simply wait for admission), so
+    # a few consecutive seeds are tried until one preempts; every seed tried must pass the equality checks.
+    for seed in range(base, base + 6):
+        if _speculative_equals_plain(seed, varlen):
+            return
+    pytest.fail(f"seeds {base}..{base + 5}: no preemption in any, the test lost its point")
+
+
+def _speculative_equals_plain(seed: int, varlen: bool) -> bool:
+    """Checks one seed; returns whether the speculative run preempted (the point of the test)."""
     prompts = random_prompts(seed, 4, 3, 40)
     sp = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(4)]
     # a stop token and min_tokens on one request: stops inside accepted runs, and the EOS ban before
@@ -43,13 +53,13 @@ def test_greedy_speculative_equals_plain_with_preemption(varlen: bool) -> None:
     assert eng.stats.verify_rows > 0 and eng.drafts is not None and eng.drafts.verified > 0
     # the small pool preempts (4 x 4-token blocks per request at most): rollback + recompute paths run
     outs = spec.generate(prompts, sp, use_tqdm=False)
-    assert sum(o.num_preemptions for o in outs) > 0, f"seed {seed}: no preemption, the test lost its point"
-    assert [o.token_ids for o in outs] == want
+    assert [o.token_ids for o in outs] == want, f"seed {seed}"
     # independent oracle: every token is the argmax of the cache-free forward on its prefix
     for p, out in zip(prompts, want):
         ids = eng.tokenizer.encode(p)
         assert list(out) == teacher_forced_argmax(eng.model, ids, out), f"seed {seed}"
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1
+    return sum(o.num_preemptions for o in outs) > 0
 
 
 def test_copying_drafter_same_text_fewer_steps() -> None:
