@@ -31,6 +31,9 @@ class Scheduler(Protocol):
 
         ``group`` is what the DP group decided from every rank's ``step_wish``: (all ranks have
         prefill work, any rank has prefill work, any rank has decode work); ``None`` votes alone.
+        Speculative decoding is an optional extension of this call: the built-in scheduler also takes
+        ``draft_seq_ids`` / ``draft_counts`` (or ``num_draft_tokens={request_id: k}``) and plans verify
+        rows of ``1 + k`` tokens, whose ``update`` takes 1..1 + k tokens (docs/scheduler.md).
         """
         ...
 
