@@ -17,8 +17,10 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     n = counts.sum()
     exp = probs * n
     m = exp > 0
-    stat = (((counts[m] - exp[m]) ** 2) / exp[m]).sum()
     df = int(m.sum()) - 1
+    if df == 0:  # one survivor (top-p over a dominant token): every draw must be it, no statistic to take
+        return 1.0 if bool(counts[m].sum() == n) else 0.0
+    stat = (((counts[m] - exp[m]) ** 2) / exp[m]).sum()
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
 
 
