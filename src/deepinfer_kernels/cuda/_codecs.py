@@ -134,3 +134,17 @@ def e4m3_bits_hw(v):
 def e4m3_value_hw(code):
     """e4m3 byte (int32) -> float32 by the hardware conversion (exact)."""
     return T.Cast("float32", T.reinterpret(T.Cast("uint8", code), "float8_e4m3fn"))
+
+
+def ue8m0_scale_f32_bits(code):
+    """ue8m0 byte (int32 0..254) -> 2**(code - 127) in float32 built from its bits (code 0 is the
+    subnormal 2**-127): exact, no float64."""
+    return T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
+
+
+def fp8_times_scale(word, j, sv, saturate: bool):
+    """Byte ``j % 4`` of the int32 ``word`` decoded as e4m3 (hardware) times the float32 scale ``sv``:
+    the exact product rounded once. ``saturate`` clamps to +-float32 max, as the reference's float64
+    product does, for the scale codes (>= 247) where float32 can overflow."""
+    v = e4m3_value_hw((word >> (8 * (j % 4))) & 0xFF) * sv
+    return T.min(T.max(v, T.float32(-3.4028234663852886e38)), T.float32(3.4028234663852886e38)) if saturate else v

@@ -305,15 +305,13 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
                             # once, as the reference's float64 product rounded to float32. Codes >= 247 can
                             # overflow to +-inf where the reference saturates at +-max: they clamp (off the
                             # common path, so it pays nothing for them; float32 keeps the registers low).
-                            sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
+                            sv = C.ue8m0_scale_f32_bits(code)
                             if code < 247:
                                 for j in T.unroll(group):
-                                    byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
-                                    res[j] = T.Cast(out_dtype, C.e4m3_value_hw(byte) * sv)
+                                    res[j] = T.Cast(out_dtype, C.fp8_times_scale(words[gg * vw + j // 4], j, sv, False))
                             else:
                                 for j in T.unroll(group):
-                                    byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
-                                    res[j] = T.Cast(out_dtype, T.min(T.max(C.e4m3_value_hw(byte) * sv, T.float32(-_FMAX)), T.float32(_FMAX)))
+                                    res[j] = T.Cast(out_dtype, C.fp8_times_scale(words[gg * vw + j // 4], j, sv, True))
                         elif fmt == "fp8":
                             sc = C.pow2_f64(code - 127)
                             for j in T.unroll(group):
@@ -382,15 +380,13 @@ def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8):
                         words[w] = pool32[s, k * nw + w]
                     code = T.Cast("int32", pool8[s, value_bytes + k // tpg])
                     if fmt == "fp8":
-                        sv = T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
+                        sv = C.ue8m0_scale_f32_bits(code)
                         if code < 247:
                             for j in T.unroll(vpt):
-                                byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
-                                res[j] = T.Cast(out_dtype, C.e4m3_value_hw(byte) * sv)
+                                res[j] = T.Cast(out_dtype, C.fp8_times_scale(words[j // 4], j, sv, False))
                         else:
                             for j in T.unroll(vpt):
-                                byte = (words[j // 4] >> (8 * (j % 4))) & 0xFF
-                                res[j] = T.Cast(out_dtype, T.min(T.max(C.e4m3_value_hw(byte) * sv, T.float32(-_FMAX)), T.float32(_FMAX)))
+                                res[j] = T.Cast(out_dtype, C.fp8_times_scale(words[j // 4], j, sv, True))
                     else:
                         sv = C.e4m3_value(code) * T.float32(2.0**14)
                         for j in T.unroll(vpt):
