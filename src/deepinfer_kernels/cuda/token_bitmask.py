@@ -20,6 +20,7 @@ from deepinfer_kernels.cuda._tl import (
     torch_dtype_name,
 )
 from deepinfer_kernels.ops.token_bitmask import apply_token_bitmask as _reference
+from deepinfer_kernels.ops.token_bitmask import check_inputs
 from deepinfer_kernels.registry import register
 
 _BLOCK = 1024
@@ -72,12 +73,7 @@ def apply_token_bitmask(
     """Same contract as the reference (in place, returns ``logits``); CUDA tensors, float32/bf16/fp16."""
     if not HAVE_TILELANG or logits.device.type != "cuda" or logits.dtype not in KERNEL_DTYPES:
         return _reference(logits, bitmask, rows)
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits: must be a 2-D floating tensor, got {logits.dtype} {tuple(logits.shape)}")
-    if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask: must be a 2-D int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)}")
-    if bitmask.shape[0] != logits.shape[0]:
-        raise ValueError(f"bitmask: {bitmask.shape[0]} rows but logits has {logits.shape[0]}; one row per logits row")
+    check_inputs(logits, bitmask)
     if not logits.is_contiguous():
         raise ValueError("logits: must be contiguous (the kernel masks in place)")
     dtype = torch_dtype_name(logits.dtype)

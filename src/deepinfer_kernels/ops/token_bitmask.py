@@ -50,6 +50,16 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return _unpack(bitmask, vocab_size, allowed=True)
 
 
+def check_inputs(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The shape and dtype rules of ``apply_token_bitmask`` (shared with the cuda op), naming the field."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: must be a 2-D floating tensor, got {logits.dtype} {tuple(logits.shape)}")
+    if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask: must be a 2-D int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"bitmask: {bitmask.shape[0]} rows but logits has {logits.shape[0]}; one row per logits row")
+
+
 @register("apply_token_bitmask")
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
@@ -59,12 +69,7 @@ def apply_token_bitmask(
     ``rows`` (int indices into the batch) restricts masking to those rows: the unconstrained requests of a
     mixed batch are left alone. ``bitmask`` row ``i`` always belongs to ``logits`` row ``i``.
     """
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits: must be a 2-D floating tensor, got {logits.dtype} {tuple(logits.shape)}")
-    if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask: must be a 2-D int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)}")
-    if bitmask.shape[0] != logits.shape[0]:
-        raise ValueError(f"bitmask: {bitmask.shape[0]} rows but logits has {logits.shape[0]}; one row per logits row")
+    check_inputs(logits, bitmask)
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if rows is None:
         logits.masked_fill_(_unpack(bitmask, logits.shape[1], allowed=False), float("-inf"))
