@@ -2,16 +2,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "scheduler/errors.h"
 #include "scheduler/step_scheduler.h"
 
 namespace di::sched {
-namespace {
-
-[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
-
-std::string s(int64_t v) { return std::to_string(v); }
-
-}  // namespace
 
 std::vector<int64_t> StepScheduler::request_info(int64_t seq_id) const {
   auto it = slot_of_.find(seq_id);
