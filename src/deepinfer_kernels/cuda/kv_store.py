@@ -1,22 +1,23 @@
-"""TileLang KV cache kernels: quantise + scatter (``kv_store``, ``swa_ring_write``) and gather + dequantise
-(``kv_load``, ``swa_ring_read``) in the byte formats of ``deepinfer_core.kv.formats``.
+"""TileLang KV cache ops: quantise + scatter (``kv_store``, ``swa_ring_write``) and gather + dequantise
+(``kv_load``, ``swa_ring_read``) in the byte formats of ``deepinfer_core.kv.formats``; the prim_funcs are
+in ``kv_kernels``, this module holds the switches, the launchers and the registered ops.
 
-A thread owns ``gpt`` consecutive scale groups of one token (32 values for fp8 / mxfp4, 16 for fp4). It
-issues all its loads first (16-byte vector loads of the inputs, or of the packed codes and the scale
-bytes), then derives each group's scale exactly as the torch reference does, encodes or decodes, and
-writes 32-bit words with 16-byte stores (through an int32 view of the pool: rows of 528 / 288 / 68 bytes
-are 4-byte aligned). Several groups a thread put more bytes in flight per thread, which is what the
-loads lacked (one fp4 group is 9 bytes read for 32 written). The bytes are identical to the reference
-(tested bit for bit). Loads go through one generic "gather slots and dequantise" kernel; block tables
-and ring positions are turned into flat slots by a few elementwise torch ops first.
+Layouts (``VARIANTS``, defaults per format in ``STORE_VARIANT`` / ``LOAD_VARIANT``): ``group`` gives a
+thread whole scale groups (32 values for fp8 / mxfp4, 16 for fp4; ``group2`` / ``group4`` several,
+contiguous, which spreads a warp's accesses and measured slower), ``lanes`` gives a thread 8 values of a
+group for loads (a warp writes 512 contiguous bytes), ``bf16x2i4`` stores fp4 from bf16 input two values
+an instruction with 4 groups a thread taken 32 apart. Values go through 32-bit words of an int32 view of
+the pool (rows of 528 / 288 / 68 bytes are 4-byte aligned). Bytes are identical to the reference (tested
+bit for bit). Loads go through one "gather slots and dequantise" kernel; block tables and ring positions
+become flat slots by a few elementwise torch ops first.
 
 Codecs (``_codecs``): fp8 encodes with the hardware e4m3 conversion (RNE, satfinite) and decodes with it
 plus one float32 multiply; e2m1 (fp4, mxfp4) encodes by comparing ``|x|`` with the seven exact
 thresholds ``mid * scale`` (no division; same codes, see ``_codecs.e2m1_thresholds``) and fp4 decodes
 through float16 bits. Each has an integer-exact or float64 fallback kept as a switch for the tests.
+Measurements: docs/performance.md ("CUDA kernels on the H200, third round").
 """
 
-# No ``from __future__ import annotations``: the builders in kv_kernels need evaluated annotations there.
 import torch
 
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, compile_kernel, torch_dtype_name
