@@ -9,6 +9,8 @@ on the fp8 conversion intrinsics, fast-math flags or ``rint``). Each function ta
 from deepinfer_core.kv.formats import _E2M1_MID as E2M1_MIDS  # round to nearest, ties to the lower code
 from deepinfer_kernels.cuda._tl import T
 
+F32_MAX = 3.4028234663852886e38  # the reference saturates dequantised values here
+
 
 def _rne_shift(m, s):
     """Round-to-nearest-even of ``m / 2**s`` for non-negative int32 ``m`` and 1 <= s <= 30."""
@@ -147,4 +149,4 @@ def fp8_times_scale(word, j, sv, saturate: bool):
     the exact product rounded once. ``saturate`` clamps to +-float32 max, as the reference's float64
     product does, for the scale codes (>= 247) where float32 can overflow."""
     v = e4m3_value_hw((word >> (8 * (j % 4))) & 0xFF) * sv
-    return T.min(T.max(v, T.float32(-3.4028234663852886e38)), T.float32(3.4028234663852886e38)) if saturate else v
+    return T.min(T.max(v, T.float32(-F32_MAX)), T.float32(F32_MAX)) if saturate else v

@@ -12,7 +12,7 @@ from deepinfer_kernels.cuda._tl import T
 _THREADS = 128
 # name -> (group, value bytes per group, kind); mxfp4's element max is 6 with a power-of-two scale.
 _LAYOUT = {"fp8": (32, 32, "fp8"), "fp4": (16, 8, "fp4"), "mxfp4": (32, 16, "mxfp4")}
-_FMAX = 3.4028234663852886e38
+_FMAX = C.F32_MAX
 
 
 def _sizes(fmt: str, dim: int) -> tuple[int, int, int, int]:
