@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -36,10 +36,19 @@ from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.norm import RMSNorm
 
-if TYPE_CHECKING:
-    from deepinfer_core.model.model import DeepSeekV41
+__all__ = ["DSparkDrafter", "DraftResult", "DraftTarget"]
 
-__all__ = ["DSparkDrafter", "DraftResult"]
+
+class DraftTarget(Protocol):
+    """What the drafter uses of its target model (``DeepSeekV41`` satisfies it): the shared embedding and
+    head, and the cache-free forward for the oracle. A protocol, so the drafter does not import the model
+    that owns it (no import cycle)."""
+
+    embed: torch.Tensor
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_full(self, token_ids: torch.Tensor, capture: Sequence[int] | None = None) -> Any: ...
 
 
 @attrs.frozen
@@ -110,7 +119,7 @@ class DSparkDrafter(nn.Module):
         return self.fuse_norm(torch.cat(list(layer_states), dim=-1)) @ self.w_fuse.t()
 
     # ---------------------------------------------------------------- the block
-    def run_block(self, model: DeepSeekV41, y: torch.Tensor, q: torch.Tensor, cond: torch.Tensor,
+    def run_block(self, model: DraftTarget, y: torch.Tensor, q: torch.Tensor, cond: torch.Tensor,
                   ctx_keys: Sequence[torch.Tensor], ctx_mask: torch.Tensor) -> torch.Tensor:
         """Normed block states [R, B, D]. ``y`` [R] at positions ``q`` [R]; ``cond`` [R, D] = f_(q-1);
         ``ctx_keys[s]`` [R, W, d] stage s's context keys with validity ``ctx_mask`` [R, W]."""
@@ -131,7 +140,7 @@ class DSparkDrafter(nn.Module):
             h = h + st.mlp(st.ffn_norm(h))
         return self.norm(h).view(r, b, -1)
 
-    def heads(self, model: DeepSeekV41, hidden: torch.Tensor, y: torch.Tensor, temperature: torch.Tensor,
+    def heads(self, model: DraftTarget, hidden: torch.Tensor, y: torch.Tensor, temperature: torch.Tensor,
               generator: torch.Generator | None = None) -> DraftResult:
         """Drafts, confidences and draft distributions; rows with temperature 0 are greedy."""
         # probabilities and confidences in >= float32 (a bf16 model's drafts feed a lossless verify)
@@ -160,7 +169,7 @@ class DSparkDrafter(nn.Module):
 
     # ---------------------------------------------------------------- the oracle
     @torch.no_grad()
-    def draft_full(self, model: DeepSeekV41, prefix: torch.Tensor, y: int, temperature: float = 0.0,
+    def draft_full(self, model: DraftTarget, prefix: torch.Tensor, y: int, temperature: float = 0.0,
                    generator: torch.Generator | None = None) -> DraftResult:
         """Drafts after ``prefix`` (positions 0..q-1) with accepted token ``y`` at q, from a cache-free
         target forward: the ground truth of the executor's cached drafting."""

@@ -9,19 +9,35 @@ drafts must be the ones made) and verified losslessly with ``deepinfer_core.spec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from deepinfer_core.model.batch import BatchError, ForwardBatch
+from deepinfer_core.model.cache import CacheFormats
+from deepinfer_core.model.config import ModelConfig
+from deepinfer_core.model.model import DeepSeekV41
 
-if TYPE_CHECKING:
-    from deepinfer_core.model.executor import ModelExecutor
+
+class SpecHost(Protocol):
+    """What :class:`SpecState` uses of the executor that owns it (``ModelExecutor`` satisfies it). A
+    protocol, so this module does not import the executor that imports it (no import cycle)."""
+
+    model: DeepSeekV41
+    cfg: ModelConfig
+    fmt: CacheFormats
+    device: torch.device
+    dtype: torch.dtype
+    num_slots: int
+    swa_ring: int
+
+    def _ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
+                    states: torch.Tensor, positions: torch.Tensor) -> None: ...
 
 
 class SpecState:
-    def __init__(self, ex: ModelExecutor, seed: int) -> None:
+    def __init__(self, ex: SpecHost, seed: int) -> None:
         model = ex.model
         d = model.drafter
         assert d is not None

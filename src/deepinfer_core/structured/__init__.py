@@ -4,16 +4,19 @@
 (``XGrammarBackend``, the default, or ``LLGuidanceBackend``) compiles it against the library's tokenizer;
 ``StructuredOutputManager`` keeps one matcher per request, compiles in the background, and fills batch
 bitmasks including one row per speculative draft. The engines are imported lazily, only when a backend
-is built, so importing this package needs neither xgrammar nor llguidance.
+is built, so importing this package needs neither xgrammar nor llguidance; the manager (its bitmasks are
+torch tensors) is imported on first use, so importing the package does not import torch either.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from deepinfer_core.structured.manager import BatchMask, StructuredOutputManager
 from deepinfer_core.structured.spec import KINDS, FinishReason, GrammarSpec
 from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab
+
+if TYPE_CHECKING:
+    from deepinfer_core.structured.manager import BatchMask, StructuredOutputManager
 
 BACKENDS = ("xgrammar", "llguidance")
 
@@ -46,7 +49,11 @@ def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the backend classes import their engine only when asked for.
+    # Lazy: the manager imports torch, the backend classes their engine; each only when asked for.
+    if name in ("BatchMask", "StructuredOutputManager"):
+        from deepinfer_core.structured import manager
+
+        return getattr(manager, name)
     if name == "XGrammarBackend":
         from deepinfer_core.structured.xgrammar_backend import XGrammarBackend
 
