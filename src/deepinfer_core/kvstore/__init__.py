@@ -1,0 +1,32 @@
+"""External KV block store: what DeepInfer left out (its deployment Q&A describes 3FS-backed block KV).
+
+Backends of the ``protocols.kvstore.KVBlockStore`` seam: ``InMemoryKVStore`` (tests, simulator),
+``FileKVStore`` (any POSIX directory; a 3FS FUSE mount in production), ``RedisKVStore`` (a real Redis
+server). ``TTLPolicy`` sets the time to live per traffic class (agent 3 days, chatbot 7 days),
+``block_keys`` gives the chained 128-bit content hashes of a token sequence's blocks, ``Prefetcher``
+fetches asynchronously into host memory and ``LayerwiseSwapIn`` (torch, imported lazily) copies layer
+by layer into the device cache. Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+from deepinfer_core.kvstore.file import FileKVStore
+from deepinfer_core.kvstore.memory import InMemoryKVStore, StoreStats
+from deepinfer_core.kvstore.prefetch import PrefetchBatch, Prefetcher
+from deepinfer_core.kvstore.record import DEFAULT_TTLS_S, TTLPolicy, block_keys
+from deepinfer_core.kvstore.redis_store import RedisKVStore
+from deepinfer_core.kvstore.swapin import LayerwiseSwapIn, pack_layers
+
+__all__ = [
+    "DEFAULT_TTLS_S",
+    "FileKVStore",
+    "InMemoryKVStore",
+    "LayerwiseSwapIn",
+    "PrefetchBatch",
+    "Prefetcher",
+    "RedisKVStore",
+    "StoreStats",
+    "TTLPolicy",
+    "block_keys",
+    "pack_layers",
+]
