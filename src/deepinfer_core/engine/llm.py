@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from deepinfer_core.engine.config import EngineConfig
@@ -31,13 +33,33 @@ class LLM:
 
     Keyword arguments are :class:`EngineConfig` fields, e.g.
     ``LLM(model="tiny", seed=0, backend="reference", num_blocks=256, max_num_seqs=16, async_scheduling=True)``.
+
+    ``num_threads``: torch's CPU threads while the engine is built and while ``generate`` runs (restored
+    after). Default 1: the reference model is dispatch-bound, and torch's default of one thread per core
+    was several times slower (docs/performance.md, engine); ``None`` leaves torch's setting alone.
     """
 
-    def __init__(self, model: str = "tiny", *, envs: Envs | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str = "tiny", *, num_threads: int | None = 1, envs: Envs | None = None,
+                 **kwargs: Any) -> None:
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
+        self.num_threads = num_threads
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config, envs=envs)
+        with self._threads():
+            self.engine = LLMEngine(self.config, envs=envs)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        prev = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(prev)
 
     def generate(
         self,
@@ -70,7 +92,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         eng = self.engine
         t0, n_tok = time.perf_counter(), 0
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with self._threads(), tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm,
+                                   dynamic_ncols=True) as bar:
             while eng.has_unfinished():
                 for o in eng.step():
                     done[o.request_id] = o
