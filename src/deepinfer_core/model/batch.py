@@ -74,6 +74,14 @@ class ForwardBatch:
     verify_lens: np.ndarray | None = attrs.field(default=None, converter=_opt_i64)
     draft: np.ndarray | None = attrs.field(default=None, converter=_opt_bool)
     temperature: np.ndarray | None = attrs.field(default=None, converter=_opt_f64)
+    # SWA bounded replay (deepinfer_core.swa; None = all zeros): decoder_floor[i] > 0 truncates request
+    # i's decoder windows: decoder layers attend only to SWA keys at positions >= it, in this step and
+    # every later one of the slot (a restart at 0 clears it). It is how a step starts on a slot whose
+    # decoder rings hold nothing (after encoder-only steps): decoder_floor = start_pos.
+    # snapshot_pos[i] > 0 (in (start, start + query_len]) returns the encoder SWA rings as they are at
+    # that position in ForwardOutput.snapshots (the persisted half of the state block).
+    decoder_floor: np.ndarray | None = attrs.field(default=None, converter=_opt_i64)
+    snapshot_pos: np.ndarray | None = attrs.field(default=None, converter=_opt_i64)
 
     @property
     def num_requests(self) -> int:
@@ -124,3 +132,6 @@ class ForwardOutput:
     next_token: torch.Tensor | None = None
     drafts: torch.Tensor | None = None
     draft_confidence: torch.Tensor | None = None
+    # {request index: uint8 [encoder layers, ring, bytes]} for requests with snapshot_pos > 0; ring index
+    # = position % ring; valid for positions [snapshot_pos - window + 1, snapshot_pos)
+    snapshots: dict[int, torch.Tensor] = attrs.field(factory=dict)

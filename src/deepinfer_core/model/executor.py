@@ -93,6 +93,15 @@ class ModelExecutor:
         # run decode / verify batches (every query_len <= backtrack + 1) through the row-wise path
         self.row_path = True
         self.min_ratio = min((r for r in cfg.compress_ratios[: n_layers] if r > 0), default=0)
+        self._src_ratios = sorted({cfg.ratio(s) for s in cfg.kv_source_layer_ids if cfg.ratio(s) > 0})
+        # SWA bounded replay (deepinfer_core.swa): per slot, the first position whose SWA keys exist in
+        # the encoder / decoder rings (keys below are never attended: the truncated window), and the
+        # lowest position a step may start at after a restore or a replay (no rollback below it)
+        self._floor = np.zeros((num_state_slots, 2), np.int64)
+        self._min_start = np.zeros(num_state_slots, np.int64)
+        self._no_block_writes = False  # set during replay_encoder: shared blocks are only read
+        self._snap_at: dict[int, int] = {}  # request index -> snapshot position, during one step
+        self._snaps: dict[int, list[torch.Tensor]] = {}
         # Engram: the tables of the chosen placement, and each slot's recent tokens (n-gram context
         # across steps), a ring indexed by position like the SWA rings
         self.engram_tables = make_engram_tables(model, engram_placement, engram_group)
@@ -131,7 +140,7 @@ class ModelExecutor:
             raise BatchError(None, "capture_layers", f"{bad} outside [0, {self.cfg.num_hidden_layers})")
         if int(b.query_lens.sum()) != b.num_tokens:
             raise BatchError(None, "query_lens", f"sum {int(b.query_lens.sum())} != {b.num_tokens} token_ids")
-        for name in ("verify_lens", "draft", "temperature"):
+        for name in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos"):
             a = getattr(b, name)
             if a is not None and a.shape != (r,):
                 raise BatchError(None, name, f"shape {a.shape}, expected ({r},) (one per request)")
@@ -161,11 +170,21 @@ class ModelExecutor:
             if s < 0 or (s > 0 and not end - self.backtrack <= s <= end):
                 raise BatchError(i, "start_pos", f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
                                  f"(restart) or [{max(end - self.backtrack, 0)}, {end}] (rollback <= {self.backtrack})")
-            if s > 0 and self._encoder_only[slot] and not b.encoder_only:
+            f = 0 if b.decoder_floor is None else int(b.decoder_floor[i])
+            if not 0 <= f <= s:
+                raise BatchError(i, "decoder_floor", f"{f}: must be in [0, start_pos={s}]")
+            if s > 0 and self._encoder_only[slot] and not b.encoder_only and f < s:
                 raise BatchError(i, "start_pos", f"{s}: slot {slot} holds an encoder-only prefix, whose decoder "
-                                 "SWA rings are empty; continue with encoder_only steps or restart at 0")
+                                 "SWA rings are empty; continue with encoder_only steps, restart at 0, or set "
+                                 "decoder_floor = start_pos (bounded replay)")
+            if 0 < s < self._min_start[slot]:
+                raise BatchError(i, "start_pos", f"{s}: slot {slot} was restored at {int(self._min_start[slot])}; "
+                                 "no rollback below it")
+            x = 0 if b.snapshot_pos is None else int(b.snapshot_pos[i])
+            if x and not s < x <= s + n:
+                raise BatchError(i, "snapshot_pos", f"{x}: must be 0 (none) or in ({s}, {s + n}]")
             if self.min_ratio:
-                need = -(-((s + n) // self.min_ratio) // self.block_size)
+                need = self.blocks_needed(s + n)
                 row = b.block_tables[i]
                 if row.shape[0] < need:
                     raise BatchError(i, "block_tables", f"{row.shape[0]} blocks, {need} needed for {s + n} tokens")
@@ -175,12 +194,26 @@ class ModelExecutor:
             if self.spec is not None:
                 self.spec.validate(b, i, toks, s, slot, k)
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Block-table entries a sequence of ``num_tokens`` tokens uses (see :meth:`_slots`)."""
+        last = [(num_tokens // r - 1) * r // self.min_ratio for r in self._src_ratios if num_tokens >= r]
+        return max(last) // self.block_size + 1 if last else 0
+
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step; returns logits for the requested rows and per-layer expert counts."""
         self.validate(batch)
         dev = self.device
+        for i, (s, slot) in enumerate(zip(batch.start_pos.tolist(), batch.state_slots.tolist())):
+            if s == 0:
+                self._floor[slot] = 0
+                self._min_start[slot] = 0
+            if batch.decoder_floor is not None and batch.decoder_floor[i] > 0:
+                self._floor[slot, 1] = max(int(self._floor[slot, 1]), int(batch.decoder_floor[i]))
+        self._snap_at = {} if batch.snapshot_pos is None else {
+            i: int(x) for i, x in enumerate(batch.snapshot_pos.tolist()) if x > 0}
+        self._snaps = {}
         tokens = torch.as_tensor(batch.token_ids, device=dev)
         positions = torch.as_tensor(batch.positions, device=dev)
         off = batch.offsets.tolist()
@@ -195,9 +228,10 @@ class ModelExecutor:
             req_of_row = torch.as_tensor(np.repeat(np.arange(batch.num_requests), batch.query_lens), device=dev)
             tables = torch.as_tensor(batch.block_tables, dtype=torch.long, device=dev)[req_of_row]
             slots = torch.as_tensor(batch.state_slots, device=dev)[req_of_row]
+            floors = torch.as_tensor(self._floor[np.repeat(batch.state_slots, batch.query_lens)], device=dev)
 
             def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
-                return self._attend_rows(lid, a, x, positions, slots, tables, sel, pools)
+                return self._attend_rows(lid, a, x, positions, slots, tables, sel, pools, floors)
         else:
 
             def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +250,8 @@ class ModelExecutor:
                 self._encoder_only[slot] = True
             empty = np.zeros(0, np.int64)
             return ForwardOutput(logits=torch.zeros(0, self.cfg.vocab_size, dtype=self.dtype, device=dev),
-                                 logit_rows=empty, request_of_logit=empty, expert_counts=counts)
+                                 logit_rows=empty, request_of_logit=empty, expert_counts=counts,
+                                 snapshots=self._take_snapshots(batch))
         targets = () if self.spec is None else self.spec.drafter.target_layers
         capture: dict[int, torch.Tensor] = dict.fromkeys((*batch.capture_layers, *targets))  # type: ignore[arg-type]
         hidden, counts = self.model.run_layers(tokens, attend, capture=capture, engram_rows=engram_rows)
@@ -235,7 +270,103 @@ class ModelExecutor:
             spec_out = self.spec.step(batch, logits)
         req_of = np.repeat(np.arange(batch.num_requests), batch.num_logits)
         return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
-                             captured=captured, **(spec_out or {}))
+                             captured=captured, snapshots=self._take_snapshots(batch), **(spec_out or {}))
+
+    # ------------------------------------------------------------------ SWA bounded replay
+    def _take_snapshots(self, b: ForwardBatch) -> dict[int, torch.Tensor]:
+        """The encoder rings at each requested snapshot position (captured in _attend for prefill
+        steps; for row-path steps the rings after the step, which still hold [X - w + 1, X))."""
+        e = self.cfg.encoder_layers
+        out = {}
+        for i in self._snap_at:
+            got = self._snaps.get(i)
+            if got is None or len(got) != e:
+                got = [self.swa[lid][int(b.state_slots[i])].clone() for lid in range(e)]
+            out[i] = torch.stack(got)
+        self._snap_at, self._snaps = {}, {}
+        return out
+
+    def encoder_rings(self, slot: int) -> torch.Tensor:
+        """A copy of the slot's encoder SWA rings, uint8 [encoder layers, ring, bytes]."""
+        return torch.stack([self.swa[lid][slot].clone() for lid in range(self.cfg.encoder_layers)])
+
+    def _seed_slot(self, slot: int, pos: int, context: np.ndarray) -> None:
+        """The slot now holds a prefix of ``pos`` tokens whose last tokens are ``context`` (Engram n-gram
+        context), nothing in its decoder rings, and may not roll back below ``pos``."""
+        ctx = np.asarray(context, dtype=np.int64)[-min(len(context), self.tok_ring):] if len(context) else np.zeros(0, np.int64)
+        p = np.arange(pos - ctx.shape[0], pos)
+        self._tokens[slot] = -1
+        self._tokens[slot, p % self.tok_ring] = ctx
+        self._slot_end[slot] = pos
+        self._encoder_only[slot] = True
+        self._floor[slot, 1] = pos
+        self._min_start[slot] = pos
+        if self.spec is not None:
+            self.spec.restart(slot)
+
+    def _check_seed(self, slot: int, pos: int, context: np.ndarray) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise BatchError(None, "state_slots", f"{slot}: must be in [0, {self.num_slots})")
+        if isinstance(pos, bool) or not isinstance(pos, int) or pos < 1:
+            raise BatchError(None, "start_pos", f"{pos!r}: must be an int >= 1")
+        ctx = np.asarray(context)
+        if ctx.ndim != 1 or (ctx.size and (ctx.min() < 0 or ctx.max() >= self.cfg.vocab_size)):
+            raise BatchError(None, "token_ids", f"context must be 1-D token ids in [0, {self.cfg.vocab_size})")
+        if self.cfg.encoder_layers >= self.cfg.num_hidden_layers:
+            raise BatchError(None, "encoder_only", "needs a model with a decoder (CED split)")
+
+    @torch.no_grad()
+    def restore_encoder(self, slot: int, pos: int, rings: torch.Tensor | np.ndarray, context: np.ndarray) -> None:
+        """Put persisted encoder rings (from ``snapshots`` / :meth:`encoder_rings` at ``pos``) into ``slot``:
+        it then holds an encoder-only prefix of ``pos`` tokens (continue with encoder_only steps or a step
+        with decoder_floor = pos). ``context``: the tokens before ``pos`` (at least the n-gram order - 1)."""
+        self._check_seed(slot, pos, context)
+        r = torch.as_tensor(rings, device=self.device)
+        want = (self.cfg.encoder_layers, self.swa_ring, self.fmt.swa.bytes_per_token)
+        if r.dtype != torch.uint8 or tuple(r.shape) != want:
+            raise BatchError(None, "rings", f"uint8 {tuple(r.shape)} {r.dtype}, expected uint8 {want}")
+        for lid in range(want[0]):
+            self.swa[lid][slot] = r[lid]
+        self._seed_slot(slot, pos, context)
+        self._floor[slot, 0] = max(0, pos - self.cfg.sliding_window + 1)
+
+    @torch.no_grad()
+    def replay_encoder(self, slot: int, token_ids: np.ndarray, start: int, block_table: np.ndarray,
+                       context: np.ndarray) -> None:
+        """Rebuild ``slot``'s encoder rings at ``start + len(token_ids)`` by running those tokens through the
+        encoder with every window truncated to them (bounded replay of the encoder; exact when the span
+        is the whole dependency span). Reads the cached block KV of ``block_table``, writes no block.
+        ``context``: the tokens before ``start`` (Engram n-grams)."""
+        toks = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
+        n = int(toks.shape[0])
+        if n < 1:
+            raise BatchError(None, "token_ids", "replay needs at least one token")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise BatchError(None, "start_pos", f"{start!r}: must be an int >= 0")
+        self._check_seed(slot, start + n, context)
+        b = ForwardBatch(token_ids=toks, query_lens=[n], start_pos=[start], block_tables=np.asarray(block_table)[None],
+                         state_slots=[slot], num_logits=[0], encoder_only=True)
+        if toks.min() < 0 or toks.max() >= self.cfg.vocab_size:
+            raise BatchError(0, "token_ids", f"values must be in [0, vocab_size={self.cfg.vocab_size})")
+        if self.min_ratio and (b.block_tables.shape[1] < self.blocks_needed(start + n)
+                               or (b.block_tables[0, : self.blocks_needed(start + n)] <= 0).any()):
+            raise BatchError(0, "block_tables", f"needs {self.blocks_needed(start + n)} valid blocks for {start + n} tokens")
+        if start > 0:
+            self._seed_slot(slot, start, context)
+        self._floor[slot, 0] = start
+        dev = self.device
+        tokens, positions = torch.as_tensor(toks, device=dev), torch.as_tensor(b.positions, device=dev)
+        reqs = [(0, n, start, slot, torch.as_tensor(b.block_tables[0], dtype=torch.long, device=dev))]
+        sel: dict = {}
+        pools: dict = {}
+        engram_rows = self._engram_rows(b, tokens)
+        self._no_block_writes = True
+        try:
+            self.model.run_layers(tokens, lambda lid, a, x: self._attend(lid, a, x, positions, reqs, sel, pools),
+                                  source_only=lambda lid, a, x: x, engram_rows=engram_rows)
+        finally:
+            self._no_block_writes = False
+        self._seed_slot(slot, start + n, np.concatenate((np.asarray(context, np.int64), toks)))
 
     # ------------------------------------------------------------------ Engram rows and token context
     def _last_rows(self, b: ForwardBatch, ring: int) -> torch.Tensor:
@@ -285,9 +416,12 @@ class ModelExecutor:
         ring[states, positions % self.swa_ring] = self.fmt.swa.quantize(x) if x_bytes is None else x_bytes
 
     # ------------------------------------------------------------------ attention over the caches
-    def _slots(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Flat cache slots of logical entries ``idx`` through a block table."""
-        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+    def _slots(self, table: torch.Tensor, idx: torch.Tensor, ratio: int) -> torch.Tensor:
+        """Flat cache slots of compressed entries ``idx`` (of a layer of compress ``ratio``) through a block
+        table. Entry j sits at logical slot j * ratio / min_ratio, so block b holds only entries of the
+        tokens of block b (at every ratio): a prefix hit can share whole blocks (docs/model.md)."""
+        lg = idx * ratio // self.min_ratio
+        return table[lg // self.block_size] * self.block_size + lg % self.block_size
 
     def _attend(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, reqs: list,
                 sel: dict, pools: dict) -> torch.Tensor:
@@ -307,11 +441,18 @@ class ModelExecutor:
             qp = positions[r0:r1]
             # ---- sliding window: history from the ring, then this chunk's keys
             ring = self.swa[lid]
-            hist = torch.arange(max(0, s - (w - 1)), s, device=self.device)
+            floor = int(self._floor[slot, int(lid >= cfg.encoder_layers)])
+            hist = torch.arange(max(0, s - (w - 1), min(floor, s)), s, device=self.device)
             k_hist = fmt.swa.dequantize(ring[slot, hist % self.swa_ring]).to(self.dtype)
             keys_a = torch.cat((k_hist, kswa[r0:r1]))
             kp = torch.cat((hist, qp))
-            mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w)
+            mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= floor)
+            if i in self._snap_at and lid < cfg.encoder_layers:  # the ring as it is at position X
+                x_at = self._snap_at[i]
+                snap = ring[slot].clone()
+                sp = torch.arange(max(s, x_at - self.swa_ring), x_at, device=self.device)
+                snap[sp % self.swa_ring] = swa_bytes[r0:r1][sp - s]
+                self._snaps.setdefault(i, []).append(snap)
             keep = slice(max(0, n - self.swa_ring), n)
             self._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep],
                              torch.full_like(qp[keep], slot), qp[keep])
@@ -326,7 +467,7 @@ class ModelExecutor:
             if a.kind in (LAYER_FULL, LAYER_REINDEX):
                 ent = torch.arange(e_total, device=self.device)
                 flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
-                ik = fmt.index.dequantize(flat[self._slots(table, ent)]).to(self.dtype)
+                ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
                 visible = (qp + 1) // ratio
                 sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
                 if cfg.uses_candidates(lid):
@@ -336,7 +477,7 @@ class ModelExecutor:
                 sel[(lid, i)] = select_topk(sc, cfg.index_topk)
             ids, valid = sel[(cfg.index_source_of(lid), i)]
             flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
-            kb = fmt.main.dequantize(flat[self._slots(table, ids.reshape(-1))]).to(self.dtype)
+            kb = fmt.main.dequantize(flat[self._slots(table, ids.reshape(-1), ratio)]).to(self.dtype)
             kb = kb.view(n, ids.shape[1], kb.shape[-1])
             outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
         return torch.cat(outs)
@@ -359,15 +500,17 @@ class ModelExecutor:
             st = new_state
         if e1 == e0:
             return
+        if self._no_block_writes:  # a replay: these entries are in the (shared) cached blocks already
+            return
         whole = st[: (e1 - e0) * r]
         main = a.compressor.pool(whole[:, :dm], e0, a.inv_freq)
         idx = a.index_compressor.pool(whole[:, dm:], e0, a.inv_freq)
-        slots = self._slots(table, torch.arange(e0, e1, device=self.device))
+        slots = self._slots(table, torch.arange(e0, e1, device=self.device), r)
         self._store(self.kv[lid], main, slots, "main")
         self._store(self.index_keys[lid], idx, slots, "index")
 
     def _attend_rows(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     tables: torch.Tensor, sel: dict, pools: dict) -> torch.Tensor:
+                     tables: torch.Tensor, sel: dict, pools: dict, floors: torch.Tensor | None = None) -> torch.Tensor:
         """Attention for all rows at once; valid when every request feeds <= backtrack + 1 tokens.
 
         New SWA keys and compressor states are written to the rings first: a ring of window + backtrack
@@ -381,14 +524,18 @@ class ModelExecutor:
         self._ring_store(ring, a.swa_kv(x, positions), None, slots, positions)
         kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
         mask_a = kp >= 0
+        if floors is not None:  # truncated windows (bounded replay): keys below the floor do not exist
+            mask_a &= kp >= floors[:, int(lid >= cfg.encoder_layers), None]
         k_a = fmt.swa.dequantize(ring[slots[:, None], kp.clamp(min=0) % self.swa_ring]).to(self.dtype)
         if a.kind == LAYER_SWA:
             return sink_attention(q, k_a, mask_a, None, None, a.attn_sink, a.scale)
         r, src = a.ratio, cfg.kv_source_of(lid)
+        m = self.min_ratio
 
         def slot_of(ent: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
             t = tables if rows is None else tables[rows]
-            return t.gather(1, ent // bs) * bs + ent % bs
+            lg = ent * r // m  # the layout of _slots
+            return t.gather(1, lg // bs) * bs + lg % bs
 
         if a.kind == LAYER_FULL:
             st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
