@@ -1,9 +1,9 @@
 """What every backend shares: keys, the TTL policy per traffic class, and the checksummed record format.
 
 A stored record is ``header | class name | payload``. The header holds a magic, a version, the payload
-length and a BLAKE2b-256 digest over (key, class, length, payload). A reader trusts a record only when
-all of them check out, so a torn write, a truncated file, a flipped bit or a record filed under another
-key is a miss, never wrong KV. Expiry is kept outside the record (file mtime, Redis PXAT, a dict
+length and a BLAKE2b-256 digest of every other byte of the record plus the key. A reader trusts a
+record only when all of it checks out, so a torn write, a truncated file, a flipped bit or a record
+filed under another key is a miss, never wrong KV. Expiry is kept outside the record (file mtime, Redis PXAT, a dict
 field) so that ``touch`` never rewrites the block.
 """
 
@@ -22,6 +22,7 @@ VERSION = 1
 # magic, version, class-name length, reserved, payload length, digest
 _HEADER = struct.Struct("<4sBBHQ32s")
 HEADER_SIZE = _HEADER.size
+_PRE = HEADER_SIZE - 32  # header bytes before the digest
 MIN_KEY, MAX_KEY = 16, 64
 DAY_S = 86400
 # The deployment Q&A: 3 days for agent traffic, 7 for chatbot traffic (chatbot hits have a long tail).
@@ -56,12 +57,13 @@ def as_payload(data: object) -> memoryview:
     raise TypeError(f"data: must be bytes, bytearray, memoryview or a numpy array, got {type(data).__name__}")
 
 
-def _digest(key: bytes, cls: bytes, payload: memoryview) -> bytes:
+def _digest(head: bytes | memoryview, key: bytes, cls: bytes | memoryview, payload: memoryview) -> bytes:
+    # covers every header byte before the digest itself (so no bit of a record goes unchecked), the key
+    # (a whole record filed under another key's name is a miss), the class name and the payload
     h = hashlib.blake2b(digest_size=32)
+    h.update(head)
     h.update(key)
-    h.update(struct.pack("<B", len(cls)))
     h.update(cls)
-    h.update(struct.pack("<Q", len(payload)))
     h.update(payload)
     return h.digest()
 
@@ -69,8 +71,8 @@ def _digest(key: bytes, cls: bytes, payload: memoryview) -> bytes:
 def encode(key: bytes, traffic_class: str, payload: memoryview) -> list[bytes | memoryview]:
     """The record as pieces to write in order (the payload is not copied)."""
     cls = traffic_class.encode()
-    head = _HEADER.pack(MAGIC, VERSION, len(cls), 0, len(payload), _digest(key, cls, payload))
-    return [head + cls, payload]
+    pre = _HEADER.pack(MAGIC, VERSION, len(cls), 0, len(payload), b"")[:_PRE]
+    return [pre + _digest(pre, key, cls, payload) + cls, payload]
 
 
 def decode(key: bytes, record: bytes | memoryview) -> tuple[str, bytes] | None:
@@ -83,7 +85,7 @@ def decode(key: bytes, record: bytes | memoryview) -> tuple[str, bytes] | None:
         return None
     cls = bytes(mv[HEADER_SIZE : HEADER_SIZE + nlen])
     payload = mv[HEADER_SIZE + nlen :]
-    if _digest(key, cls, payload) != digest:
+    if _digest(mv[:_PRE], key, cls, payload) != digest:
         return None
     try:
         name = cls.decode()

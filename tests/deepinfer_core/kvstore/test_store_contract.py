@@ -122,7 +122,7 @@ def test_numpy_and_memoryview_payloads(backend, request):
 
 def test_bad_input_names_the_field(tmp_path):
     store = InMemoryKVStore(TTL)
-    with pytest.raises(ValueError, match="key: must be 16..64 bytes"):
+    with pytest.raises(ValueError, match=r"key: must be 16\.\.64 bytes"):
         store.put(b"short", b"x")
     with pytest.raises(TypeError, match="key: must be bytes"):
         store.get("a string key" * 2)
