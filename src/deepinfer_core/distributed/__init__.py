@@ -1,0 +1,39 @@
+"""Distributed serving over torch.distributed (gloo on CPU, NCCL on GPU): DP attention, EP MoE with
+online EPLB, Engram tables sharded over the engram-parallel group, and the failure rules.
+
+- :func:`init_groups` / :class:`ParallelGroups`: the DP, EP and engram groups of an instance;
+- :class:`ExpertParallel`: the EP MoE (all-to-all dispatch / combine over an EPLB placement);
+- :class:`DistributedEngine` / :class:`DistConfig`: one DP rank wrapping ``LLMEngine``;
+- :func:`spawn`: start an N-rank instance from Python (``torchrun`` works with :func:`init_groups`).
+
+See docs/distributed.md.
+"""
+
+from deepinfer_core.distributed.engine import (
+    DistConfig,
+    DistributedEngine,
+    GroupFailedError,
+    Replan,
+    plan_placement,
+    restart_ep_size,
+)
+from deepinfer_core.distributed.ep import ExpertParallel, ProtocolError, StepSync
+from deepinfer_core.distributed.groups import ParallelGroups, init_groups, shutdown
+from deepinfer_core.distributed.launch import free_port, spawn
+
+__all__ = [
+    "DistConfig",
+    "DistributedEngine",
+    "ExpertParallel",
+    "GroupFailedError",
+    "ParallelGroups",
+    "ProtocolError",
+    "Replan",
+    "StepSync",
+    "free_port",
+    "init_groups",
+    "plan_placement",
+    "restart_ep_size",
+    "shutdown",
+    "spawn",
+]

@@ -1,0 +1,340 @@
+"""``DistributedEngine``: one DP rank of an instance, wrapping :class:`~deepinfer_core.engine.LLMEngine`.
+
+Each rank has its own engine (scheduler, KV / state pools, requests); the wrapper adds, without
+changing the engine's code:
+
+- the step-type vote over the DP group (a :class:`~deepinfer_core.scheduler.DistributedVote` set as the
+  scheduler's ``vote``; a rank with nothing queued still votes, "no work");
+- the EP MoE (:class:`~deepinfer_core.distributed.ep.ExpertParallel` in place of every block's MoE) and
+  the lock-step rounds (:class:`~deepinfer_core.distributed.ep.StepSync`) through an executor proxy, so a
+  rank with fewer forwards, or none, joins the others' MoE collectives with an empty batch;
+- Engram tables sharded by rows over the engram-parallel group;
+- online EPLB: per-step expert counts into a sliding window; on schedule the group's window (summed
+  over ranks) is re-planned with the migration-aware planner and the moved expert weights cross the EP
+  group between two steps (requests stay in flight; no token changes, replicas hold the same bits);
+- failure rule: any exception in a step (a dead peer's closed connection, a collective timing out after
+  ``timeout_s``, or a local error) fails every in-flight request of this rank with an error naming the
+  rank and the cause, the group is torn down (so peers fail fast too) and later requests fail at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepinfer_core.distributed.ep import ExpertParallel, StepSync
+from deepinfer_core.distributed.groups import ParallelGroups, shutdown
+from deepinfer_core.engine import EngineConfig, LLMEngine, RequestOutput
+from deepinfer_core.engine.outputs import ERROR
+from deepinfer_core.envs import Envs
+from deepinfer_core.eplb import DECODE, PREFILL, EPLBConfig, ExpertPlacement, moe_lb
+from deepinfer_core.eplb.migration import replan_with_migration
+from deepinfer_core.eplb.transfer import execute_moves
+from deepinfer_core.scheduler import DistributedVote, EngineType
+
+log = logging.getLogger(__name__)
+
+
+class GroupFailedError(RuntimeError):
+    """The instance's group failed; ``outputs`` holds this rank's outputs, the failed ones included."""
+
+    def __init__(self, msg: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(msg)
+        self.outputs = outputs
+
+
+def restart_ep_size(healthy_ranks: int, num_experts: int) -> int:
+    """EP size a restarted instance takes: the largest size <= ``healthy_ranks`` dividing the expert count
+    (every rank holds the same number of slots). DeepInfer restarts with the healthy GPUs it gets."""
+    if isinstance(healthy_ranks, bool) or not isinstance(healthy_ranks, int) or healthy_ranks < 1:
+        raise ValueError(f"healthy_ranks={healthy_ranks!r}: must be an int >= 1")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r}: must be an int >= 1")
+    return max(g for g in range(1, healthy_ranks + 1) if num_experts % g == 0)
+
+
+def plan_placement(num_layers: int, num_experts: int, ep_size: int, config: EPLBConfig,
+                   load: Any = None) -> ExpertPlacement:
+    """A placement for ``ep_size`` ranks: planned on ``load`` [layers, experts] (e.g. the window a failed
+    bigger group left), or for uniform load when None."""
+    reps = config.num_replicas(num_experts, ep_size)
+    w = np.ones((num_layers, num_experts)) if load is None else np.asarray(load, dtype=np.float64)
+    if w.shape != (num_layers, num_experts):
+        raise ValueError(f"load: shape {w.shape}, expected [{num_layers} layers, {num_experts} experts]")
+    return ExpertPlacement.plan(w + 1e-9, reps, 1, 1, ep_size)  # + eps: unseen experts keep a slot order
+
+
+@attrs.frozen(kw_only=True)
+class DistConfig:
+    """What the distributed wrapper adds to an :class:`EngineConfig`.
+
+    ``eplb``: window / re-plan interval / redundant replicas (None: :data:`~deepinfer_core.eplb.PREFILL`
+    for a PROMPT engine, :data:`~deepinfer_core.eplb.DECODE` otherwise, i.e. re-plan every 1,000 /
+    10,000 steps); ``online_eplb`` False keeps the first placement. ``tolerance``: the migration-aware
+    planner's allowed balance loss. ``initial_load``: load [layers, experts] the first placement is
+    planned on (a restarted group passes the failed group's window), or ``initial_placement`` itself.
+    ``engram_sharded``: Engram tables by rows over the engram group (else every rank holds them whole).
+    """
+
+    eplb: EPLBConfig | None = None
+    online_eplb: bool = True
+    tolerance: float = 0.01
+    initial_load: Any = None
+    initial_placement: ExpertPlacement | None = None
+    engram_sharded: bool = True
+    move_batch_size: int = 32
+    engine_type: EngineType = EngineType.NORMAL
+
+    def __attrs_post_init__(self) -> None:
+        if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
+            raise ValueError(f"DistConfig.eplb: {self.eplb!r} must be an eplb.EPLBConfig or None")
+        if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < 1):
+            raise ValueError(f"DistConfig.tolerance: {self.tolerance!r} must be a float in [0, 1)")
+        if isinstance(self.move_batch_size, bool) or not isinstance(self.move_batch_size, int) or self.move_batch_size < 1:
+            raise ValueError(f"DistConfig.move_batch_size: {self.move_batch_size!r} must be an int >= 1")
+        if self.engine_type is not EngineType.NORMAL:
+            raise ValueError(f"DistConfig.engine_type: {self.engine_type!r}; only NORMAL engines run distributed "
+                             "here (PROMPT / COMPLETION disaggregation: docs/distributed.md)")
+
+    def eplb_config(self) -> EPLBConfig:
+        if self.eplb is not None:
+            return self.eplb
+        return PREFILL if self.engine_type is EngineType.PROMPT else DECODE
+
+
+@attrs.define
+class Replan:
+    """One online re-plan: when, what moved, balance on the window before / after."""
+
+    step: int
+    live_requests: int
+    moves: int
+    remote_moves: int
+    bytes_sent: int
+    moe_lb_before: float
+    moe_lb_after: float
+    seconds: float
+
+
+class _CountingVote:
+    """The DP vote, counted per step and remembering a failed collective (the engine's step catches
+    exceptions to fail a batch; the wrapper must still learn that the group broke)."""
+
+    def __init__(self, inner: DistributedVote) -> None:
+        self.inner, self.calls = inner, 0
+        self.broken: BaseException | None = None
+
+    def decide(self, has_prefill: bool, has_decode: bool) -> tuple[bool, bool, bool]:
+        self.calls += 1
+        try:
+            return self.inner.decide(has_prefill, has_decode)
+        except Exception as e:
+            self.broken = e
+            raise
+
+
+class _CollectiveExecutor:
+    """The engine's executor, each ``execute`` bracketed by the lock-step rounds (validation first, so a
+    refused batch raises before any collective and the engine's retry stays in step)."""
+
+    def __init__(self, inner: Any, sync: StepSync, ep: ExpertParallel) -> None:
+        self._inner, self._sync, self._ep = inner, sync, ep
+        self.forwards = 0
+        self.broken: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def execute(self, batch: Any) -> Any:
+        self._inner.validate(batch)
+        try:
+            self._sync.begin_forward()
+            out = self._inner.execute(batch)
+            self._ep.drain()
+        except Exception as e:  # see _CountingVote.broken
+            self.broken = e
+            raise
+        self.forwards += 1
+        return out
+
+
+class DistributedEngine:
+    """One rank of a DP-attention / EP-MoE instance (see the module docstring).
+
+    Every rank of the instance calls :meth:`step` the same number of times (``generate`` does): each
+    step is one vote and one lock-step exchange, so ranks with no requests keep stepping while others
+    have work. ``config.batch_invariant`` True gives each request the tokens a single-process engine in
+    batch-invariant mode gives it.
+    """
+
+    def __init__(self, groups: ParallelGroups, config: EngineConfig | None = None, dist_config: DistConfig | None = None,
+                 *, envs: Envs | None = None) -> None:
+        self.groups = g = groups
+        self.dist_config = dc = dist_config if dist_config is not None else DistConfig()
+        cfg = config if config is not None else EngineConfig()
+        if cfg.speculative:
+            raise ValueError("EngineConfig.speculative: not supported by DistributedEngine yet (docs/distributed.md)")
+        self.engine = eng = LLMEngine(cfg, envs=envs)
+        mc = eng.model_config
+        self._vote = _CountingVote(DistributedVote(g.dp, g.device))
+        self._install_vote()
+        self.eplb_config = dc.eplb_config()
+        placement = dc.initial_placement
+        if placement is None:
+            placement = plan_placement(mc.num_hidden_layers, mc.n_routed_experts, g.group_size, self.eplb_config,
+                                       dc.initial_load)
+        self.ep = ExpertParallel(eng.model, g.ep, placement, g.device)
+        self.engram_tables: dict[int, Any] = {}
+        if dc.engram_sharded and mc.engram_layer_ids:
+            from deepinfer_core.model.executor import make_engram_tables
+
+            self.engram_tables = make_engram_tables(eng.model, "sharded", g.engram)
+            eng.executor.engram_tables = self.engram_tables
+        self._engram_order = [lid for lid in mc.engram_layer_ids if lid in self.engram_tables]
+        self.sync = StepSync(g.dp, g.device, self._dummy_forward)
+        self.executor = _CollectiveExecutor(eng.executor, self.sync, self.ep)
+        eng.executor = self.executor
+        from deepinfer_core.eplb.stats import ExpertLoadWindow
+
+        self.window = ExpertLoadWindow(mc.num_hidden_layers, mc.n_routed_experts, self.eplb_config.window_steps)
+        self.replans: list[Replan] = []
+        self.steps = 0
+        self.failed: str | None = None
+        self._late: list[RequestOutput] = []  # requests added after a failure
+        self._group_busy = True
+        log.info("rank %d: DistributedEngine, EP %d x %d slots/rank, engram %s, EPLB %s", g.rank, g.group_size,
+                 placement.slots_per_gpu, "sharded" if self.engram_tables else "replicated",
+                 self.eplb_config if dc.online_eplb else "off")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
+        if self.failed is not None:
+            self._late.append(RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                                            prompt_token_ids=(), finish_reason=ERROR, error=self.failed))
+            return
+        self.engine.add_request(request_id, prompt, params)
+
+    def has_unfinished(self) -> bool:
+        """Whether this rank must keep stepping: some rank of the group had work after the last step."""
+        if self.failed is not None:
+            return bool(self._late)
+        return self._group_busy or self.engine.has_unfinished()
+
+    @property
+    def placement(self) -> ExpertPlacement:
+        return self.ep.placement
+
+    # ------------------------------------------------------------------ the step
+    def _dummy_forward(self) -> None:
+        empty = torch.zeros(0, dtype=torch.int64)
+        for lid in self._engram_order:  # the order model.engram_rows fetches in
+            self.engram_tables[lid].fetch(empty)
+        self.ep.drain()
+
+    def step(self) -> list[RequestOutput]:
+        """One group step (collective: every rank of the instance calls it)."""
+        if self.failed is not None:
+            out, self._late = self._late, []
+            return out
+        out: list[RequestOutput] = []
+        try:
+            self._install_vote()
+            self._vote.calls = 0
+            out = self.engine.step()
+            broken = self._vote.broken or self.executor.broken
+            if broken is not None:  # the engine caught it (failing a batch); the group is gone anyway
+                raise broken
+            if self._vote.calls == 0:  # nothing queued here: the group still needs this rank's vote
+                self._vote.decide(False, False)
+            self._group_busy = self.sync.end_step(self.engine.has_unfinished())
+            self.steps += 1
+            self._eplb_step()
+        except Exception as e:  # a dead / stuck peer, or a local failure: the whole group is gone
+            return self._fail(e, out)
+        return out
+
+    def _install_vote(self) -> None:
+        """The DP vote as the scheduler's ``vote`` (again after an engine ``reset`` rebuilt it)."""
+        s = self.engine.scheduler
+        if s.vote is not self._vote:
+            s.vote = self._vote
+            if hasattr(s, "_local"):  # the scheduler caches "is the vote local?" when it is built
+                s._local = False
+
+    def _eplb_step(self) -> None:
+        self.window.record(self.ep.take_step_counts())
+        cfg = self.eplb_config
+        s, w = self.window.steps_recorded, cfg.window_steps
+        if not self.dist_config.online_eplb or s < w or (s - w) % cfg.replan_interval:
+            return
+        t0 = time.perf_counter()
+        load = torch.as_tensor(self.window.load(), device=self.groups.device)
+        dist.all_reduce(load, group=self.groups.ep)  # every rank plans on the group's load: the same plan
+        load_np = load.cpu().numpy()
+        old = self.ep.placement
+        plan = replan_with_migration(old, load_np, tolerance=self.dist_config.tolerance,
+                                     expert_bytes=self.ep.expert_bytes)
+        rep = execute_moves(plan.moves, self.ep.weights, group=self.groups.ep,
+                            batch_size=self.dist_config.move_batch_size)
+        self.ep.set_placement(plan.placement)
+        r = Replan(step=self.steps, live_requests=self.engine.scheduler.num_live, moves=len(plan.moves),
+                   remote_moves=plan.moves.num_remote, bytes_sent=rep.bytes_sent,
+                   moe_lb_before=moe_lb(load_np, old), moe_lb_after=moe_lb(load_np, plan.placement),
+                   seconds=time.perf_counter() - t0)
+        self.replans.append(r)
+        log.info("rank %d: EPLB re-plan at step %d: %d moves (%d remote, %d B sent), moe_lb %.4f -> %.4f",
+                 self.groups.rank, r.step, r.moves, r.remote_moves, r.bytes_sent, r.moe_lb_before, r.moe_lb_after)
+
+    def window_load(self) -> np.ndarray:
+        """This rank's expert load window [layers, experts] (a restarted group sums the survivors')."""
+        return self.window.load()
+
+    def _fail(self, e: BaseException, done: list[RequestOutput]) -> list[RequestOutput]:
+        """Fail every live request of this rank (and those the engine failed in this step) with one
+        message naming the rank and the cause; tear the group down."""
+        g = self.groups
+        self.failed = (f"distributed group failed (rank {g.rank} of instance {g.instance}, {g.group_size} ranks, "
+                       f"collective timeout {g.timeout_s:g}s): {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        log.error("%s; failing %d in-flight requests", self.failed, self.engine.num_live)
+        outs = [attrs.evolve(o, error=self.failed, finish_reason=ERROR) if o.error is not None else o for o in done]
+        outs += self.engine.reset(self.failed)
+        shutdown()  # peers' collectives then fail at once instead of waiting for their timeout
+        return outs
+
+    # ------------------------------------------------------------------ offline API
+    def generate(self, prompts: Sequence[Any], params: Any = None, *, scatter: bool = True) -> list[RequestOutput]:
+        """Serve ``prompts`` over the instance (collective).
+
+        ``scatter`` True: every rank passes the same full list; rank r serves items r, r + size, ...
+        and every rank gets all outputs back in input order. False: each rank passes its own requests
+        and gets its own outputs. Raises :class:`GroupFailedError` (with this rank's outputs) when the
+        group fails.
+        """
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
+        g = self.groups
+        mine = [i for i in range(len(prompts)) if not scatter or i % g.group_size == g.group_rank]
+        for i in mine:
+            self.add_request(str(i), prompts[i], plist[i])
+        done: dict[str, RequestOutput] = {}
+        self._group_busy = True
+        while self.has_unfinished():
+            for o in self.step():
+                done[o.request_id] = o
+        local = [done[str(i)] for i in mine]
+        if self.failed is not None:
+            raise GroupFailedError(self.failed, local)
+        if not scatter:
+            return local
+        parts: list[Any] = [None] * g.group_size
+        dist.all_gather_object(parts, {i: o for i, o in zip(mine, local)}, group=g.dp)
+        merged = {i: o for part in parts for i, o in part.items()}
+        return [merged[i] for i in range(len(prompts))]

@@ -1,0 +1,135 @@
+"""torchrun worker of the distributed tests: ``torchrun --nproc-per-node 2 worker.py SCENARIO CASE.json OUT_DIR``.
+
+CASE.json holds the prompts and sampling parameters (drawn fresh by the test); each rank writes
+OUT_DIR/rank<r>.json. Scenarios:
+
+- ``equal``: DP2 / EP2 instance, batch-invariant; once with a fixed placement, once with online EPLB
+  re-planning (weights migrated) every few steps from a deliberately bad first placement;
+- ``kill``: rank 1 leaves abruptly mid-generation; rank 0 must fail its requests, then restarts alone
+  (EP 1, placement re-planned on its window) and serves them again;
+- ``hang``: rank 1 stops stepping (alive, silent); rank 0 must fail its requests after the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepinfer_core.distributed import (
+    DistConfig,
+    DistributedEngine,
+    free_port,
+    init_groups,
+    plan_placement,
+    restart_ep_size,
+    shutdown,
+)
+from deepinfer_core.engine import EngineConfig
+from deepinfer_core.eplb import EPLBConfig
+from deepinfer_core.sampling_params import SamplingParams
+
+TIMEOUT_S = 6.0
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
+
+
+def outputs_json(outs: list) -> list[dict]:
+    return [{"id": o.request_id, "tokens": list(o.token_ids), "error": o.error, "reason": o.finish_reason} for o in outs]
+
+
+def load_case(path: str) -> tuple[list, list[SamplingParams]]:
+    case = json.loads(Path(path).read_text())
+    return case["prompts"], [SamplingParams(**p) for p in case["params"]]
+
+
+def scenario_equal(groups, prompts, params) -> dict:
+    res: dict = {}
+    eng = DistributedEngine(groups, engine_config(), DistConfig(online_eplb=False))
+    res["static"] = outputs_json(eng.generate(prompts, params))
+    res["static_rows_remote"] = eng.ep.rows_remote
+    res["static_dummies"] = eng.sync.dummies
+    # a first placement planned for a random load, re-planned every 3 steps on a 2-step window, tolerance 0
+    mc = eng.engine.model_config
+    bad = np.random.default_rng(0).exponential(size=(mc.num_hidden_layers, mc.n_routed_experts)) ** 3
+    cfg = EPLBConfig(window_steps=2, replan_interval=3, redundant_per_gpu=1)
+    eng2 = DistributedEngine(groups, engine_config(), DistConfig(
+        eplb=cfg, tolerance=0.0, initial_placement=plan_placement(mc.num_hidden_layers, mc.n_routed_experts,
+                                                                  groups.group_size, cfg, bad)))
+    res["replan"] = outputs_json(eng2.generate(prompts, params))
+    res["replans"] = [{"step": r.step, "live": r.live_requests, "remote": r.remote_moves, "bytes": r.bytes_sent,
+                       "lb_before": r.moe_lb_before, "lb_after": r.moe_lb_after} for r in eng2.replans]
+    res["steps"] = eng2.steps
+    return res
+
+
+def _served_alone(groups, prompts, params, load):
+    # the restarted, smaller group (one rank here): EP size and placement re-planned on the old window
+    eng = DistributedEngine(groups, engine_config(), DistConfig(online_eplb=False, initial_load=np.asarray(load)))
+    outs = eng.generate(prompts, params, scatter=False)
+    return {"outputs": outputs_json(outs), "num_gpus": eng.placement.num_gpus,
+            "slots": eng.placement.num_replicas, "logcnt": eng.placement.logcnt.tolist()}
+
+
+def scenario_fail(groups, prompts, params, mode: str, out_dir: Path) -> dict:
+    eng = DistributedEngine(groups, engine_config(), DistConfig(online_eplb=False))
+    mine = [i for i in range(len(prompts)) if i % groups.group_size == groups.group_rank]
+    for i in mine:
+        eng.add_request(str(i), prompts[i], params[i])
+    res: dict = {"outputs": []}
+    step = 0
+    while eng.has_unfinished():
+        if groups.group_rank == 1 and step == 4:
+            (out_dir / "left.txt").write_text(str(time.time()))
+            if mode == "kill":
+                os._exit(0)  # abrupt: no teardown, sockets close with the process
+            while not (out_dir / "rank0.json").exists():  # hang: alive but silent
+                time.sleep(0.1)
+            return {"hung": True}
+        t0 = time.time()
+        got = eng.step()
+        res["outputs"] += outputs_json(got)
+        if eng.failed is not None:
+            res["failed_at"] = time.time()
+            res["step_s"] = time.time() - t0
+            res["error"] = eng.failed
+            break
+        step += 1
+    res["steps"] = step
+    if groups.group_rank == 0 and eng.failed is not None and mode == "kill":
+        healthy = 1
+        size = restart_ep_size(healthy, eng.engine.model_config.n_routed_experts)
+        failed = [o for o in res["outputs"] if o["error"]]
+        ids = [int(o["id"]) for o in failed]
+        # in this process: the old group is torn down, a new one of the healthy size starts
+        alone = init_groups(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=size, rank=0,
+                            timeout_s=TIMEOUT_S)
+        res["restart"] = _served_alone(alone, [prompts[i] for i in ids], [params[i] for i in ids], eng.window_load())
+        shutdown()
+        res["restart"]["ids"] = ids
+    return res
+
+
+def main() -> None:
+    scenario, case_path, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)
+    prompts, params = load_case(case_path)
+    groups = init_groups(timeout_s=TIMEOUT_S)
+    if scenario == "equal":
+        res = scenario_equal(groups, prompts, params)
+    else:
+        res = scenario_fail(groups, prompts, params, scenario, out_dir)
+    (out_dir / f"rank{groups.rank}.json").write_text(json.dumps(res))
+    if scenario == "equal":
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
