@@ -47,23 +47,30 @@ def redis_url():
     import redis
 
     d = tempfile.mkdtemp(prefix="dkv-redis-")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "", "--appendonly", "no",
-         "--protected-mode", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(200):
-        try:
-            if client.ping():
+    for _attempt in range(3):  # the free port may be taken between the probe and the server's bind
+        port = _free_port()
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url)
+        up = False
+        for _ in range(200):
+            if proc.poll() is not None:
                 break
-        except redis.ConnectionError:
-            time.sleep(0.025)
-    else:
+            try:
+                up = bool(client.ping())
+                break
+            except redis.ConnectionError:
+                time.sleep(0.025)
+        if up:
+            break
         proc.kill()
-        pytest.fail(f"redis-server on port {port} did not answer PING within 5 s")
+        proc.wait()
+    else:
+        pytest.fail("redis-server did not start and answer PING (3 attempts, 5 s each)")
     client.close()
     yield url
     proc.terminate()
