@@ -167,4 +167,5 @@ DI_SUBMODULE(structured, "grammar bitmask post-processing for structured outputs
   m.def("eos_only_rows_ptr", &eos_only_rows_ptr, nb::arg("ptr"), nb::arg("rows"), nb::arg("words"), nb::arg("eos"),
         "Indices of the rows whose only allowed token is eos.");
   di_structured::register_fastfill(m);
+  di_structured::register_utf8(m);
 }

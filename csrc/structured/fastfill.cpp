@@ -85,6 +85,7 @@ nb::object FastFill::fill(nb::handle batch, nb::handle out) {
   nb::object keys = own(PyTuple_New(n));
   lens_.assign(static_cast<size_t>(n), 0);
   starts_.assign(static_cast<size_t>(n), 0);
+  st_.assign(static_cast<size_t>(n), 0);
   toks_.clear();
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (i >= Py_SIZE(b)) return fallback(batch, out);  // mutated by a request id's __eq__: give up
@@ -108,6 +109,19 @@ nb::object FastFill::fill(nb::handle batch, nb::handle out) {
     }
     Py_INCREF(key);
     PyTuple_SET_ITEM(keys.ptr(), i, key);
+    if (u8_ != nullptr) {
+      PyObject* sv = PyDict_GetItemWithError(u8_states_.ptr(), rid);
+      if (sv == nullptr || !PyLong_CheckExact(sv)) {
+        if (PyErr_Occurred()) PyErr_Clear();
+        return fallback(batch, out);
+      }
+      const long s = PyLong_AsLong(sv);
+      if (s < 0 || s >= ByteFilter::kStates) {
+        if (PyErr_Occurred()) PyErr_Clear();
+        return fallback(batch, out);
+      }
+      st_[static_cast<size_t>(i)] = static_cast<int>(s);
+    }
     if (!read_drafts(d.ptr(), static_cast<size_t>(i))) return fallback(batch, out);
   }
   if (toks_.empty()) return draft_free(batch, keys, n);
@@ -263,6 +277,7 @@ nb::object FastFill::draft_free(nb::handle batch, nb::handle keys, Py_ssize_t n)
   auto scan = [&] {
     for (Py_ssize_t r = 0; r < n; ++r) {
       uint32_t* row = v.data + r * words_;
+      if (u8_ != nullptr) u8_->apply_row(row, st_[static_cast<size_t>(r)]);
       clear_tail(row, words_, tail_keep_);
       const int64_t w = first_nonzero(row, words_);
       if (w == words_) {
@@ -343,6 +358,21 @@ PyMethodDef fill_def = {"fill_bitmask", reinterpret_cast<PyCFunction>(reinterpre
 
 }  // namespace
 
+void FastFill::set_utf8(nb::object filter, nb::object states) {
+  if (filter.is_none()) {
+    u8_ = nullptr;
+    u8_keep_ = nb::object();
+    u8_states_ = nb::dict();
+    return;
+  }
+  const ByteFilter* f = nb::cast<const ByteFilter*>(filter);
+  if (f->vocab() != vocab_ || f->words() != words_) throw std::invalid_argument("filter: vocab / words differ from this FastFill's");
+  if (!PyDict_CheckExact(states.ptr())) throw std::invalid_argument("states: must be a dict (request id -> state)");
+  u8_keep_ = filter;
+  u8_states_ = nb::borrow<nb::dict>(states);
+  u8_ = f;
+}
+
 void register_fastfill(nb::module_& m) {
   N = Names{intern("accept_token"), intern("rollback"), intern("_m"), intern("_terminated"),
             intern("unsafe_compute_mask_ptr"), intern("is_error"), intern("try_consume_tokens"), intern("_history"),
@@ -362,6 +392,9 @@ void register_fastfill(nb::module_& m) {
           "fill_bitmask",
           [](nb::handle self) { return nb::steal(PyCFunction_NewEx(&fill_def, self.ptr(), nullptr)); },
           "fill as a plain builtin bound to this object (what the manager installs as its fill_bitmask).")
+      .def("set_utf8", &FastFill::set_utf8, nb::arg("filter").none(), nb::arg("states").none(),
+           "Intersect every row with the byte filter's mask of its request's state (states: the manager's "
+           "dict request id -> state); None, None turns it off.")
       .def("invalidate", &FastFill::invalidate, "Forget the cached buffer views (the manager's buffer changed).")
       .def_prop_ro("fast_calls", &FastFill::fast_calls, "Calls answered entirely here.")
       .def_prop_ro("tail_calls", &FastFill::tail_calls, "Calls finished by the manager's dead-row methods.")

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "structured/pycall.h"
+#include "structured/utf8.h"
 
 namespace di_structured {
 
@@ -34,6 +35,11 @@ class FastFill {
   nb::object fill(nb::handle batch, nb::handle out);
 
   void invalidate() { views_cache_.clear(); }
+
+  // The manager's byte filter (utf8.h) and its dict request id -> filter state: every row is ANDed
+  // with its state's mask before the dead-row pass, and a draft the filter rejects cuts the draft.
+  // A request id missing from the dict takes the Python path. None / None turns it off.
+  void set_utf8(nb::object filter, nb::object states);
 
   uint64_t fast_calls() const { return fast_calls_; }
   uint64_t tail_calls() const { return tail_calls_; }
@@ -112,11 +118,16 @@ class FastFill {
   std::vector<uint8_t> eos_at_;
   std::vector<Py_ssize_t> active_, next_, go_;
   std::vector<View> views_cache_;
+  const ByteFilter* u8_ = nullptr;
+  nb::object u8_keep_;
+  nb::dict u8_states_;
+  std::vector<int> st_, cur_, rowst_;
   SlotCache slot_m_, slot_terminated_, slot_history_;
   MethodCache m_compute_, m_is_error_, m_llg_rollback_, m_key_rollback_, m_accept_, m_try_consume_;
   uint64_t fast_calls_ = 0, tail_calls_ = 0, fallback_calls_ = 0;
 };
 
 void register_fastfill(nb::module_& m);
+void register_utf8(nb::module_& m);
 
 }  // namespace di_structured

@@ -108,10 +108,20 @@ bool FastFill::wavefront(PyObject* keys, Py_ssize_t n, const View& v) {
     next_.clear();
     for (Py_ssize_t i : active_) {
       PyObject* key = PyTuple_GET_ITEM(keys, i);
-      const int r = accept(key, toks_[starts_[i] + depth - 1]);
+      const int64_t t = toks_[starts_[i] + depth - 1];
+      int ns = 0;
+      if (u8_ != nullptr) {  // bytes the filter rejects cut the draft before the grammar sees them
+        ns = u8_->step(cur_[i], t);
+        if (ns == ByteFilter::kReject) continue;
+      }
+      const int r = accept(key, t);
       if (r < 0) return false;
       if (r == 0) continue;
       accepted_[i] = depth;
+      if (u8_ != nullptr) {
+        cur_[i] = ns;
+        rowst_[static_cast<size_t>(offs_[i] + depth)] = ns;
+      }
       if (r == 2) {  // EOS: not filled; the copy pass repeats the previous row
         eos_at_[i] = 1;
         continue;
@@ -151,6 +161,11 @@ nb::object FastFill::drafted(nb::handle batch, nb::handle keys, Py_ssize_t n) {
   const View v = view(total);
   accepted_.assign(static_cast<size_t>(n), 0);
   eos_at_.assign(static_cast<size_t>(n), 0);
+  if (u8_ != nullptr) {
+    cur_ = st_;
+    rowst_.assign(static_cast<size_t>(total), 0);
+    for (Py_ssize_t i = 0; i < n; ++i) rowst_[static_cast<size_t>(offs_[i])] = st_[static_cast<size_t>(i)];
+  }
   bool ok;
   try {
     ok = wavefront(keys.ptr(), n, v);
@@ -194,6 +209,15 @@ nb::object FastFill::drafted(nb::handle batch, nb::handle keys, Py_ssize_t n) {
   dead_.clear();
   auto work = [&] {
     const size_t row_bytes = static_cast<size_t>(words_) * 4;
+    if (u8_ != nullptr) {  // the filled rows (an accepted EOS draft's row is a copy, not filled)
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        const int64_t last = accepted_[i] - (eos_at_[i] ? 1 : 0);
+        for (int64_t j = 0; j <= last; ++j) {
+          const int64_t r = offs_[i] + j;
+          u8_->apply_row(v.data + r * words_, rowst_[static_cast<size_t>(r)]);
+        }
+      }
+    }
     for (size_t c = 0; c < copies_.size(); c += 2) {
       const uint32_t* src = v.data + copies_[c] * words_;
       for (int64_t r = copies_[c] + 1; r < copies_[c + 1]; ++r) std::memcpy(v.data + r * words_, src, row_bytes);

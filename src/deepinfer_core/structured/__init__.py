@@ -18,7 +18,7 @@ from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab
 if TYPE_CHECKING:
     from deepinfer_core.structured.manager import BatchMask, StructuredOutputManager
 
-BACKENDS = ("xgrammar", "llguidance")
+BACKENDS = ("xgrammar", "llguidance", "auto")
 
 __all__ = [
     "BACKENDS",
@@ -36,7 +36,8 @@ __all__ = [
 
 
 def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:
-    """``"xgrammar"`` (default choice of the engine) or ``"llguidance"``, bound to ``tokenizer``."""
+    """``"xgrammar"`` (default choice of the engine), ``"llguidance"`` or ``"auto"`` (both, chosen per spec
+    with fallback: :mod:`deepinfer_core.structured.auto_backend`), bound to ``tokenizer``."""
     if name == "xgrammar":
         from deepinfer_core.structured.xgrammar_backend import XGrammarBackend
 
@@ -45,6 +46,10 @@ def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:
         from deepinfer_core.structured.llguidance_backend import LLGuidanceBackend
 
         return LLGuidanceBackend(tokenizer, **kwargs)
+    if name == "auto":
+        from deepinfer_core.structured.auto_backend import AutoBackend
+
+        return AutoBackend(tokenizer, **kwargs)
     raise ValueError(f"backend={name!r}: must be one of {list(BACKENDS)}")
 
 

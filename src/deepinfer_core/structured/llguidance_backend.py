@@ -238,6 +238,16 @@ class LLGuidanceBackend:
         return self._vocab.vocab_size
 
     @property
+    @property
+    def vocab(self) -> GrammarVocab:
+        """Token bytes, control ids and EOS this backend was built from (the manager's UTF-8 filter)."""
+        return self._vocab
+
+    def json_whitespace(self, spec: GrammarSpec) -> bool:
+        """Whether a JSON document of ``spec`` may contain whitespace between its tokens."""
+        o = {**self._json_opts, **spec.options_for("llguidance")}
+        return bool(o.get("whitespace_flexible") or o.get("whitespace_pattern"))
+
     def eos_token_id(self) -> int:
         return self._vocab.eos_token_id
 
@@ -246,7 +256,7 @@ class LLGuidanceBackend:
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
         if spec.kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(spec.text, overrides=self._json_opts)
+            return llg.LLMatcher.grammar_from_json_schema(spec.text, overrides={**self._json_opts, **spec.options_for("llguidance")})
         if spec.kind == "ebnf":
             return llg.grammar_from("ebnf", spec.text)
         return llg.grammar_from("choice", json.dumps(list(spec.choices)))

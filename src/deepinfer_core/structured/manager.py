@@ -6,8 +6,15 @@ Lifecycle of a constrained request::
     ready(rids) / wait(rids)        # schedule a request only once its grammar is ready
     fill_bitmask([(rid, drafts)])   # rows 0..k: mask before each draft position
     advance(rid, accepted_tokens)   # after verification, commit what was accepted
-    finish_reason(rid)              # STOP / DEAD_END / INVALID_GRAMMAR / REJECTED_TOKEN or None
+    finish_reason(rid)              # STOP / DEAD_END / INVALID_GRAMMAR / REJECTED_TOKEN / VIOLATION or None
+    metrics(rid)                    # which engine served it, what was refused, what the checks said
     remove_request(rid)
+
+Guarantees on top of the engines (both on by default): every row is intersected with a byte-level
+validity automaton (``_C.structured.ByteFilter``: UTF-8, and for JSON no raw control characters), so no
+request can emit invalid UTF-8 whatever its engine allows; and a ``json_schema`` request whose grammar
+accepts its end is checked post hoc (:mod:`~deepinfer_core.structured.validate`): an invalid document
+finishes with ``VIOLATION`` (``grammar_violation``), never ``STOP``.
 
 Speculative rows: a request with drafts ``d1..dk`` gets rows ``r0..rk``; ``r0`` is the mask at its
 committed state, ``ri`` the mask after accepting ``d1..di``. The matcher accepts the drafts one by one,
@@ -35,6 +42,7 @@ from deepinfer_core.protocols import GrammarBackend, GrammarMatcher
 from deepinfer_core.structured import _fastpath
 from deepinfer_core.structured._general import _fill_request, _fill_wavefront
 from deepinfer_core.structured.spec import FinishReason, GrammarSpec
+from deepinfer_core.structured.validate import check_document, make_validator
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +61,26 @@ class BatchMask:
         return int(self.offsets[-1])
 
 
+@attrs.frozen(slots=True)
+class _Compiled:
+    """What a compile job yields: the backend's grammar and, for JSON schemas, the post-hoc validator."""
+
+    grammar: object
+    validator: Any = None
+    validator_error: str | None = None
+
+
 class _Request:
-    __slots__ = ("finish", "future", "matcher", "spec")
+    __slots__ = ("doc", "finish", "future", "matcher", "metrics", "spec", "validator")
 
     def __init__(self, spec: GrammarSpec, future: cf.Future[Any]) -> None:
         self.spec = spec
         self.future = future
         self.matcher: GrammarMatcher | None = None
         self.finish: FinishReason | None = None
+        self.doc: bytearray | None = None  # the output's bytes (json_schema requests, for the check)
+        self.validator: _Compiled | None = None
+        self.metrics: dict[str, Any] = {}
 
 
 class StructuredOutputManager:
@@ -70,8 +90,12 @@ class StructuredOutputManager:
     """
 
     def __init__(
-        self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256, fast_path: bool = True
+        self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256, fast_path: bool = True,
+        utf8: bool = True, validate: bool = True,
     ) -> None:
+        """``utf8``: intersect every mask with the byte filter (needs the backend's ``vocab`` and the C++
+        extension); ``validate``: check finished JSON documents against their schema (see the module
+        docstring). Both exist to be turned off for measurements of what they cost."""
         if compile_workers < 1:
             raise ValueError(f"compile_workers={compile_workers}: must be >= 1")
         if cache_size < 1:
@@ -113,6 +137,22 @@ class StructuredOutputManager:
         self._fast_fill = _fastpath.make_fast_fill(self, backend, BatchMask)
         if self._fast_fill is not None:
             self.fill_bitmask = self._fast_fill.fill_bitmask  # type: ignore[method-assign]
+        self._validate = validate
+        # The byte filter: request id -> its state (the C++ fast path reads this same dict), the
+        # next-state table per state for advance(), and each token's bytes for the JSON check.
+        self._u8: dict[Hashable, int] = {}
+        self._u8f: Any = None
+        self._u8tab: list[bytes] = []
+        vocab = getattr(backend, "vocab", None)
+        self._token_bytes: tuple[bytes, ...] | None = vocab.token_bytes if vocab is not None else None
+        if utf8 and vocab is not None and _ByteFilter is not None:
+            self._u8f = _ByteFilter(list(vocab.token_bytes), self._words)
+            self._u8tab = [self._u8f.table(s) for s in range(self._u8f.NUM_STATES)]
+            if self._fast_fill is not None:
+                self._fast_fill.set_utf8(self._u8f, self._u8)
+        elif utf8:
+            log.warning("structured outputs: no byte filter (backend without `vocab`, or the C++ extension "
+                        "predates it); masks are the engine's alone")
 
     # ----- submission and compilation -------------------------------------------------------------
     @property
@@ -127,17 +167,28 @@ class StructuredOutputManager:
                 self.cache_hits += 1
                 return fut
             self.cache_misses += 1
-            fut = self._pool.submit(self._backend.compile, spec)
+            fut = self._pool.submit(self._compile, spec)
             self._cache[spec] = fut
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)  # running requests keep their own future
             return fut
+
+    def _compile(self, spec: GrammarSpec) -> _Compiled:
+        grammar = self._backend.compile(spec)
+        if spec.kind != "json_schema" or not self._validate:
+            return _Compiled(grammar)
+        validator, why = make_validator(spec.text)
+        return _Compiled(grammar, validator, why)
 
     def add_request(self, request_id: Hashable, spec: GrammarSpec | Mapping[str, Any]) -> None:
         """Validate ``spec`` (``ValueError`` naming the field) and start compiling it in the background."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r}: already registered")
         spec = GrammarSpec.of(spec)
+        name = getattr(self._backend, "name", None)
+        if spec.engine is not None and name in ("xgrammar", "llguidance") and spec.engine != name:
+            raise ValueError(f"so_args.engine: {spec.engine!r}, but this manager's backend is {name!r} "
+                             "(the 'auto' backend serves either engine)")
         self._requests[request_id] = _Request(spec, self._compiled_future(spec))
 
     def _get(self, request_id: Hashable) -> _Request:
@@ -153,7 +204,10 @@ class StructuredOutputManager:
         if not req.future.done():
             return False
         try:
-            req.matcher = self._backend.matcher(req.future.result())
+            res = req.future.result()
+            grammar = res.grammar if isinstance(res, _Compiled) else res
+            req.matcher = self._backend.matcher(grammar)
+            self._start(req, request_id, res, grammar)
             if self._keys is not None:
                 key = self._backend.batch_key(req.matcher)  # type: ignore[attr-defined]
                 if key is not None:
@@ -171,6 +225,32 @@ class StructuredOutputManager:
     def ready(self, request_ids: Iterable[Hashable]) -> list[Hashable]:
         """Those of ``request_ids`` whose grammar is compiled (or failed; see ``finish_reason``)."""
         return [rid for rid in request_ids if self._resolve(self._get(rid), rid)]
+
+    def _start(self, req: _Request, rid: Hashable, res: Any, grammar: Any) -> None:
+        """A request's matcher exists: its byte-filter state, document buffer and metrics."""
+        spec = req.spec
+        engine = getattr(grammar, "engine", None) or getattr(self._backend, "name", type(self._backend).__name__)
+        req.metrics = {"grammar_engine": engine}
+        refused = getattr(grammar, "refused", ())
+        if refused:
+            req.metrics["grammar_refused"] = {e: m for e, m in refused}
+        if self._u8f is not None:
+            variant = 0
+            if spec.kind == "json_schema":  # no raw control characters; tab / LF / CR where whitespace may be
+                ws = getattr(self._backend, "json_whitespace", None)
+                variant = 2 if ws is not None and ws(spec) else 1
+            self._u8[rid] = 8 * variant
+        if spec.kind == "json_schema" and isinstance(res, _Compiled) and self._validate and self._token_bytes is not None:
+            req.doc = bytearray()
+            req.validator = res
+
+    def metrics(self, request_id: Hashable) -> dict[str, Any]:
+        """``grammar_engine`` (which engine serves / served it), ``grammar_refused`` (engine -> message,
+        for engines that refused the spec first), ``grammar_check`` ("passed", "failed", or "partial"
+        when only UTF-8 / JSON could be checked) and ``grammar_check_error``."""
+        req = self._get(request_id)
+        self._resolve(req, request_id)
+        return dict(req.metrics)
 
     def wait(self, request_ids: Iterable[Hashable], timeout: float | None = None) -> list[Hashable]:
         """Block until the given requests' grammars are compiled (or ``timeout``); return the ready ones."""
@@ -195,6 +275,7 @@ class StructuredOutputManager:
 
     def remove_request(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
+        self._u8.pop(request_id, None)
         self._end(request_id)
         self._errors.pop(request_id, None)
 
@@ -226,6 +307,10 @@ class StructuredOutputManager:
         Requests whose row 0 allows nothing are finished with ``DEAD_END`` and flagged in ``dead_end``.
         """
         keys_of = self._keys
+        if self._u8f is not None:
+            # The Python fast path predates the byte filter: with it on, the C++ call (installed over
+            # this method) is the fast path and everything it hands back takes the general path.
+            return self._fill_general(batch, out)
         if keys_of is not None and out is None and batch:
             # The fast path. One comprehension looks up every draft-free request's batch key; a miss
             # (not resolved yet, finished, unknown) goes to the general path, which raises the clear
@@ -354,6 +439,10 @@ class StructuredOutputManager:
             offsets[i + 1] = total
         bm, a, tail = self._views(total, out)
         fill_rows = getattr(self._backend, "fill_rows", None)
+        u8 = self._u8f
+        tab = self._u8tab if u8 is not None else None
+        s0 = [self._u8[rid] for rid, _ in batch] if u8 is not None else None
+        rs: list[int] | None = [0] * total if u8 is not None else None
         if not any_drafts:
             if fill_rows is not None:
                 fill_rows(matchers, bm, offsets[:n])
@@ -361,11 +450,16 @@ class StructuredOutputManager:
                 for m, off in zip(matchers, offsets):
                     getattr(m, "fill_unchecked", m.fill_next_token_bitmask)(bm, off)
             num_drafts = np.zeros(n, dtype=np.int64)
+            rs = s0
         elif fill_rows is not None:
-            num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, [d for _, d in batch]), dtype=np.int64)
+            drafts = [d for _, d in batch]
+            num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, drafts, tab, s0, rs), dtype=np.int64)
         else:
-            k = [_fill_request(m, bm, off, d) for m, off, (_, d) in zip(matchers, offsets, batch)]
+            k = [_fill_request(m, bm, off, d, tab, s0[i] if s0 is not None else 0, rs)
+                 for i, (m, off, (_, d)) in enumerate(zip(matchers, offsets, batch))]
             num_drafts = np.array(k, dtype=np.int64)
+        if u8 is not None and total:  # the byte filter, before the dead-row pass (it can empty a row)
+            u8.apply_ptr(bm.data_ptr(), self._words, rs)
         offs, dead_end = np.array(offsets, dtype=np.int64), np.zeros(n, dtype=bool)
         # One pass clears the padding bits and finds rows that allow nothing: row 0 is a dead end of
         # the request, a later row is a state a draft reached but no token can continue, so the draft
@@ -418,17 +512,43 @@ class StructuredOutputManager:
         """
         m = self._active_matcher(request_id)
         req = self._requests[request_id]
+        u8 = self._u8.get(request_id) if self._u8f is not None else None
+        doc, tb = req.doc, self._token_bytes
         for j, t in enumerate(tokens):
-            if not m.accept_token(int(t)):
+            t = int(t)
+            ns = u8
+            if u8 is not None:
+                row = self._u8tab[u8]
+                ns = row[t] if 0 <= t < len(row) else _REJECT
+            if ns == _REJECT or not m.accept_token(t):
                 req.finish = FinishReason.REJECTED_TOKEN
                 self._end(request_id)
-                log.warning("request %r: grammar rejected committed token %d", request_id, int(t))
+                log.warning("request %r: %s rejected committed token %d", request_id,
+                            "the byte filter" if ns == _REJECT else "grammar", t)
                 return j
+            if u8 is not None:
+                u8 = self._u8[request_id] = ns
+            if doc is not None and tb is not None and t < len(tb):
+                doc += tb[t]
             if m.is_terminated():
                 req.finish = FinishReason.STOP
+                if req.validator is not None:
+                    self._check(req, request_id)
                 self._end(request_id)
                 return j + 1
         return len(tokens)
+
+    def _check(self, req: _Request, request_id: Hashable) -> None:
+        """The grammar accepted its end: check the JSON document; VIOLATION when it fails."""
+        assert req.doc is not None and req.validator is not None
+        v = check_document(bytes(req.doc), req.validator.validator, req.validator.validator_error)
+        req.metrics["grammar_check"] = "passed" if v.ok and v.checked else "partial" if v.ok else "failed"
+        if v.error is not None:
+            req.metrics["grammar_check_error"] = v.error
+        if not v.ok:
+            req.finish = FinishReason.VIOLATION
+            self._errors[request_id] = f"{req.metrics.get('grammar_engine')} accepted an invalid document: {v.error}"
+            log.info("request %r: grammar_violation: %s", request_id, v.error)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -459,3 +579,8 @@ try:  # the C++ pass is an optimisation; a tree whose extension predates it stil
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build
     _C_FINISH_ROWS = None
 _COUNT_DEAD = _fastpath.COUNT_DEAD
+_REJECT = 255  # ByteFilter.REJECT
+try:
+    from deepinfer_core._C.structured import ByteFilter as _ByteFilter
+except (ImportError, AttributeError):  # pragma: no cover - depends on the build
+    _ByteFilter = None

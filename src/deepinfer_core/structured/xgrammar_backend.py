@@ -119,6 +119,15 @@ class XGrammarBackend:
         return self._vocab.vocab_size
 
     @property
+    @property
+    def vocab(self) -> GrammarVocab:
+        """Token bytes, control ids and EOS this backend was built from (the manager's UTF-8 filter)."""
+        return self._vocab
+
+    def json_whitespace(self, spec: GrammarSpec) -> bool:
+        """Whether a JSON document of ``spec`` may contain whitespace between its tokens."""
+        return bool(spec.options_for("xgrammar").get("any_whitespace", self._json_any_ws))
+
     def eos_token_id(self) -> int:
         return self._vocab.eos_token_id
 
@@ -129,8 +138,10 @@ class XGrammarBackend:
             if spec.kind == "regex":
                 return c.compile_regex(spec.text)
             if spec.kind == "json_schema":
-                seps = None if self._json_any_ws else (",", ":")
-                return c.compile_json_schema(spec.text, any_whitespace=self._json_any_ws, separators=seps)
+                opts = spec.options_for("xgrammar")
+                ws = bool(opts.pop("any_whitespace", self._json_any_ws))
+                seps = None if ws else (",", ":")
+                return c.compile_json_schema(spec.text, any_whitespace=ws, separators=seps, **opts)
             if spec.kind == "ebnf":
                 return c.compile_grammar(spec.text)
             return c.compile_grammar(spec.choice_ebnf())

@@ -67,10 +67,12 @@ def test_slow_grammar_waits_alone_and_cache_shares_compiles(name: str, backend_f
     gate.set()
     assert mgr.wait(["slow"], timeout=10) == ["slow"]
     assert be.compiles == 2 and mgr.cache_hits == 1 and mgr.cache_misses == 2
-    # JSON schemas are keyed canonically: key order and spelling (dict vs str) do not matter.
+    # JSON schemas are keyed by compact JSON: spelling (dict vs str, whitespace) does not matter, key
+    # order does (it is the order properties come out in, so it reaches the grammar unchanged).
     s1 = GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}})
-    s2 = GrammarSpec("json_schema", '{"properties": {"a": {"type": "integer"}}, "type": "object"}')
-    assert s1 == s2 and hash(s1) == hash(s2)
+    s2 = GrammarSpec("json_schema", '{"type": "object",  "properties": {"a": {"type": "integer"}}}')
+    s3 = GrammarSpec("json_schema", '{"properties": {"a": {"type": "integer"}}, "type": "object"}')
+    assert s1 == s2 and hash(s1) == hash(s2) and s1 != s3
     mgr.close()
 
 

@@ -36,7 +36,8 @@ def test_from_so_args_and_equality() -> None:
     spec = GrammarSpec.from_so_args(params.so_args)
     assert spec == GrammarSpec("choice", ("a", "b")) and spec.choices == ("a", "b")
     assert GrammarSpec("json_schema", True).text == "true"
-    assert GrammarSpec("json_schema", {"b": 1, "a": [1]}) == GrammarSpec("json_schema", '{"a":[1],  "b":1}')
+    assert GrammarSpec("json_schema", {"b": 1, "a": [1]}) == GrammarSpec("json_schema", '{"b":1,  "a":[1]}')
+    assert GrammarSpec("json_schema", {"b": 1, "a": [1]}).text == '{"b":1,"a":[1]}'  # key order kept
     with pytest.raises(ValueError, match="so_args"):
         GrammarSpec.from_so_args({})
     with pytest.raises(AttributeError, match="only for kind='choice'"):

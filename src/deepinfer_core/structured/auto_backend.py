@@ -1,0 +1,142 @@
+"""The ``auto`` grammar backend: both engines behind one backend, chosen per spec, with fallback.
+
+Each spec is compiled by the engine that suits it best first (``ORDER``; ``so_args["engine"]`` puts the
+named engine first); when that engine refuses the spec (llguidance: ``oneOf``, unknown formats,
+``dependencies``, ``uniqueItems``, ``not``, ``if/then/else``; xgrammar: other constructs), the next one
+compiles it, per request. Why llguidance first for JSON schemas: on the development sample of real-world
+schemas it was the engine whose documents were valid (xgrammar's approximations of string bounds and of
+some keywords let invalid documents through; the manager's post-hoc check reports those as
+``grammar_violation``, but a valid document is better than a reported invalid one).
+
+The request's matcher is the serving engine's own matcher, so the masks are exactly that engine's. For the
+manager's fast path the backend presents the *primary* engine's batch keys (the first engine of the JSON
+order): requests served by the other engine have no key, so a batch that contains one takes the
+manager's general path, where :meth:`AutoBackend.fill_rows` fills each engine's rows with its own batch
+call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import torch
+
+from deepinfer_core.protocols import Tokenizer
+from deepinfer_core.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
+from deepinfer_core.structured.spec import ENGINES, GrammarSpec
+from deepinfer_core.structured.vocab import GrammarVocab
+from deepinfer_core.structured.xgrammar_backend import XGrammarBackend, XGrammarMatcher
+
+log = logging.getLogger(__name__)
+
+# Engine order per constraint kind. JSON schema: llguidance is strict (see the module docstring);
+# regex: llguidance is ~100x faster on bounded repetitions at a large vocabulary (docs/structured.md);
+# EBNF arrives in GBNF, xgrammar's own dialect (llguidance gets it converted); choice: either.
+ORDER: dict[str, tuple[str, ...]] = {
+    "json_schema": ("llguidance", "xgrammar"),
+    "regex": ("llguidance", "xgrammar"),
+    "ebnf": ("xgrammar", "llguidance"),
+    "choice": ("llguidance", "xgrammar"),
+}
+
+
+@attrs.frozen(slots=True)
+class AutoGrammar:
+    """A spec compiled by ``engine``; ``refused`` holds (engine, message) of the engines tried before."""
+
+    engine: str
+    compiled: object = attrs.field(repr=False)
+    refused: tuple[tuple[str, str], ...] = ()
+
+
+class AutoBackend:
+    """Compiles with the best engine for each spec and falls back to the other (see the module docstring).
+
+    ``order`` overrides :data:`ORDER` for every kind (e.g. ``("xgrammar", "llguidance")``). Other keyword
+    arguments (``vocab_size``, ``mask_threads``, ``json_any_whitespace``) go to both engines.
+    """
+
+    name = "auto"
+
+    def __init__(self, tokenizer: Tokenizer, *, order: tuple[str, ...] | None = None, **kwargs: Any) -> None:
+        if order is not None:
+            bad = [e for e in order if e not in ENGINES]
+            if bad or not order or len(set(order)) != len(order):
+                raise ValueError(f"order={order!r}: must be distinct engines of {list(ENGINES)}")
+        self._order = tuple(order) if order is not None else None
+        self.backends: dict[str, Any] = {
+            "xgrammar": XGrammarBackend(tokenizer, **kwargs),
+            "llguidance": LLGuidanceBackend(tokenizer, **kwargs),
+        }
+        first = (self._order or ORDER["json_schema"])[0]
+        self.primary = first
+        p = self.backends[first]
+        self._primary_type = XGrammarMatcher if first == "xgrammar" else LLGuidanceMatcher
+        # The manager's fast path, over the primary engine's keys (see batch_key).
+        for attr in ("fill_keys", "accept_key", "check_rows", "fast_fill_kind", "key_refuse", "key_eos",
+                     "key_inline_eos", "key_check_eos"):
+            if hasattr(p, attr):
+                setattr(self, attr, getattr(p, attr))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backends[self.primary].vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.backends[self.primary].eos_token_id
+
+    @property
+    def vocab(self) -> GrammarVocab:
+        return self.backends[self.primary].vocab
+
+    def order_for(self, spec: GrammarSpec) -> tuple[str, ...]:
+        order = self._order or ORDER[spec.kind]
+        if spec.engine is not None:
+            order = (spec.engine, *(e for e in order if e != spec.engine))
+        return order
+
+    def compile(self, spec: GrammarSpec) -> AutoGrammar:
+        spec = GrammarSpec.of(spec)
+        refused: list[tuple[str, str]] = []
+        for engine in self.order_for(spec):
+            try:
+                compiled = self.backends[engine].compile(spec)
+            except ValueError as e:
+                refused.append((engine, str(e)))
+                continue
+            if refused:
+                log.info("auto backend: %s refused the %s (%s); %s serves it", refused[-1][0], spec.kind,
+                         refused[-1][1].splitlines()[0][:200], engine)
+            return AutoGrammar(engine=engine, compiled=compiled, refused=tuple(refused))
+        raise ValueError("no engine could compile the spec: " + "; ".join(f"{e}: {m}" for e, m in refused))
+
+    def matcher(self, compiled: AutoGrammar) -> Any:
+        if not isinstance(compiled, AutoGrammar):
+            raise TypeError(f"compiled: expected an AutoGrammar from compile(), got {type(compiled).__name__}")
+        return self.backends[compiled.engine].matcher(compiled.compiled)
+
+    def engine_of(self, matcher: Any) -> str:
+        """Which engine a matcher of this backend belongs to."""
+        return "xgrammar" if isinstance(matcher, XGrammarMatcher) else "llguidance"
+
+    def json_whitespace(self, spec: GrammarSpec) -> bool:
+        return any(b.json_whitespace(spec) for b in self.backends.values())
+
+    def fill_rows(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Each engine's rows through that engine's own batch fill."""
+        x = [i for i, m in enumerate(matchers) if isinstance(m, XGrammarMatcher)]
+        if len(x) == len(matchers) or not x:
+            self.backends["xgrammar" if x else "llguidance"].fill_rows(matchers, bitmask, rows)
+            return
+        lg = [i for i, m in enumerate(matchers) if not isinstance(m, XGrammarMatcher)]
+        self.backends["xgrammar"].fill_rows([matchers[i] for i in x], bitmask, [rows[i] for i in x])
+        self.backends["llguidance"].fill_rows([matchers[i] for i in lg], bitmask, [rows[i] for i in lg])
+
+    def batch_key(self, matcher: Any) -> object | None:
+        """The primary engine's key; None for the other engine's matchers (the general path fills them)."""
+        if not isinstance(matcher, self._primary_type):
+            return None
+        return self.backends[self.primary].batch_key(matcher)
