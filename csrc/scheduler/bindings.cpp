@@ -22,6 +22,51 @@ nb::ndarray<nb::numpy, T> to_np(const std::vector<T>& v) {
   return a;
 }
 
+// A numpy array over an uninitialised heap buffer (the caller writes every element): a plan's block
+// ids are most of its bytes, and zero-filling them first was a second pass over them.
+template <typename T>
+nb::ndarray<nb::numpy, T> raw_array(size_t n) {
+  T* data = new T[n > 0 ? n : 1];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  size_t shape[1] = {n};
+  return nb::ndarray<nb::numpy, T>(data, 1, shape, owner);
+}
+
+// The plan as two flat buffers (one int32, one int64) that Python slices into the plan's arrays:
+// creating a numpy array through the binding costs about a microsecond each, and a plan has ten.
+// The block ids are written by the core straight into the int32 buffer (no intermediate copy).
+nb::tuple plan_tuple(const StepScheduler& s, const di::sched::PlanOut& p) {
+  const size_t n = p.seq_ids.size(), ntok = p.token_ids.size();
+  const size_t nblk = n ? static_cast<size_t>(p.block_offsets[n]) : 0;
+  const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
+  auto i32 = raw_array<int32_t>(4 * n + ntok + n + 1 + nblk + nk);
+  auto i64 = raw_array<int64_t>(n + np_ + nk);
+  {
+    nb::gil_scoped_release release;
+    int32_t* o = i32.data();
+    auto put32 = [&o](const int32_t* src, size_t len) {
+      if (len) std::memcpy(o, src, len * sizeof(int32_t));
+      o += len;
+    };
+    put32(p.num_tokens.data(), n);
+    put32(p.start.data(), n);
+    for (size_t k = 0; k < n; ++k) *o++ = p.sample[k];
+    put32(p.num_drafts.data(), n);
+    put32(p.token_ids.data(), ntok);
+    if (n) put32(p.block_offsets.data(), n + 1); else *o++ = 0;
+    s.write_block_ids(o);
+    o += nblk;
+    put32(p.kv_load_tokens.data(), nk);
+    int64_t* o64 = i64.data();
+    for (const auto* v : {&p.seq_ids, &p.preempted, &p.kv_load_ids}) {
+      if (!v->empty()) std::memcpy(o64, v->data(), v->size() * sizeof(int64_t));
+      o64 += v->size();
+    }
+  }
+  return nb::make_tuple(p.step_id, static_cast<int32_t>(p.type), i32, i64, n, ntok, nblk, np_, nk, p.predicted_ns,
+                        p.width);
+}
+
 CostModel make_cost(double base, double token, double quad, double ctx) {
   CostModel c{base, token, quad, ctx};
   c.validate();
@@ -55,7 +100,8 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           [](StepScheduler* self, di::kv::BlockPool& pool, int32_t engine_type, int32_t max_num_seqs,
              int64_t max_num_batched_tokens, int64_t max_model_len, int32_t eos_token_id, double time_budget_ns,
              int32_t prefill_attempt_interval, int32_t prefill_any_attempt_interval, bool async_mode,
-             int32_t watermark_blocks, std::vector<double> cost) {
+             int32_t watermark_blocks, std::vector<double> cost, int32_t policy, int32_t max_preemptions,
+             int32_t headroom_steps) {
             di::require(engine_type >= 0 && engine_type <= 2, "SchedulerConfig.engine_type: must be 0, 1 or 2");
             di::require(cost.size() == 4, "cost: expected (base_ns, token_ns, quad_ns, ctx_ns)");
             di::sched::Config cfg;
@@ -69,13 +115,17 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
             cfg.prefill_any_attempt_interval = prefill_any_attempt_interval;
             cfg.async_mode = async_mode;
             cfg.watermark_blocks = watermark_blocks;
+            cfg.policy = static_cast<di::sched::Policy>(policy);
+            cfg.max_preemptions = max_preemptions;
+            cfg.headroom_steps = headroom_steps;
             cfg.cost = CostModel{cost[0], cost[1], cost[2], cost[3]};
             new (self) StepScheduler(pool, cfg);
           },
           nb::arg("pool"), nb::arg("engine_type"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
           nb::arg("max_model_len"), nb::arg("eos_token_id"), nb::arg("time_budget_ns"),
           nb::arg("prefill_attempt_interval"), nb::arg("prefill_any_attempt_interval"), nb::arg("async_mode"),
-          nb::arg("watermark_blocks"), nb::arg("cost"),
+          nb::arg("watermark_blocks"), nb::arg("cost"), nb::arg("policy") = 0, nb::arg("max_preemptions") = 2,
+          nb::arg("headroom_steps") = 8,
           nb::keep_alive<1, 2>())  // the pool outlives the scheduler that holds a reference to it
       .def(
           "add_request",
@@ -95,42 +145,24 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
       .def(
           "schedule",
           [](StepScheduler& s, bool all, bool any, bool dec) {
-            di::sched::PlanOut p;
-            {
-              nb::gil_scoped_release release;
-              p = s.schedule(all, any, dec);
-            }
-            // Two flat buffers (one int32, one int64) that Python slices into the plan's arrays:
-            // creating a numpy array through the binding costs about a microsecond each, and a plan
-            // has ten of them.
-            const size_t n = p.seq_ids.size(), ntok = p.token_ids.size(), w = static_cast<size_t>(p.width);
-            const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
-            auto i32 = di::new_array<int32_t>({4 * n + ntok + n * w + nk});
-            int32_t* o = i32.data();
-            auto put32 = [&o](const int32_t* src, size_t len) {
-              if (len) std::memcpy(o, src, len * sizeof(int32_t));
-              o += len;
-            };
-            put32(p.num_tokens.data(), n);
-            put32(p.start.data(), n);
-            for (size_t k = 0; k < n; ++k) *o++ = p.sample[k];
-            put32(p.num_drafts.data(), n);
-            put32(p.token_ids.data(), ntok);
-            put32(p.block_tables.data(), n * w);
-            put32(p.kv_load_tokens.data(), nk);
-            auto i64 = di::new_array<int64_t>({n + np_ + nk});
-            int64_t* o64 = i64.data();
-            for (const auto* v : {&p.seq_ids, &p.preempted, &p.kv_load_ids}) {
-              if (!v->empty()) std::memcpy(o64, v->data(), v->size() * sizeof(int64_t));
-              o64 += v->size();
-            }
-            return nb::make_tuple(p.step_id, static_cast<int32_t>(p.type), i32, i64, n, ntok, w, np_, nk,
-                                  p.predicted_ns);
+            nb::gil_scoped_release release;
+            di::sched::PlanOut p = s.schedule(all, any, dec);
+            nb::gil_scoped_acquire acquire;
+            return plan_tuple(s, p);
           },
           nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"),
-          "(step_id, step_type, i32, i64, rows, tokens, width, preempted, kv_loads, predicted_ns); i32 = "
-          "[num_tokens | start | sample | num_drafts | token_ids | block_tables | kv_load_tokens], i64 = [seq_ids | "
-          "preempted | kv_load_ids]")
+          "(step_id, step_type, i32, i64, rows, tokens, block_ids, preempted, kv_loads, predicted_ns, width); i32 = "
+          "[num_tokens | start | sample | num_drafts | token_ids | block_offsets (rows + 1) | block_ids | "
+          "kv_load_tokens], i64 = [seq_ids | preempted | kv_load_ids]")
+      .def(
+          "schedule_local",
+          [](StepScheduler& s) {
+            nb::gil_scoped_release release;
+            di::sched::PlanOut p = s.schedule_local();
+            nb::gil_scoped_acquire acquire;
+            return plan_tuple(s, p);
+          },
+          "schedule() with this rank's own wish as the group's answer (one rank, LocalVote)")
       .def(
           "set_drafts",
           [](StepScheduler& s, di::CArray1<int64_t> seq_ids, di::CArray1<int32_t> ks) {
@@ -168,6 +200,8 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
       .def_prop_ro("num_waiting", &StepScheduler::num_waiting)
       .def_prop_ro("num_running", &StepScheduler::num_running)
       .def_prop_ro("num_outstanding", &StepScheduler::num_outstanding)
+      .def_prop_ro("total_preemptions", &StepScheduler::total_preemptions)
+      .def_prop_ro("discarded_tokens", &StepScheduler::discarded_tokens)
       .def_prop_ro("decode_steps_since_prefill", &StepScheduler::decode_steps_since_prefill)
       .def("contains", &StepScheduler::contains, nb::arg("seq_id"))
       .def("request_info", &StepScheduler::request_info, nb::arg("seq_id"),

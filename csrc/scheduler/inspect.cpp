@@ -42,6 +42,10 @@ void StepScheduler::check_invariants() const {
     if (holds && pool_.num_tokens(r.seq_id) != r.kv_slots) fail(id + "reserved slots differ from the pool's");
     if (holds && pool_.block_table(r.seq_id) != r.blocks) fail(id + "block-table mirror differs from the pool's");
     if (r.kv_slots % pool_.block_size() != 0) fail(id + "reservation is not whole blocks");
+    if (r.protect && holds && r.kv_slots < full_tokens(r)) fail(id + "protected but not holding its whole length");
+    if (r.protect && cfg_.policy != Policy::GUARDED) fail(id + "protected outside the GUARDED policy");
+    if (cfg_.policy == Policy::GUARDED && r.num_preemptions > cfg_.max_preemptions)
+      fail(id + "preempted more than max_preemptions times");
     if (holds && r.kv_slots < r.num_computed) fail(id + "fewer KV slots than computed tokens");
     if (r.num_computed > r.total()) fail(id + "computed beyond its tokens");
     if (r.known != static_cast<int64_t>(r.tokens.size()) || r.last_token != r.tokens.back()) fail(id + "token cache");

@@ -2,6 +2,7 @@
 #include "scheduler/step_scheduler.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -22,6 +23,11 @@ StepScheduler::StepScheduler(kv::BlockPool& pool, const Config& cfg) : pool_(poo
     bad(p + "prefill_any_attempt_interval=" + s(cfg.prefill_any_attempt_interval) +
         ": must be >= prefill_attempt_interval=" + s(cfg.prefill_attempt_interval));
   if (cfg.watermark_blocks < 0) bad(p + "watermark_blocks=" + s(cfg.watermark_blocks) + ": must be >= 0");
+  if (cfg.policy != Policy::GUARDED && cfg.policy != Policy::DEEPINFER)
+    bad(p + "preemption_policy=" + s(static_cast<int32_t>(cfg.policy)) + ": must be 0 (GUARDED) or 1 (DEEPINFER)");
+  if (cfg.max_preemptions < 0) bad(p + "max_preemptions=" + s(cfg.max_preemptions) + ": must be >= 0");
+  if (cfg.headroom_steps < 0 || cfg.headroom_steps > (1 << 20))
+    bad(p + "headroom_steps=" + s(cfg.headroom_steps) + ": must be in [0, 2**20]");
   if (cfg.eos_token_id < -1) bad(p + "eos_token_id=" + s(cfg.eos_token_id) + ": must be >= 0, or -1 for none");
   cfg_.cost.validate();
   if (!(cfg.time_budget_ns > 0.0)) cfg_.time_budget_ns = std::numeric_limits<double>::infinity();
@@ -97,8 +103,36 @@ bool StepScheduler::abort(int64_t seq_id) {
 
 bool StepScheduler::fits_with_watermark(int64_t num_tokens) const {
   const int64_t blocks = pool_.blocks_for_tokens(num_tokens);
-  const int64_t keep = num_running() == 0 ? 0 : cfg_.watermark_blocks;  // a lone request may use all
+  const int64_t running = num_running();
+  int64_t keep = running == 0 ? 0 : cfg_.watermark_blocks;  // a lone request may use all
+  if (running > 0 && cfg_.policy == Policy::GUARDED) {
+    // What the running requests grow into over the next headroom_steps decode steps (one token each
+    // a step, on average headroom_steps / block_size blocks each): admitting into that space is what
+    // makes the next decode steps preempt, and the victim then waits here for the same space again.
+    const int64_t bs = pool_.block_size();
+    keep += (running * cfg_.headroom_steps + bs - 1) / bs;
+  }
   return blocks + keep <= pool_.num_free_blocks();
+}
+
+int64_t StepScheduler::full_tokens(const Req& r) const {
+  // The KV of every token it can ever feed (add_request checked this fits the pool).
+  const int64_t gen = cfg_.engine_type == EngineType::PROMPT ? 1 : r.max_tokens;
+  return r.prompt_len + gen - 1;
+}
+
+int64_t StepScheduler::admit_tokens(const Req& r) const {
+  if (cfg_.policy == Policy::GUARDED && r.num_preemptions >= cfg_.max_preemptions)
+    return std::max<int64_t>(r.total(), full_tokens(r));  // protected
+  return r.total();
+}
+
+void StepScheduler::admitted(Req& r) {
+  r.protect = cfg_.policy == Policy::GUARDED && r.num_preemptions >= cfg_.max_preemptions;
+  // Protected requests sort before every other (they never need a block, so they are never the victim
+  // the tail of the order gives), the rest by admission.
+  r.order_key = r.protect ? next_admit_ - (int64_t{1} << 62) : next_admit_;
+  ++next_admit_;
 }
 
 int64_t StepScheduler::round_up(int64_t num_tokens) const {
@@ -134,7 +168,7 @@ bool StepScheduler::admissible_prefill_head() const {
     const Req& r = at(slot);
     if (r.pending > 0) continue;  // its last step's tokens are still in flight
     // COMPLETION admission reserves KV for every known token (the KV it loads plus the decode slot).
-    return fits_with_watermark(r.total());
+    return fits_with_watermark(admit_tokens(r));
   }
   return false;
 }
@@ -182,7 +216,6 @@ __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec,
   if (drafts > 0) ++r.spec_in_flight;
   ++r.in_flight;
   ++r.schedule_cnt;
-  out.width = std::max<int64_t>(out.width, static_cast<int64_t>(r.blocks.size()));  // final after all reservations
   rec.slots.push_back(slot);
   rec.seq_ids.push_back(r.seq_id);
   rec.sample.push_back(sample ? 1 : 0);
@@ -213,6 +246,7 @@ void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
     } else {
       r.status = Status::DECODING;
       decoding_.push_back(slot);
+      decode_dirty_ = true;
     }
   };
 
@@ -251,11 +285,13 @@ void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
     }
     if (num_running() >= cfg_.max_num_seqs || tokens_left == 0) break;
     const int64_t target = r.total();
-    if (!fits_with_watermark(target)) break;
+    const int64_t reserve_tokens = admit_tokens(r);
+    if (!fits_with_watermark(reserve_tokens)) break;
     r.num_computed = 0;
     const int64_t q = chunk(r, target);
     if (q == 0) break;
-    allocate(r, target);
+    allocate(r, reserve_tokens);
+    admitted(r);
     r.prefill_target = target;
     r.status = Status::PREFILLING;
     const bool last = q == target;
@@ -268,6 +304,23 @@ void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
 }
 
 void StepScheduler::sort_decoding() {
+  if (cfg_.policy == Policy::GUARDED) {
+    // Keys change only at admission: sort only when a request joined (insertion sort, the newcomers
+    // are near their place; a protected one moves to the front).
+    if (!decode_dirty_) return;
+    decode_dirty_ = false;
+    for (size_t i = 1; i < decoding_.size(); ++i) {
+      const int32_t v = decoding_[i];
+      const int64_t key = at(v).order_key;
+      size_t j = i;
+      while (j > 0 && key < at(decoding_[j - 1]).order_key) {
+        decoding_[j] = decoding_[j - 1];
+        --j;
+      }
+      decoding_[j] = v;
+    }
+    return;
+  }
   // Insertion sort: every scheduled request grows by one token per step, so the order is almost
   // always unchanged and this is one linear pass; newly decoding requests (short output) move up.
   auto less = [&](int32_t a, int32_t b) {
@@ -289,6 +342,9 @@ void StepScheduler::sort_decoding() {
 
 void StepScheduler::preempt(int32_t slot, PlanOut& out) {
   Req& r = at(slot);
+  if (r.protect) throw std::logic_error("scheduler: a protected request was chosen for preemption");
+  ++total_preemptions_;
+  discarded_tokens_ += r.num_computed;
   release(r);
   // Output tokens (and any still in flight) are kept: the request is recomputed from prompt + output.
   r.num_computed = 0;
@@ -307,8 +363,9 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
   int64_t rows = 0;
   int64_t l = static_cast<int64_t>(decoding_.size()) - 1;  // decoding_[l + 1 ..] were preempted
   int64_t i = 0;
-  // Shortest output first; when blocks run out, preempt from the longest end (DeepInfer's
-  // _schedule_decode), and as a last resort the request itself.
+  // In the policy's order (DEEPINFER: shortest output first; GUARDED: protected, then oldest
+  // admission); when blocks run out, preempt from the tail (DEEPINFER: longest output, as its
+  // _schedule_decode; GUARDED: newest admission), and as a last resort the request itself.
   while (i <= l && rows < cfg_.max_num_seqs && tokens_left > 0) {
     const int32_t slot = decoding_[i];
     Req& r = at(slot);
@@ -359,24 +416,27 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
     if (at(slot).pending == 0) cand.push_back(slot);
   std::stable_sort(cand.begin(), cand.end(),
                    [&](int32_t a, int32_t b) { return at(a).output_len() < at(b).output_len(); });
-  bool admitted = false;
+  bool any_admitted = false;
   for (int32_t slot : cand) {
     Req& r = at(slot);
     if (num_running() >= cfg_.max_num_seqs || rows >= cfg_.max_num_seqs || tokens_left == 0) break;
     const int64_t total = r.total();
-    if (!fits_with_watermark(total)) break;
-    allocate(r, total);
+    const int64_t reserve_tokens = admit_tokens(r);
+    if (!fits_with_watermark(reserve_tokens)) break;
+    allocate(r, reserve_tokens);
+    admitted(r);
     r.num_computed = total - 1;
     r.status = Status::DECODING;
     out.kv_load_ids.push_back(r.seq_id);
     out.kv_load_tokens.push_back(static_cast<int32_t>(total - 1));
     decoding_.push_back(slot);
+    decode_dirty_ = true;
     add_row(out, rec, slot, 1, true);
     ++rows;
     --tokens_left;
-    admitted = true;
+    any_admitted = true;
   }
-  if (admitted) {
+  if (any_admitted) {
     waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
                                   [&](int32_t w) { return at(w).status != Status::WAITING; }),
                    waiting_.end());
@@ -410,17 +470,37 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
   }
   for (int32_t slot : draft_slots_) at(slot).want_k = 0;  // draft requests hold for one schedule() only
   draft_slots_.clear();
-  // Block tables from the mirrors (identical to pool_.fill_block_tables on these ids, which the
-  // invariant check and the tests verify, without a hash lookup per row).
+  // Compact block tables: offsets here, the ids copied from the mirrors by write_block_ids()
+  // (identical to pool_.fill_block_tables on these ids, which the invariant check and the tests
+  // verify, without a hash lookup per row).
   const size_t n = rec.slots.size();
-  const size_t width = static_cast<size_t>(out.width);
-  out.block_tables.assign(n * width, 0);
+  out.block_offsets.resize(n + 1);
+  int32_t off = 0;
+  int64_t width = 0;
   for (size_t k = 0; k < n; ++k) {
-    const auto& b = at(rec.slots[k]).blocks;
-    std::copy(b.begin(), b.end(), out.block_tables.begin() + static_cast<std::ptrdiff_t>(k * width));
+    out.block_offsets[k] = off;
+    const int64_t nb = static_cast<int64_t>(at(rec.slots[k]).blocks.size());
+    off += static_cast<int32_t>(nb);
+    width = std::max(width, nb);
   }
+  out.block_offsets[n] = off;
+  out.width = width;
   plans_.push_back(std::move(rec));
   return out;
+}
+
+void StepScheduler::write_block_ids(int32_t* dst) const {
+  if (plans_.empty()) return;
+  for (int32_t slot : plans_.back().slots) {
+    const auto& b = at(slot).blocks;
+    if (!b.empty()) std::memcpy(dst, b.data(), b.size() * sizeof(int32_t));
+    dst += b.size();
+  }
+}
+
+PlanOut StepScheduler::schedule_local() {
+  const auto [p, d] = wish();
+  return schedule(p, p, d);  // one rank: all_prefill = any_prefill = its own wish
 }
 
 void StepScheduler::set_drafts(const int64_t* seq_ids, const int32_t* ks, int64_t n) {

@@ -12,9 +12,21 @@
 //   total          tokens.size() + pending
 //   num_computed   tokens whose KV is computed or scheduled to be computed
 //   output length  total - prompt_len: output tokens generated so far, counting kept output from
-//                  before a preemption and tokens still in flight. Decode admission is
-//                  shortest-output-first and preemption takes the longest-output request first; ties
-//                  go by arrival (earlier arrival = admitted first, preempted last).
+//                  before a preemption and tokens still in flight.
+//
+// Preemption policies (Config::policy):
+//   DEEPINFER  the seed's: decode rows shortest-output-first, the victim is the longest-output request
+//              (ties by arrival: earlier arrival = served first, preempted last); admission keeps only
+//              watermark_blocks free.
+//   GUARDED    (default) decode rows in admission order (oldest first), the victim is the most recently
+//              admitted request (it has the least work to lose); admission also keeps free the blocks
+//              the running requests grow into over headroom_steps decode steps, so a request evicted
+//              for lack of blocks is not re-admitted into the same shortage; a request preempted
+//              max_preemptions times is re-admitted with the KV of its whole possible length
+//              reserved ("protected"): it never asks for a block again, so it is never a victim and no
+//              request is preempted more than max_preemptions times.
+//   Both: a preempted request keeps its output and re-enters the waiting queue in arrival order;
+//   admission is first-come first-served (the first waiting request that does not fit stops it).
 //
 // Speculative decoding: set_drafts() before schedule() asks for k draft tokens to be verified per
 // decode request. Its row is then 1 + k tokens [last token, k drafts] (drafts are -1 placeholders the
@@ -43,6 +55,7 @@ enum class EngineType : int32_t { NORMAL = 0, PROMPT = 1, COMPLETION = 2 };
 enum class StepType : int32_t { IDLE = 0, PREFILL = 1, DECODE = 2 };
 enum class Status : uint8_t { WAITING = 0, PREFILLING = 1, DECODING = 2, HANDOFF = 3, ENDED = 4 };
 enum class FinishReason : uint8_t { NONE = 0, STOP = 1, LENGTH = 2, ABORT = 3, HANDOFF = 4, FAILED = 5 };
+enum class Policy : int32_t { GUARDED = 0, DEEPINFER = 1 };
 
 struct Config {
   EngineType engine_type = EngineType::NORMAL;
@@ -55,6 +68,9 @@ struct Config {
   int32_t prefill_any_attempt_interval = 16;  // decode steps before asking "does any rank?"
   bool async_mode = false;                  // allow schedule(N+1) before update(N)
   int32_t watermark_blocks = 0;             // blocks kept free when admitting next to running work
+  Policy policy = Policy::GUARDED;
+  int32_t max_preemptions = 2;              // GUARDED: preemptions before a request is protected
+  int32_t headroom_steps = 8;               // GUARDED: decode steps of growth kept free at admission
   CostModel cost;
 };
 
@@ -88,7 +104,9 @@ struct alignas(64) Req {
   int32_t want_k = 0;          // drafts asked for by set_drafts() for the next schedule()
   int32_t spec_in_flight = 0;  // outstanding verify rows (rows with drafts)
   uint32_t draft_stamp = 0;    // set_drafts() call that last named this request (duplicate check)
+  int64_t order_key = 0;       // GUARDED decode order: admission stamp, protected ones first
   FinishReason reason = FinishReason::NONE;
+  bool protect = false;        // GUARDED: whole possible length reserved, never preempted
   bool reported = false;       // ENDED and returned by update() (the slot lives on while rows are in flight)
   std::vector<int32_t> tokens;  // prompt + known output
   // Mirror of the pool's block table, refreshed whenever the reservation changes, so a step copies
@@ -116,8 +134,10 @@ struct PlanOut {
   std::vector<uint8_t> sample;       // row samples a token (decode rows, last prefill chunk)
   std::vector<int32_t> num_drafts;   // drafts the row verifies (its last num_drafts tokens)
   std::vector<int32_t> token_ids;    // flat, sum(num_tokens); -1 = placeholder (previous step's sample)
-  std::vector<int32_t> block_tables; // [n, width], padded with the null block 0
-  int64_t width = 0;
+  // Compact (CSR) block tables: row i's blocks are ids[block_offsets[i]:block_offsets[i+1]]; the ids
+  // are written by write_block_ids() straight into the caller's buffer (no padded copy).
+  std::vector<int32_t> block_offsets;  // n + 1
+  int64_t width = 0;                   // widest row (the dense view's width)
   std::vector<int64_t> preempted;
   std::vector<int64_t> kv_load_ids;  // COMPLETION: admitted requests whose KV the caller must load
   std::vector<int32_t> kv_load_tokens;
@@ -147,6 +167,13 @@ class StepScheduler {
   // The step type every rank of the group derives from the same group facts and the same counter.
   StepType decide(bool all_prefill, bool any_prefill, bool any_decode) const;
   PlanOut schedule(bool all_prefill, bool any_prefill, bool any_decode);
+  // The newest plan's block ids, row after row (block_offsets.back() of them), into dst. Call right
+  // after schedule(), before anything else changes the scheduler.
+  void write_block_ids(int32_t* dst) const;
+  // (wish + local decide + schedule) in one call: the single-rank path (LocalVote).
+  PlanOut schedule_local();
+  int64_t total_preemptions() const { return total_preemptions_; }
+  int64_t discarded_tokens() const { return discarded_tokens_; }  // computed KV tokens preemption threw away
   // Drafts to verify in the next schedule() (decode requests only; capped there by max_tokens, the
   // token cap and free KV). Cleared by schedule(). All-or-nothing: std::invalid_argument (naming
   // draft_counts[i] / draft_seq_ids[i]) and no change for k outside [0, kMaxDrafts], a seq id given
@@ -188,6 +215,9 @@ class StepScheduler {
   const Req& at(int32_t slot) const { return slots_[slot]; }
   bool admissible_prefill_head() const;
   bool fits_with_watermark(int64_t num_tokens) const;
+  int64_t full_tokens(const Req& r) const;   // tokens a request can ever feed (its whole possible KV)
+  int64_t admit_tokens(const Req& r) const;  // KV tokens admission reserves (protected: whole length)
+  void admitted(Req& r);                      // admission bookkeeping (order key, protection)
   int64_t round_up(int64_t num_tokens) const;
   bool reserve(Req& r, int64_t num_tokens);  // grow the reservation to >= num_tokens; false if no blocks
   void allocate(Req& r, int64_t num_tokens);  // first reservation (after a fit check)
@@ -220,7 +250,11 @@ class StepScheduler {
   int64_t live_ = 0;
   int64_t num_handoff_ = 0;
   int32_t decode_since_prefill_ = 0;
+  int64_t next_admit_ = 0;
+  int64_t total_preemptions_ = 0;
+  int64_t discarded_tokens_ = 0;
   bool lists_dirty_ = false;
+  bool decode_dirty_ = true;  // GUARDED: decoding_ may be out of order_key order
 };
 
 }  // namespace di::sched

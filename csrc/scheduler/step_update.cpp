@@ -122,7 +122,7 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
       // and give back the whole blocks past what the next step needs
       r.num_computed -= static_cast<int32_t>(1 + kd - m);
       const int64_t keep = round_up(r.num_computed + 1);
-      if (keep < r.kv_slots) {
+      if (keep < r.kv_slots && !r.protect) {  // a protected request keeps its whole reservation
         pool_.truncate(r.seq_id, keep);
         r.kv_slots = static_cast<int32_t>(keep);
         r.blocks = pool_.block_table(r.seq_id);

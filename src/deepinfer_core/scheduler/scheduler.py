@@ -22,7 +22,6 @@ from deepinfer_core.scheduler.types import (
     Plan,
     Request,
     SchedulerConfig,
-    StepType,
 )
 from deepinfer_core.scheduler.vote import LocalVote
 
@@ -30,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _INT32_MAX = 2**31 - 1
 _NO_COUNTS = np.zeros(0, np.int32)
+_I32 = np.dtype(np.int32)
 MAX_DRAFTS = int(_C.scheduler.MAX_DRAFTS)  # drafts one verify row may carry
 
 
@@ -101,10 +101,20 @@ class Scheduler:
             cfg.async_mode,
             cfg.watermark_blocks,
             list(self.cost_model.as_tuple()),
+            int(cfg.preemption_policy),
+            cfg.max_preemptions,
+            cfg.headroom_steps,
         )
+        # One rank deciding alone: wish, vote and schedule in one core call.
+        self._local = type(self.vote) is LocalVote
         self._next_seq = int(first_seq_id)
         self._seq_of: dict[str, int] = {}  # live (not yet reported ended) request id -> seq id
         self._id_of: dict[int, str] = {}  # seq id -> request id, kept while any plan may mention it
+        # Request ids by seq id - _names_base, for plan.request_ids (one numpy gather per plan). Grown
+        # by replacement, never in place below the live window: a plan keeps the array it was planned
+        # with, so its names stay valid for as long as the plan lives, while dropped windows are freed.
+        self._names_base = self._next_seq
+        self._names = np.empty(1024, dtype=object)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -127,7 +137,8 @@ class Scheduler:
             self._impl.add_request(
                 seq,
                 np.ascontiguousarray(prompt, dtype=np.int32),
-                sp.max_tokens,
+                # None: as many as max_model_len leaves (SamplingParams' vLLM rule)
+                sp.max_tokens if sp.max_tokens is not None else max(1, self.config.max_model_len - prompt.size),
                 sp.min_tokens,
                 sp.ignore_eos,
                 [int(t) for t in sp.stop_token_ids],
@@ -137,6 +148,20 @@ class Scheduler:
         self._next_seq += 1
         self._seq_of[rid] = seq
         self._id_of[seq] = rid
+        idx = seq - self._names_base
+        if idx >= self._names.shape[0]:
+            self._grow_names(seq)
+            idx = seq - self._names_base
+        self._names[idx] = rid
+
+    def _grow_names(self, seq: int) -> None:
+        """New names window from the oldest seq id any outstanding plan or live request can name (amortised
+        O(1) per request: the window at least doubles relative to what it keeps)."""
+        lo = min(self._id_of) if self._id_of else seq
+        keep = self._names[lo - self._names_base : seq - self._names_base]
+        names = np.empty(max(1024, 2 * (seq + 1 - lo)), dtype=object)
+        names[: keep.shape[0]] = keep
+        self._names, self._names_base = names, lo
 
     def abort(self, request_id: str) -> bool:
         """End a request now (its blocks are freed at once); reported by the next ``update``."""
@@ -187,34 +212,20 @@ class Scheduler:
                 self._impl.set_drafts(seqs, ks)
         elif num_draft_tokens:
             self._impl.set_drafts(*self._drafts_from_dict(num_draft_tokens))
-        if group is None:
-            group = self.vote.decide(*self._impl.wish())
-        all_p, any_p, any_d = group
-        step_id, step_type, i32, i64, n, ntok, w, npre, _nk, predicted = self._impl.schedule(
-            bool(all_p), bool(any_p), bool(any_d)
-        )
-        # Slice the core's two flat buffers into the plan's arrays (views, no copies).
-        a = 4 * n + ntok
-        preempted_ids = i64[n : n + npre]
-        preempted = tuple(self._id_of[s] for s in preempted_ids.tolist()) if npre else ()
-        if preempted:
-            logger.debug("step %d preempted %s", step_id, preempted)
-        return Plan(
-            step_id=step_id,
-            step_type=StepType(step_type),
-            seq_ids=i64[:n],
-            num_tokens=i32[:n],
-            start=i32[n : 2 * n],
-            sample=i32[2 * n : 3 * n],
-            num_drafts=i32[3 * n : 4 * n],
-            token_ids=i32[4 * n : a],
-            block_tables=i32[a : a + n * w].reshape(n, w),
-            preempted=preempted,
-            kv_load_seq_ids=i64[n + npre :],
-            kv_load_num_tokens=i32[a + n * w :],
-            predicted_ns=predicted,
-            names=self._id_of,
-        )
+        if group is not None:
+            raw = self._impl.schedule(bool(group[0]), bool(group[1]), bool(group[2]))
+        elif self._local:
+            raw = self._impl.schedule_local()
+        else:
+            all_p, any_p, any_d = self.vote.decide(*self._impl.wish())
+            raw = self._impl.schedule(bool(all_p), bool(any_p), bool(any_d))
+        preempted: tuple[str, ...] = ()
+        npre = raw[7]
+        if npre:
+            n = raw[4]
+            preempted = tuple(self._id_of[s] for s in raw[3][n : n + npre].tolist())
+            logger.debug("step %d preempted %s", raw[0], preempted)
+        return Plan(raw, preempted, self._names, self._names_base)
 
     def update(self, plan: Plan, result: Any, num_sampled: Any = None) -> list[FinishedRequest]:
         """Apply ``plan``'s sampled tokens; return every request that ended since the previous
@@ -224,9 +235,14 @@ class Scheduler:
         row i lie flat in ``result``: for a sampling row 1..1 + ``plan.num_drafts[i]`` (its accepted
         drafts, then the correction / bonus token), for a row that does not sample 0 or 1 (ignored).
         Tokens are stop-checked one by one; those after a stop are dropped."""
-        sampled = np.ascontiguousarray(np.asarray(result).reshape(-1), dtype=np.int32)
+        if type(result) is np.ndarray and result.dtype is _I32 and result.ndim == 1 and result.flags.c_contiguous:
+            sampled = result  # the executor's usual form: no conversion
+        else:
+            sampled = np.ascontiguousarray(np.asarray(result).reshape(-1), dtype=np.int32)
         counts = _NO_COUNTS if num_sampled is None else np.ascontiguousarray(np.asarray(num_sampled).reshape(-1), np.int32)
         ended = self._impl.update(plan.step_id, sampled, counts)
+        if not ended:
+            return []
         out: list[FinishedRequest] = []
         for seq, reason, output, blocks, npre in ended:
             rid = self._id_of.pop(seq)
@@ -276,6 +292,16 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return int(self._impl.num_running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far (every eviction counts, the same request's repeats too)."""
+        return int(self._impl.total_preemptions)
+
+    @property
+    def discarded_tokens(self) -> int:
+        """Computed KV tokens that preemptions threw away (recomputed when the victims return)."""
+        return int(self._impl.discarded_tokens)
 
     @property
     def decode_steps_since_prefill(self) -> int:

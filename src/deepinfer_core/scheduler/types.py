@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
 
 import attrs
 import numpy as np
@@ -20,6 +19,20 @@ class EngineType(enum.IntEnum):
     NORMAL = 0  # prefill and decode (never mixed in one step)
     PROMPT = 1  # prefill only: a request leaves after its prompt is computed and one token sampled
     COMPLETION = 2  # decode only: requests arrive with their prompt KV (loaded into blocks we reserve)
+
+
+class PreemptionPolicy(enum.IntEnum):
+    """Which request a decode step evicts when the KV pool runs out, and what admission holds back.
+
+    GUARDED (default): decode rows in admission order, the victim is the most recently admitted request;
+    admission keeps free what the running requests grow into over ``headroom_steps`` decode steps; a
+    request preempted ``max_preemptions`` times is re-admitted with the KV of its whole possible length
+    reserved and is never preempted again. DEEPINFER: the seed's rule (shortest output decoded first,
+    longest output evicted, only ``watermark_blocks`` held back), which can evict the same request over
+    and over under tight KV (docs/scheduler.md has the measurements)."""
+
+    GUARDED = 0
+    DEEPINFER = 1
 
 
 class StepType(enum.IntEnum):
@@ -62,6 +75,9 @@ class SchedulerConfig:
     prefill_any_attempt_interval: int = 16
     async_mode: bool = False
     watermark_blocks: int = 0
+    preemption_policy: PreemptionPolicy = PreemptionPolicy.GUARDED
+    max_preemptions: int = 2
+    headroom_steps: int = 8
 
     def __attrs_post_init__(self) -> None:
         _check(isinstance(self.engine_type, EngineType), "engine_type", f"{self.engine_type!r} must be an EngineType")
@@ -85,6 +101,15 @@ class SchedulerConfig:
             f"{self.prefill_any_attempt_interval} must be >= prefill_attempt_interval={self.prefill_attempt_interval}",
         )
         _check(self.watermark_blocks >= 0, "watermark_blocks", "must be >= 0")
+        _check(
+            isinstance(self.preemption_policy, PreemptionPolicy),
+            "preemption_policy",
+            f"{self.preemption_policy!r} must be a PreemptionPolicy (GUARDED or DEEPINFER)",
+        )
+        _check(isinstance(self.max_preemptions, int) and self.max_preemptions >= 0, "max_preemptions",
+               f"{self.max_preemptions!r} must be an int >= 0")
+        _check(isinstance(self.headroom_steps, int) and 0 <= self.headroom_steps <= 2**20, "headroom_steps",
+               f"{self.headroom_steps!r} must be an int in [0, 2**20]")
 
 
 def _prompt(v: object) -> tuple[int, ...]:
@@ -118,37 +143,135 @@ class FinishedRequest:
     handoff_block_ids: np.ndarray | None = None  # PROMPT engine: blocks holding its KV at hand-off
 
 
-@attrs.frozen(slots=True, eq=False)
 class Plan:
     """One step's plan. Row ``i`` computes ``num_tokens[i]`` tokens of sequence ``seq_ids[i]`` starting
     at position ``start[i]``; its input tokens are ``token_ids[offsets[i]:offsets[i+1]]`` where ``-1``
     is a placeholder for the token the previous step sampled for that sequence (asynchronous mode).
     Rows with ``sample[i]`` produce one token (a verify row, ``num_drafts[i] = k > 0``: 1..1 + k tokens;
-    its last k input tokens are ``-1`` placeholders for the caller's drafts). ``block_tables`` is [rows, max blocks], padded with 0.
+    its last k input tokens are ``-1`` placeholders for the caller's drafts).
+
+    Block tables come compact: row ``i``'s KV blocks are ``block_ids[block_offsets[i]:block_offsets[i+1]]``
+    (CSR, no padding). ``block_tables`` is the dense ``[rows, widest row]`` view padded with the null
+    block 0, built on demand (``dense_block_tables(rows)`` builds only some rows).
+
+    Not an attrs class on purpose: the arrays are views of the core's two flat buffers, sliced when read
+    (a view costs ~0.1 us; building all of them up front was half of an empty step's cost). Every
+    array read is a fresh view of the same buffer, so writes through one are seen by the next.
     """
 
-    step_id: int
-    step_type: StepType
-    seq_ids: np.ndarray  # int64 [n]
-    num_tokens: np.ndarray  # int32 [n]
-    start: np.ndarray  # int32 [n]
-    sample: np.ndarray  # int32 [n], 1 where the row samples a token
-    num_drafts: np.ndarray  # int32 [n], drafts a verify row checks (its last num_drafts input tokens)
-    token_ids: np.ndarray  # int32 [sum(num_tokens)]
-    block_tables: np.ndarray  # int32 [n, w]
-    preempted: tuple[str, ...]
-    kv_load_seq_ids: np.ndarray  # int64: COMPLETION admissions whose KV must be loaded
-    kv_load_num_tokens: np.ndarray  # int32: how many tokens of KV each needs
-    predicted_ns: float
-    names: Mapping[int, str] = attrs.field(repr=False)
+    __slots__ = (
+        "_base",
+        "_i32",
+        "_i64",
+        "_names",
+        "_nblk",
+        "_npre",
+        "_ntok",
+        "num_rows",
+        "predicted_ns",
+        "preempted",
+        "step_id",
+        "step_type",
+        "width",
+    )
+
+    def __init__(self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int) -> None:
+        step_id, step_type, self._i32, self._i64, self.num_rows, self._ntok, self._nblk, self._npre, _nk, \
+            self.predicted_ns, self.width = raw
+        self.step_id = step_id
+        self.step_type = StepType(step_type)
+        self.preempted = preempted  # request ids, in eviction order
+        self._names, self._base = names, base  # request id by seq id - base (request_ids)
+
+    def __repr__(self) -> str:
+        return (f"Plan(step_id={self.step_id}, step_type={self.step_type.name}, rows={self.num_rows}, "
+                f"tokens={self._ntok}, blocks={self._nblk}, preempted={self.preempted})")
+
+    # ---- the arrays (int32 buffer: num_tokens | start | sample | num_drafts | token_ids |
+    #      block_offsets | block_ids | kv_load_num_tokens; int64: seq_ids | preempted | kv_load_seq_ids)
+    @property
+    def seq_ids(self) -> np.ndarray:
+        """int64 [n]: the scheduler's sequence id of each row."""
+        return self._i64[: self.num_rows]
 
     @property
-    def num_rows(self) -> int:
-        return int(self.seq_ids.shape[0])
+    def num_tokens(self) -> np.ndarray:
+        """int32 [n]: tokens the row computes."""
+        return self._i32[: self.num_rows]
 
+    @property
+    def start(self) -> np.ndarray:
+        """int32 [n]: position of the row's first new token (its KV length before the step)."""
+        n = self.num_rows
+        return self._i32[n : 2 * n]
+
+    @property
+    def sample(self) -> np.ndarray:
+        """int32 [n]: 1 where the row samples a token."""
+        n = self.num_rows
+        return self._i32[2 * n : 3 * n]
+
+    @property
+    def num_drafts(self) -> np.ndarray:
+        """int32 [n]: drafts a verify row checks (its last num_drafts input tokens)."""
+        n = self.num_rows
+        return self._i32[3 * n : 4 * n]
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """int32 [sum(num_tokens)]: flat input tokens, -1 = placeholder."""
+        a = 4 * self.num_rows
+        return self._i32[a : a + self._ntok]
+
+    @property
+    def block_offsets(self) -> np.ndarray:
+        """int32 [n + 1]: row i's blocks are block_ids[block_offsets[i]:block_offsets[i+1]]."""
+        a = 4 * self.num_rows + self._ntok
+        return self._i32[a : a + self.num_rows + 1]
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        """int32 [block_offsets[-1]]: every row's KV block ids, row after row."""
+        a = 5 * self.num_rows + self._ntok + 1
+        return self._i32[a : a + self._nblk]
+
+    @property
+    def kv_load_seq_ids(self) -> np.ndarray:
+        """int64: COMPLETION admissions whose KV the caller must load."""
+        return self._i64[self.num_rows + self._npre :]
+
+    @property
+    def kv_load_num_tokens(self) -> np.ndarray:
+        """int32: how many tokens of KV each of kv_load_seq_ids needs."""
+        return self._i32[5 * self.num_rows + self._ntok + 1 + self._nblk :]
+
+    @property
+    def block_tables(self) -> np.ndarray:
+        """int32 [n, width]: the dense view, padded with the null block 0 (built on each read)."""
+        return self.dense_block_tables()
+
+    def dense_block_tables(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Dense ``[len(rows), width]`` block tables of ``rows`` (default: all rows), padded with 0,
+        the width being the widest row of the whole plan (so any subset lines up with the full view)."""
+        off = self.block_offsets
+        lens = np.diff(off)
+        ids = self.block_ids
+        if rows is not None:
+            rows = np.asarray(rows)
+            if rows.dtype == bool:
+                rows = np.flatnonzero(rows)
+            lens = lens[rows]
+            if lens.size:  # the selected rows' ids, in row order
+                ids = ids[np.repeat(off[:-1][rows].astype(np.int64) - np.cumsum(lens) + lens, lens)
+                          + np.arange(int(lens.sum()))]
+        out = np.zeros((lens.shape[0], self.width), np.int32)
+        out[np.arange(self.width) < lens[:, None]] = ids  # row-major mask order = CSR order
+        return out
+
+    # ---- derived --------------------------------------------------------------------------------
     @property
     def total_tokens(self) -> int:
-        return int(self.num_tokens.sum())
+        return self._ntok
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -157,7 +280,12 @@ class Plan:
 
     @property
     def request_ids(self) -> list[str]:
-        return [self.names[s] for s in self.seq_ids.tolist()]
+        """The request id of each row (one vectorised gather; valid for as long as the plan lives)."""
+        return self.request_id_array().tolist()
+
+    def request_id_array(self) -> np.ndarray:
+        """object [n]: the request id of each row, as a numpy array (no list built)."""
+        return self._names[self.seq_ids - self._base]
 
     @property
     def num_scheduled(self) -> dict[str, int]:
@@ -169,5 +297,6 @@ class Plan:
         total = self.total_tokens
         if total == 0:
             return np.zeros(0, dtype=np.int64)
-        offsets = np.concatenate(([0], np.cumsum(self.num_tokens[:-1], dtype=np.int64)))
-        return np.arange(total, dtype=np.int64) + np.repeat(self.start.astype(np.int64) - offsets, self.num_tokens)
+        nt = self.num_tokens
+        offsets = np.concatenate(([0], np.cumsum(nt[:-1], dtype=np.int64)))
+        return np.arange(total, dtype=np.int64) + np.repeat(self.start.astype(np.int64) - offsets, nt)

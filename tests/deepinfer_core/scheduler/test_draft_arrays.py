@@ -19,6 +19,7 @@ from deepinfer_core.scheduler import (
     CostModel,
     EngineType,
     Plan,
+    PreemptionPolicy,
     Request,
     Scheduler,
     SchedulerConfig,
@@ -90,7 +91,7 @@ def test_equal_forms_cover_caps_and_outstanding_verify_rows() -> None:
     specs = [Spec(no=i, arrive=i % 3, prompt=[1 + i] * 3, max_tokens=12 + i, ignore_eos=True) for i in range(6)]
     params = {
         "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_num_batched_tokens=20,
-                    max_model_len=MAX_MODEL_LEN, eos_token_id=EOS),
+                    max_model_len=MAX_MODEL_LEN, eos_token_id=EOS, preemption_policy=PreemptionPolicy.DEEPINFER),
         "cost": CostModel(),
         "num_blocks": 40,
         "block_size": 2,

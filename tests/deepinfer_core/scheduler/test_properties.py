@@ -2,8 +2,9 @@
 
 For every engine type: synchronous and asynchronous scheduling give the same token streams, equal to
 an oracle computed from the rules; no step exceeds the token cap or (by the model's prediction) the
-time budget; decode rows and preemptions follow the output-length order; every request ends exactly
-once; no block leaks.
+time budget; decode rows and preemptions follow the policy's order (DEEPINFER: output length;
+GUARDED: protected first, then admission, no request preempted more than max_preemptions times);
+every request ends exactly once; no block leaks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from deepinfer_core.scheduler import (
     EngineType,
     FinishReason,
     Plan,
+    PreemptionPolicy,
     Scheduler,
     SchedulerConfig,
     StepType,
@@ -73,12 +75,19 @@ def workloads(draw: st.DrawFn, engine: EngineType) -> tuple[dict, list[Spec]]:
         prefill_attempt_interval=attempt,
         prefill_any_attempt_interval=attempt + draw(st.integers(0, 4)),
         watermark_blocks=draw(st.integers(0, 2)),
+        preemption_policy=draw(st.sampled_from(list(PreemptionPolicy))),
+        max_preemptions=draw(st.integers(0, 3)),
+        headroom_steps=draw(st.sampled_from([0, 1, 4, 16])),
     )
     return {"cfg": cfg, "cost": cost, "num_blocks": num_blocks, "block_size": block_size}, specs
 
 
 class StepChecker:
-    """Per-step checks: caps, budget, one step type, output-length order of decode rows and preemption."""
+    """Per-step checks: caps, budget, one step type, the policy's order of decode rows and preemption.
+
+    The GUARDED order is rebuilt here from what the plans show: a request is admitted by the plan whose
+    row for it starts at 0 (prefill) or that lists it in kv_load_seq_ids (COMPLETION), in row order;
+    it is protected if it had been preempted max_preemptions times by then."""
 
     def __init__(self, cfg: SchedulerConfig, cost: CostModel) -> None:
         self.cfg = cfg
@@ -86,14 +95,31 @@ class StepChecker:
         self.decoding: list[int] = []  # seq ids of decoding requests before the step, in expected order
         self.preemptions = 0
         self.drafts_fed = self.drafts_accepted = 0
+        self.admit_key: dict[int, tuple[int, int]] = {}  # GUARDED: seq -> (0 protected / 1, admission no.)
+        self.admissions = 0
+        self.max_preempted = 0  # most preemptions of one request seen
 
     def before(self, sched: Scheduler) -> None:
         keyed = []
+        guarded = self.cfg.preemption_policy is PreemptionPolicy.GUARDED
         for rid, seq in sched._seq_of.items():
             info = sched.request_info(rid) if sched._impl.contains(seq) else None
-            if info is not None and info["status"] == 2:  # DECODING
-                keyed.append((info["output_len"], seq))  # seq ids grow with arrival: the tie-break
+            if info is None:
+                continue
+            self.max_preempted = max(self.max_preempted, info["num_preemptions"])
+            if guarded:
+                assert info["num_preemptions"] <= self.cfg.max_preemptions, f"{rid} preempted too often"
+            if info["status"] == 2:  # DECODING
+                # DEEPINFER: output length, seq ids grow with arrival as the tie-break
+                keyed.append((self.admit_key[seq] if guarded else (info["output_len"], seq), seq))
         self.decoding = [seq for _, seq in sorted(keyed)]
+
+    def _admit(self, sched: Scheduler, seqs: list[int]) -> None:
+        for seq in seqs:
+            info = sched.request_info(sched._id_of[seq])
+            protected = info["num_preemptions"] >= self.cfg.max_preemptions
+            self.admit_key[seq] = (0 if protected else 1, self.admissions)
+            self.admissions += 1
 
     def after(self, sched: Scheduler, plan: Plan) -> None:
         cfg = self.cfg
@@ -101,6 +127,7 @@ class StepChecker:
         assert plan.num_rows <= cfg.max_num_seqs
         assert plan.block_tables.shape[0] == plan.num_rows
         if plan.step_type is StepType.PREFILL:
+            self._admit(sched, plan.seq_ids[plan.start == 0].tolist())
             assert cfg.engine_type is not EngineType.COMPLETION
             assert (plan.token_ids >= 0).all()  # prefill inputs are always known tokens
             if cfg.time_budget_ns is not None and plan.num_rows:
@@ -111,16 +138,17 @@ class StepChecker:
             assert cfg.engine_type is not EngineType.PROMPT
             assert (plan.num_tokens == 1 + plan.num_drafts).all() and plan.sample.all()
             loaded = set(plan.kv_load_seq_ids.tolist())
+            self._admit(sched, plan.kv_load_seq_ids.tolist())
             # COMPLETION admissions: the KV to load is exactly what the row's first token attends to.
             starts = dict(zip(plan.seq_ids.tolist(), plan.start.tolist()))
             for s, k in zip(plan.kv_load_seq_ids.tolist(), plan.kv_load_num_tokens.tolist()):
                 assert starts[s] == k
             rows = [s for s in plan.seq_ids.tolist() if s not in loaded]
-            # Longest output preempted first: the preempted are the tail of the order, longest first.
+            # Victims from the tail of the order (DEEPINFER: longest output; GUARDED: newest admission).
             pre = [sched._seq_of[r] for r in plan.preempted]
             self.preemptions += len(pre)
             assert pre == self.decoding[::-1][: len(pre)]
-            # Shortest output first: decode rows follow the order and precede every preempted one.
+            # Decode rows follow the order and precede every preempted one.
             pos = {s: i for i, s in enumerate(self.decoding)}
             idx = [pos[s] for s in rows]
             assert idx == sorted(idx)
@@ -175,11 +203,13 @@ def test_sync_equals_async_and_oracle(engine: EngineType, data: st.DataObject) -
             assert sync[s.rid].output_token_ids == asyn[s.rid].output_token_ids
 
 
-def test_preemption_happens_in_property_workloads() -> None:
+@pytest.mark.parametrize("policy", list(PreemptionPolicy), ids=[p.name for p in PreemptionPolicy])
+def test_preemption_happens_in_property_workloads(policy: PreemptionPolicy) -> None:
     """Guard against a vacuous order check: a tight pool does preempt, and nothing is lost."""
     specs = [Spec(no=i, arrive=i, prompt=[1 + i] * 3, max_tokens=20, ignore_eos=True) for i in range(6)]
     params = {
-        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS),
+        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS,
+                    preemption_policy=policy, headroom_steps=0),
         "cost": CostModel(),
         "num_blocks": 30,
         "block_size": 2,
@@ -205,12 +235,14 @@ def test_speculative_sync_equals_async_and_oracle(engine: EngineType, data: st.D
     _assert_match_oracle(specs, engine, sync, asyn)
 
 
-def test_speculative_drafts_are_planned_and_accepted() -> None:
+@pytest.mark.parametrize("policy", list(PreemptionPolicy), ids=[p.name for p in PreemptionPolicy])
+def test_speculative_drafts_are_planned_and_accepted(policy: PreemptionPolicy) -> None:
     """Guard against a vacuous property: drafts are fed and accepted, with preemption in a tight pool,
     and accepted drafts take fewer steps than one token a step."""
     specs = [Spec(no=i, arrive=0, prompt=[1 + i] * 3, max_tokens=30, ignore_eos=True) for i in range(6)]
     params = {
-        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS),
+        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS,
+                    preemption_policy=policy, headroom_steps=0),
         "cost": CostModel(),
         "num_blocks": 40,
         "block_size": 2,

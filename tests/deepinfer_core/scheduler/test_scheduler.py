@@ -12,6 +12,7 @@ from deepinfer_core.scheduler import (
     EngineType,
     FinishReason,
     Plan,
+    PreemptionPolicy,
     Request,
     Scheduler,
     SchedulerConfig,
@@ -119,7 +120,7 @@ def test_async_plan_must_be_updated_in_order() -> None:
         s.update(p0, [1, 2])
 
 
-# ---- preemption from the longest-output end ---------------------------------------------------------
+# ---- preemption (DEEPINFER: from the longest-output end) -------------------------------------------------------
 def test_first_preempted_is_longest_output_and_nothing_is_lost() -> None:
     # block_size 1: every decode token takes a block, so the pool runs out while all four run.
     specs = [Spec(no=i, arrive=3 * i, prompt=[2 + i, 3], max_tokens=30, ignore_eos=True) for i in range(4)]
@@ -138,7 +139,8 @@ def test_first_preempted_is_longest_output_and_nothing_is_lost() -> None:
             longest = max(lengths[r] for r in lengths if s.request_info(r)["status"] in (0, 2))
             assert lengths[plan.preempted[0]] == longest
 
-    s = Scheduler(PagedKVPool(41, 1), SchedulerConfig(max_model_len=64, max_num_seqs=4))
+    s = Scheduler(PagedKVPool(41, 1), SchedulerConfig(max_model_len=64, max_num_seqs=4,
+                                                       preemption_policy=PreemptionPolicy.DEEPINFER))
     res = drive(s, specs, lag=0, before_schedule=before, on_plan=on_plan)
     assert firsts and firsts[0][0] == "req-0"  # the earliest arrival has generated the most
     oracle = Oracle(specs)
