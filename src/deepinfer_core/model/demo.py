@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +18,6 @@ def demo() -> None:
     from deepinfer_core.model.cache import CacheFormats
     from deepinfer_core.tokenizer import ByteTokenizer
 
-    t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -37,8 +35,10 @@ def demo() -> None:
         tables = pool.block_tables([0, 1])
         out = ex.execute(ForwardBatch(token_ids=torch.cat(ids).numpy(), query_lens=[len(t) for t in ids],
                                       start_pos=[0, 0], block_tables=tables, state_slots=[0, 1], num_logits=[1, 1]))
-        print(f"  tiny config: {cfg.num_hidden_layers} layers {[cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]}")
-        print(f"  prefill of {[len(t) for t in ids]} tokens in one batch; expert load layer 4: {out.expert_counts[4].tolist()}")
+        print(f"  tiny config (random weights): {cfg.num_hidden_layers} layers, attention kinds "
+              f"{[cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]}")
+        print(f"  prefill of two prompts ({' + '.join(str(len(t)) for t in ids)} tokens) in one batch; tokens "
+              f"routed to each of the 8 experts at layer 4: {out.expert_counts[4].tolist()}")
         seqs = [t.tolist() for t in ids]
         for _ in range(gen):  # greedy decode both requests together
             nxt = out.logits.argmax(-1).tolist()
@@ -49,17 +49,17 @@ def demo() -> None:
                                           state_slots=[0, 1], num_logits=[1, 1]))
         for i, s in enumerate(seqs):  # the last step's logits follow every token of s
             full = model.forward_full(torch.tensor(s))[0][-1]
-            print(f"  request {i}: greedy ids {s[-gen:]}; cached decode vs full forward max |dlogit| = "
-                  f"{(out.logits[i] - full).abs().max().item():.2e} after {len(s)} tokens (random weights)")
+            print(f"  request {i}: {gen} greedy tokens decoded through the paged caches {s[-gen:]}; logits equal "
+                  f"the cache-free forward's to {(out.logits[i] - full).abs().max().item():.1e} (largest difference, "
+                  f"{len(s)} tokens)")
         _demo_part2(model, tok)
         f = flash_config()
         fmt = CacheFormats.make(f.head_dim, f.index_head_dim, quantize=True, dtype=torch.float32)
         ring = f.sliding_window + 6
-        print(f"  V4.1-Flash bytes/token: main KV FP4 {fmt.main.bytes_per_token}, SWA ring FP8 "
+        print(f"  full-size V4.1-Flash cache bytes per token: main KV FP4 {fmt.main.bytes_per_token}, SWA ring FP8 "
               f"{fmt.swa.bytes_per_token}, indexer MXFP4 {fmt.index.bytes_per_token}; persisted SWA "
               f"{f.encoder_layers} x {ring} x {fmt.swa.bytes_per_token} = "
               f"{f.encoder_layers * ring * fmt.swa.bytes_per_token:,} B per sequence")
-        print(f"  ({time.perf_counter() - t0:.1f} s)")
     finally:
         torch.set_num_threads(threads)
 
@@ -75,8 +75,10 @@ def _demo_part2(model: DeepSeekV41, tok: ByteTokenizer) -> None:
     load = np.random.default_rng(0).pareto(1.0, (cfg.num_hidden_layers, cfg.n_routed_experts)) + 0.1
     phy2log, log2phy, logcnt = rebalance_experts(load, 12, 1, 1, 4)
     model.set_expert_placement(phy2log, log2phy, logcnt)
-    print(f"  mHC {cfg.hc_mult} streams (Sinkhorn {cfg.hc_sinkhorn_iters}, single pass {cfg.hc_single_pass}); Engram at "
-          f"layers {list(cfg.engram_layer_ids)}; EPLB placement: 12 slots, replicas per expert (layer 0) {logcnt[0].tolist()}")
+    print(f"  mHC: the residual carried as {cfg.hc_mult} streams mixed by Sinkhorn-normalised matrices "
+          f"({cfg.hc_sinkhorn_iters} iterations); Engram n-gram tables at layers {list(cfg.engram_layer_ids)}; "
+          f"experts placed by EPLB on 12 slots (8 experts + 4 replicas), copies per expert at layer 0: "
+          f"{logcnt[0].tolist()}")
     prompt = torch.tensor(tok.encode("Speculative decoding drafts five tokens and verifies them in one step."))
     pool = PagedKVPool(32, 16)
     pool.allocate(0, len(prompt) + 40)
@@ -98,11 +100,13 @@ def _demo_part2(model: DeepSeekV41, tok: ByteTokenizer) -> None:
         q += a + 1
         steps += 1
         if steps == 1:
-            print(f"  step 1: drafts {d.tolist()} confidences {[round(float(c), 2) for c in conf[0]]} -> MTPVarlen verifies "
-                  f"{n}, {a} accepted (random drafter weights)")
+            print(f"  speculative step 1: the DSpark drafter proposed {d.tolist()} with confidences "
+                  f"{[round(float(c), 2) for c in conf[0]]}; MTPVarlen verified {n}, the target accepted {a} "
+                  f"(an untrained drafter rarely matches; the point is the next line)")
     full = model.forward_full(torch.cat((prompt, torch.tensor(emitted[:-1]))))[0]
     greedy = full[len(prompt) - 1 :].argmax(-1).tolist()
-    print(f"  {len(emitted)} tokens in {steps} verify steps; equal to greedy without speculation: {greedy == emitted}")
+    print(f"  {len(emitted)} tokens in {steps} verify steps, identical to plain greedy decoding (verification is "
+          f"lossless): {greedy == emitted}")
     model.set_expert_placement(None)
 
 

@@ -6,8 +6,11 @@ import json
 
 import torch
 
+from deepinfer_core.display import printable
 from deepinfer_core.structured import GrammarSpec, StructuredOutputManager, make_backend
 from deepinfer_core.tokenizer import ByteTokenizer
+
+KIND_LABEL = {"date": "regex (a date)", "json": "JSON schema", "ebnf": "EBNF grammar (a sum)"}
 
 
 def demo() -> None:
@@ -52,18 +55,22 @@ def demo() -> None:
                 mgr.advance(rid, [t])
             live = [rid for rid in live if mgr.finish_reason(rid) is None]
             steps += 1
-        print(f"[{backend_name}] {steps} steps")
+        print(f"  {backend_name}: {len(specs)} requests decoded together in {steps} steps")
         for rid in specs:
             text = tok.decode(out[rid])
             texts.setdefault(backend_name, {})[rid] = text
             why = mgr.finish_reason(rid)
-            extra = f" ({mgr.error(rid).splitlines()[0]})" if mgr.error(rid) else ""
-            print(f"  {rid:5s} {why.value if why else None:15s} {text!r}{extra}")
+            if mgr.error(rid):
+                # the invalid grammar is refused alone; the other requests are not affected
+                print(f"    {rid:5s} refused as expected ({why.value if why else None}): "
+                      f"{mgr.error(rid).splitlines()[0]}")
+            else:
+                print(f"    {rid:5s} {KIND_LABEL[rid]:22s} -> {printable(text)!r} ({why.value if why else None})")
             if rid == "json" and why == "stop":
                 json.loads(text)  # the constrained text is valid JSON
         mgr.close()
     same = texts["xgrammar"] == texts["llguidance"]
-    print(f"same seed and logits, same texts from both backends: {same}")
+    print(f"  same seed and logits give the same texts with both backends: {same}")
 
 
 if __name__ == "__main__":

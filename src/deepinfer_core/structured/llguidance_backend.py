@@ -8,6 +8,7 @@ import logging
 import attrs
 import torch
 
+from deepinfer_core.extras import require
 from deepinfer_core.protocols import Tokenizer
 from deepinfer_core.structured._bitmask import check_bitmask
 from deepinfer_core.structured.spec import GrammarSpec
@@ -139,7 +140,7 @@ class LLGuidanceBackend:
         mask_threads: int | None = None,
         json_any_whitespace: bool = False,
     ) -> None:
-        import llguidance as llg
+        llg = require("llguidance", "the llguidance grammar backend")
 
         self._vocab: GrammarVocab = grammar_vocab(tokenizer, vocab_size)
         self._tok = llguidance_tokenizer(self._vocab, tokenizer)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from deepinfer_core.extras import require
 from deepinfer_core.protocols import Tokenizer
 
 
@@ -53,7 +54,7 @@ def grammar_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> Gramma
 
 def xgrammar_tokenizer_info(vocab: GrammarVocab) -> object:
     """An ``xgrammar.TokenizerInfo`` over raw token bytes (no vocab decoding needed)."""
-    import xgrammar as xgr
+    xgr = require("xgrammar", "the xgrammar grammar backend")
 
     return xgr.TokenizerInfo(
         list(vocab.token_bytes),
@@ -86,7 +87,7 @@ class _LLGuidanceTokenizerSource:
 
 def llguidance_tokenizer(vocab: GrammarVocab, tokenizer: Tokenizer) -> object:
     """An ``llguidance.LLTokenizer`` with the same ids, specials and eos as ``vocab``."""
-    import llguidance as llg
+    llg = require("llguidance", "the llguidance grammar backend")
 
     # TokenizerWrapper probes the encoder with bytes; ours takes either.
     wrapper = llg.TokenizerWrapper(_LLGuidanceTokenizerSource(vocab, tokenizer))

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from deepinfer_core.extras import require
 from deepinfer_core.protocols import Tokenizer
 from deepinfer_core.structured._bitmask import check_bitmask
 from deepinfer_core.structured.spec import GrammarSpec
@@ -88,7 +89,7 @@ class XGrammarBackend:
         mask_threads: int | None = None,
         json_any_whitespace: bool = False,
     ) -> None:
-        import xgrammar as xgr
+        xgr = require("xgrammar", "the xgrammar grammar backend")
 
         self._vocab: GrammarVocab = grammar_vocab(tokenizer, vocab_size)
         self._info = xgrammar_tokenizer_info(self._vocab)
