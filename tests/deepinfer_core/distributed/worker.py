@@ -24,7 +24,6 @@ import torch
 from deepinfer_core.distributed import (
     DistConfig,
     DistributedEngine,
-    free_port,
     init_groups,
     plan_placement,
     restart_ep_size,
@@ -74,7 +73,7 @@ def _served_alone(groups, prompts, params, load):
     # the restarted, smaller group (one rank here): EP size and placement re-planned on the old window
     eng = DistributedEngine(groups, engine_config(), DistConfig(online_eplb=False, initial_load=np.asarray(load)))
     outs = eng.generate(prompts, params, scatter=False)
-    return {"outputs": outputs_json(outs), "num_gpus": eng.placement.num_gpus,
+    return {"outputs": outputs_json(outs), "num_gpus": eng.placement.num_gpus, "load": np.asarray(load).tolist(),
             "slots": eng.placement.num_replicas, "logcnt": eng.placement.logcnt.tolist()}
 
 
@@ -109,7 +108,8 @@ def scenario_fail(groups, prompts, params, mode: str, out_dir: Path) -> dict:
         failed = [o for o in res["outputs"] if o["error"]]
         ids = [int(o["id"]) for o in failed]
         # in this process: the old group is torn down, a new one of the healthy size starts
-        alone = init_groups(init_method=f"tcp://127.0.0.1:{free_port()}", world_size=size, rank=0,
+        # (a file store: under torchrun a tcp:// rendezvous would go to the agent's store)
+        alone = init_groups(init_method=f"file://{out_dir / 'restart.store'}", world_size=size, rank=0,
                             timeout_s=TIMEOUT_S)
         res["restart"] = _served_alone(alone, [prompts[i] for i in ids], [params[i] for i in ids], eng.window_load())
         shutdown()
