@@ -245,8 +245,9 @@ def plan_replay(cfg: ReplayConfig, num_tokens: int, hit: int, pending_drafts: in
         span = cfg.exact_encoder_replay() if exact_mode else (cfg.encoder_replay or w)
         a = max(0, h - span)
         enc_exact = a == 0 or h - a >= cfg.exact_encoder_replay()
-        steps.append(ReplayStep(kind=ENCODER_REPLAY, start=a, end=h, layers=(0, e), floor=a, floor_layers=(0, e),
-                                source_layer=None, writes_blocks=False, logits=False))
+        if h > a:  # (a window of 1 has no state to rebuild)
+            steps.append(ReplayStep(kind=ENCODER_REPLAY, start=a, end=h, layers=(0, e), floor=a, floor_layers=(0, e),
+                                    source_layer=None, writes_blocks=False, logits=False))
         enc_tokens = h - a
     t0 = max(h, n - tail) if has_decoder else h
     if t0 > h:
