@@ -33,22 +33,26 @@ def has_fast_path(backend: object) -> bool:
     )
 
 
-def make_fast_fill(mgr: Any, backend: Any, batch_mask_type: type) -> Any | None:
+def make_fast_fill(
+    mgr: Any, backend: Any, batch_mask_type: type, keys: dict | None = None, fallback: Any = None
+) -> Any | None:
     """The C++ ``fill_bitmask`` for ``mgr`` (``FastFill.fill``), or None to keep the Python fast path.
 
     Only for the two backends whose library calls fastfill.cpp makes itself: the backend says so with
     ``fast_fill_kind`` ("xgrammar" when it has xgrammar's batch handle, "llguidance" when it fills one
     matcher at a time, i.e. without an LLExecutor). The object shares the manager's ``_keys`` and
     ``_fast_views`` dicts (never rebound, only mutated) and falls back to the class's Python
-    ``fill_bitmask``.
+    ``fill_bitmask``. ``keys`` / ``fallback`` replace the key dict and the fallback method (the auto
+    backend's second engine has its own keys and falls back to the general path).
     """
     kind = _KINDS.get(getattr(backend, "fast_fill_kind", None))  # type: ignore[arg-type]
-    if _FastFill is None or kind is None or mgr._keys is None:
+    keys = mgr._keys if keys is None else keys
+    if _FastFill is None or kind is None or keys is None:
         return None
     import numpy as np
 
     ff = _FastFill(
-        kind, mgr._keys, mgr._fast_views, mgr, type(mgr).fill_bitmask,
+        kind, keys, mgr._fast_views, mgr, type(mgr).fill_bitmask if fallback is None else fallback,
         backend.fill_keys if kind == 0 else None, backend.accept_key if kind == 1 else None,
         batch_mask_type, np.empty, np.zeros, np.dtype(np.int64), np.dtype(np.bool_),
         mgr._words, mgr._vocab_size, mgr._tail_keep_c, int(backend.eos_token_id),

@@ -75,10 +75,14 @@ class AutoBackend:
         p = self.backends[first]
         self._primary_type = XGrammarMatcher if first == "xgrammar" else LLGuidanceMatcher
         # The manager's fast path, over the primary engine's keys (see batch_key).
-        for attr in ("fill_keys", "accept_key", "check_rows", "fast_fill_kind", "key_refuse", "key_eos",
-                     "key_inline_eos", "key_check_eos"):
+        for attr in ("fill_keys", "accept_key", "fast_fill_kind", "key_refuse", "key_eos", "key_inline_eos",
+                     "key_check_eos"):
             if hasattr(p, attr):
                 setattr(self, attr, getattr(p, attr))
+        # ... and the other engine's, for the manager's second C++ call (batches served by it alone).
+        second = next(e for e in ENGINES if e != first)
+        self.second_fast_backend = self.backends[second] if getattr(self.backends[second], "fast_fill_kind", None) else None
+        self._second_type = XGrammarMatcher if second == "xgrammar" else LLGuidanceMatcher
 
     @property
     def vocab_size(self) -> int:
@@ -134,6 +138,18 @@ class AutoBackend:
         lg = [i for i, m in enumerate(matchers) if not isinstance(m, XGrammarMatcher)]
         self.backends["xgrammar"].fill_rows([matchers[i] for i in x], bitmask, [rows[i] for i in x])
         self.backends["llguidance"].fill_rows([matchers[i] for i in lg], bitmask, [rows[i] for i in lg])
+
+    def check_rows(self, keys: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """llguidance's row checks (error state, EOS taken) on the rows of llguidance keys."""
+        mine = [r for r in rows if isinstance(keys[r], LLGuidanceMatcher)]
+        if mine:
+            self.backends["llguidance"].check_rows(keys, bitmask, mine)
+
+    def batch_key2(self, matcher: Any) -> object | None:
+        """The other engine's key (for the manager's second C++ call), None for the primary's matchers."""
+        if self.second_fast_backend is None or not isinstance(matcher, self._second_type):
+            return None
+        return self.second_fast_backend.batch_key(matcher)
 
     def batch_key(self, matcher: Any) -> object | None:
         """The primary engine's key; None for the other engine's matchers (the general path fills them)."""

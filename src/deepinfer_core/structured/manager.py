@@ -137,6 +137,16 @@ class StructuredOutputManager:
         self._fast_fill = _fastpath.make_fast_fill(self, backend, BatchMask)
         if self._fast_fill is not None:
             self.fill_bitmask = self._fast_fill.fill_bitmask  # type: ignore[method-assign]
+        # The auto backend's second engine: its own keys and C++ call, tried when the first one's
+        # misses (a batch served wholly by the second engine); a mixed batch takes the general path.
+        self._keys2: dict[Hashable, Any] | None = None
+        self._fast_fill2: Any = None
+        second = getattr(backend, "second_fast_backend", None) if self._fast_fill is not None else None
+        if second is not None:
+            self._keys2 = {}
+            self._fast_fill2 = _fastpath.make_fast_fill(self, second, BatchMask, self._keys2, type(self)._fill_general)
+            if self._fast_fill2 is None:
+                self._keys2 = None
         self._validate = validate
         # The byte filter: request id -> its state (the C++ fast path reads this same dict), the
         # next-state table per state for advance(), and each token's bytes for the JSON check.
@@ -150,6 +160,8 @@ class StructuredOutputManager:
             self._u8tab = [self._u8f.table(s) for s in range(self._u8f.NUM_STATES)]
             if self._fast_fill is not None:
                 self._fast_fill.set_utf8(self._u8f, self._u8)
+            if self._fast_fill2 is not None:
+                self._fast_fill2.set_utf8(self._u8f, self._u8)
         elif utf8:
             log.warning("structured outputs: no byte filter (backend without `vocab`, or the C++ extension "
                         "predates it); masks are the engine's alone")
@@ -212,6 +224,10 @@ class StructuredOutputManager:
                 key = self._backend.batch_key(req.matcher)  # type: ignore[attr-defined]
                 if key is not None:
                     self._keys[request_id] = key
+                elif self._keys2 is not None:
+                    key2 = self._backend.batch_key2(req.matcher)  # type: ignore[attr-defined]
+                    if key2 is not None:
+                        self._keys2[request_id] = key2
         except ValueError as e:  # the backend's own message: the request fails alone
             req.finish = FinishReason.INVALID_GRAMMAR
             self._errors[request_id] = str(e)
@@ -264,7 +280,8 @@ class StructuredOutputManager:
         return req.finish
 
     def error(self, request_id: Hashable) -> str | None:
-        """The backend's message for a request finished with INVALID_GRAMMAR."""
+        """The backend's message for a request finished with INVALID_GRAMMAR (or REJECTED_TOKEN when the
+        library itself failed, e.g. a parser limit)."""
         return self._errors.get(request_id)
 
     def matcher(self, request_id: Hashable) -> GrammarMatcher:
@@ -286,6 +303,8 @@ class StructuredOutputManager:
         """The request has no next mask any more: off the fast path."""
         if self._keys is not None:
             self._keys.pop(request_id, None)
+        if self._keys2 is not None:
+            self._keys2.pop(request_id, None)
 
     # ----- per step ----------------------------------------------------------------------------------
     def _active_matcher(self, rid: Hashable) -> GrammarMatcher:
@@ -309,7 +328,10 @@ class StructuredOutputManager:
         keys_of = self._keys
         if self._u8f is not None:
             # The Python fast path predates the byte filter: with it on, the C++ call (installed over
-            # this method) is the fast path and everything it hands back takes the general path.
+            # this method) is the fast path and everything it hands back takes the general path (or
+            # the auto backend's second engine's C++ call, which hands back to the general path).
+            if self._fast_fill2 is not None and out is None:
+                return self._fast_fill2.fill(batch, None)
             return self._fill_general(batch, out)
         if keys_of is not None and out is None and batch:
             # The fast path. One comprehension looks up every draft-free request's batch key; a miss
@@ -380,6 +402,8 @@ class StructuredOutputManager:
         self._fast_views.clear()
         if self._fast_fill is not None:
             self._fast_fill.invalidate()
+        if self._fast_fill2 is not None:
+            self._fast_fill2.invalidate()
 
     def _same_mask(self, n: int) -> BatchMask:
         """The draft-free, no-dead-row result for ``n`` requests: identical every step, so built once."""
@@ -522,6 +546,12 @@ class StructuredOutputManager:
                 ns = row[t] if 0 <= t < len(row) else _REJECT
             if ns == _REJECT or not m.accept_token(t):
                 req.finish = FinishReason.REJECTED_TOKEN
+                # a library limit (e.g. llguidance's 2,000 items per parser row) shows up as a rejected
+                # token: keep the library's own message as the request's error
+                lib_err = getattr(m, "library_error", None)
+                msg = lib_err() if lib_err is not None and ns != _REJECT else None
+                if msg:
+                    self._errors[request_id] = msg
                 self._end(request_id)
                 log.warning("request %r: %s rejected committed token %d", request_id,
                             "the byte filter" if ns == _REJECT else "grammar", t)
