@@ -1,15 +1,83 @@
-"""Per-request sampling and stopping parameters, validated at construction."""
+"""Per-request sampling and stopping parameters, validated at construction.
+
+Validation rules (docs/engine.md, "Validation"), chosen the way vLLM users expect:
+
+- Integer fields (``max_tokens``, ``min_tokens``, ``top_k``, ``seed``, ``stop_token_ids`` members) take a
+  Python or numpy integer, or a float with an integral value (``2.0``, as pydantic's lax mode does); a
+  non-integral float (``2.5``), a bool, ``inf`` / NaN or any other type is rejected, never rounded.
+- Float fields (``temperature``, ``top_p``) take a finite int / float / numpy float; bools are rejected.
+- Every value must fit the engine's integer types: ``max_tokens`` <= 2**31 - 1, ``seed`` < 2**63, token
+  ids <= 2**31 - 1; ``top_k`` may be any positive int (>= the vocabulary means off).
+- ``temperature`` in (0, 0.01) is raised to 0.01 with a logged warning (vLLM's rule: smaller values
+  overflow float32 logits / T); 0 means greedy.
+- ``ignore_eos`` must be a bool (``"no"``, ``None`` or ``2`` are rejected: a string would be truthy).
+
+Every error is a ``ValueError`` whose message starts with ``SamplingParams.<field>:``.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+log = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MIN_TEMPERATURE = 1e-2  # vLLM's floor for a positive temperature
+SO_KINDS = ("regex", "json_schema", "ebnf", "choice")
+
+
+def _fail(field: str, msg: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field}: {msg}")
+
 
 def _check(cond: bool, field: str, msg: str) -> None:
     if not cond:
-        raise ValueError(f"SamplingParams.{field}: {msg}")
+        raise _fail(field, msg)
+
+
+def as_int(v: object, field: str, lo: int, hi: int) -> int:
+    """``v`` as an exact Python int in [lo, hi], or ValueError naming ``field``."""
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        raise _fail(field, f"{v!r} is a bool; must be an int in [{lo}, {hi}]")
+    if isinstance(v, numbers.Integral):
+        i = int(v)
+    elif isinstance(v, numbers.Real):
+        f = float(v)
+        if not math.isfinite(f) or f != math.floor(f):
+            raise _fail(field, f"{v!r} must be an int in [{lo}, {hi}] (non-integral values are not rounded)")
+        i = int(f)
+    else:
+        raise _fail(field, f"{v!r} ({type(v).__name__}) must be an int in [{lo}, {hi}]")
+    if not lo <= i <= hi:
+        raise _fail(field, f"{i} must be in [{lo}, {hi}]")
+    return i
+
+
+def as_float(v: object, field: str) -> float:
+    """``v`` as a finite Python float, or ValueError naming ``field``."""
+    if isinstance(v, bool) or type(v).__name__ == "bool_" or not isinstance(v, numbers.Real):
+        raise _fail(field, f"{v!r} ({type(v).__name__}) must be a finite number")
+    f = float(v)
+    if not math.isfinite(f):
+        raise _fail(field, f"{v!r} must be finite")
+    return f
+
+
+def _token_ids(v: object) -> tuple[int, ...]:
+    """``stop_token_ids`` as a tuple of ints (any iterable of integers; not a str, bytes, dict or scalar)."""
+    if isinstance(v, str | bytes | bytearray | memoryview | Mapping) or not hasattr(v, "__iter__"):
+        raise _fail("stop_token_ids", f"{v!r} must be a list of token ids (ints)")
+    out = []
+    for i, t in enumerate(v):  # type: ignore[call-overload]
+        out.append(as_int(t, f"stop_token_ids[{i}]", 0, INT32_MAX))
+    return tuple(out)
 
 
 @attrs.frozen(kw_only=True)
@@ -20,34 +88,61 @@ class SamplingParams:
     keyed by seed and position, so the batch around a request does not change its tokens). ``so_args``
     constrains output with a grammar: ``{"regex": str}``, ``{"json_schema": dict | str}``,
     ``{"ebnf": str}`` or ``{"choice": [str, ...]}`` (DeepInfer's SamplingParams field of the same name).
+    ``top_k`` of -1 or 0 turns top-k off (as in vLLM). See the module docstring for the type rules.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: as many as max_model_len leaves after the prompt (vLLM's rule)
     min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     ignore_eos: bool = False
     seed: int | None = None
     so_args: dict[str, Any] | None = None
 
     def __attrs_post_init__(self) -> None:
-        _check(self.temperature >= 0.0 and self.temperature == self.temperature, "temperature", f"{self.temperature} must be >= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"{self.top_p} must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"{self.top_k} must be -1 (off) or >= 1")
-        _check(self.max_tokens >= 1, "max_tokens", f"{self.max_tokens} must be >= 1")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"{self.min_tokens} must be in [0, max_tokens]")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative ints")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", f"{self.seed} must be None or in [0, 2**63)")
+        put = object.__setattr__  # frozen: normalised values are written once, here
+        t = as_float(self.temperature, "temperature")
+        _check(t >= 0.0, "temperature", f"{t} must be >= 0 (0 is greedy)")
+        if 0.0 < t < MIN_TEMPERATURE:
+            log.warning("SamplingParams.temperature=%g is below %g, which overflows float32 logits / T; "
+                        "using %g (vLLM's rule)", t, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            t = MIN_TEMPERATURE
+        put(self, "temperature", t)
+        p = as_float(self.top_p, "top_p")
+        _check(0.0 < p <= 1.0, "top_p", f"{p} must be in (0, 1]")
+        put(self, "top_p", p)
+        k = as_int(self.top_k, "top_k", -1, INT64_MAX)
+        put(self, "top_k", -1 if k == 0 else k)
+        if self.max_tokens is not None:
+            put(self, "max_tokens", as_int(self.max_tokens, "max_tokens", 1, INT32_MAX))
+        put(self, "min_tokens", as_int(self.min_tokens, "min_tokens", 0, INT32_MAX))
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"{self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+        _check(isinstance(self.ignore_eos, bool) or type(self.ignore_eos).__name__ == "bool_", "ignore_eos",
+               f"{self.ignore_eos!r} must be a bool")
+        put(self, "ignore_eos", bool(self.ignore_eos))
+        if self.seed is not None:
+            put(self, "seed", as_int(self.seed, "seed", 0, INT64_MAX))
         if self.so_args is not None:
-            kinds = {"regex", "json_schema", "ebnf", "choice"}
-            _check(
-                isinstance(self.so_args, dict) and len(self.so_args) == 1 and next(iter(self.so_args)) in kinds,
-                "so_args",
-                f"must be a dict with exactly one key of {sorted(kinds)}, got {self.so_args!r}",
-            )
+            so = self.so_args
+            # one constraint, plus optional engine options / preferred engine (checked in full by
+            # deepinfer_core.structured.GrammarSpec when the request is added; it fails alone)
+            _check(isinstance(so, Mapping) and sum(k in SO_KINDS for k in so) == 1
+                   and all(k in SO_KINDS or k in ("options", "engine") for k in so), "so_args",
+                   f"must be a dict with exactly one key of {sorted(SO_KINDS)} (optionally 'options', "
+                   f"'engine'), got {_short(so)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _short(v: object, n: int = 200) -> str:
+    """``repr`` cut to ``n`` characters (a huge or deeply nested value must not flood the message)."""
+    try:
+        r = repr(v)
+    except (RecursionError, ValueError):
+        return f"<{type(v).__name__}>"
+    return r if len(r) <= n else r[:n] + "..."

@@ -48,7 +48,7 @@ def test_hf_tokenizer_bytes_and_special_injection() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "field"),
-    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": 0}, "top_k"),
+    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
      ({"max_tokens": 0}, "max_tokens"), ({"so_args": {"sql": "x"}}, "so_args"), ({"seed": -3}, "seed")],
 )
 def test_sampling_params_errors_name_field(kw: dict, field: str) -> None:

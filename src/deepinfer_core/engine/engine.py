@@ -11,6 +11,7 @@ are applied (one step ahead), exactly as the scheduler's contract allows.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,15 @@ from deepinfer_core.model import (
     ModelExecutor,
     tiny_config,
 )
-from deepinfer_core.scheduler import FinishedRequest, FinishReason, Plan, Request, Scheduler, SchedulerConfig
+from deepinfer_core.scheduler import (
+    FinishedRequest,
+    FinishReason,
+    Plan,
+    PreemptionPolicy,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+)
 from deepinfer_core.spec import make_policy
 from deepinfer_core.tokenizer import ByteTokenizer
 from deepinfer_kernels import get_backend
@@ -72,6 +81,12 @@ class LLMEngine:
     ``add_request`` never raises for a bad request: the request fails alone and its ``RequestOutput``
     (with ``error`` naming the field) comes out of the next ``step``. ``envs`` defaults to
     :func:`deepinfer_core.envs.get_envs`, read once here.
+
+    Threads: every public method takes the engine's lock, so a server's front end may call
+    ``add_request`` / ``abort`` from its threads while one loop calls ``step`` (a call waits for the step
+    in progress). Recovery: an unexpected error inside a step fails the requests of that step's batch
+    (their outputs carry the error) and the engine keeps serving the rest; ``abort_all`` ends every live
+    request and ``reset`` rebuilds the scheduler and pools (docs/engine.md).
     """
 
     def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None,
@@ -93,29 +108,17 @@ class LLMEngine:
         if self.num_speculative_tokens > 0:
             self.drafts = DraftBook(make_policy(self.envs.enable_mtp_varlen, self.num_speculative_tokens),
                                     self.num_speculative_tokens)
-        self.kv_pool = PagedKVPool(cfg.num_blocks, cfg.block_size)
-        self.state_pool = StatePool(cfg.max_num_seqs)
+        self._lock = threading.RLock()
         self.executor = ModelExecutor(self.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
                                       backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
                                       backend=self.backend if cfg.backend == "cuda" else None)
-        self.scheduler = Scheduler(self.kv_pool, SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
-            # a verify row's next position depends on how many drafts are accepted, so with drafts the
-            # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
-            async_mode=cfg.async_scheduling and self.drafts is None))
+        self._build_scheduler()
         self._sample = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")
         self._grammar: Any = None  # StructuredOutputManager, built on the first constrained request
-        self._reqs: dict[str, EngineRequest] = {}
-        self._by_seq: dict[int, EngineRequest] = {}
-        self._seqs = SeqTable()
-        self._compiling: list[str] = []  # constrained requests whose grammar is still compiling
-        self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
-        self._inflight: tuple[Plan, np.ndarray] | None = None
-        self._to_abort: list[str] = []  # ended by the engine in a step; aborted after its update
         self._serial = 0
-        self._idle_steps = 0
+        self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
+        self._clear_tables()
         self.stats = StepStats()
         if self.drafts is not None:
             log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
@@ -123,6 +126,31 @@ class LLMEngine:
         log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
                  "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, cfg.num_blocks,
                  cfg.block_size, cfg.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+
+    def _build_scheduler(self) -> None:
+        """Fresh pools and scheduler (at start, and by ``reset``)."""
+        cfg = self.config
+        self.kv_pool = PagedKVPool(cfg.num_blocks, cfg.block_size)
+        self.state_pool = StatePool(cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.kv_pool, SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
+            # a verify row's next position depends on how many drafts are accepted, so with drafts the
+            # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
+            async_mode=cfg.async_scheduling and self.drafts is None,
+            # the seed's eviction rule, which the engine's tight-pool tests rely on to exercise
+            # preemption and recompute (the scheduler's default, GUARDED, mostly avoids preempting)
+            preemption_policy=PreemptionPolicy.DEEPINFER))
+
+    def _clear_tables(self) -> None:
+        """Empty per-request tables (at start, and by ``reset``)."""
+        self._reqs: dict[str, EngineRequest] = {}
+        self._by_seq: dict[int, EngineRequest] = {}
+        self._seqs = SeqTable()
+        self._compiling: list[str] = []  # constrained requests whose grammar is still compiling
+        self._inflight: tuple[Plan, Any] | None = None
+        self._to_abort: list[str] = []  # ended by the engine in a step; aborted after its update
+        self._idle_steps = 0
 
     def _spec_tokens(self) -> int:
         cfg = self.config
@@ -141,48 +169,108 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
-        """Queue a request; a bad one fails alone (its output, with ``error``, comes from ``step``)."""
+        """Queue a request; a bad one fails alone (its output, with ``error``, comes from ``step``).
+
+        Raises only for the caller's own bookkeeping errors: a ``request_id`` that is not a non-empty str,
+        or one that is already live."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
-        if request_id in self._reqs:
-            raise ValueError(f"request_id={request_id!r}: already live")
-        text = prompt if isinstance(prompt, str) else None
-        try:
-            text, ids = normalize_prompt(prompt, self.tokenizer)
-            sp = normalize_params(params, self.vocab_size)
-            if len(ids) >= self.config.max_model_len:
-                raise RequestError(f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
-                                   f"{self.config.max_model_len} (prompts are never truncated)")
-        except RequestError as e:
-            self._fail_early(request_id, text, (), str(e))
-            return
-        req = EngineRequest(request_id, text, ids, sp)
-        self._reqs[request_id] = req
-        if sp.so_args is not None:
+        with self._lock:
+            if self.is_live(request_id):
+                raise ValueError(f"request_id={request_id!r}: already live")
+            text = prompt if isinstance(prompt, str) else None
             try:
-                self._grammar_manager().add_request(request_id, sp.so_args)
-            except (ValueError, ImportError) as e:
-                self._drop_early(req, f"SamplingParams.so_args: {e}")
+                text, ids = normalize_prompt(prompt, self.tokenizer)
+                sp = normalize_params(params, self.vocab_size)
+                if len(ids) >= self.config.max_model_len:
+                    raise RequestError(f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
+                                       f"{self.config.max_model_len} (prompts are never truncated)")
+                if sp.max_tokens is None:  # vLLM's rule: as many as the context leaves
+                    sp = attrs.evolve(sp, max_tokens=self.config.max_model_len - len(ids))
+            except RequestError as e:
+                self._fail_early(request_id, text if isinstance(text, str) else None, (), str(e))
                 return
-            req.structured = True
-            self._compiling.append(request_id)  # queued once its grammar has compiled
-            return
-        self._queue(req)
+            except Exception as e:  # a hostile value must fail its request, not the caller
+                self._fail_early(request_id, None, (), f"prompt / sampling_params: {type(e).__name__}: {e}")
+                return
+            req = EngineRequest(request_id, text, ids, sp)
+            self._reqs[request_id] = req
+            if sp.so_args is not None:
+                try:
+                    self._grammar_manager().add_request(request_id, sp.so_args)
+                except ImportError as e:
+                    self._drop_early(req, f"SamplingParams.so_args: {e} (install the structured extra: "
+                                          "pip install \"deepinfer-components[structured]\")")
+                    return
+                except RecursionError:
+                    self._drop_early(req, "SamplingParams.so_args: nested too deeply to compile")
+                    return
+                except Exception as e:  # the library's own message, as the request's error
+                    msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                    self._drop_early(req, f"SamplingParams.so_args: {msg}")
+                    return
+                req.structured = True
+                self._compiling.append(request_id)  # queued once its grammar has compiled
+                return
+            self._queue(req)
 
     def abort(self, request_id: str) -> bool:
-        """End a live request; it is reported (finish_reason "abort") by a later ``step``."""
-        req = self._reqs.get(request_id)
-        if req is None:
-            return False
-        if req.seq < 0:  # still compiling its grammar
-            self._compiling.remove(request_id)
-            self._drop_early(req, None, ABORT)
-            return True
-        self._seqs.dead[req.seq] = True
-        return self.scheduler.abort(request_id)
+        """End a live request; it is reported (finish_reason "abort") by a later ``step``. Its state slot
+        and KV blocks are returned at once (the scheduler may admit a waiting request in the next step)."""
+        with self._lock:
+            req = self._reqs.get(request_id)
+            if req is None:
+                return False
+            if req.seq < 0:  # still compiling its grammar
+                self._compiling.remove(request_id)
+                self._drop_early(req, None, ABORT)
+                return True
+            return self._end(req)
+
+    def abort_all(self) -> int:
+        """Abort every live request (reported by the next ``step`` s); returns how many. Afterwards every
+        KV block and state slot is free."""
+        with self._lock:
+            return sum(self.abort(rid) for rid in list(self._reqs))
+
+    def reset(self, reason: str = "engine reset") -> list[RequestOutput]:
+        """Fail every live request with ``error=reason`` and rebuild the scheduler and pools from scratch:
+        the way back from a state that a failed step could not repair. Returns the failed requests'
+        outputs (and any not yet collected)."""
+        with self._lock:
+            out, self._failed = self._failed, []
+            for req in list(self._reqs.values()):
+                out.append(RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                                         prompt_token_ids=req.prompt_token_ids, finish_reason=ERROR, error=reason))
+                if req.structured and self._grammar is not None:
+                    self._grammar.remove_request(req.request_id)
+            if self.drafts is not None:
+                self.drafts.clear()
+            self._build_scheduler()
+            self._clear_tables()
+            log.warning("engine reset (%s): %d live requests failed", reason, len(out))
+            return out
 
     def has_unfinished(self) -> bool:
-        return bool(self._failed or self._compiling or self.scheduler.has_unfinished())
+        with self._lock:
+            return bool(self._failed or self._compiling or self.scheduler.has_unfinished())
+
+    def is_live(self, request_id: str) -> bool:
+        """Added and not yet reported by ``step``."""
+        with self._lock:
+            return request_id in self._reqs or any(o.request_id == request_id for o in self._failed)
+
+    def hand_back(self, outputs: list[RequestOutput]) -> None:
+        """Outputs taken out of ``step`` by a caller they do not belong to (``LLM.generate`` stepping an
+        engine that another thread also feeds): the next ``step`` returns them."""
+        if outputs:
+            with self._lock:
+                self._failed.extend(outputs)
+
+    @property
+    def num_live(self) -> int:
+        """Requests added and not yet reported by ``step``."""
+        return len(self._reqs) + len(self._failed)
 
     def _grammar_manager(self) -> Any:
         if self._grammar is None:
@@ -209,7 +297,7 @@ class LLMEngine:
         """Hand a request to the scheduler (which checks lengths and pool fit)."""
         try:
             self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.params))
-        except ValueError as e:
+        except (ValueError, TypeError, OverflowError) as e:
             self._drop_early(req, str(e).replace(f"request {req.request_id!r}: ", ""))
             return
         req.seq = self.scheduler.seq_id(req.request_id)
@@ -235,9 +323,38 @@ class LLMEngine:
             else:
                 self._queue(req)
 
+    def _end(self, req: EngineRequest, reason: str | None = None, error: str | None = None) -> bool:
+        """End a queued or running request from the engine's side: its later rows are dropped, its state
+        slot and drafts are returned now (before the scheduler can give its seat to a waiting request),
+        and the scheduler frees its blocks and reports it at the next ``update``."""
+        if reason is not None:
+            req.reason, req.error = reason, error
+        self._release(req.seq)
+        return self.scheduler.abort(req.request_id)
+
+    def _release(self, seq: int) -> None:
+        """No more rows of ``seq`` will run: mark it dead and return its state slot and drafts."""
+        self._seqs.dead[self._seqs.row(seq)] = True
+        if self.state_pool.contains(seq):
+            self.state_pool.release(seq)
+        if self.drafts is not None:
+            self.drafts.drop(seq)
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished (or failed) in it."""
+        """Run one engine step; return the requests that finished (or failed) in it.
+
+        Never raises for a request's fault: an unexpected error inside the step fails the requests of
+        this step's batch (``error`` says what happened) and the engine serves the rest; if even that is
+        impossible the engine ``reset`` s itself and fails every live request."""
+        with self._lock:
+            try:
+                return self._step()
+            except Exception as e:  # the engine must outlive a failed step
+                log.exception("engine: step failed; the engine resets")
+                return self.reset(f"engine step failed and the engine was reset: {type(e).__name__}: {e}")
+
+    def _step(self) -> list[RequestOutput]:
         self._admit_compiled()
         out, self._failed = self._failed, []
         sched, st = self.scheduler, self.stats
@@ -248,8 +365,8 @@ class LLMEngine:
         plan = sched.schedule() if ask is None else sched.schedule(draft_seq_ids=ask[0], draft_counts=ask[1])
         st.schedule_s += time.perf_counter() - t0
         if self._inflight is not None:  # async: apply the previous step's tokens after planning this one
-            out += self._update(*self._inflight)
-            self._inflight = None
+            prev, self._inflight = self._inflight, None
+            out += self._update(*prev)
         if plan.num_rows == 0:
             out += self._update(plan, np.zeros(0, np.int32))
             self._idle_steps += 1
@@ -257,7 +374,11 @@ class LLMEngine:
                 raise RuntimeError("engine: 1000 idle steps in a row with requests pending (scheduler stuck)")
             return out
         self._idle_steps = 0
-        sampled = self._run(plan)
+        try:
+            sampled = self._run(plan)
+        except Exception as e:  # fail this batch's requests, keep the engine
+            log.exception("engine: step %d failed; its batch's requests fail", plan.step_id)
+            sampled = self._fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}")
         st.steps += 1
         st.verify_rows += int((plan.num_drafts > 0).sum())
         if self.scheduler.config.async_mode:
@@ -266,6 +387,14 @@ class LLMEngine:
             out += self._update(plan, sampled)
         return out
 
+    def _fail_plan(self, plan: Plan, msg: str) -> np.ndarray:
+        """End every live request with a row in ``plan`` (error ``msg``); the tokens to ``update`` it with."""
+        for seq in np.unique(plan.seq_ids).tolist():
+            req = self._by_seq.get(int(seq))
+            if req is not None and req.reason is None:
+                self._end(req, ERROR, msg)
+        return np.full(plan.num_rows, -1, np.int32)
+
     def _update(self, plan: Plan, sampled: np.ndarray | tuple[np.ndarray, np.ndarray]) -> list[RequestOutput]:
         t0 = time.perf_counter()
         ended = self.scheduler.update(plan, *sampled) if isinstance(sampled, tuple) else self.scheduler.update(plan, sampled)
@@ -273,8 +402,9 @@ class LLMEngine:
         # the engine's own ends (a grammar that accepted its end under ignore_eos) take effect once the
         # token that ended them is applied
         for rid in self._to_abort:
-            if rid in self._reqs:
-                self.scheduler.abort(rid)
+            req = self._reqs.get(rid)
+            if req is not None:
+                self._end(req)
         self._to_abort.clear()
         self.stats.update_s += time.perf_counter() - t0
         return outs
@@ -282,12 +412,9 @@ class LLMEngine:
     def _finish(self, fr: FinishedRequest) -> RequestOutput:
         req = self._reqs.pop(fr.request_id)
         seq = req.seq
-        self._seqs.dead[seq] = True
+        self._release(seq)
+        self._seqs.remove(seq)
         del self._by_seq[seq]
-        if self.state_pool.contains(seq):
-            self.state_pool.release(seq)
-        if self.drafts is not None:
-            self.drafts.drop(seq)
         if req.structured:
             self._grammar.remove_request(req.request_id)
         reason = req.reason if req.reason is not None else _REASONS.get(fr.finish_reason, ERROR)
@@ -303,10 +430,7 @@ class LLMEngine:
 
     def _fail_row(self, seq: int, msg: str) -> None:
         """End a running request from inside a step (its later rows are dropped)."""
-        req = self._by_seq[seq]
-        req.reason, req.error = ERROR, msg
-        self._seqs.dead[seq] = True
-        self.scheduler.abort(req.request_id)
+        self._end(self._by_seq[seq], ERROR, msg)
 
     # ------------------------------------------------------------------ build, execute, sample
     def _run(self, plan: Plan) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
@@ -322,24 +446,27 @@ class LLMEngine:
             if seq >= 0 and book is not None:
                 book.drop(seq)  # the executor forgets its drafts when the slot restarts
         seq_ids = plan.seq_ids
+        ix = seqs.ix(seq_ids)  # each row's place in the per-sequence arrays
         ntok = plan.num_tokens.astype(np.int64)
         tokens = plan.token_ids.astype(np.int64)
         if book is not None:
             book.fill(plan, tokens, seq_ids)
         hole = tokens < 0
         if hole.any():  # one step ahead: the token the previous step sampled for that sequence
-            tokens[hole] = seqs.last_token[np.repeat(seq_ids, ntok)[hole]]
-        keep = ~seqs.dead[seq_ids]  # rows of requests that already ended are discarded by the scheduler
-        rows = np.flatnonzero(keep)
+            tokens[hole] = seqs.last_token[np.repeat(ix, ntok)[hole]]
         # only a sequence's first chunk (position 0: new, or recomputed after preemption) needs a slot;
         # every later row holds one already, so this is no per-row loop in decode steps
-        for seq in seq_ids[rows[plan.start[rows] == 0]].tolist():
+        for r in np.flatnonzero((plan.start == 0) & ~seqs.dead[ix]).tolist():
+            seq = int(seq_ids[r])
             if not self.state_pool.contains(seq) and self.state_pool.acquire(seq) is None:
-                raise RuntimeError(f"engine: no free state slot for seq {seq} ({self.state_pool.num_slots} slots)")
+                # cannot happen while slots are returned before seats (see _end); fail it alone if it does
+                log.error("engine: no free state slot for seq %d (%d slots)", seq, self.state_pool.num_slots)
+                self._fail_row(seq, f"no free state slot ({self.state_pool.num_slots} slots)")
+        rows = np.flatnonzero(~seqs.dead[ix])  # rows of requests that already ended are discarded
         sampled = np.zeros(plan.num_rows, np.int32)
         nd = plan.num_drafts.astype(np.int64)
         # rows whose token comes from the executor (greedy verify / draft); the rest sample here
-        spec_row = (plan.sample > 0) & (DraftBook.eligible(seqs, seq_ids) if book is not None else False)
+        spec_row = (plan.sample > 0) & (DraftBook.eligible(seqs, ix) if book is not None else False)
         got: dict[int, list[int]] = {}
         while rows.size:
             tok_keep = np.repeat(np.isin(np.arange(plan.num_rows), rows), ntok)
@@ -365,9 +492,9 @@ class LLMEngine:
             plain = np.flatnonzero((plan.sample[rows] > 0) & ~spec_row[rows])
             srows = rows[plain]
             sampled[srows] = self._sample_rows(logits[torch.as_tensor(last[plain], device=logits.device)],
-                                               seq_ids[srows], plan.context_lens[srows].astype(np.int64))
+                                               seq_ids[srows], ix[srows], plan.context_lens[srows].astype(np.int64))
             if book is not None:
-                got = self._collect(plan, rows, spec_row, spec_out, tokens, ntok)
+                got = self._collect(plan, rows, spec_row, spec_out, tokens, ntok, ix)
             st.sample_s += time.perf_counter() - t0
             break
         if book is None:
@@ -384,7 +511,7 @@ class LLMEngine:
         return np.asarray(flat, np.int32), counts
 
     def _collect(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, out: dict[str, np.ndarray],
-                 tokens: np.ndarray, ntok: np.ndarray) -> dict[int, list[int]]:
+                 tokens: np.ndarray, ntok: np.ndarray, ix: np.ndarray) -> dict[int, list[int]]:
         """Executor-verified rows: [accepted drafts..., next token] per plan row; keep the new drafts."""
         book, seqs = self.drafts, self._seqs
         assert book is not None
@@ -399,8 +526,8 @@ class LLMEngine:
             book.verified += k
             book.accepted += a
             book.store(seq, out["drafts"][j], out["draft_confidence"][j])
-            seqs.last_token[seq] = row[-1]
-            seqs.n_out[seq] += len(row)
+            seqs.last_token[ix[i]] = row[-1]
+            seqs.n_out[ix[i]] += len(row)
             self.stats.tokens_sampled += len(row)
         return got
 
@@ -430,37 +557,36 @@ class LLMEngine:
                 spec[name] = np.concatenate(parts)
         return logits, spec
 
-    def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars."""
+    def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars.
+        ``seq``: the rows' seq ids; ``ix``: their places in the per-sequence arrays."""
         s, dev = self._seqs, logits.device
         n = seq.shape[0]
         if n == 0:
             return np.zeros(0, np.int32)
-        early = np.flatnonzero(s.n_out[seq] < s.min_tokens[seq])
+        early = np.flatnonzero(s.n_out[ix] < s.min_tokens[ix])
         for r in early.tolist():  # EOS and stop tokens may not end the text before min_tokens
             req = self._by_seq[int(seq[r])]
             ban = [] if req.params.ignore_eos else [self.tokenizer.eos_token_id]
             logits[r, ban + list(req.params.stop_token_ids)] = float("-inf")
-        con = np.flatnonzero(s.structured[seq])
+        con = np.flatnonzero(s.structured[ix])
+        failed = np.zeros(n, bool)  # rows whose grammar raised: they fail alone
         dead_end = np.zeros(0, np.int64)
         if con.size:
-            rids = [self._by_seq[int(q)].request_id for q in seq[con]]
-            masks = self._grammar.fill_bitmask([(rid, ()) for rid in rids])
-            full = torch.full((n, masks.bitmask.shape[1]), -1, dtype=torch.int32)
-            full[torch.as_tensor(con)] = masks.bitmask
+            full, dead_end = self._grammar_masks(seq, con, n, failed)
             self._apply_mask(logits, full, torch.as_tensor(con))
-            dead_end = con[masks.dead_end]
-        tok = self._sample(logits, torch.as_tensor(s.temperature[seq], device=dev),
-                           torch.as_tensor(s.top_k[seq], device=dev), torch.as_tensor(s.top_p[seq], device=dev),
-                           torch.as_tensor(s.seed[seq], device=dev), torch.as_tensor(positions, device=dev))
+        tok = self._sample(logits, torch.as_tensor(s.temperature[ix], device=dev),
+                           torch.as_tensor(s.top_k[ix], device=dev), torch.as_tensor(s.top_p[ix], device=dev),
+                           torch.as_tensor(s.seed[ix], device=dev), torch.as_tensor(positions, device=dev))
         tok = tok.cpu().numpy().astype(np.int64)
         for r in dead_end.tolist():  # the grammar allows no token: the request ends (FAILED -> reason below)
             req = self._by_seq[int(seq[r])]
             req.reason, req.error = str(self._grammar.finish_reason(req.request_id)), "grammar dead end: no token can continue"
             tok[r] = -1  # the scheduler fails the request on a negative token
-            s.dead[seq[r]] = True  # a row already planned one step ahead is dropped
-        s.last_token[seq] = tok
-        s.n_out[seq] += 1
+            s.dead[ix[r]] = True  # a row already planned one step ahead is dropped
+        tok[failed] = -1
+        s.last_token[ix] = tok
+        s.n_out[ix] += 1
         self.stats.tokens_sampled += n
         for r in con.tolist():
             t = int(tok[r])
@@ -468,19 +594,59 @@ class LLMEngine:
                 continue
             req = self._by_seq[int(seq[r])]
             g = self._grammar
-            g.advance(req.request_id, [t])
-            why = g.finish_reason(req.request_id)
+            try:
+                g.advance(req.request_id, [t])
+                why = g.finish_reason(req.request_id)
+            except Exception as e:  # a grammar library error fails that request alone
+                req.reason, req.error = ERROR, f"SamplingParams.so_args: grammar library error: {e}"
+                tok[r] = -1
+                s.dead[ix[r]] = True
+                continue
             if why is None:
                 continue
-            s.dead[seq[r]] = True  # the grammar is done: a row already planned one step ahead is dropped
+            s.dead[ix[r]] = True  # the grammar is done: a row already planned one step ahead is dropped
             # the grammar accepted its end: EOS was sampled, which the scheduler stops on unless
             # ignore_eos; then the engine ends it itself once this token is applied
             if req.params.ignore_eos or str(why) != STOP:
                 req.reason = str(why)
                 if str(why) != STOP:
-                    req.error = f"grammar: {why}"
+                    lib = g.error(req.request_id)  # the library's own message, when it failed itself
+                    req.error = f"grammar: {why}" if not lib else f"SamplingParams.so_args: grammar library error: {lib}"
+                    if lib:
+                        req.reason = ERROR
                 self._to_abort.append(req.request_id)
         return tok.astype(np.int32)
+
+    def _grammar_masks(self, seq: np.ndarray, con: np.ndarray, n: int,
+                       failed: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """Bitmask rows for the constrained rows ``con`` (others allow all) and the dead-end rows. The
+        batch is filled in one call; if the library raises, row by row, so only the failing requests
+        fail (marked in ``failed``, their rows allow nothing)."""
+        g = self._grammar
+        rids = [self._by_seq[int(q)].request_id for q in seq[con]]
+        try:
+            masks = g.fill_bitmask([(rid, ()) for rid in rids])
+            full = torch.full((n, masks.bitmask.shape[1]), -1, dtype=torch.int32)
+            full[torch.as_tensor(con)] = masks.bitmask
+            return full, con[masks.dead_end]
+        except Exception:  # find the request(s) at fault
+            log.exception("engine: grammar fill failed for a batch of %d; retrying request by request", len(rids))
+        full = torch.full((n, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        dead: list[int] = []
+        for r, rid in zip(con.tolist(), rids):
+            try:
+                m = g.fill_bitmask([(rid, ())])
+            except Exception as e:
+                req = self._reqs[rid]
+                req.reason, req.error = ERROR, f"SamplingParams.so_args: grammar library error: {e}"
+                self._seqs.dead[self._seqs.row(req.seq)] = True
+                failed[r] = True
+                full[r] = 0
+                continue
+            full[r] = m.bitmask[0]
+            if m.dead_end[0]:
+                dead.append(r)
+        return full, np.asarray(dead, np.int64)
 
 
 def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:

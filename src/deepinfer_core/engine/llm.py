@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,24 @@ Prompt = str | Sequence[int]
 
 
 def _is_token_list(x: object) -> bool:
+    """One prompt given as token ids: a non-empty list / tuple of ints, or a 1-D integer array."""
+    if isinstance(x, np.ndarray):
+        return x.ndim == 1 and x.dtype.kind in "iu"
     return isinstance(x, list | tuple) and len(x) > 0 and all(isinstance(t, int | np.integer) and not isinstance(t, bool)
                                                               for t in x)
+
+
+def _as_prompt_list(prompts: object) -> list[object]:
+    """The prompts of one ``generate`` call. A str, bytes, dict or token-id list / 1-D array is ONE prompt
+    (bytes and odd dicts then fail as that request's error, never split); a 2-D integer array is one
+    prompt per row; any other iterable is a list of prompts."""
+    if isinstance(prompts, str | bytes | bytearray | memoryview | Mapping) or _is_token_list(prompts):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        return list(prompts) if prompts.ndim == 2 else [prompts]
+    if hasattr(prompts, "__iter__"):
+        return list(prompts)  # type: ignore[call-overload]
+    return [prompts]  # fails alone as a bad prompt
 
 
 class LLM:
@@ -50,6 +67,7 @@ class LLM:
             self.engine = LLMEngine(self.config, envs=envs)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+        self._generating = threading.Lock()  # concurrent generate calls run one after another
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
@@ -69,13 +87,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        ``prompts``: a str, a list of str, a list of token-id lists (or one token-id list).
+        ``prompts``: a str, a list of str, a list of token-id lists (or one token-id list / 1-D int array,
+        or a 2-D int array: one prompt per row); vLLM's dict forms ``{"prompt": str}`` and
+        ``{"prompt_token_ids": [...]}`` too. Concurrent calls from several threads run one after another.
         ``sampling_params``: one for all prompts, or one per prompt (a dict of SamplingParams fields is
         accepted too). A bad prompt or parameter fails that request alone: its output has ``error`` set.
         """
-        if isinstance(prompts, str) or _is_token_list(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _as_prompt_list(prompts)
         if isinstance(sampling_params, list | tuple):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts; "
@@ -83,24 +101,43 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(prompts)
-        ids = []
-        for p, sp in zip(prompts, params):
-            rid = str(self._next_id)
-            self._next_id += 1
-            ids.append(rid)
-            self.engine.add_request(rid, p, sp)
-        done: dict[str, RequestOutput] = {}
+        with self._generating, self._threads():
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: list[object], params: list[Any], use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
-        t0, n_tok = time.perf_counter(), 0
-        with self._threads(), tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm,
-                                   dynamic_ncols=True) as bar:
-            while eng.has_unfinished():
-                for o in eng.step():
-                    done[o.request_id] = o
-                    n_tok += len(o.token_ids)
-                    bar.update(1)
-                    dt = time.perf_counter() - t0
-                    bar.set_postfix_str(f"{n_tok / dt:.0f} out tok/s" if dt > 0 else "")
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        foreign: list[RequestOutput] = []  # outputs of requests added through the step-level API
+        try:
+            for p, sp in zip(prompts, params):
+                rid = str(self._next_id)
+                while eng.is_live(rid):
+                    self._next_id += 1
+                    rid = str(self._next_id)
+                self._next_id += 1
+                ids.append(rid)
+                eng.add_request(rid, p, sp)  # type: ignore[arg-type]
+            mine = set(ids)
+            t0, n_tok = time.perf_counter(), 0
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while len(done) < len(ids):
+                    for o in eng.step():
+                        if o.request_id not in mine:  # another caller's request on the step-level API
+                            foreign.append(o)
+                            continue
+                        done[o.request_id] = o
+                        n_tok += len(o.token_ids)
+                        bar.update(1)
+                        dt = time.perf_counter() - t0
+                        bar.set_postfix_str(f"{n_tok / dt:.0f} out tok/s" if dt > 0 else "")
+        except BaseException:  # KeyboardInterrupt, or a bug: leave nothing of this call behind
+            for rid in ids:
+                if rid not in done:
+                    eng.abort(rid)
+            raise
+        finally:
+            eng.hand_back(foreign)  # the step-level caller gets them from its next step()
         failed = sum(1 for o in done.values() if not o.ok)
         if failed:
             log.warning("generate: %d of %d requests failed (see RequestOutput.error)", failed, len(ids))

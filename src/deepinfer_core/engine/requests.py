@@ -1,4 +1,4 @@
-"""Per-request input checks and the engine's per-sequence arrays (indexed by the scheduler's seq id)."""
+"""Per-request input checks and the engine's per-sequence arrays (found by the scheduler's seq id)."""
 
 from __future__ import annotations
 
@@ -20,26 +20,63 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
-def normalize_prompt(prompt: object, tokenizer: Tokenizer) -> tuple[str | None, tuple[int, ...]]:
-    """(text or None, token ids) of a prompt given as text or as token ids; RequestError naming the field."""
-    if isinstance(prompt, str):
-        ids = tuple(tokenizer.encode(prompt))
-        if not ids:
-            raise RequestError("prompt: must not be empty")
-        return prompt, ids
+def _text_ids(text: str, tokenizer: Tokenizer, field: str) -> tuple[str, tuple[int, ...]]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: not text any tokenizer can encode
+        raise RequestError(f"{field}: not valid Unicode text (character {e.object[e.start]!r} at index {e.start} "
+                           "is a lone surrogate); pass valid text or token ids") from None
+    ids = tuple(tokenizer.encode(text))
+    if not ids:
+        raise RequestError(f"{field}: must not be empty")
+    return text, ids
+
+
+def _token_ids(prompt: object, vocab: int, field: str) -> tuple[int, ...]:
+    if hasattr(prompt, "detach") and hasattr(prompt, "tolist"):  # a torch tensor, without importing torch
+        prompt = prompt.detach().cpu().numpy()  # type: ignore[attr-defined]
     if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise RequestError(f"{field}: a token-id array must be 1-D, got shape {prompt.shape}")
+        if prompt.dtype.kind not in "iu":
+            raise RequestError(f"{field}: a token-id array must have an integer dtype, got {prompt.dtype}")
         prompt = prompt.tolist()
-    if not isinstance(prompt, Sequence):
-        raise RequestError(f"prompt: must be a str or a sequence of token ids, got {type(prompt).__name__}")
+    if not isinstance(prompt, list | tuple):
+        raise RequestError(f"{field}: must be a list of token ids, got {type(prompt).__name__}")
     if len(prompt) == 0:
-        raise RequestError("prompt_token_ids: must not be empty")
-    v = tokenizer.vocab_size
+        raise RequestError(f"{field}: must not be empty")
+    out = []
     for i, t in enumerate(prompt):
         if not _is_int(t):
-            raise RequestError(f"prompt_token_ids[{i}]={t!r}: must be an int")
-        if not 0 <= int(t) < v:
-            raise RequestError(f"prompt_token_ids[{i}]={int(t)}: must be in [0, vocab_size={v})")
-    return None, tuple(int(t) for t in prompt)
+            raise RequestError(f"{field}[{i}]={_short(t)}: must be an int")
+        if not 0 <= int(t) < vocab:
+            raise RequestError(f"{field}[{i}]={int(t)}: must be in [0, vocab_size={vocab})")
+        out.append(int(t))
+    return tuple(out)
+
+
+def normalize_prompt(prompt: object, tokenizer: Tokenizer) -> tuple[str | None, tuple[int, ...]]:
+    """(text or None, token ids) of one prompt; RequestError naming the field.
+
+    A prompt is a ``str``, a list / tuple / 1-D integer numpy array (or torch tensor) of token ids, or a
+    vLLM-style dict ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``. ``bytes`` are refused (they are
+    neither text nor token ids: decode them first), as are other dicts and types.
+    """
+    if isinstance(prompt, str):
+        return _text_ids(prompt, tokenizer, "prompt")
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise RequestError(f"prompt: {type(prompt).__name__} is not accepted; decode it to str, or pass token ids")
+    if isinstance(prompt, Mapping):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return _text_ids(prompt["prompt"], tokenizer, "prompt")
+        if keys == {"prompt_token_ids"}:
+            return None, _token_ids(prompt["prompt_token_ids"], tokenizer.vocab_size, "prompt_token_ids")
+        raise RequestError("prompt: a dict prompt must be {\"prompt\": str} or {\"prompt_token_ids\": [int, ...]}, "
+                           f"got keys {sorted(map(str, keys))}")
+    if isinstance(prompt, Sequence | np.ndarray) or hasattr(prompt, "detach"):
+        return None, _token_ids(prompt, tokenizer.vocab_size, "prompt_token_ids")
+    raise RequestError(f"prompt: must be a str or a sequence of token ids, got {type(prompt).__name__}")
 
 
 def normalize_params(params: object, vocab_size: int) -> SamplingParams:
@@ -47,6 +84,9 @@ def normalize_params(params: object, vocab_size: int) -> SamplingParams:
     if params is None:
         params = SamplingParams()
     elif isinstance(params, Mapping):
+        bad = [k for k in params if not isinstance(k, str)]
+        if bad:
+            raise RequestError(f"sampling_params: field names must be str, got {_short(bad)}")
         try:
             params = SamplingParams(**params)
         except TypeError as e:  # an unknown field name
@@ -59,6 +99,14 @@ def normalize_params(params: object, vocab_size: int) -> SamplingParams:
     if bad:
         raise RequestError(f"SamplingParams.stop_token_ids: {bad} must be < vocab_size={vocab_size}")
     return params
+
+
+def _short(v: object, n: int = 80) -> str:
+    try:
+        r = repr(v)
+    except (RecursionError, ValueError):
+        return f"<{type(v).__name__}>"
+    return r if len(r) <= n else r[:n] + "..."
 
 
 @attrs.define(slots=True)
@@ -78,10 +126,18 @@ class EngineRequest:
 
 
 class SeqTable:
-    """Per-sequence values as numpy arrays indexed by seq id, so a step gathers them without a loop."""
+    """Per-sequence values as numpy arrays, so a step gathers them for all its rows without a loop.
+
+    Rows are found by the scheduler's seq id through ``ix`` (a ``searchsorted`` over the live ids, which
+    the scheduler hands out in increasing order); ``remove`` frees a row and the table compacts itself,
+    so its size follows the live requests, not every request ever submitted (a long-running server).
+    Row 0 is a sentinel: a removed or unknown seq id maps to it, and it is always ``dead``, so a row that
+    a plan still names after its request ended is dropped like any other dead row.
+    """
+
+    _FIELDS = ("last_token", "n_out", "min_tokens", "temperature", "top_k", "top_p", "seed", "dead", "structured")
 
     def __init__(self, capacity: int = 64) -> None:
-        self._n = 0
         self.last_token = np.zeros(0, np.int64)  # the token sampled last (fills -1 placeholders)
         self.n_out = np.zeros(0, np.int64)  # tokens sampled so far (in flight included)
         self.min_tokens = np.zeros(0, np.int64)
@@ -91,30 +147,78 @@ class SeqTable:
         self.seed = np.zeros(0, np.int64)
         self.dead = np.zeros(0, bool)  # ended or being ended: its rows are dropped from the batch
         self.structured = np.zeros(0, bool)
-        self._grow(capacity)
+        self._keys = np.full(1, -1, np.int64)  # seq id per row, increasing; row 0 is the sentinel
+        self._gone = np.zeros(1, bool)
+        self._n = 1  # rows in use (sentinel included)
+        self._live = 0
+        self._resize(max(2, capacity))
+        self.dead[0] = True
 
-    _FIELDS = ("last_token", "n_out", "min_tokens", "temperature", "top_k", "top_p", "seed", "dead", "structured")
+    def __len__(self) -> int:
+        """Live (added, not removed) sequences."""
+        return self._live
 
-    def _grow(self, n: int) -> None:
-        for f in self._FIELDS:
+    @property
+    def capacity(self) -> int:
+        return int(self._keys.shape[0])
+
+    def _resize(self, n: int) -> None:
+        for f in (*self._FIELDS, "_keys", "_gone"):
             old = getattr(self, f)
             new = np.zeros(n, old.dtype)
-            new[: old.shape[0]] = old
+            m = min(n, self._n, old.shape[0])
+            new[:m] = old[:m]
             setattr(self, f, new)
-        self._n = n
+
+    def _compact(self) -> None:
+        keep = np.flatnonzero(~self._gone[: self._n])  # row 0 is never gone
+        for f in (*self._FIELDS, "_keys", "_gone"):
+            a = getattr(self, f)
+            a[: keep.size] = a[keep]
+        self._n = int(keep.size)
+        cap = self.capacity
+        if self._n * 4 < cap and cap > 64:  # shrink once mostly empty, keeping room to grow
+            self._resize(max(64, 2 * self._n))
+
+    def ix(self, seq: np.ndarray | int) -> np.ndarray:
+        """Row index of each seq id (0, the dead sentinel, for ids not in the table)."""
+        keys = self._keys[1 : self._n]
+        q = np.asarray(seq, np.int64)
+        i = np.searchsorted(keys, q).clip(max=max(keys.size - 1, 0))
+        hit = (keys[i] == q) if keys.size else np.zeros(q.shape, bool)
+        return np.where(hit & ~self._gone[1 : self._n][i] if keys.size else hit, i + 1, 0)
+
+    def row(self, seq: int) -> int:
+        return int(self.ix(np.int64(seq)))
 
     def add(self, seq: int, params: SamplingParams, seed: int, structured: bool) -> None:
-        if seq >= self._n:
-            self._grow(max(2 * self._n, seq + 1))
-        self.last_token[seq] = -1
-        self.n_out[seq] = 0
-        self.min_tokens[seq] = params.min_tokens
-        self.temperature[seq] = params.temperature
-        self.top_k[seq] = params.top_k
-        self.top_p[seq] = params.top_p
-        self.seed[seq] = seed
-        self.dead[seq] = False
-        self.structured[seq] = structured
+        if self._n > 1 and seq <= self._keys[self._n - 1]:
+            raise ValueError(f"seq {seq}: seq ids must be added in increasing order")
+        if self._n == self.capacity:
+            self._compact()
+            if self._n * 2 > self.capacity:
+                self._resize(2 * self.capacity)
+        r = self._n
+        self._n += 1
+        self._live += 1
+        self._keys[r], self._gone[r] = seq, False
+        self.last_token[r] = -1
+        self.n_out[r] = 0
+        self.min_tokens[r] = params.min_tokens
+        self.temperature[r] = params.temperature
+        self.top_k[r] = min(params.top_k, np.iinfo(np.int64).max)
+        self.top_p[r] = params.top_p
+        self.seed[r] = seed
+        self.dead[r] = False
+        self.structured[r] = structured
+
+    def remove(self, seq: int) -> None:
+        """Forget a sequence (its request was reported); later lookups of it give the dead sentinel."""
+        r = self.row(seq)
+        if r:
+            self._gone[r] = True
+            self.dead[r] = True
+            self._live -= 1
 
 
 def derived_seed(engine_seed: int, serial: int) -> int:

@@ -39,9 +39,15 @@ class DraftBook:
         self.accepted = 0  # of which accepted
 
     @staticmethod
-    def eligible(seqs: SeqTable, seq: np.ndarray) -> np.ndarray:
-        """Rows whose requests may draft / verify (see the module docstring)."""
-        return (seqs.temperature[seq] <= 0) & ~seqs.structured[seq] & (seqs.n_out[seq] >= seqs.min_tokens[seq])
+    def eligible(seqs: SeqTable, ix: np.ndarray) -> np.ndarray:
+        """Rows whose requests may draft / verify (see the module docstring); ``ix``: the rows' places in
+        ``seqs`` (``SeqTable.ix``)."""
+        return (seqs.temperature[ix] <= 0) & ~seqs.structured[ix] & (seqs.n_out[ix] >= seqs.min_tokens[ix])
+
+    def clear(self) -> None:
+        """Forget every sequence's drafts (engine reset)."""
+        self._tokens.clear()
+        self._conf.clear()
 
     def drop(self, seq: int) -> None:
         self._tokens.pop(seq, None)

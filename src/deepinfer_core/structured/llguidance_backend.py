@@ -16,6 +16,9 @@ from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab, llguida
 
 log = logging.getLogger(__name__)
 
+# words of llguidance's resource-limit errors ("Current row has 2501 items; max is 2000", fuel, size)
+_LIMIT_WORDS = ("max is", "limit", "too many", "too large", "too big", "fuel")
+
 
 @attrs.frozen(slots=True)
 class LLGuidanceGrammar:
@@ -68,6 +71,12 @@ class LLGuidanceMatcher:
             return False
         self._history.append(t)
         return True
+
+    def library_error(self) -> str | None:
+        """llguidance's own message when the matcher is in its error state (a parser limit, say)."""
+        if not self._m.is_error():
+            return None
+        return "llguidance: " + self._m.get_error().strip().splitlines()[0]
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         check_bitmask(bitmask, row, self._words)
@@ -239,7 +248,6 @@ class LLGuidanceBackend:
         return self._vocab.vocab_size
 
     @property
-    @property
     def vocab(self) -> GrammarVocab:
         """Token bytes, control ids and EOS this backend was built from (the manager's UTF-8 filter)."""
         return self._vocab
@@ -249,6 +257,7 @@ class LLGuidanceBackend:
         o = {**self._json_opts, **spec.options_for("llguidance")}
         return bool(o.get("whitespace_flexible") or o.get("whitespace_pattern"))
 
+    @property
     def eos_token_id(self) -> int:
         return self._vocab.eos_token_id
 
@@ -273,7 +282,37 @@ class LLGuidanceBackend:
         template = self._llg.LLMatcher(self._tok, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"llguidance could not compile the {spec.kind}: {template.get_error().strip()}")
+        limit = self._probe_limits(template)
+        if limit is not None:
+            raise ValueError(f"llguidance could not compile the {spec.kind}: {limit}")
         return LLGuidanceGrammar(grammar=grammar, template=template)
+
+    def _probe_limits(self, template: object, probes: int = 4) -> str | None:
+        """llguidance's parser limits (e.g. at most 2,000 items in a parser row: a ``choice`` of more
+        options) do not fail the build; they fail the first token consumed. Consume each of the first
+        few allowed tokens on a copy so such a grammar is refused at compile time with the library's
+        message, instead of failing mid-generation."""
+        import numpy as np
+
+        def limit(matcher: object) -> str | None:  # a dead end is not a limit: the manager handles it
+            msg = matcher.get_error().strip().splitlines()[0] if matcher.is_error() else ""  # type: ignore[attr-defined]
+            return msg if any(w in msg.lower() for w in _LIMIT_WORDS) else None
+
+        m = template.deep_copy()  # type: ignore[attr-defined]
+        buf = np.zeros(self._vocab.bitmask_words, np.int32)
+        m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+        if m.is_error():
+            return limit(m)
+        bits = np.unpackbits(buf.view(np.uint8), bitorder="little")[: self._vocab.vocab_size]
+        for t in np.flatnonzero(bits)[:probes].tolist():
+            if t == self._vocab.eos_token_id:
+                continue
+            c = template.deep_copy()  # type: ignore[attr-defined]
+            c.try_consume_tokens([int(t)])
+            msg = limit(c)
+            if msg is not None:
+                return msg
+        return None
 
     def matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
         if not isinstance(compiled, LLGuidanceGrammar):
