@@ -1,0 +1,91 @@
+"""Single-process parts of ``deepinfer_core.distributed``: restart sizing, placement planning, config
+errors, and spawn() (two fresh processes, marked ``distributed``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deepinfer_core.distributed import DistConfig, init_groups, plan_placement, restart_ep_size, spawn
+from deepinfer_core.eplb import DECODE, PREFILL, EPLBConfig
+from deepinfer_core.scheduler import EngineType
+
+
+@given(st.integers(1, 200), st.integers(1, 512))
+def test_restart_ep_size_is_the_largest_divisor_that_fits(healthy: int, experts: int) -> None:
+    got = restart_ep_size(healthy, experts)
+    assert 1 <= got <= healthy and experts % got == 0
+    assert not any(experts % g == 0 for g in range(got + 1, healthy + 1))  # brute force: none larger fits
+
+
+def test_restart_ep_size_examples_and_errors() -> None:
+    assert restart_ep_size(64, 384) == 64
+    assert restart_ep_size(63, 384) == 48  # one GPU lost at EP64: 384 experts need a divisor
+    assert restart_ep_size(3, 8) == 2
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="healthy_ranks"):
+            restart_ep_size(bad, 8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_experts"):
+        restart_ep_size(4, 0)
+
+
+def test_plan_placement_follows_the_load() -> None:
+    rng = np.random.default_rng()
+    layers, experts, gpus = 3, 16, 4
+    load = rng.exponential(size=(layers, experts)) ** 2
+    cfg = EPLBConfig(window_steps=10, replan_interval=10, redundant_per_gpu=2)
+    p = plan_placement(layers, experts, gpus, cfg, load)
+    assert (p.num_layers, p.num_experts, p.num_gpus, p.num_replicas) == (layers, experts, gpus, experts + 2 * gpus)
+    assert (p.logcnt.sum(1) == experts + 2 * gpus).all() and (p.logcnt >= 1).all()
+    # a hotter expert never has fewer replicas than a colder one of the same layer (greedy replication)
+    for lay in range(layers):
+        order = np.argsort(-load[lay])
+        assert (np.diff(p.logcnt[lay][order]) <= 0).all()
+    u = plan_placement(layers, experts, gpus, cfg)
+    assert (np.ptp(u.gpu_loads(np.ones((layers, experts))), axis=1) < 1e-9).all()  # uniform: every GPU equal
+    with pytest.raises(ValueError, match="load"):
+        plan_placement(layers, experts, gpus, cfg, load[:, :-1])
+    with pytest.raises(ValueError, match="multiple of num_gpus"):
+        plan_placement(layers, experts, 3, cfg)
+
+
+def test_dist_config_errors_name_the_field() -> None:
+    assert DistConfig().eplb_config() is DECODE  # NORMAL engine: the decode window and interval
+    assert DistConfig(eplb=PREFILL).eplb_config() is PREFILL
+    for kw, field in ((dict(tolerance=1.0), "tolerance"), (dict(move_batch_size=0), "move_batch_size"),
+                      (dict(eplb=3), "eplb"), (dict(engine_type=EngineType.PROMPT), "engine_type")):
+        with pytest.raises(ValueError, match=f"DistConfig.{field}"):
+            DistConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_init_groups_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="timeout_s"):
+        init_groups(timeout_s=0)
+    with pytest.raises(ValueError, match="backend"):
+        init_groups(backend="mpi")
+    with pytest.raises(ValueError, match="init_method"):
+        init_groups(init_method="tcp://127.0.0.1:1", backend="gloo")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        init_groups(backend="gloo")
+    assert not dist.is_initialized()
+
+
+def _sum_ranks(groups, scale: int) -> tuple[int, int, float]:
+    import torch
+
+    t = torch.tensor([groups.rank * scale])
+    dist.all_reduce(t, group=groups.ep)
+    return groups.group_rank, int(t), groups.timeout_s
+
+
+@pytest.mark.distributed
+def test_spawn_runs_every_rank() -> None:
+    # (a rank that raises makes spawn raise with its traceback: checked by hand, ~7 s more per spawn)
+    assert spawn(_sum_ranks, 2, args=(5,), timeout_s=20) == [(0, 5, 20.0), (1, 5, 20.0)]
+    with pytest.raises(ValueError, match="nprocs"):
+        spawn(_sum_ranks, 0)
