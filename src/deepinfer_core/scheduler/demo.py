@@ -10,6 +10,7 @@ from collections import Counter, deque
 
 import numpy as np
 
+from deepinfer_core.display import printable
 from deepinfer_core.kv import PagedKVPool
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import CostModel, Plan, Request, Scheduler, SchedulerConfig, StepType
@@ -37,10 +38,10 @@ def demo() -> None:
     q, c = rng.integers(1, 32768, 200), rng.integers(0, 65536, 200)
     fit = CostModel.fit(q, c, true.predict(q, c) * (1 + 0.02 * rng.standard_normal(200)))
     names = ("base_ns", "token_ns", "quad_ns", "ctx_ns")
-    print("  cost(q, c) fitted from 200 noisy steps: "
+    print("  prefill step-time model cost(q tokens, c cached) fitted from 200 noisy timings: "
           + ", ".join(f"{k}={v:.4g} (true {w:.4g})" for k, v, w in zip(names, fit.as_tuple(), true.as_tuple())))
-    print(f"  largest chunk under a 3 ms budget: {fit.max_chunk(0, 3e6)} tokens on a fresh prompt, "
-          f"{fit.max_chunk(32768, 3e6)} after 32,768 cached tokens")
+    print(f"  so a 3 ms prefill step takes {fit.max_chunk(0, 3e6):,} tokens of a fresh prompt, "
+          f"{fit.max_chunk(32768, 3e6):,} after 32,768 cached tokens (attention to the cache costs time)")
 
     # 2) Serve 12 requests asynchronously on a pool small enough to force preemption.
     tok = ByteTokenizer()
@@ -69,15 +70,16 @@ def demo() -> None:
             inflight.append((plan, _fake_model(plan, last, tok.encode(" ")[0])))
         if inflight and (len(inflight) > 1 or not sched.num_live):
             finished += sched.update(*inflight.popleft())
-    print(f"  steps: {steps[StepType.PREFILL]} prefill (tokens/step {min(chunk_tokens)}-{max(chunk_tokens)}), "
-          f"{steps[StepType.DECODE]} decode; {preempted} preemptions")
+    print(f"  12 requests on a deliberately small KV pool (39 blocks), a stand-in model: "
+          f"{steps[StepType.PREFILL]} prefill steps ({min(chunk_tokens)}-{max(chunk_tokens)} tokens each), "
+          f"{steps[StepType.DECODE]} decode steps; {preempted} preemptions when the pool ran out")
     reasons = Counter(f.finish_reason.name for f in finished)
     exact = all(len(f.output_token_ids) == max_tokens[f.request_id] for f in finished)
     print(f"  every request got exactly its max_tokens outputs, preempted ones included: {exact}")
-    print(f"  {len(finished)} requests ended: {dict(reasons)}; free blocks back to {pool.num_free_blocks}/39")
+    print(f"  {len(finished)} requests ended ({dict(reasons)}); all KV blocks returned: {pool.num_free_blocks}/39 free")
     f0 = max(finished, key=lambda f: (f.num_preemptions, len(f.output_token_ids)))
     print(f"  {f0.request_id}: {len(f0.output_token_ids)} tokens, preempted {f0.num_preemptions}x, "
-          f"text {tok.decode(f0.output_token_ids[:24])!r}...")
+          f"stand-in text {printable(tok.decode(f0.output_token_ids[:24]))!r}...")
 
 
 if __name__ == "__main__":
