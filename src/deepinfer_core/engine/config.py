@@ -7,6 +7,7 @@ import attrs
 MODELS = ("tiny",)
 BACKENDS = ("reference", "cuda")
 DTYPES = ("float32", "float64", "bfloat16")
+PREEMPTION_POLICIES = ("guarded", "deepinfer")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 
 
@@ -36,6 +37,9 @@ class EngineConfig:
     most per request and step (None: ``DEEPINFER_USE_NEXTN_DECODE``; 0: off), how many of them each step
     verifies picked by ``spec.MTPVarlen`` (``DEEPINFER_ENABLE_MTP_VARLEN``; off: all of them). Only greedy,
     unconstrained requests draft, and scheduling is synchronous while speculating (docs/engine.md).
+    ``preemption_policy``: the scheduler's victim rule under KV pressure: ``"guarded"`` (default: admission
+    headroom, newest-admitted victim, bounded preemptions per request; cannot thrash) or ``"deepinfer"``
+    (the seed's longest-output victim; docs/scheduler.md).
     """
 
     model: str = "tiny"
@@ -53,6 +57,7 @@ class EngineConfig:
     structured_backend: str = "xgrammar"
     speculative: bool = False
     num_speculative_tokens: int | None = None
+    preemption_policy: str = "guarded"
 
     def __attrs_post_init__(self) -> None:
         _check(self.model in MODELS, "model", f"{self.model!r}: must be one of {list(MODELS)} (no downloads here)")
@@ -68,6 +73,8 @@ class EngineConfig:
         _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", f"{self.max_model_len!r}: must be an int >= 2")
         _check(self.structured_backend in GRAMMAR_BACKENDS, "structured_backend",
                f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
+        _check(self.preemption_policy in PREEMPTION_POLICIES, "preemption_policy",
+               f"{self.preemption_policy!r}: must be one of {list(PREEMPTION_POLICIES)}")
         for name in ("quantize", "async_scheduling", "speculative"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
         _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)

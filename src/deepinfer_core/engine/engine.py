@@ -138,9 +138,7 @@ class LLMEngine:
             # a verify row's next position depends on how many drafts are accepted, so with drafts the
             # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
             async_mode=cfg.async_scheduling and self.drafts is None,
-            # the seed's eviction rule, which the engine's tight-pool tests rely on to exercise
-            # preemption and recompute (the scheduler's default, GUARDED, mostly avoids preempting)
-            preemption_policy=PreemptionPolicy.DEEPINFER))
+            preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()]))
 
     def _clear_tables(self) -> None:
         """Empty per-request tables (at start, and by ``reset``)."""
