@@ -64,13 +64,17 @@ class EngineConfig:
         _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"{self.seed!r}: must be an int in [0, 2**63)")
         _check(self.backend in BACKENDS, "backend", f"{self.backend!r}: must be one of {list(BACKENDS)}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r}: must be one of {list(DTYPES)}")
-        _check(_is_int(self.block_size) and self.block_size >= 1, "block_size", f"{self.block_size!r}: must be an int >= 1")
-        _check(_is_int(self.num_blocks) and self.num_blocks >= 2, "num_blocks",
-               f"{self.num_blocks!r}: must be an int >= 2 (block 0 is the null block)")
-        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", f"{self.max_num_seqs!r}: must be an int >= 1")
+        # upper bounds: the C++ core's int32 ids and counts (a larger value would wrap, not fail)
+        _check(_is_int(self.block_size) and 1 <= self.block_size <= 2**20, "block_size",
+               f"{self.block_size!r}: must be an int in [1, 2**20]")
+        _check(_is_int(self.num_blocks) and 2 <= self.num_blocks <= 2**31 - 1, "num_blocks",
+               f"{self.num_blocks!r}: must be an int in [2, 2**31 - 1] (block 0 is the null block)")
+        _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 2**20, "max_num_seqs",
+               f"{self.max_num_seqs!r}: must be an int in [1, 2**20]")
         _check(_is_int(self.max_num_batched_tokens) and 1 <= self.max_num_batched_tokens <= 32768,
                "max_num_batched_tokens", f"{self.max_num_batched_tokens!r}: must be an int in [1, 32768]")
-        _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", f"{self.max_model_len!r}: must be an int >= 2")
+        _check(_is_int(self.max_model_len) and 2 <= self.max_model_len <= 2**31 - 1, "max_model_len",
+               f"{self.max_model_len!r}: must be an int in [2, 2**31 - 1]")
         _check(self.structured_backend in GRAMMAR_BACKENDS, "structured_backend",
                f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
         _check(self.preemption_policy in PREEMPTION_POLICIES, "preemption_policy",
