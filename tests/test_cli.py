@@ -102,6 +102,21 @@ def test_grammar_backend_without_structured_extra(backend: str) -> None:
                                 'pip install "deepinfer-components[structured]"')
 
 
+def test_engine_so_args_without_structured_extra() -> None:
+    # The constrained request fails alone with the one-line hint; the plain one runs.
+    r = _run("from deepinfer_core.engine import LLM\n"
+             "from deepinfer_core.sampling_params import SamplingParams as S\n"
+             "outs = LLM(num_blocks=32, max_num_seqs=2).generate(['a', 'b'], [S(max_tokens=3, so_args={'regex': 'x+'}),"
+             " S(max_tokens=3, ignore_eos=True)], use_tqdm=False)\n"
+             "print(outs[0].error)\nprint(outs[1].ok, len(outs[1].token_ids))\n",
+             blocked=("xgrammar", "llguidance"))
+    assert r.returncode == 0, r.stderr
+    err, plain = r.stdout.strip().splitlines()
+    assert err == ('SamplingParams.so_args: the xgrammar grammar backend needs xgrammar: '
+                   'pip install "deepinfer-components[structured]"')
+    assert plain == "True 3"
+
+
 def test_demo_skips_sections_whose_extra_is_missing() -> None:
     r = _run("from deepinfer_core.demo import main\nraise SystemExit(main(['--only', 'structured,build']))\n",
              blocked=("xgrammar", "llguidance"))
@@ -158,6 +173,17 @@ def test_cli_help_and_console_script(capsys: pytest.CaptureFixture[str]) -> None
     assert mod == "deepinfer_core.cli" and fn == "main"
     # every benchmark script of the tree is reachable
     assert set(cli.bench_scripts()) == {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
+
+
+def test_console_script_installed() -> None:
+    # pip writes the console script from [project.scripts]; `make test` / `make demo` install it.
+    from importlib.metadata import entry_points
+
+    (ep,) = entry_points(group="console_scripts", name="deepinfer")
+    assert ep.value == "deepinfer_core.cli:main"
+    exe = Path(sys.executable).parent / "deepinfer"
+    r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("deepinfer-components "), r.stderr
 
 
 def test_cli_demo_list_and_python_m() -> None:

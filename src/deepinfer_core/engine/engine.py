@@ -197,8 +197,10 @@ class LLMEngine:
                 try:
                     self._grammar_manager().add_request(request_id, sp.so_args)
                 except ImportError as e:
-                    self._drop_early(req, f"SamplingParams.so_args: {e} (install the structured extra: "
-                                          "pip install \"deepinfer-components[structured]\")")
+                    # a MissingExtraError already names the extra to install (deepinfer_core.extras)
+                    hint = "" if "deepinfer-components[" in str(e) else \
+                        " (install the structured extra: pip install \"deepinfer-components[structured]\")"
+                    self._drop_early(req, f"SamplingParams.so_args: {e}{hint}")
                     return
                 except RecursionError:
                     self._drop_early(req, "SamplingParams.so_args: nested too deeply to compile")
