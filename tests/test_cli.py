@@ -118,12 +118,14 @@ def test_engine_so_args_without_structured_extra() -> None:
 
 
 def test_demo_skips_sections_whose_extra_is_missing() -> None:
-    r = _run("from deepinfer_core.demo import main\nraise SystemExit(main(['--only', 'structured,build']))\n",
-             blocked=("xgrammar", "llguidance"))
+    # The whole main job on a plain install (no structured extra): exit 0, the grammar section skipped
+    # with the pip line, the engine section without its constrained requests.
+    r = _run("from deepinfer_core.demo import main\nraise SystemExit(main([]))\n", blocked=("xgrammar", "llguidance"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert 'skipped: the xgrammar grammar backend needs xgrammar: pip install "deepinfer-components[structured]"' \
         in r.stdout
-    assert "1 ran, 1 skipped" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert 'the regex and choice requests are left out: pip install "deepinfer-components[structured]"' in r.stdout
+    assert f"{len(demo.NAMES) - 1} ran, 1 skipped" in r.stdout and "Traceback" not in r.stdout + r.stderr
 
 
 # ------------------------------------------------------------------------------------------ demo / cli

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from deepinfer_core.extras import MissingExtraError, install_hint, require
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
@@ -37,6 +39,15 @@ def demo() -> None:
     ]
     labels = ["greedy", "sampled, T=0.8 top-p 0.9", "regex [0-9]{3}-[a-z]{2,4}", "empty prompt",
               "choice of cat/dog/axolotl"]
+    try:
+        require("xgrammar")
+        structured = True
+    except MissingExtraError:  # a plain install: no structured extra
+        structured = False
+    if not structured:
+        keep = [i for i, sp in enumerate(params) if sp.so_args is None]
+        prompts, params, labels = ([x[i] for i in keep] for x in (prompts, params, labels))
+        print(f"  (the regex and choice requests are left out: {install_hint('structured')} adds them)")
     # The empty prompt is refused on purpose and shown below: keep the engine's warning about it quiet.
     eng_log = logging.getLogger("deepinfer_core.engine")
     level = eng_log.level
