@@ -1,0 +1,124 @@
+"""KV block store benchmark: put / get bandwidth per backend, the checksum's share, async prefetch.
+
+1. put and get of 64 KiB and 1 MiB blocks on InMemoryKVStore, FileKVStore (a temp dir on local disk,
+   fsync on and off) and RedisKVStore (a redis-server this script starts on a free port, when the binary
+   exists): MB/s, median of repeats, side by side in one run (quote ratios: the machine is noisy).
+2. The record's BLAKE2b-256 digest alone, against a plain copy of the same bytes.
+3. Prefetch: 64 blocks of 1 MiB read one after another vs through ``Prefetcher`` (4 workers).
+
+Usage: python benchmarks/kvstore.py [--quick]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from _common import emit, log, parser, time_it
+from deepinfer_core.kvstore import FileKVStore, InMemoryKVStore, Prefetcher, RedisKVStore, TTLPolicy
+
+BENCH = "kvstore"
+
+
+def start_redis():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        log("redis-server not found: Redis rows skipped")
+        return None, None, None
+    d = tempfile.mkdtemp(prefix="dkv-bench-redis-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.025)
+    return proc, d, f"redis://127.0.0.1:{port}/0"
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    quick = args.quick
+    repeat = 3 if quick else 7
+    nblocks = 8 if quick else 32
+    rng = np.random.default_rng(0)
+    proc, rdir, url = start_redis()
+    tmp = tempfile.mkdtemp(prefix="dkv-bench-")
+    try:
+        stores = {
+            "memory": InMemoryKVStore(TTLPolicy()),
+            "file": FileKVStore(os.path.join(tmp, "f"), fsync=False),
+            "file_fsync": FileKVStore(os.path.join(tmp, "fs"), fsync=True),
+        }
+        if url:
+            stores["redis"] = RedisKVStore(url=url)
+        for size in (64 << 10, 1 << 20):
+            blocks = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(nblocks)]
+            keys = [os.urandom(16) for _ in range(nblocks)]
+            for name, st in stores.items():
+                def put(st=st, keys=keys, blocks=blocks):
+                    for k, b in zip(keys, blocks):
+                        st.put(k, b)
+
+                def get(st=st, keys=keys):
+                    for k in keys:
+                        assert st.get(k) is not None
+
+                tp = time_it(put, repeat=repeat)
+                tg = time_it(get, repeat=repeat)
+                p = {"backend": name, "block_bytes": size, "blocks": nblocks}
+                emit(BENCH, p, "put_MBps", size * nblocks / tp / 1e6, "MB/s")
+                emit(BENCH, p, "get_MBps", size * nblocks / tg / 1e6, "MB/s")
+        data = rng.integers(0, 256, 1 << 24, dtype=np.uint8).tobytes()
+        th = time_it(lambda: hashlib.blake2b(data, digest_size=32).digest(), repeat=repeat)
+        tc = time_it(lambda: bytearray(data), repeat=repeat)
+        emit(BENCH, {"bytes": len(data)}, "blake2b_MBps", len(data) / th / 1e6, "MB/s")
+        emit(BENCH, {"bytes": len(data)}, "copy_MBps", len(data) / tc / 1e6, "MB/s")
+        emit(BENCH, {"bytes": len(data)}, "blake2b_over_copy_time", th / tc, "ratio")
+        n = 16 if quick else 64
+        blocks = [rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for _ in range(n)]
+        keys = [os.urandom(16) for _ in range(n)]
+        for name in [s for s in ("file", "redis") if s in stores]:
+            st = stores[name]
+            for k, b in zip(keys, blocks):
+                st.put(k, b)
+            pf = Prefetcher(st, num_workers=4, max_inflight_bytes=64 << 20)
+
+            def serial(st=st):
+                for k in keys:
+                    st.get(k)
+
+            def parallel(pf=pf):
+                pf.prefetch(keys).result()
+
+            ts = time_it(serial, repeat=repeat)
+            tpf = time_it(parallel, repeat=repeat)
+            pf.close()
+            p = {"backend": name, "blocks": n, "block_bytes": 1 << 20, "workers": 4}
+            emit(BENCH, p, "serial_get_s", ts, "s")
+            emit(BENCH, p, "prefetch_s", tpf, "s")
+            emit(BENCH, p, "prefetch_speedup", ts / tpf, "ratio")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+            shutil.rmtree(rdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
