@@ -15,7 +15,7 @@ from deepinfer_core.kvstore.memory import InMemoryKVStore, StoreStats
 from deepinfer_core.kvstore.prefetch import PrefetchBatch, Prefetcher
 from deepinfer_core.kvstore.record import DEFAULT_TTLS_S, TTLPolicy, block_keys
 from deepinfer_core.kvstore.redis_store import RedisKVStore
-from deepinfer_core.kvstore.swapin import LayerwiseSwapIn, pack_layers
+from deepinfer_core.kvstore.swapin import LayerwiseSwapIn, pack_layers, stage
 
 __all__ = [
     "DEFAULT_TTLS_S",
@@ -29,4 +29,5 @@ __all__ = [
     "TTLPolicy",
     "block_keys",
     "pack_layers",
+    "stage",
 ]

@@ -25,11 +25,27 @@ def pack_layers(layers: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(views)
 
 
+def stage(host_blocks: Sequence[np.ndarray], num_layers: int, layer_bytes: int, *, pin: bool = False):
+    """Layer-major host blocks as one [num_layers, n, layer_bytes] uint8 tensor (each layer's slice
+    contiguous), pinned if ``pin`` so device copies from it are asynchronous. A prefetcher can stage
+    ahead of the step, off the critical path."""
+    import torch
+
+    for j, b in enumerate(host_blocks):
+        if b.dtype != np.uint8 or b.size != num_layers * layer_bytes:
+            raise ValueError(f"host_blocks[{j}]: must be uint8 of {num_layers} x {layer_bytes} bytes, got {b.dtype} {b.size}")
+    stacked = np.stack(list(host_blocks)) if len(host_blocks) else np.empty((0, num_layers * layer_bytes), np.uint8)
+    t = torch.from_numpy(np.ascontiguousarray(stacked.reshape(-1, num_layers, layer_bytes).transpose(1, 0, 2)))
+    return t.pin_memory() if pin else t
+
+
 class LayerwiseSwapIn:
     """Copies host blocks into ``dst_layers`` (one uint8 tensor [pool_blocks, layer_nbytes] per layer,
     typically a byte view of that layer's KV cache) at the rows ``block_ids``."""
 
-    def __init__(self, dst_layers: Sequence, host_blocks: Sequence[np.ndarray], block_ids: Sequence[int]) -> None:
+    def __init__(self, dst_layers: Sequence, host_blocks, block_ids: Sequence[int]) -> None:
+        """``host_blocks``: a list of layer-major uint8 arrays (one per block), or blocks already staged
+        by ``stage`` (a [num_layers, n, layer_bytes] uint8 tensor, pinned for CUDA: no host copy then)."""
         import torch
 
         self._torch = torch
@@ -41,23 +57,23 @@ class LayerwiseSwapIn:
         for i, d in enumerate(self.dst):
             if d.dtype != torch.uint8 or d.dim() != 2 or int(d.shape[1]) != width:
                 raise ValueError(f"dst_layers[{i}]: must be uint8 [pool_blocks, {width}], got {d.dtype} {tuple(d.shape)}")
-        if len(host_blocks) != len(block_ids):
-            raise ValueError(f"block_ids: {len(block_ids)} ids for {len(host_blocks)} host blocks")
-        for j, b in enumerate(host_blocks):
-            if b.dtype != np.uint8 or b.size != nl * width:
-                raise ValueError(f"host_blocks[{j}]: must be uint8 of {nl} x {width} bytes, got {b.dtype} {b.size}")
+        device = self.dst[0].device
+        self._cuda = device.type == "cuda"
+        if isinstance(host_blocks, torch.Tensor):
+            if host_blocks.dtype != torch.uint8 or tuple(host_blocks.shape[::2]) != (nl, width) or host_blocks.dim() != 3:
+                raise ValueError(f"host_blocks: a staged tensor must be uint8 [{nl}, n, {width}], got "
+                                 f"{host_blocks.dtype} {tuple(host_blocks.shape)}")
+            self._src = host_blocks.contiguous()
+        else:
+            self._src = stage(host_blocks, nl, width, pin=self._cuda)
+        nblk = int(self._src.shape[1])
+        if nblk != len(block_ids):
+            raise ValueError(f"block_ids: {len(block_ids)} ids for {nblk} host blocks")
         rows = int(self.dst[0].shape[0])
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= rows):
             raise ValueError(f"block_ids: must lie in [0, {rows}), got {ids.min()}..{ids.max()}")
         self.num_layers = nl
-        device = self.dst[0].device
-        self._cuda = device.type == "cuda"
-        # [num_layers, n, width] so each layer's slice is contiguous; pinned on CUDA so the copies are
-        # truly asynchronous
-        stacked = np.stack(list(host_blocks)) if len(host_blocks) else np.empty((0, nl * width), np.uint8)
-        host = torch.from_numpy(np.ascontiguousarray(stacked.reshape(-1, nl, width).transpose(1, 0, 2)))
-        self._src = host.pin_memory() if self._cuda else host
         self._ids = torch.from_numpy(ids).to(device)
         self._done = 0
         self._events: list = []

@@ -153,3 +153,15 @@ def test_swapin_cuda_matches_direct_copy():
 def test_kvstore_imports_no_torch():
     code = "import sys, deepinfer_core.kvstore; assert 'torch' not in sys.modules, 'torch imported'"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_swapin_from_staged_tensor():
+    from deepinfer_core.kvstore import stage
+
+    dst, host, ids, expect, _ = _swap_case(3, "cpu")
+    staged = stage(host, len(dst), int(dst[0].shape[1]))
+    assert staged.shape == (len(dst), len(host), dst[0].shape[1])
+    LayerwiseSwapIn(dst, staged, ids).wait_all()
+    assert all(torch.equal(a, b) for a, b in zip(dst, expect))
+    with pytest.raises(ValueError, match="staged tensor must be uint8"):
+        LayerwiseSwapIn(dst, staged[:, :, :-1], ids)
