@@ -3,13 +3,17 @@
 ``ByteTokenizer`` is the built-in tokenizer of the tiny model (no download): ids 0-2 are <bos>, <eos>,
 <pad> (pad id 2 is also the Engram pad, as in DeepSeek's vocab), ids 3..258 are the 256 bytes, and the
 rest of the vocabulary up to ``vocab_size`` are reserved control tokens (one is the DSpark noise token).
-``HFTokenizer`` wraps any HuggingFace ``tokenizers`` tokenizer.json.
+``HFTokenizer`` wraps any HuggingFace ``tokenizers`` tokenizer.json. ``V41Tokenizer`` is the shipped
+model's byte-level BPE (trained by ``scripts/train_tiny.py``) with the V4.1 control tokens and a chat
+encoding that inserts every control token by id (so user text can never become one; docs/model.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 BYTE_OFFSET = 3
@@ -131,3 +135,151 @@ def _token_to_bytes(tok: object, i: int) -> bytes:
     if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # sentencepiece byte fallback
         return bytes([int(piece[3:5], 16)])
     return piece.replace("▁", " ").encode("utf-8")
+
+
+# ---------------------------------------------------------------- the V4.1 control tokens
+# DeepSeek's names (ids 0-2 as in its vocabulary: bos, eos, pad = the Engram pad); the DSpark noise
+# token's name is ours (the release's is not public), placed at the last id like dspark_noise_token_id.
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+NOISE = "<｜dspark▁noise｜>"
+CONTROL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK, CALLS_BEGIN, CALLS_END, CALL_BEGIN,
+                  CALL_END, TOOL_SEP, OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN, OUTPUT_END)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 512) -> Any:
+    """A byte-level BPE (``tokenizers``) with the control tokens at ids 0..15, the 256 bytes next, merges
+    up to ``vocab_size - 1`` and the noise token at ``vocab_size - 1``. Every control token is special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, special_tokens=[AddedToken(t, special=True) for t in CONTROL_TOKENS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.add_special_tokens([AddedToken(NOISE, special=True)])
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size or tok.token_to_id(NOISE) != vocab_size - 1:
+        raise ValueError(f"vocab_size={vocab_size}: the corpus gave {tok.get_vocab_size(with_added_tokens=True)} "
+                         "tokens; it needs enough text for every merge")
+    return tok
+
+
+class ChatError(ValueError):
+    """A chat message is malformed: the message names the field."""
+
+
+class V41Tokenizer(HFTokenizer):
+    """The shipped model's tokenizer: BPE text plus the V4.1 control tokens, matched by id only.
+
+    :meth:`encode_chat` renders messages the way DeepSeek's API does (role markers and tool-call markers
+    inserted by id, text pieces encoded with control-token matching off), :meth:`parse_assistant` reads
+    generated ids back, recognising tool calls by their marker ids, never by text.
+    """
+
+    def __init__(self, path_or_tokenizer: str | Path | object) -> None:
+        super().__init__(path_or_tokenizer, eos_token=EOS)
+        ids = {}
+        for t in (*CONTROL_TOKENS, NOISE):
+            i = self._tok.token_to_id(t)
+            if i is None or i not in self._special:
+                raise ValueError(f"tokenizer: control token {t!r} is missing or not special")
+            ids[t] = int(i)
+        self.control_ids: dict[str, int] = ids
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.control_ids[BOS]
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.control_ids[PAD]
+
+    @property
+    def noise_token_id(self) -> int:
+        return self.control_ids[NOISE]
+
+    def _c(self, name: str) -> list[int]:
+        return [self.control_ids[name]]
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, thinking: bool = False) -> list[int]:
+        """Token ids of a conversation (``role`` in system / user / assistant / tool; an assistant message
+        may carry ``tool_calls`` [{"name", "arguments"}]). Text is always encoded as text."""
+        ids = self._c(BOS)
+        system = [m for m in messages if m.get("role") == "system"]
+        sys_text = "\n\n".join(_content(m, i) for i, m in enumerate(system))
+        if tools:
+            sys_text += ("\n\n" if sys_text else "") + "## Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
+        ids += self.encode(sys_text)
+        in_outputs = False
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role == "system":
+                continue
+            if role != "tool" and in_outputs:
+                ids += self._c(OUTPUTS_END)
+                in_outputs = False
+            if role == "user":
+                ids += self._c(USER) + self.encode(_content(m, i))
+            elif role == "assistant":
+                ids += self._c(ASSISTANT) + self._c(END_THINK) + self.encode(_content(m, i, allow_empty=True))
+                calls = m.get("tool_calls") or []
+                if calls:
+                    ids += self._c(CALLS_BEGIN)
+                    for j, c in enumerate(calls):
+                        if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
+                            raise ChatError(f"messages[{i}].tool_calls[{j}]: needs a 'name' string")
+                        args = c.get("arguments", "")
+                        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                        ids += self._c(CALL_BEGIN) + self.encode(c["name"]) + self._c(TOOL_SEP) + self.encode(args) + self._c(CALL_END)
+                    ids += self._c(CALLS_END)
+                ids += self._c(EOS)
+            elif role == "tool":
+                if not in_outputs:
+                    ids += self._c(OUTPUTS_BEGIN)
+                    in_outputs = True
+                ids += self._c(OUTPUT_BEGIN) + self.encode(_content(m, i)) + self._c(OUTPUT_END)
+            else:
+                raise ChatError(f"messages[{i}].role={role!r}: must be one of 'system', 'user', 'assistant', 'tool'")
+        if in_outputs:
+            ids += self._c(OUTPUTS_END)
+        if add_generation_prompt:
+            ids += self._c(ASSISTANT) + self._c(THINK if thinking else END_THINK)
+        return ids
+
+    def parse_assistant(self, ids: Sequence[int]) -> dict[str, Any]:
+        """{"reasoning", "content", "tool_calls": [{"name", "arguments"}]} of generated ids. Structure is
+        read from control-token ids only: marker-looking text stays content."""
+        c = self.control_ids
+        ids = list(ids)
+        if c[EOS] in ids:
+            ids = ids[: ids.index(c[EOS])]
+        reasoning: list[int] = []
+        if c[END_THINK] in ids:
+            k = ids.index(c[END_THINK])
+            reasoning, ids = [i for i in ids[:k] if i != c[THINK]], ids[k + 1 :]
+        calls: list[dict[str, str]] = []
+        if c[CALLS_BEGIN] in ids:
+            k = ids.index(c[CALLS_BEGIN])
+            ids, rest = ids[:k], ids[k + 1 :]
+            while c[CALL_BEGIN] in rest:
+                rest = rest[rest.index(c[CALL_BEGIN]) + 1 :]
+                end = rest.index(c[CALL_END]) if c[CALL_END] in rest else len(rest)
+                body, rest = rest[:end], rest[end + 1 :]
+                sep = body.index(c[TOOL_SEP]) if c[TOOL_SEP] in body else len(body)
+                calls.append({"name": self.decode(body[:sep]), "arguments": self.decode(body[sep + 1 :])})
+        return {"reasoning": self.decode(reasoning), "content": self.decode(ids), "tool_calls": calls}
+
+
+def _content(m: Mapping[str, Any], i: int, allow_empty: bool = False) -> str:
+    v = m.get("content")
+    if v is None and allow_empty:
+        return ""
+    if not isinstance(v, str):
+        raise ChatError(f"messages[{i}].content: must be a string (got {type(v).__name__})")
+    return v

@@ -4,11 +4,13 @@ Layout written by :func:`save_weights` and read by :func:`load_weights` (names a
 parameter names; routed experts are split per expert as in released checkpoints):
 
 - ``<base>.weight`` float8_e4m3fn [out, in] + ``<base>.scale`` float8_e8m0fnu [ceil(out/32), ceil(in/32)]
-  for attention / indexer / compressor / shared-expert linears (one power-of-two scale per 32x32 block,
+  for attention / indexer / compressor / shared-expert / drafter / Engram linears, mHC projections,
+  embedding and head (one power-of-two scale per 32x32 block,
   chosen so the block max never clips: 2^ceil(log2(amax / 448))).
 - ``layers.L.ffn.experts.E.w{1,2,3}.weight`` uint8 [out, in/2] (two e2m1 codes per byte, low nibble
   first) + ``.scale`` uint8 [out, in/32] (ue8m0 exponent, bias 127): MXFP4 with one scale per 32 inputs.
-- everything else (embedding, head, norms, router, sinks, positional biases) in the model dtype.
+- everything else (norms, router, sinks, positional biases, mHC scales, the drafter's Markov and
+  confidence heads) in the model dtype (bf16 for the shipped checkpoint).
 
 Loading streams: shards are memory-mapped by ``safe_open`` and read one tensor at a time, dequantised
 and copied into the parameter, so no shard is ever held in memory twice. A model whose weights were
@@ -21,7 +23,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import attrs
@@ -41,7 +43,7 @@ from deepinfer_core.model.model import DeepSeekV41
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightsError", "load_weights", "quantize_weights_", "save_weights"]
+__all__ = ["WeightsError", "iter_checkpoint", "iter_model", "load_state", "load_weights", "quantize_weights_", "save_weights"]
 
 INDEX_FILE = "model.safetensors.index.json"
 FP8_BLOCK = 32
@@ -51,7 +53,11 @@ E2M1_MAX = 6.0
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.(w[123])$")
 _SHARED = re.compile(r"^layers\.(\d+)\.ffn\.s_(w[123])$")
-_FP8_LEAVES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "wq", "weights_proj")
+# dense matrices stored FP8: every linear (the drafter's fuse / condition / MLP and the Engram projections
+# too), the mHC projections, the embedding and the head (that is what keeps the shipped tiny checkpoint
+# under 8 MiB); routers, norms, sinks, biases and the drafter's Markov / confidence heads stay plain
+_FP8_LEAVES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "wq", "weights_proj", "w_fuse", "w_cond", "w1", "w2", "w3",
+               "w_v", "w_k", "phi", "embed", "head")
 
 
 class WeightsError(ValueError):
@@ -200,24 +206,17 @@ def _weight_map(path: Path) -> dict[str, str]:
     raise WeightsError(f"{path}: neither {INDEX_FILE} nor model.safetensors found")
 
 
-@torch.no_grad()
-def load_weights(model: DeepSeekV41, path: str | Path, progress: bool = False) -> DeepSeekV41:
-    """Fill ``model``'s parameters from a checkpoint directory, one tensor at a time.
-
-    Quantised tensors are recognised by their ``.scale`` companion. Missing, unexpected or misshapen
-    tensors raise :class:`WeightsError` naming them.
-    """
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint key, dequantised value) of every tensor of a checkpoint directory, one at a time:
+    shards are memory-mapped and each tensor is read, decoded and handed over before the next."""
     root = Path(path)
     wm = _weight_map(root)
-    want: dict[str, _Entry] = {}
-    for e in _entries(model, True, True):
-        want[e.key] = e
     by_shard: dict[str, list[str]] = {}
     for key, shard in wm.items():
         by_shard.setdefault(shard, []).append(key)
-    seen: set[str] = set()
-    bar = tqdm(total=len(want), desc="load weights", disable=not progress, unit="tensor")
     for shard, keys in sorted(by_shard.items()):
+        if not (root / shard).is_file():
+            raise WeightsError(f"{shard}: listed in {INDEX_FILE} but missing from {root}")
         with safe_open(str(root / shard), framework="pt") as f:
             names = set(f.keys())
             for key in sorted(keys):
@@ -225,31 +224,58 @@ def load_weights(model: DeepSeekV41, path: str | Path, progress: bool = False) -
                     raise WeightsError(f"{key}: listed in the index under {shard} but not in that file")
                 if key.endswith(".scale"):
                     continue
-                base = key.removesuffix(".weight")
-                e = want.get(base) or want.get(key)
-                if e is None:
-                    raise WeightsError(f"{key}: unexpected tensor (no such parameter in the model)")
-                dst = _tensor_of(model, e)
                 raw = f.get_tensor(key)
-                scale_key = f"{base}.scale"
+                scale_key = f"{key.removesuffix('.weight')}.scale"
                 if scale_key in wm:
                     if wm[scale_key] != shard:
                         raise WeightsError(f"{scale_key}: must be in the same shard as {key}")
-                    s = f.get_tensor(scale_key)
-                    val = (fp8_dequantize(raw, s) if raw.dtype == torch.float8_e4m3fn else mxfp4_dequantize(raw, s))
+                    sc = f.get_tensor(scale_key)
+                    yield key, (fp8_dequantize(raw, sc) if raw.dtype == torch.float8_e4m3fn else mxfp4_dequantize(raw, sc))
                 else:
-                    val = raw
-                if val.numel() != dst.numel() or (val.dim() == dst.dim() and val.shape != dst.shape):
-                    raise WeightsError(f"{key}: shape {tuple(val.shape)} does not match parameter {e.param} {tuple(dst.shape)}")
-                dst.copy_(val.reshape(dst.shape).to(dst.dtype))
-                seen.add(e.key)
-                bar.update(1)
-                del raw, val
+                    yield key, raw
+
+
+def iter_model(model: DeepSeekV41) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint key, value) of a model's own parameters, unquantised: a checkpoint that exists only
+    in memory (the random ``tiny-random`` model is loaded through this and :func:`load_state`)."""
+    for e in _entries(model, False, False):
+        t = _tensor_of(model, e)
+        yield (f"{e.key}.weight" if e.param.endswith(".weight") else e.key), t.detach()
+
+
+@torch.no_grad()
+def load_state(model: DeepSeekV41, items: Iterable[tuple[str, torch.Tensor]], progress: bool = False) -> DeepSeekV41:
+    """Fill ``model``'s parameters from (checkpoint key, value) pairs (:func:`iter_checkpoint`,
+    :func:`iter_model`), copying each as it comes. Unexpected, misshapen and missing tensors raise
+    :class:`WeightsError` naming them."""
+    want = {e.key: e for e in _entries(model, True, True)}
+    seen: set[str] = set()
+    bar = tqdm(total=len(want), desc="load weights", disable=not progress, unit="tensor")
+    for key, val in items:
+        base = key.removesuffix(".weight")
+        e = want.get(base) or want.get(key)
+        if e is None:
+            raise WeightsError(f"{key}: unexpected tensor (no such parameter in the model)")
+        dst = _tensor_of(model, e)
+        if val.numel() != dst.numel() or (val.dim() == dst.dim() and val.shape != dst.shape):
+            raise WeightsError(f"{key}: shape {tuple(val.shape)} does not match parameter {e.param} {tuple(dst.shape)}")
+        dst.copy_(val.reshape(dst.shape).to(dst.dtype))
+        seen.add(e.key)
+        bar.update(1)
     bar.close()
     missing = sorted(set(want) - seen)
     if missing:
         raise WeightsError(f"{missing[0]}: missing from the checkpoint ({len(missing)} missing in all)")
     return model
+
+
+def load_weights(model: DeepSeekV41, path: str | Path, progress: bool = False) -> DeepSeekV41:
+    """Fill ``model``'s parameters from a checkpoint directory, one tensor at a time.
+
+    Quantised tensors are recognised by their ``.scale`` companion. Missing, unexpected or misshapen
+    tensors raise :class:`WeightsError` naming them.
+    """
+    return load_state(model, iter_checkpoint(path), progress)
 
 
 def checkpoint_bytes(model: DeepSeekV41, fp8: bool = True, mxfp4: bool = True, plain_bytes: int = 2) -> int:
