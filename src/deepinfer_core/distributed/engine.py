@@ -71,6 +71,20 @@ def plan_placement(num_layers: int, num_experts: int, ep_size: int, config: EPLB
     return ExpertPlacement.plan(w + 1e-9, reps, 1, 1, ep_size)  # + eps: unseen experts keep a slot order
 
 
+def replan_ep(ep: ExpertParallel, local_load: Any, group: Any, device: Any, *, tolerance: float = 0.01,
+              batch_size: int = 32) -> tuple[Any, Any, np.ndarray]:
+    """Re-plan ``ep``'s placement on the group's load (``local_load`` summed over the EP group, so every
+    rank plans the same), move the changed slots' weights over ``group`` and switch the routing.
+    Collective. Returns (MigrationPlan, TransferReport, the group's load)."""
+    load = torch.as_tensor(np.asarray(local_load, dtype=np.int64), device=device)
+    dist.all_reduce(load, group=group)
+    load_np = load.cpu().numpy()
+    plan = replan_with_migration(ep.placement, load_np, tolerance=tolerance, expert_bytes=ep.expert_bytes)
+    rep = execute_moves(plan.moves, ep.weights, group=group, batch_size=batch_size)
+    ep.set_placement(plan.placement)
+    return plan, rep, load_np
+
+
 @attrs.frozen(kw_only=True)
 class DistConfig:
     """What the distributed wrapper adds to an :class:`EngineConfig`.
@@ -275,15 +289,10 @@ class DistributedEngine:
         if not self.dist_config.online_eplb or s < w or (s - w) % cfg.replan_interval:
             return
         t0 = time.perf_counter()
-        load = torch.as_tensor(self.window.load(), device=self.groups.device)
-        dist.all_reduce(load, group=self.groups.ep)  # every rank plans on the group's load: the same plan
-        load_np = load.cpu().numpy()
         old = self.ep.placement
-        plan = replan_with_migration(old, load_np, tolerance=self.dist_config.tolerance,
-                                     expert_bytes=self.ep.expert_bytes)
-        rep = execute_moves(plan.moves, self.ep.weights, group=self.groups.ep,
-                            batch_size=self.dist_config.move_batch_size)
-        self.ep.set_placement(plan.placement)
+        plan, rep, load_np = replan_ep(self.ep, self.window.load(), self.groups.ep, self.groups.device,
+                                       tolerance=self.dist_config.tolerance,
+                                       batch_size=self.dist_config.move_batch_size)
         r = Replan(step=self.steps, live_requests=self.engine.scheduler.num_live, moves=len(plan.moves),
                    remote_moves=plan.moves.num_remote, bytes_sent=rep.bytes_sent,
                    moe_lb_before=moe_lb(load_np, old), moe_lb_after=moe_lb(load_np, plan.placement),

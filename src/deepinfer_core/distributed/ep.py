@@ -5,7 +5,8 @@ lives on rank ``p // slots_per_gpu``; redundant replicas of hot experts included
 
 1. route its own tokens with the (replicated) gate; count tokens per logical expert (EPLB's load);
 2. pick a replica for each token-expert pair: ``log2phy[e, src_rank % logcnt[e]]`` (every pair of one
-   source rank and one expert goes to one replica, different source ranks spread over the replicas);
+   source rank and one expert goes to one replica, different source ranks spread over the replicas;
+   ``replica_choice="token"`` spreads one rank's pairs round robin instead, see REPLICA_CHOICES);
 3. one small all-to-all of (pairs for you, active flag, layer id), then two of the pairs' slot ids and
    rows; each owner runs every (source rank, slot) group as its own matmul (so a token's result never
    depends on other ranks' tokens: with batch-invariant mode the tokens equal the single-process
@@ -36,6 +37,13 @@ from deepinfer_core.model.layers.moe import MoE, clamped_swiglu
 log = logging.getLogger(__name__)
 
 
+# "rank": every pair of one source rank and one expert goes to replica src_rank % count (a request's
+# tokens for an expert stay together: batch-invariant results). "token": round robin over the replicas in
+# flat (token, k) order, offset by the source rank (better balance; a request's tokens may split, so the
+# results are equal to the single-process engine's only up to matmul summation order).
+REPLICA_CHOICES = ("rank", "token")
+
+
 class ProtocolError(RuntimeError):
     """Ranks of one group disagree on the collective sequence (a bug, never a user error)."""
 
@@ -63,7 +71,10 @@ class ExpertParallel:
     """
 
     def __init__(self, model: nn.Module, group: Any, placement: ExpertPlacement,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", replica_choice: str = "rank") -> None:
+        if replica_choice not in REPLICA_CHOICES:
+            raise ValueError(f"replica_choice={replica_choice!r}: must be one of {list(REPLICA_CHOICES)}")
+        self.replica_choice = replica_choice
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -186,7 +197,16 @@ class ExpertParallel:
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         self.step_counts[layer] += counts.cpu().numpy()
         flat = ids.reshape(-1).to(self.device)
-        rep = self.rank % self.logcnt[layer][flat]
+        cnt = self.logcnt[layer][flat]
+        if self.replica_choice == "rank":
+            rep = self.rank % cnt
+        else:
+            by_e = torch.argsort(flat, stable=True)
+            e_sorted = flat[by_e]
+            n_e = torch.bincount(flat, minlength=self.num_experts)
+            occ = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(n_e, 0) - n_e)[e_sorted]
+            rep = torch.empty_like(flat)
+            rep[by_e] = (occ + self.rank) % cnt[by_e]
         slot = self.log2phy[layer][flat, rep]
         order = torch.argsort(slot, stable=True)
         s_sorted = slot[order]
