@@ -20,8 +20,15 @@ manager's own buffer), summed over 12 steps: the machine is shared, and CPU time
 fills masks is what contention distorts least. Absolute CPU numbers are indicative; ratios measured
 side by side are the result.
 (c) Compile time of each grammar (cold, no cache) per backend and vocabulary.
+(d) ``--schemas DIR``: issue #20's table instead: every real-world JSON schema of the sample under DIR
+    (JSONSchemaBench files; ../shared/data/jsonschema-dev has 200) through the manager per backend
+    (xgrammar, llguidance, auto), byte vocabulary, random sampling under the mask
+    (``deepinfer_core.structured.evaluate``): compiled / valid / invalid-but-stop / violations caught,
+    and the mask cost per token; each backend also once with the byte filter and the check off
+    ("engine only"), so what the guarantees cost per token is measured in the same run.
 
     python benchmarks/structured.py [--quick] [--plot] [--only xgrammar/byte] [--batches 1,16]
+    python benchmarks/structured.py --schemas ../shared/data/jsonschema-dev [--max-tokens 4096]
 """
 
 from __future__ import annotations
@@ -328,6 +335,48 @@ def bench_masks(toks: dict[str, object], quick: bool, only: str | None = None, b
     return results
 
 
+def bench_schemas(root: str, max_tokens: int, seed: int) -> None:
+    """(d): the table per backend on every schema under ``root`` (see the module docstring)."""
+    from deepinfer_core.structured.evaluate import load_sample, run_sample, summarize
+
+    tok = ByteTokenizer()
+    schemas = load_sample(root)
+    rows = []
+    variants = [(b, g) for b in ("xgrammar", "llguidance", "auto") for g in (True, False)]
+    for name, guarded in tqdm(variants, desc="backends"):
+        backend = make_backend(name, tok, mask_threads=1)
+        mgr = StructuredOutputManager(backend, compile_workers=1, utf8=guarded, validate=guarded)
+        outs = run_sample(mgr, name, schemas, backend.vocab.token_bytes, seed=seed, max_tokens=max_tokens)
+        mgr.close()
+        s = summarize(outs)
+        p = {"backend": name, "guarantees": guarded, "vocab": "byte", "max_tokens": max_tokens, "schemas": len(schemas)}
+        for metric in ("compiled", "valid", "invalid_stop", "violation", "dead_end", "length", "unchecked"):
+            emit(BENCH, p, metric, s.get(metric, 0), "schemas")
+        emit(BENCH, p, "compiled_pct", s["compiled_pct"], "%")
+        emit(BENCH, p, "valid_pct", s["valid_pct"], "%")
+        emit(BENCH, p, "mask_us_per_token", s["mask_us_per_token"], "us")
+        emit(BENCH, p, "advance_us_per_token", s["advance_us_per_token"], "us")
+        for e in ("xgrammar", "llguidance"):
+            if s.get(f"served_{e}"):
+                emit(BENCH, p, f"served_{e}", s[f"served_{e}"], "schemas")
+        rows.append((name, guarded, s))
+    guarded = {n: s for n, g, s in rows if g}
+    own = {n: s for n, g, s in rows if not g}
+    fastest = min(own["xgrammar"]["mask_us_per_token"], own["llguidance"]["mask_us_per_token"])
+    fastest_g = min(guarded["xgrammar"]["mask_us_per_token"], guarded["llguidance"]["mask_us_per_token"])
+    emit(BENCH, {"backend": "auto", "vs": "faster engine alone, guarantees off"}, "mask_cost_ratio",
+         round(guarded["auto"]["mask_us_per_token"] / fastest, 3), "x")
+    emit(BENCH, {"backend": "auto", "vs": "faster engine, guarantees on"}, "mask_cost_ratio",
+         round(guarded["auto"]["mask_us_per_token"] / fastest_g, 3), "x")
+    log(f"\n{len(schemas)} schemas, byte vocabulary, max_tokens {max_tokens}, seed {seed}")
+    log("| backend | guarantees | compiled | valid | invalid `stop` | `grammar_violation` | length | mask us/token | advance us/token |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for n, g, s in rows:
+        log(f"| {n} | {'on' if g else 'off'} | {s['compiled']} ({s['compiled_pct']}%) | {s.get('valid', 0)} ({s['valid_pct']}%) | "
+            f"{s.get('invalid_stop', 0)} | {s.get('violation', 0)} | {s.get('length', 0)} | {s['mask_us_per_token']} | "
+            f"{s['advance_us_per_token']} |")
+
+
 def _plot(results: list[dict]) -> None:
     import matplotlib
 
@@ -361,8 +410,14 @@ def main() -> None:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--only", help="run the configurations whose 'backend/vocab/grammar' contains this")
     ap.add_argument("--batches", help="comma-separated batch sizes instead of 1,4,16,64,256")
+    ap.add_argument("--schemas", help="a JSON-schema sample directory (manifest.json): run (d) instead")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="(d): tokens per document at most")
+    ap.add_argument("--seed", type=int, default=0, help="(d): sampling seed")
     args = ap.parse_args()
     torch.set_num_threads(1)  # masks are filled on the calling thread; keep torch's pool out of the way
+    if args.schemas:
+        bench_schemas(args.schemas, args.max_tokens, args.seed)
+        return
     toks = _tokenizers(args.quick)
     results = bench_masks(toks, args.quick, args.only, args.batches)
     if args.plot:

@@ -8,7 +8,7 @@ MODELS = ("tiny",)
 BACKENDS = ("reference", "cuda")
 DTYPES = ("float32", "float64", "bfloat16")
 PREEMPTION_POLICIES = ("guarded", "deepinfer")
-GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "auto")  # auto: per-spec engine with fallback (structured.auto_backend)
 
 
 def _check(cond: bool, field: str, msg: str) -> None:

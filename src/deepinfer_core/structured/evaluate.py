@@ -12,7 +12,8 @@ and passed the check), ``invalid_stop`` (finished with ``stop`` but failed it: t
 requires to be zero), ``violation`` (finished with ``grammar_violation``: the manager caught it),
 ``dead_end``, ``length`` (hit ``max_tokens``), ``unchecked`` (``stop``, but the schema check could not
 run, e.g. an unresolvable ``$ref``; UTF-8 and JSON were checked). Mask cost: CPU time of
-``fill_bitmask`` per token (``time.process_time`` around each call), over all steps of all schemas.
+``fill_bitmask`` per token (``time.process_time`` around each call), over all steps of all schemas;
+``advance`` likewise (it includes the byte filter's step and, once per document, the final check).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Outcome:
     error: str | None = None
     mask_s: float = 0.0  # CPU seconds in fill_bitmask
     rows: int = 0
+    advance_s: float = 0.0  # CPU seconds in advance (the byte filter's step and the final check included)
 
 
 def load_sample(root: str | Path, sets: Sequence[str] | None = None, per_set: int | None = None) -> list[tuple[str, str]]:
@@ -116,7 +118,7 @@ def run_sample(
                 if progress:
                     progress(1)
                 continue
-            live[name] = {"text": text, "toks": [], "mask_s": 0.0, "rows": 0}
+            live[name] = {"text": text, "toks": [], "mask_s": 0.0, "rows": 0, "adv_s": 0.0}
             pending += 1
 
     admit()
@@ -135,7 +137,9 @@ def run_sample(
                 done = str(mgr.finish_reason(r))
             else:
                 t = int(rng.choice(np.flatnonzero(bits[j])))
+                t1 = time.process_time()
                 mgr.advance(r, [t])
+                st["adv_s"] += time.process_time() - t1
                 st["toks"].append(t)
                 why = mgr.finish_reason(r)
                 if why is not None:
@@ -147,7 +151,8 @@ def run_sample(
             data = b"".join(token_bytes[t] for t in st["toks"])
             verdict, err = judge(data, st["text"]) if done == "stop" else ("", mgr.error(r))
             engine = mgr.metrics(r).get("grammar_engine")
-            outs.append(Outcome(r, backend_name, True, engine, done, len(st["toks"]), verdict, err, st["mask_s"], st["rows"]))
+            outs.append(Outcome(r, backend_name, True, engine, done, len(st["toks"]), verdict, err, st["mask_s"],
+                                st["rows"], st["adv_s"]))
             mgr.remove_request(r)
             del live[r]
             if progress:
@@ -178,4 +183,5 @@ def summarize(outs: Sequence[Outcome]) -> dict[str, Any]:
         "valid_pct": round(100 * c["valid"] / max(n, 1), 1),
         "tokens": rows,
         "mask_us_per_token": round(1e6 * mask_s / max(rows, 1), 3),
+        "advance_us_per_token": round(1e6 * sum(o.advance_s for o in outs) / max(rows, 1), 3),
     }

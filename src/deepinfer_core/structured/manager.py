@@ -326,12 +326,12 @@ class StructuredOutputManager:
         Requests whose row 0 allows nothing are finished with ``DEAD_END`` and flagged in ``dead_end``.
         """
         keys_of = self._keys
+        if self._fast_fill2 is not None and out is None:
+            # the auto backend's second engine's C++ call (it hands anything else to the general path)
+            return self._fast_fill2.fill(batch, None)
         if self._u8f is not None:
             # The Python fast path predates the byte filter: with it on, the C++ call (installed over
-            # this method) is the fast path and everything it hands back takes the general path (or
-            # the auto backend's second engine's C++ call, which hands back to the general path).
-            if self._fast_fill2 is not None and out is None:
-                return self._fast_fill2.fill(batch, None)
+            # this method) is the fast path and everything it hands back takes the general path.
             return self._fill_general(batch, out)
         if keys_of is not None and out is None and batch:
             # The fast path. One comprehension looks up every draft-free request's batch key; a miss
