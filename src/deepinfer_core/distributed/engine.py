@@ -71,15 +71,21 @@ def plan_placement(num_layers: int, num_experts: int, ep_size: int, config: EPLB
     return ExpertPlacement.plan(w + 1e-9, reps, 1, 1, ep_size)  # + eps: unseen experts keep a slot order
 
 
-def replan_ep(ep: ExpertParallel, local_load: Any, group: Any, device: Any, *, tolerance: float = 0.01,
-              batch_size: int = 32) -> tuple[Any, Any, np.ndarray]:
-    """Re-plan ``ep``'s placement on the group's load (``local_load`` summed over the EP group, so every
-    rank plans the same), move the changed slots' weights over ``group`` and switch the routing.
-    Collective. Returns (MigrationPlan, TransferReport, the group's load)."""
+def plan_group(ep: ExpertParallel, local_load: Any, group: Any, device: Any, *,
+               tolerance: float = 0.01) -> tuple[Any, np.ndarray]:
+    """The migration-aware plan for the group's load (``local_load`` summed over the EP group, so every
+    rank gets the same plan). Collective. Returns (MigrationPlan, the group's load)."""
     load = torch.as_tensor(np.asarray(local_load, dtype=np.int64), device=device)
     dist.all_reduce(load, group=group)
     load_np = load.cpu().numpy()
-    plan = replan_with_migration(ep.placement, load_np, tolerance=tolerance, expert_bytes=ep.expert_bytes)
+    return replan_with_migration(ep.placement, load_np, tolerance=tolerance, expert_bytes=ep.expert_bytes), load_np
+
+
+def replan_ep(ep: ExpertParallel, local_load: Any, group: Any, device: Any, *, tolerance: float = 0.01,
+              batch_size: int = 32) -> tuple[Any, Any, np.ndarray]:
+    """:func:`plan_group`, then move the changed slots' weights over ``group`` at once and switch the
+    routing. Collective. Returns (MigrationPlan, TransferReport, the group's load)."""
+    plan, load_np = plan_group(ep, local_load, group, device, tolerance=tolerance)
     rep = execute_moves(plan.moves, ep.weights, group=group, batch_size=batch_size)
     ep.set_placement(plan.placement)
     return plan, rep, load_np
@@ -95,6 +101,9 @@ class DistConfig:
     planner's allowed balance loss. ``initial_load``: load [layers, experts] the first placement is
     planned on (a restarted group passes the failed group's window), or ``initial_placement`` itself.
     ``engram_sharded``: Engram tables by rows over the engram group (else every rank holds them whole).
+    ``moves_per_step``: None moves a re-plan's weights at once, between two steps; an int spreads them
+    over the following steps, that many moves after each step, staged while the old placement serves,
+    then switched (:mod:`deepinfer_core.distributed.migrate`; a re-plan falling due meanwhile is skipped).
     """
 
     eplb: EPLBConfig | None = None
@@ -104,6 +113,7 @@ class DistConfig:
     initial_placement: ExpertPlacement | None = None
     engram_sharded: bool = True
     move_batch_size: int = 32
+    moves_per_step: int | None = None
     engine_type: EngineType = EngineType.NORMAL
 
     def __attrs_post_init__(self) -> None:
@@ -113,6 +123,9 @@ class DistConfig:
             raise ValueError(f"DistConfig.tolerance: {self.tolerance!r} must be a float in [0, 1)")
         if isinstance(self.move_batch_size, bool) or not isinstance(self.move_batch_size, int) or self.move_batch_size < 1:
             raise ValueError(f"DistConfig.move_batch_size: {self.move_batch_size!r} must be an int >= 1")
+        if self.moves_per_step is not None and (isinstance(self.moves_per_step, bool) or not isinstance(
+                self.moves_per_step, int) or self.moves_per_step < 1):
+            raise ValueError(f"DistConfig.moves_per_step: {self.moves_per_step!r} must be None or an int >= 1")
         if self.engine_type is not EngineType.NORMAL:
             raise ValueError(f"DistConfig.engine_type: {self.engine_type!r}; only NORMAL engines run distributed "
                              "here (PROMPT / COMPLETION disaggregation: docs/distributed.md)")
@@ -135,6 +148,8 @@ class Replan:
     moe_lb_before: float
     moe_lb_after: float
     seconds: float
+    commit_step: int = -1  # step after which the new placement took over (= step when moved at once)
+    batches: int = 1  # steps the moves were spread over
 
 
 class _CountingVote:
@@ -219,6 +234,7 @@ class DistributedEngine:
 
         self.window = ExpertLoadWindow(mc.num_hidden_layers, mc.n_routed_experts, self.eplb_config.window_steps)
         self.replans: list[Replan] = []
+        self._migration: Any = None  # a StagedMigration in flight
         self.steps = 0
         self.failed: str | None = None
         self._late: list[RequestOutput] = []  # requests added after a failure
@@ -284,22 +300,40 @@ class DistributedEngine:
 
     def _eplb_step(self) -> None:
         self.window.record(self.ep.take_step_counts())
+        mig = self._migration
+        if mig is not None:  # a staged migration in flight: one more batch after this step
+            mig.advance()
+            if mig.done:
+                mig.commit()
+                r = self.replans[-1]
+                r.commit_step, r.batches, r.bytes_sent = self.steps, mig.batches, mig.bytes_sent
+                self._migration = None
+            return
         cfg = self.eplb_config
         s, w = self.window.steps_recorded, cfg.window_steps
         if not self.dist_config.online_eplb or s < w or (s - w) % cfg.replan_interval:
             return
         t0 = time.perf_counter()
         old = self.ep.placement
-        plan, rep, load_np = replan_ep(self.ep, self.window.load(), self.groups.ep, self.groups.device,
-                                       tolerance=self.dist_config.tolerance,
-                                       batch_size=self.dist_config.move_batch_size)
+        g, dc = self.groups, self.dist_config
+        if dc.moves_per_step is None:
+            plan, rep, load_np = replan_ep(self.ep, self.window.load(), g.ep, g.device, tolerance=dc.tolerance,
+                                           batch_size=dc.move_batch_size)
+            sent, commit = rep.bytes_sent, self.steps
+        else:
+            from deepinfer_core.distributed.migrate import StagedMigration
+
+            plan, load_np = plan_group(self.ep, self.window.load(), g.ep, g.device, tolerance=dc.tolerance)
+            self._migration = StagedMigration(self.ep, plan.moves, plan.placement, g.ep, dc.moves_per_step)
+            sent, commit = 0, -1
         r = Replan(step=self.steps, live_requests=self.engine.scheduler.num_live, moves=len(plan.moves),
-                   remote_moves=plan.moves.num_remote, bytes_sent=rep.bytes_sent,
+                   remote_moves=plan.moves.num_remote, bytes_sent=sent,
                    moe_lb_before=moe_lb(load_np, old), moe_lb_after=moe_lb(load_np, plan.placement),
-                   seconds=time.perf_counter() - t0)
+                   seconds=time.perf_counter() - t0, commit_step=commit)
         self.replans.append(r)
-        log.info("rank %d: EPLB re-plan at step %d: %d moves (%d remote, %d B sent), moe_lb %.4f -> %.4f",
-                 self.groups.rank, r.step, r.moves, r.remote_moves, r.bytes_sent, r.moe_lb_before, r.moe_lb_after)
+        log.info("rank %d: EPLB re-plan at step %d: %d moves (%d remote), moe_lb %.4f -> %.4f%s", g.rank, r.step,
+                 r.moves, r.remote_moves, r.moe_lb_before, r.moe_lb_after,
+                 "" if dc.moves_per_step is None else f", staged {dc.moves_per_step} moves per step")
 
     def window_load(self) -> np.ndarray:
         """This rank's expert load window [layers, experts] (a restarted group sums the survivors')."""

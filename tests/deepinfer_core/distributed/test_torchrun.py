@@ -50,7 +50,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        llm = LLM(**{k: getattr(engine_config(), k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant")})
+        llm = LLM(**{k: getattr(engine_config(), k) for k in ("model", "seed", "num_blocks", "max_num_seqs", "batch_invariant")})
         ref = [list(o.token_ids) for o in llm.generate(prompts, [SamplingParams(**p) for p in params], use_tqdm=False)]
     finally:
         torch.set_num_threads(before)
@@ -77,7 +77,7 @@ def _run(scenario: str, case: dict, tmp_path: Path, limit_s: float = 90) -> tupl
     return ranks, wall
 
 
-def test_dp2_ep2_equals_single_process_with_and_without_replan(case: dict, tmp_path: Path) -> None:
+def test_dp2_ep2_equals_single_process_with_and_without_replans(case: dict, tmp_path: Path) -> None:
     ranks, _ = _run("equal", case, tmp_path)
     ref, seed = case["ref"], case["seed"]
     for r, res in enumerate(ranks):
@@ -94,6 +94,11 @@ def test_dp2_ep2_equals_single_process_with_and_without_replan(case: dict, tmp_p
     assert mid, f"seed {seed}: no re-plan moved weights between ranks while requests were in flight: {ranks[0]['replans']}"
     assert all(p["bytes"] > 0 for p in mid)
     assert all(p["lb_after"] <= p["lb_before"] + 1e-9 for p in ranks[0]["replans"])
+    # staged moves: tokens still equal; some migration spread over several steps with requests in flight
+    for r, res in enumerate(ranks):
+        assert [o["tokens"] for o in res["staged"]] == ref, f"seed {seed}: rank {r}, staged weight moves"
+    staged = [p for p in ranks[0]["staged_replans"] if p["commit"] > p["step"] and p["batches"] > 1 and p["live"]]
+    assert staged, f"seed {seed}: no staged migration spanned steps mid-generation: {ranks[0]['staged_replans']}"
 
 
 def test_killed_rank_fails_requests_then_smaller_group_replans(case: dict, tmp_path: Path) -> None:

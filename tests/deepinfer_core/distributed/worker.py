@@ -4,7 +4,8 @@ CASE.json holds the prompts and sampling parameters (drawn fresh by the test); e
 OUT_DIR/rank<r>.json. Scenarios:
 
 - ``equal``: DP2 / EP2 instance, batch-invariant; once with a fixed placement, once with online EPLB
-  re-planning (weights migrated) every few steps from a deliberately bad first placement;
+  re-planning (weights migrated between two steps) every few steps from a deliberately bad first
+  placement, once with the moves staged over the following steps;
 - ``kill``: rank 1 leaves abruptly mid-generation; rank 0 must fail its requests, then restarts alone
   (EP 1, placement re-planned on its window) and serves them again;
 - ``hang``: rank 1 stops stepping (alive, silent); rank 0 must fail its requests after the timeout.
@@ -37,7 +38,7 @@ TIMEOUT_S = 6.0
 
 
 def engine_config() -> EngineConfig:
-    return EngineConfig(seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
+    return EngineConfig(model="tiny-random", seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
 
 
 def outputs_json(outs: list) -> list[dict]:
@@ -63,10 +64,22 @@ def scenario_equal(groups, prompts, params) -> dict:
         eplb=cfg, tolerance=0.0, initial_placement=plan_placement(mc.num_hidden_layers, mc.n_routed_experts,
                                                                   groups.group_size, cfg, bad)))
     res["replan"] = outputs_json(eng2.generate(prompts, params))
-    res["replans"] = [{"step": r.step, "live": r.live_requests, "remote": r.remote_moves, "bytes": r.bytes_sent,
-                       "lb_before": r.moe_lb_before, "lb_after": r.moe_lb_after} for r in eng2.replans]
+    res["replans"] = _replans(eng2)
     res["steps"] = eng2.steps
+    # the same, the moves spread over the following steps (8 a step) while the old placement serves
+    cfg3 = EPLBConfig(window_steps=2, replan_interval=5, redundant_per_gpu=1)
+    eng3 = DistributedEngine(groups, engine_config(), DistConfig(
+        eplb=cfg3, tolerance=0.0, moves_per_step=8,
+        initial_placement=plan_placement(mc.num_hidden_layers, mc.n_routed_experts, groups.group_size, cfg3, bad)))
+    res["staged"] = outputs_json(eng3.generate(prompts, params))
+    res["staged_replans"] = _replans(eng3)
     return res
+
+
+def _replans(eng: DistributedEngine) -> list[dict]:
+    return [{"step": r.step, "live": r.live_requests, "remote": r.remote_moves, "bytes": r.bytes_sent,
+             "lb_before": r.moe_lb_before, "lb_after": r.moe_lb_after, "commit": r.commit_step,
+             "batches": r.batches} for r in eng.replans]
 
 
 def _served_alone(groups, prompts, params, load):
