@@ -109,12 +109,14 @@ def main() -> None:
         emit(BENCH, p, "decode_tokens_per_s", r.tokens / r.time_s, "tok/s")
         emit(BENCH, p, "sim_wall", time.perf_counter() - t0, "s")
         dec_rows.append((r.policy, r.efficiency, r.variable_efficiency))
-    bal = DecodeBalancer(m, dc, max_running=slots, kv_capacity=kvcap, grace_s=60.0)
-    r = simulate_decode(tr, bal, dc, drain=(ddur / 4, 0))
-    p = {"ranks": m, "grace_s": 60.0, "drain_at_s": ddur / 4}
-    emit(BENCH, p, "drain_forwarded", r.forwarded, "requests")
-    emit(BENCH, p, "drain_finished_of", r.finished / len(tr), "ratio")
-    emit(BENCH, p, "drain_efficiency", r.efficiency, "ratio")
+    for grace in (60.0, 5.0):  # the Q&A's minute, and a short one so that requests are left to forward
+        bal = DecodeBalancer(m, dc, max_running=slots, kv_capacity=kvcap, grace_s=grace)
+        r = simulate_decode(tr, bal, dc, drain=(ddur / 4, 0))
+        p = {"ranks": m, "grace_s": grace, "drain_at_s": ddur / 4}
+        emit(BENCH, p, "drain_forwarded", r.forwarded, "requests")
+        emit(BENCH, p, "drain_finished_of", r.finished / len(tr), "ratio")
+        emit(BENCH, p, "drain_tokens_of", r.tokens / int(tr.output_tokens.sum()), "ratio")
+        emit(BENCH, p, "drain_efficiency", r.efficiency, "ratio")
     busy = DecodeBalancer(m, dc, max_running=slots, kv_capacity=kvcap)
     busy.report(np.full(m, int(0.85 * slots)), np.zeros(m, np.int64))
     try:
