@@ -70,6 +70,21 @@ def as_float(v: object, field: str) -> float:
     return f
 
 
+def _stop_strings(v: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (a str or a list of them, as vLLM takes it)."""
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if isinstance(v, bytes | bytearray | Mapping) or not hasattr(v, "__iter__"):
+        raise _fail("stop", f"{v!r} must be a str or a list of str")
+    out = tuple(v)  # type: ignore[arg-type]
+    for i, s in enumerate(out):
+        if not isinstance(s, str) or not s:
+            raise _fail(f"stop[{i}]", f"{s!r} must be a non-empty str")
+    return out
+
+
 def _token_ids(v: object) -> tuple[int, ...]:
     """``stop_token_ids`` as a tuple of ints (any iterable of integers; not a str, bytes, dict or scalar)."""
     if isinstance(v, str | bytes | bytearray | memoryview | Mapping) or not hasattr(v, "__iter__"):
@@ -100,6 +115,10 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     so_args: dict[str, Any] | None = None
+    # stop strings (engine/stops.py: vLLM's semantics); the text ends before the match unless
+    # include_stop_str_in_output
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    include_stop_str_in_output: bool = False
 
     def __attrs_post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalised values are written once, here
@@ -123,6 +142,8 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool) or type(self.ignore_eos).__name__ == "bool_", "ignore_eos",
                f"{self.ignore_eos!r} must be a bool")
         put(self, "ignore_eos", bool(self.ignore_eos))
+        _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+               f"{self.include_stop_str_in_output!r} must be a bool")
         if self.seed is not None:
             put(self, "seed", as_int(self.seed, "seed", 0, INT64_MAX))
         if self.so_args is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 # Finish reasons (strings, as vLLM reports them); the grammar ones come from deepinfer_core.structured.
@@ -24,6 +26,11 @@ class RequestOutput:
     finish_reason: str = ERROR
     error: str | None = None
     num_preemptions: int = 0
+    # vLLM's stop_reason: the stop string that ended the request (None otherwise)
+    stop_reason: str | None = None
+    # per-request measurements; structured requests: grammar_engine (which grammar engine served it),
+    # grammar_refused, grammar_check (see StructuredOutputManager.metrics)
+    metrics: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -9,6 +9,7 @@ drafts must be the ones made) and verified losslessly with ``deepinfer_core.spec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -52,6 +53,9 @@ class SpecState:
         self.y = np.full(n, -1, np.int64)
         self.probs: dict[int, torch.Tensor] = {}
         self.gen = torch.Generator(device=ex.device).manual_seed(seed)
+        # Set by the engine for a step: masks the logits of verify / draft rows in place before they are
+        # verified (structured outputs: the grammar's draft rows; engine/structured_spec.py).
+        self.logits_hook: Callable[[ForwardBatch, torch.Tensor], None] | None = None
 
     def cache_bytes(self) -> int:
         return sum(t.numel() for t in self.swa) + self.feat.numel() * self.feat.element_size()
@@ -101,6 +105,8 @@ class SpecState:
         idx = np.flatnonzero((vl > 0) | dr)
         if idx.size == 0:
             return None
+        if self.logits_hook is not None:
+            self.logits_hook(b, logits)
         ex, dev = self.ex, self.ex.device
         # probabilities in >= float32 whatever the model dtype (they feed the lossless verify)
         dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
