@@ -34,6 +34,12 @@ def _prefix_index() -> Any:
     return PrefixIndex(_kv_pool())
 
 
+def _kv_store() -> Any:
+    from deepinfer_core.kvstore import InMemoryKVStore
+
+    return InMemoryKVStore()
+
+
 def _scheduler() -> Any:
     from deepinfer_core.scheduler import Scheduler
 
@@ -109,6 +115,7 @@ CASES: list[tuple[str, Callable[[], Any]]] = [
     ("KVBlockPool", _kv_pool),
     ("StatePool", _state_pool),
     ("PrefixIndex", _prefix_index),
+    ("KVBlockStore", _kv_store),
     ("Scheduler", _scheduler),
     ("StepVote", _vote),
     ("ExpertPlacementPolicy", _placement),

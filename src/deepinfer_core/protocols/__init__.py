@@ -9,6 +9,7 @@ from deepinfer_core.protocols.engine import Engine
 from deepinfer_core.protocols.engram import EngramTable
 from deepinfer_core.protocols.eplb import ExpertPlacementPolicy
 from deepinfer_core.protocols.kv import KVBlockPool, PrefixIndex, StatePool
+from deepinfer_core.protocols.kvstore import KVBlockStore
 from deepinfer_core.protocols.model import Backend, ModelExecutor
 from deepinfer_core.protocols.scheduler import Scheduler, StepVote
 from deepinfer_core.protocols.spec import VerifyScheduler
@@ -23,6 +24,7 @@ __all__ = [
     "GrammarBackend",
     "GrammarMatcher",
     "KVBlockPool",
+    "KVBlockStore",
     "ModelExecutor",
     "PrefixIndex",
     "Scheduler",
