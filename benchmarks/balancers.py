@@ -4,6 +4,8 @@
    ``scheduler.CostModel.fit``; the simulator's engines and the balancers then use the fitted models.
 2. Prefill: 16 engines (4 in --quick), traces steady / shifting / bursty at 70% and 90% of capacity;
    round robin, one least-work pool, the tiered balancer; efficiency = bound / makespan, TTFT per tier.
+   Then capacity under a TTFT SLO: the largest load (share of the perfectly balanced capacity, by
+   bisection) at which every tier's p99 TTFT meets its target (SLO_S), 8 engines, 600 s traces.
 3. Decode: one lockstep group of 32 ranks (8), 64 slots each, ~75% busy; five placement policies;
    efficiency = sum(mean step) / sum(max step), with and without the per-step base. Then a drain with a
    60 s grace (forwarding) and a drain refused above 0.8 utilisation.
@@ -46,6 +48,9 @@ IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 # Documented reference engines (docs/balancers.md): a prefill instance and one decode rank.
 PREFILL_TRUE = CostModel(base_ns=5e6, token_ns=8000.0, quad_ns=0.05, ctx_ns=0.05)
 DECODE_TRUE = CostModel(base_ns=10e6, token_ns=8e4, quad_ns=0.0, ctx_ns=1.6)
+# TTFT p99 targets per tier (<16K, 16-64K, 64-256K, >=256K), seconds: a few times each tier's own
+# prefill time on the reference instance (a chosen SLO, not DeepSeek's)
+SLO_S = (2.0, 5.0, 15.0, 60.0)
 
 
 def fit(true: CostModel, q: np.ndarray, c: np.ndarray, rng: np.random.Generator, name: str) -> CostModel:
@@ -90,6 +95,25 @@ def main() -> None:
             emit(BENCH, p, "ttft_p50", res.ttft_quantile(0.5), "s")
             emit(BENCH, p, "sim_wall", time.perf_counter() - t0, "s")
             pre_rows.append((shape, rho, res.policy, res.efficiency, [res.ttft_quantile(0.99, t) for t in range(4)]))
+
+    # ---- prefill capacity under a TTFT SLO: the largest load every tier's p99 meets, by bisection
+    slo_rows = []
+    n_slo = 4 if quick else 8
+    sdur = 120.0 if quick else 600.0
+    for shape in tqdm(("steady", "shifting", "bursty"), desc="prefill slo", disable=quick):
+        for make in (lambda: RoundRobinPrefill(n_slo, pc), lambda: LeastWorkPrefill(n_slo, pc),
+                     lambda: PrefillBalancer(n_slo, pc)):
+            lo, hi = 0.2, 1.0
+            name = make().name
+            for _ in range(3 if quick else 6):
+                mid = (lo + hi) / 2
+                tr = prefill_trace(sdur, mid * n_slo / mean_s, shape=shape, seed=7)
+                res = simulate_prefill(tr, make(), pc, num_engines=n_slo, round_s=10.0)
+                ok = all(not (res.ttft_quantile(0.99, t) > SLO_S[t]) for t in range(4))  # NaN: tier unused
+                lo, hi = (mid, hi) if ok else (lo, mid)
+            p = {"trace": shape, "engines": n_slo, "policy": name, "slo_s": list(SLO_S), "duration_s": sdur}
+            emit(BENCH, p, "prefill_load_under_slo", lo, "share of capacity")
+            slo_rows.append((shape, name, lo))
 
     # ---- decode
     m = 8 if quick else 32
