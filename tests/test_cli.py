@@ -207,6 +207,13 @@ def test_cli_generate_prints_readable_text() -> None:
     assert "8 tokens" in r.stderr or "finish_reason=stop" in r.stderr
 
 
+def test_cli_bench_outside_a_checkout(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: None)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "scheduler"])
+    assert e.value.code == 2 and "not in the installed package" in capsys.readouterr().err
+
+
 def test_cli_bench_runs_a_benchmark() -> None:
     r = subprocess.run([sys.executable, "-m", "deepinfer_core", "bench", "mtp_varlen", "--help"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
