@@ -283,6 +283,29 @@ def plot(cost: list[dict], quality: list[dict], tag: str) -> None:
         log(f"wrote {out_path(f'bounded_replay_quality_{tag}.png')}")
 
 
+def rows_from(path: str) -> tuple[list[dict], list[dict], str]:
+    """(cost rows, quality rows, tag) rebuilt from a run's JSON lines (e.g. a GPU run's output)."""
+    import json
+    from pathlib import Path
+
+    cost: dict[tuple, dict] = {}
+    quality: dict[tuple, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        d = json.loads(line)
+        p, m = d["params"], d["metric"]
+        if m in ("seconds", "modelled_flops"):
+            key = tuple(sorted(p.items()))
+            cost.setdefault(key, dict(p))["seconds" if m == "seconds" else "flops"] = d["value"]
+        elif m in ("kl_mean_all_positions", "top1_agreement_all_positions"):
+            key = tuple(sorted(p.items()))
+            quality.setdefault(key, dict(p))["kl" if m.startswith("kl") else "top1"] = d["value"]
+    c, q = list(cost.values()), list(quality.values())
+    first = (c or q)[0]
+    return c, q, f"{first['model'].split('-')[0]}_{first.get('device', 'cpu')}"
+
+
 def main() -> None:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["tiny", "wide"], default="tiny")
@@ -291,7 +314,11 @@ def main() -> None:
     ap.add_argument("--only", default="recon,quality", help="comma list of: recon (includes hit), quality")
     ap.add_argument("--max-full", type=int, default=8192, help="longest context whose full prefill is timed")
     ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--plot-from", default=None, help="only plot the JSON lines of an earlier run (no model)")
     args = ap.parse_args()
+    if args.plot_from:
+        plot(*rows_from(args.plot_from))
+        return
     torch.manual_seed(0)
     cfg = tiny_config() if args.model == "tiny" else wide_config()
     dev = torch.device(args.device)
