@@ -56,6 +56,11 @@ class SpecState:
         # Set by the engine for a step: masks the logits of verify / draft rows in place before they are
         # verified (structured outputs: the grammar's draft rows; engine/structured_spec.py).
         self.logits_hook: Callable[[ForwardBatch, torch.Tensor], None] | None = None
+        # Set by the engine: state slot -> request seed. When every verifying / drafting row has one,
+        # verification runs in counter mode (every random number a function of (seed, position), so a
+        # sampled request's tokens do not depend on its batch) and drafts are the drafter's argmax (a
+        # deterministic draft distribution: still lossless, and batch-invariant too).
+        self.counter_seeds: dict[int, int] | None = None
 
     def cache_bytes(self) -> int:
         return sum(t.numel() for t in self.swa) + self.feat.numel() * self.feat.element_size()
@@ -132,7 +137,16 @@ class SpecState:
                 dtok[j, :v] = torch.as_tensor(self.tokens[slot, :v], device=dev)
                 dprob[j, :v] = self.probs[slot][:v]
         lengths = torch.as_tensor(vl[idx], device=dev)
-        res = verify(dtok, None if bool(greedy.all()) else dprob, tp, lengths, self.gen, greedy=greedy)
+        cs = self.counter_seeds
+        keyed = cs is not None and all(int(b.state_slots[i]) in cs for i in idx)
+        if keyed:
+            assert cs is not None
+            seeds = torch.as_tensor([cs[int(b.state_slots[i])] for i in idx], dtype=torch.int64, device=dev)
+            first = torch.as_tensor(b.start_pos[idx] + b.query_lens[idx] - vl[idx], dtype=torch.int64, device=dev)
+            res = verify(dtok, None if bool(greedy.all()) else dprob, tp, lengths, None, greedy=greedy,
+                         seeds=seeds, positions=first)
+        else:
+            res = verify(dtok, None if bool(greedy.all()) else dprob, tp, lengths, self.gen, greedy=greedy)
         acc, nxt = res.num_accepted, res.next_token
         out = {
             "num_accepted": torch.zeros(r, dtype=torch.long, device=dev),
@@ -162,7 +176,7 @@ class SpecState:
         keys = [k.to(ex.dtype) for k in keys]
         y = nxt[jt]
         hidden = self.drafter.run_block(ex.model, y, q, cond, keys, valid)
-        dres = self.drafter.heads(ex.model, hidden, y, temp[jt], self.gen)
+        dres = self.drafter.heads(ex.model, hidden, y, torch.zeros_like(temp[jt]) if keyed else temp[jt], self.gen)
         out["drafts"][torch.as_tensor(ii, device=dev)] = dres.tokens
         out["draft_confidence"][torch.as_tensor(ii, device=dev)] = dres.confidence
         toks_np = dres.tokens.cpu().numpy()
