@@ -26,6 +26,11 @@ class RequestOutput:
     finish_reason: str = ERROR
     error: str | None = None
     num_preemptions: int = 0
+    # prefix caching (docs/swa.md), summed over the request's (re)starts: prompt tokens whose block KV
+    # came from the prefix cache, and tokens recomputed to rebuild the sliding-window state after a hit
+    # (encoder replay of cached tokens + the decoder tail replayed with truncated windows)
+    cached_tokens: int = 0
+    replayed_tokens: int = 0
     # vLLM's stop_reason: the stop string that ended the request (None otherwise)
     stop_reason: str | None = None
     # per-request measurements; structured requests: grammar_engine (which grammar engine served it),

@@ -17,6 +17,7 @@ from the tables of the chosen placement.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ import torch
 from deepinfer_core.model.batch import BatchError, ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
+from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
+from deepinfer_core.model.decode_step import execute_rows
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
 from deepinfer_core.model.model import DeepSeekV41
@@ -46,11 +49,18 @@ class ModelExecutor:
     device), ``"host"`` (host memory, rows copied per step) or ``"sharded"`` (row blocks over
     ``engram_group``, a torch.distributed group whose every rank runs the same steps' fetches). ``seed``
     seeds the sampling of drafts and of verification.
+
+    With a backend on a CUDA device (``sync_free``), decode / verify steps run without host
+    synchronisation (:mod:`~deepinfer_core.model.decode_step`), and with ``cuda_graphs`` pure-decode
+    batches replay CUDA graphs captured per batch bucket (``cuda_graph_buckets``;
+    :mod:`~deepinfer_core.model.cuda_graphs`); ``cuda_graphs=False`` (DEEPINFER_CUDA_GRAPHS=0) runs them
+    eagerly. Both attributes may be changed between steps.
     """
 
     def __init__(self, model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int,
                  backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None,
-                 engram_placement: str = "local", engram_group: object | None = None, seed: int = 0) -> None:
+                 engram_placement: str = "local", engram_group: object | None = None, seed: int = 0,
+                 cuda_graphs: bool = True, cuda_graph_buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
         for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
                             ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
             if not isinstance(v, int) or v < lo:
@@ -68,6 +78,12 @@ class ModelExecutor:
         self._fmt_arg = ({"main": "fp4", "swa": "fp8", "index": "mxfp4"} if quantize
                          else {"main": self.fmt.main, "swa": self.fmt.swa, "index": self.fmt.index})
         self.swa_ring = cfg.sliding_window + backtrack_tokens
+        # with a backend on a CUDA device, row-path steps run sync-free (decode_step) and pure-decode
+        # batches replay CUDA graphs bucketed by batch size (cuda_graphs; the switch: DEEPINFER_CUDA_GRAPHS)
+        self.sync_free = backend is not None and self.device.type == "cuda"
+        self.cuda_graphs = bool(cuda_graphs) and self.sync_free
+        self._graph_buckets = check_buckets(cuda_graph_buckets)
+        self._graphs: DecodeGraphs | None = None
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers
         self.swa = [torch.zeros(num_state_slots, self.swa_ring, self.fmt.swa.bytes_per_token, dtype=u8, device=dev)
@@ -109,6 +125,12 @@ class ModelExecutor:
         self.tok_ring = max(self.swa_ring, cfg.engram_max_ngram - 1 + backtrack_tokens)
         self._tokens = np.full((num_state_slots, self.tok_ring), -1, np.int64)
         self.spec = SpecState(self, seed) if model.drafter is not None else None
+
+    def graphs(self) -> DecodeGraphs:
+        """This executor's captured decode graphs (made on first use; ``cuda_graphs`` must be on)."""
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self, self._graph_buckets)
+        return self._graphs
 
     # ------------------------------------------------------------------ memory accounting
     def cache_bytes(self) -> dict[str, int]:
@@ -214,6 +236,8 @@ class ModelExecutor:
         self._snap_at = {} if batch.snapshot_pos is None else {
             i: int(x) for i, x in enumerate(batch.snapshot_pos.tolist()) if x > 0}
         self._snaps = {}
+        if self.sync_free and self.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= self.backtrack + 1:
+            return execute_rows(self, batch)
         tokens = torch.as_tensor(batch.token_ids, device=dev)
         positions = torch.as_tensor(batch.positions, device=dev)
         off = batch.offsets.tolist()
@@ -285,6 +309,19 @@ class ModelExecutor:
             out[i] = torch.stack(got)
         self._snap_at, self._snaps = {}, {}
         return out
+
+    @torch.no_grad()
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy whole blocks (main KV and indexer keys of every source layer): a prefix hit's cached
+        blocks into a sequence's own blocks when they cannot be shared (docs/swa.md)."""
+        s = torch.as_tensor(np.asarray(src, dtype=np.int64), device=self.device)
+        d = torch.as_tensor(np.asarray(dst, dtype=np.int64), device=self.device)
+        if s.shape != d.shape or s.dim() != 1:
+            raise BatchError(None, "block_tables", f"src {tuple(s.shape)} and dst {tuple(d.shape)}: need equal 1-D")
+        if s.numel() and (min(int(s.min()), int(d.min())) < 1 or max(int(s.max()), int(d.max())) >= self.num_blocks):
+            raise BatchError(None, "block_tables", f"block ids must be in [1, {self.num_blocks})")
+        for t in (*self.kv.values(), *self.index_keys.values()):
+            t[d] = t[s]
 
     def encoder_rings(self, slot: int) -> torch.Tensor:
         """A copy of the slot's encoder SWA rings, uint8 [encoder layers, ring, bytes]."""
@@ -371,13 +408,16 @@ class ModelExecutor:
     # ------------------------------------------------------------------ Engram rows and token context
     def _last_rows(self, b: ForwardBatch, ring: int) -> torch.Tensor:
         """Mask [N] of each request's last ``ring`` rows (the only ones a ring of that size keeps)."""
-        off = b.offsets
-        row = np.arange(b.num_tokens)
-        return torch.as_tensor(row >= np.repeat(off[1:], b.query_lens) - ring, device=self.device)
+        return torch.as_tensor(self._last_rows_np(b, ring), device=self.device)
+
+    @staticmethod
+    def _last_rows_np(b: ForwardBatch, ring: int) -> np.ndarray:
+        return np.arange(b.num_tokens) >= np.repeat(b.offsets[1:], b.query_lens) - ring
 
     def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
         """Fetch this step's Engram rows (n-grams continue each sequence from the slot's token ring),
-        then record the step's tokens in the ring. Runs after validation, before any layer."""
+        then record the step's tokens in the ring. Runs after validation, before any layer. The n-grams
+        are hashed from the host's token ids (``tokens`` is not read back: no device synchronisation)."""
         n_ctx = self.cfg.engram_max_ngram - 1
         ctx = np.full((b.num_requests, n_ctx), -1, np.int64)
         for i, (s, slot) in enumerate(zip(b.start_pos.tolist(), b.state_slots.tolist())):
@@ -386,8 +426,9 @@ class ModelExecutor:
             ctx[i, ok] = self._tokens[slot, back[ok] % self.tok_ring]
         rows = {}
         if self.cfg.engram_layer_ids:
-            rows = self.model.engram_rows(tokens, torch.as_tensor(b.offsets), torch.as_tensor(ctx), self.engram_tables)
-        keep = self._last_rows(b, self.tok_ring).cpu().numpy()
+            rows = self.model.engram_rows(torch.as_tensor(b.token_ids), torch.as_tensor(b.offsets),
+                                          torch.as_tensor(ctx), self.engram_tables)
+        keep = self._last_rows_np(b, self.tok_ring)
         pos = b.positions
         self._tokens[np.repeat(b.state_slots, b.query_lens)[keep], pos[keep] % self.tok_ring] = b.token_ids[keep]
         if self.spec is not None:
@@ -398,8 +439,8 @@ class ModelExecutor:
     # ------------------------------------------------------------------ cache writes
     def _store(self, pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, kind: str) -> None:
         """Quantise rows ``x`` and write them to flat ``slots`` of a paged cache."""
-        if self.backend is not None:
-            self.backend.op("kv_store")(pool, x, slots, self._fmt_arg[kind])
+        if self.backend is not None:  # check=False: slots come from validated tables (no device sync)
+            self.backend.op("kv_store")(pool, x, slots, self._fmt_arg[kind], check=False)
             return
         fmt = getattr(self.fmt, kind)
         pool.view(-1, fmt.bytes_per_token)[slots] = fmt.quantize(x)
@@ -411,7 +452,10 @@ class ModelExecutor:
         Callers pass at most one row per ring entry (no duplicates in one call).
         """
         if self.backend is not None:
-            self.backend.op("swa_ring_write")(ring, x, states, positions, self._fmt_arg["swa"])
+            # the ring slots straight into kv_store (swa_ring_write's range checks and last-writer pass
+            # synchronise with the device; callers pass no duplicates and in-range states)
+            flat = states.to(torch.int64) * ring.shape[1] + positions.to(torch.int64) % ring.shape[1]
+            self.backend.op("kv_store")(ring, x, flat, self._fmt_arg["swa"], check=False)
             return
         ring[states, positions % self.swa_ring] = self.fmt.swa.quantize(x) if x_bytes is None else x_bytes
 

@@ -1,0 +1,269 @@
+"""The engine's prefix caching: the KV pool's prefix index for block KV, SWA bounded replay for the state.
+
+Per sequence, when its prefill (re)starts at position 0 (a new request, or one recomputed after
+preemption, which then re-hits its own prefix):
+
+1. ``PrefixIndex.match`` finds the longest cached run of whole blocks of its known tokens; the
+   :mod:`deepinfer_core.swa` planner trims it (whole compression groups, the tail left new) and says
+   how to rebuild the sliding-window state.
+2. The hit's block KV is copied into the sequence's own blocks (``ModelExecutor.copy_blocks``): the
+   scheduler allocates every block of a request at admission and has no way yet to start a request on
+   shared blocks, so the reference engine shares the *compute*, not the memory (docs/swa.md says what
+   the scheduler would need).
+3. The encoder rings at the hit are restored from the host SWA store when present, else replayed.
+4. The scheduler's chunks then run as planned, except that tokens inside the hit are skipped, tokens
+   before the tail run encoder-only (one extra executor call per step, before the main batch), and the
+   tail runs with ``decoder_floor`` at its start (bounded replay, or the exact span in exact mode).
+
+After every step, each sequence whose KV is exact (no approximate encoder replay behind it) publishes
+the whole blocks it completed to the prefix index and the encoder rings at the newest block boundary to
+the host store (``snapshot_pos``), so later requests, and this one after a preemption, can hit them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from deepinfer_core.kv import PagedKVPool, PrefixIndex
+from deepinfer_core.swa import (
+    ENCODER_REPLAY,
+    ENCODER_RESTORE,
+    HostSWAStore,
+    ReplayConfig,
+    ReplayPlan,
+    plan_replay,
+)
+from deepinfer_core.swa import prefix_digests as _digests
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class _Seq:
+    tokens: np.ndarray  # the known tokens when its prefill started (prompt + outputs so far)
+    digests: list[bytes]
+    plan: ReplayPlan | None
+    exact: bool  # its KV equals a no-cache run's (so its blocks and rings may be published)
+    published: int = 0  # tokens of whole blocks already offered to the index
+
+
+@attrs.define
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    cached_tokens: int = 0
+    replayed_tokens: int = 0
+    host_restores: int = 0
+    encoder_replays: int = 0
+
+
+@attrs.define
+class StepRows:
+    """What the main batch runs of each plan row: ``rows`` (the plan rows it keeps), per plan row the new
+    ``start`` / ``ntok``, ``tok_mask`` over the plan's flat tokens, ``floor`` (decoder_floor) and ``snap``
+    (snapshot_pos); ``failed``: (seq, message) of sequences whose encoder-only part was refused."""
+
+    rows: np.ndarray
+    start: np.ndarray
+    ntok: np.ndarray
+    tok_mask: np.ndarray
+    floor: np.ndarray
+    snap: np.ndarray
+    failed: list[tuple[int, str]] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class RowParts:
+    """How the engine runs one plan row ``[start, end)`` of a sequence with a replay plan."""
+
+    skip_to: int  # tokens before this are in the hit (not computed)
+    encoder_end: int  # [skip_to, encoder_end) runs encoder-only
+    floor: int  # the rest [encoder_end, end) runs with this decoder_floor (0: none)
+
+
+class PrefixCaching:
+    """Prefix caching for one engine (one pool, one executor)."""
+
+    def __init__(self, pool: PagedKVPool, executor: Any, model_cfg: Any, *, block_size: int, mode: str,
+                 keep: int, host_bytes: int, pending_drafts: int) -> None:
+        self.index = PrefixIndex(pool)
+        self.ex = executor
+        self.bs = block_size
+        self.cfg = ReplayConfig.from_model(model_cfg, keep=keep, block_size=block_size, mode=mode)
+        if self.cfg.align != block_size:
+            raise ValueError(f"EngineConfig.block_size: {block_size} must be a multiple of every compress ratio "
+                             f"(prefix hits are whole blocks and whole compression groups)")
+        self.store = HostSWAStore(host_bytes)
+        self.pending = pending_drafts
+        self.stats = PrefixStats()
+        self._seq: dict[int, _Seq] = {}
+        self._metrics: dict[int, list[int]] = {}  # seq -> [cached, replayed], summed over its restarts
+        self._ctx = int(executor.tok_ring)
+
+    # ------------------------------------------------------------------ a (re)start
+    def begin(self, seq: int, known: np.ndarray, table: np.ndarray, slot: int) -> None:
+        """Sequence ``seq`` starts its prefill at 0 with ``known`` tokens in ``slot`` / ``table``: look up the
+        prefix, copy the hit's blocks, rebuild the encoder rings."""
+        toks = np.ascontiguousarray(np.asarray(known, dtype=np.int64))
+        n = int(toks.shape[0])
+        dig = _digests(toks, self.bs)
+        self.stats.lookups += 1
+        hit, blocks = self.index.match(toks)
+        plan = plan_replay(self.cfg, n, hit, self.pending)
+        if plan.hit > 0 and self.store.has(dig[plan.hit // self.bs - 1], plan.hit):
+            plan = plan_replay(self.cfg, n, hit, self.pending, host_state=True)
+        m = self._metrics.setdefault(seq, [0, 0])
+        if plan.hit == 0:
+            self._seq[seq] = _Seq(toks, dig, None, True)
+            return
+        nb = plan.hit // self.bs
+        ex = self.ex
+        ex.copy_blocks(np.asarray(blocks[:nb]), table[:nb])  # type: ignore[attr-defined]
+        first = plan.steps[0]
+        ctx = toks[max(0, first.start - self._ctx) : first.start]
+        if first.kind == ENCODER_RESTORE:
+            rings = self.store.get(dig[nb - 1], plan.hit)
+            ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)  # type: ignore[attr-defined]
+            self.stats.host_restores += 1
+        else:
+            assert first.kind == ENCODER_REPLAY
+            ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)  # type: ignore[attr-defined]
+            self.stats.encoder_replays += 1
+        exact_enc = plan.encoder_restored or first.start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
+        self._seq[seq] = _Seq(toks, dig, plan, exact_enc, published=plan.hit)
+        self.stats.hits += 1
+        self.stats.cached_tokens += plan.hit
+        self.stats.replayed_tokens += plan.replayed_tokens
+        m[0] += plan.hit
+        m[1] += plan.replayed_tokens
+        log.debug("prefix hit seq %d: %d of %d tokens cached (%s), %d replayed", seq, plan.hit, n,
+                  "host rings" if plan.encoder_restored else "encoder replayed", plan.replayed_tokens)
+
+    def parts(self, seq: int, start: int, end: int) -> RowParts | None:
+        """The split of a prefill row of a sequence with a replay plan (None: run it as planned)."""
+        st = self._seq.get(seq)
+        if st is None or st.plan is None:
+            return None
+        t0 = st.plan.tail_start
+        a = max(start, st.plan.hit)
+        return RowParts(skip_to=min(a, end), encoder_end=min(max(a, t0), end), floor=t0)
+
+    # ------------------------------------------------------------------ publishing
+    def snapshot_pos(self, seq: int, start: int, end: int, decode: bool) -> int:
+        """The block boundary whose encoder rings this row should capture (0: none)."""
+        st = self._seq.get(seq)
+        if st is None or not st.exact:
+            return 0
+        if decode:  # only the row's first token is verified (the rest may be drafts)
+            return start + 1 if (start + 1) % self.bs == 0 and start + 1 > st.published else 0
+        x = end // self.bs * self.bs
+        return x if x > start and x > st.published and x <= st.tokens.shape[0] else 0
+
+    def publish(self, seq: int, pos: int, rings: torch.Tensor | None, table: np.ndarray,
+                tokens: Callable[[], np.ndarray]) -> None:
+        """Blocks [0, pos) of ``seq`` are complete and exact: insert them in the prefix index and keep their
+        encoder rings in the host store. ``tokens()`` gives the sequence's tokens (at least ``pos``)."""
+        st = self._seq.get(seq)
+        if st is None or not st.exact or pos <= st.published:
+            return
+        toks = st.tokens if pos <= st.tokens.shape[0] else np.asarray(tokens(), dtype=np.int64)
+        if toks.shape[0] < pos:
+            return
+        if toks is not st.tokens:
+            st.tokens = toks
+            st.digests = _digests(toks, self.bs, start=st.digests)
+        self.index.insert(toks[:pos], table[: pos // self.bs])
+        if rings is not None:
+            self.store.put(st.digests[pos // self.bs - 1], pos, rings.cpu().numpy())
+        st.published = pos
+
+    # ------------------------------------------------------------------ one engine step
+    def prepare(self, prefill: bool, rows: np.ndarray, seq_ids: np.ndarray, start: np.ndarray, ntok: np.ndarray,
+                tokens: np.ndarray, tables: np.ndarray, slots: Callable[[np.ndarray], np.ndarray],
+                known: Callable[[int], np.ndarray]) -> StepRows:
+        """Before a step's main batch: (re)start lookups, skipped hit tokens, the encoder-only parts (run
+        here, one executor call), and what the main batch runs of each plan row (``StepRows``).
+
+        ``rows``: the plan rows to run; ``start`` / ``ntok`` / ``tokens`` / ``tables``: the plan's
+        (placeholders filled); ``slots(seq_ids)``: state slots; ``known(seq)``: a sequence's tokens.
+        """
+        from deepinfer_core.model.batch import BatchError, ForwardBatch
+
+        out = StepRows(rows=rows, start=start.astype(np.int64).copy(), ntok=ntok.astype(np.int64).copy(),
+                       tok_mask=np.ones(tokens.shape[0], bool), floor=np.zeros(start.shape[0], np.int64),
+                       snap=np.zeros(start.shape[0], np.int64))
+        off = np.concatenate(([0], np.cumsum(ntok)))
+        if not prefill:
+            for r in rows.tolist():
+                out.snap[r] = self.snapshot_pos(int(seq_ids[r]), int(start[r]), int(start[r] + ntok[r]), True)
+            return out
+        sl = slots(seq_ids[rows])
+        enc: list[tuple[int, int, int, int]] = []  # (plan row, start, end, snapshot)
+        for j, r in enumerate(rows.tolist()):
+            seq, s0, n = int(seq_ids[r]), int(start[r]), int(ntok[r])
+            if s0 == 0:
+                self.begin(seq, known(seq), tables[r], int(sl[j]))
+            x = self.snapshot_pos(seq, s0, s0 + n, False)
+            p = self.parts(seq, s0, s0 + n)
+            if p is None:
+                out.snap[r] = x
+                continue
+            if p.encoder_end > p.skip_to:
+                enc.append((r, p.skip_to, p.encoder_end, x if p.skip_to < x <= p.encoder_end else 0))
+            out.tok_mask[off[r] : off[r] + (p.encoder_end - s0)] = False
+            out.start[r], out.ntok[r] = p.encoder_end, s0 + n - p.encoder_end
+            out.floor[r] = p.floor if out.ntok[r] else 0
+            out.snap[r] = x if x > p.encoder_end else 0
+        if enc:
+            er = np.asarray([e[0] for e in enc])
+            parts = [tokens[off[r] + a - int(start[r]) : off[r] + b - int(start[r])] for r, a, b, _ in enc]
+            b = ForwardBatch(token_ids=np.concatenate(parts), query_lens=[e[2] - e[1] for e in enc],
+                             start_pos=[e[1] for e in enc], block_tables=tables[er], state_slots=slots(seq_ids[er]),
+                             num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
+                             snapshot_pos=[e[3] for e in enc])
+            try:
+                res = self.ex.execute(b)  # type: ignore[attr-defined]
+            except BatchError as e:
+                if e.request is None:
+                    raise
+                out.failed.append((int(seq_ids[er[e.request]]), f"encoder-only prefill refused: {e}"))
+                out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
+                return out
+            for i, (r, _, _, x) in enumerate(enc):
+                if x:
+                    self.publish(int(seq_ids[r]), x, res.snapshots[i], tables[r], lambda: np.zeros(0, np.int64))
+        out.rows = np.asarray([r for r in rows.tolist() if out.ntok[r] > 0], np.int64)
+        return out
+
+    def after(self, out: StepRows, rows: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray,
+              snapshots: dict[int, torch.Tensor], known: Callable[[int], np.ndarray], fed: np.ndarray) -> None:
+        """After the main batch ran ``rows`` (its request i = rows[i]): publish completed blocks and rings.
+        ``fed``: each plan row's first input token (a decode row's verified token at its start)."""
+        for i, r in enumerate(rows.tolist()):
+            x = int(out.snap[r])
+            if not x:
+                continue
+            seq, s0 = int(seq_ids[r]), int(out.start[r])
+
+            def toks(seq: int = seq, s0: int = s0, r: int = r) -> np.ndarray:
+                k = np.asarray(known(seq), dtype=np.int64)
+                return np.concatenate((k[:s0], fed[r : r + 1])) if k.shape[0] >= s0 else k[:0]
+
+            self.publish(seq, x, snapshots.get(i), tables[r], toks)
+
+    # ------------------------------------------------------------------ lifecycle
+    def drop(self, seq: int) -> None:
+        """The sequence stopped (preempted or finished): forget its plan (its metrics stay until taken)."""
+        self._seq.pop(seq, None)
+
+    def take_metrics(self, seq: int) -> tuple[int, int]:
+        """(cached_tokens, replayed_tokens) of a finished sequence, summed over its (re)starts."""
+        self._seq.pop(seq, None)
+        c, r = self._metrics.pop(seq, (0, 0))
+        return int(c), int(r)
