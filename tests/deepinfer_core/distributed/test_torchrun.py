@@ -106,7 +106,8 @@ def test_killed_rank_fails_requests_then_smaller_group_replans(case: dict, tmp_p
     res, seed = ranks[0], case["seed"]
     left = float((tmp_path / "kill" / "left.txt").read_text())
     assert res is not None and "failed_at" in res, f"seed {seed}: rank 0 did not notice: {res}"
-    assert res["failed_at"] - left < TIMEOUT_S + 2, "failure noticed later than the collective timeout"
+    # a closed connection fails the next collective at once (0.02 s measured); the bound is the timeout
+    assert res["failed_at"] - left < TIMEOUT_S, "failure noticed later than the collective timeout"
     failed = [o for o in res["outputs"] if o["error"]]
     assert {o["id"] for o in failed} == {"0", "2", "4"}
     assert all("distributed group failed" in o["error"] and "rank 0" in o["error"] for o in failed)
@@ -125,7 +126,8 @@ def test_hung_rank_fails_requests_within_the_timeout(case: dict, tmp_path: Path)
     left = float((tmp_path / "hang" / "left.txt").read_text())
     assert res is not None and "failed_at" in res, f"seed {seed}: rank 0 did not notice: {res}"
     took = res["failed_at"] - left
-    assert TIMEOUT_S - 1 < took < TIMEOUT_S + 3, f"failure after {took:.1f}s, collective timeout {TIMEOUT_S}s"
+    # not before the timeout (the peer is alive), and not much after it (slack for a loaded CI machine)
+    assert TIMEOUT_S - 1 < took < TIMEOUT_S + 10, f"failure after {took:.1f}s, collective timeout {TIMEOUT_S}s"
     failed = [o for o in res["outputs"] if o["error"]]
     assert {o["id"] for o in failed} == {"0", "2", "4"}
     assert all("Timed out" in o["error"] or "timed out" in o["error"] for o in failed)
