@@ -9,9 +9,10 @@ mask in one C++ pass afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepinfer_core.protocols import GrammarMatcher
@@ -124,3 +125,100 @@ def _fill_wavefront(
                 if rs is not None:
                     rs[base + a + 1 : end] = [rs[base + a]] * (end - base - a - 1)
     return accepted
+
+
+def fill_general(mgr: Any, batch: Sequence[tuple[Hashable, Sequence[int]]], out: torch.Tensor | None, batch_mask: type) -> Any:
+    """Any backend, any ``out``: the reference the fast path is tested against."""
+    # Per-call and per-request costs in Python are what this layer adds to the engines' own work,
+    # so one loop gathers offsets and matchers, the buffer views are cached between calls, and the
+    # draft-free case (the common one) skips the draft machinery.
+    n = len(batch)
+    offsets = [0] * (n + 1)
+    matchers: list[GrammarMatcher] = [None] * n  # type: ignore[list-item]
+    reqs, total, any_drafts = mgr._requests, 0, False
+    for i, (rid, drafts) in enumerate(batch):
+        req = reqs.get(rid)
+        m = req.matcher if req is not None and req.finish is None else None
+        # Fail before touching any state; the checks' calls run only off the common path.
+        matchers[i] = m if m is not None else mgr._active_matcher(rid)
+        if drafts:
+            any_drafts = True
+            total += 1 + len(drafts)
+        else:
+            total += 1
+        offsets[i + 1] = total
+    bm, a, tail = views(mgr, total, out)
+    fill_rows = getattr(mgr._backend, "fill_rows", None)
+    u8 = mgr._u8f
+    tab = mgr._u8tab if u8 is not None else None
+    s0 = [mgr._u8[rid] for rid, _ in batch] if u8 is not None else None
+    rs: list[int] | None = [0] * total if u8 is not None else None
+    if not any_drafts:
+        if fill_rows is not None:
+            fill_rows(matchers, bm, offsets[:n])
+        else:
+            for m, off in zip(matchers, offsets):
+                getattr(m, "fill_unchecked", m.fill_next_token_bitmask)(bm, off)
+        num_drafts = np.zeros(n, dtype=np.int64)
+        rs = s0
+    elif fill_rows is not None:
+        drafts = [d for _, d in batch]
+        num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, drafts, tab, s0, rs), dtype=np.int64)
+    else:
+        k = [_fill_request(m, bm, off, d, tab, s0[i] if s0 is not None else 0, rs)
+             for i, (m, off, (_, d)) in enumerate(zip(matchers, offsets, batch))]
+        num_drafts = np.array(k, dtype=np.int64)
+    if u8 is not None and total:  # the byte filter, before the dead-row pass (it can empty a row)
+        u8.apply_ptr(bm.data_ptr(), mgr._words, rs)
+    offs, dead_end = np.array(offsets, dtype=np.int64), np.zeros(n, dtype=bool)
+    # One pass clears the padding bits and finds rows that allow nothing: row 0 is a dead end of
+    # the request, a later row is a state a draft reached but no token can continue, so the draft
+    # is cut before it. (Rows past a request's surviving drafts copy its last valid row, so a dead
+    # row always lies within the valid ones.)
+    dead_rows = _finish_rows(a, tail, mgr._tail_keep, mgr._tail_keep_c)
+    if len(dead_rows):
+        mgr._cut_rows(batch, a, offs, dead_rows, num_drafts, dead_end)
+    return batch_mask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
+
+def views(mgr: Any, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+    """(tensor rows, the same memory as numpy, its last column when it has padding bits)."""
+    if out is None:
+        if mgr._buf.shape[0] < rows:
+            mgr._grow(rows)
+        hit = mgr._view_cache.get(rows)
+        if hit is None:
+            bm = mgr._buf[:rows]
+            a = bm.numpy()
+            hit = mgr._view_cache[rows] = (bm, a, a[:, -1] if mgr._tail_keep is not None else None)
+        return hit
+    if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or not out.is_contiguous():
+        raise ValueError(f"out: must be a contiguous 2-D int32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
+    if out.shape[1] != mgr._words or out.shape[0] < rows:
+        raise ValueError(f"out: shape {tuple(out.shape)}; needs at least [{rows}, {mgr._words}]")
+    bm = out[:rows]
+    a = bm.numpy()
+    return bm, a, a[:, -1] if mgr._tail_keep is not None else None
+
+
+def _finish_rows_numpy(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None) -> list[int]:
+    if tail is not None:
+        np.bitwise_and(tail, keep, out=tail)
+    return np.flatnonzero(~a.any(axis=1)).tolist()
+
+
+def _finish_rows(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None, keep_c: int) -> list[int]:
+    """Clear padding bits, return the all-zero rows: C++ (stops at each row's first set word) or numpy.
+
+    ``keep`` is the valid-bit mask of the last word as int32 (None: no padding); ``keep_c`` the same as a
+    non-negative int for the C++ pass (-1: no padding)."""
+    if _C_FINISH_ROWS is None:
+        return _finish_rows_numpy(a, tail, keep)
+    return _C_FINISH_ROWS(a, keep_c)
+
+
+try:  # the C++ pass is an optimisation; a tree whose extension predates it still works
+    from deepinfer_core._C import structured as _C_structured
+
+    _C_FINISH_ROWS = _C_structured.finish_rows
+except (ImportError, AttributeError):  # pragma: no cover - depends on the build
+    _C_FINISH_ROWS = None
