@@ -36,6 +36,8 @@ class FileKVStore:
     tests may turn it off, since atomicity against process crashes comes from the rename alone.
     """
 
+    chunk_bytes = 1 << 22  # one os.write at most (tests shrink it to crash writers between chunks)
+
     def __init__(
         self, root: str | os.PathLike, ttl: TTLPolicy | None = None, *, fsync: bool = True, clock: Clock = wall_clock_ns
     ) -> None:
@@ -65,7 +67,7 @@ class FileKVStore:
             for piece in pieces:
                 mv = memoryview(piece)
                 while len(mv):
-                    n = os.write(fd, mv[: 1 << 22])
+                    n = os.write(fd, mv[: self.chunk_bytes])
                     mv = mv[n:]
                     if _after_chunk is not None:  # test hook: lets a test crash a writer mid-block
                         _after_chunk()
