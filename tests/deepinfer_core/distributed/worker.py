@@ -5,7 +5,8 @@ OUT_DIR/rank<r>.json. Scenarios:
 
 - ``equal``: DP2 / EP2 instance, batch-invariant; once with a fixed placement, once with online EPLB
   re-planning (weights migrated between two steps) every few steps from a deliberately bad first
-  placement, once with the moves staged over the following steps;
+  placement, once with the moves staged over the following steps; then P/D: rank 0 a PROMPT engine
+  handing every request over torch.distributed to rank 1, a COMPLETION engine;
 - ``kill``: rank 1 leaves abruptly mid-generation; rank 0 must fail its requests, then restarts alone
   (EP 1, placement re-planned on its window) and serves them again;
 - ``hang``: rank 1 stops stepping (alive, silent); rank 0 must fail its requests after the timeout.
@@ -32,6 +33,7 @@ from deepinfer_core.distributed import (
     restart_ep_size,
     shutdown,
 )
+from deepinfer_core.distributed.pd import CompletionEngine, PromptEngine, recv_handoff, send_handoff
 from deepinfer_core.engine import EngineConfig
 from deepinfer_core.eplb import EPLBConfig
 from deepinfer_core.sampling_params import SamplingParams
@@ -76,7 +78,37 @@ def scenario_equal(groups, prompts, params) -> dict:
         initial_placement=plan_placement(mc.num_hidden_layers, mc.n_routed_experts, groups.group_size, cfg3, bad)))
     res["staged"] = outputs_json(eng3.generate(prompts, params))
     res["staged_replans"] = _replans(eng3)
+    res["pd"] = scenario_pd(groups, prompts, params)
     return res
+
+
+def scenario_pd(groups, prompts, params) -> list[dict] | None:
+    """Rank 0 a PROMPT engine, rank 1 a COMPLETION engine; hand-offs over torch.distributed (world group)."""
+    if groups.rank == 0:
+        pe = PromptEngine(engine_config())
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            pe.add_request(str(i), p, sp)
+        early, sent = [], 0
+        while pe.has_unfinished():
+            outs, ready = pe.step()
+            early += outs
+            for h in ready:
+                dist.send_object_list([h.request_id], dst=1)
+                send_handoff(h, dst=1)
+                sent += 1
+        dist.send_object_list([None], dst=1)
+        return outputs_json(early)
+    ce = CompletionEngine(engine_config())
+    box: list = [None]
+    while True:
+        dist.recv_object_list(box, src=0)
+        if box[0] is None:
+            break
+        ce.add_handoff(recv_handoff(src=0))
+    done = []
+    while ce.has_unfinished():
+        done += ce.step()
+    return sorted(outputs_json(done), key=lambda o: int(o["id"]))
 
 
 def _replans(eng: DistributedEngine) -> list[dict]:

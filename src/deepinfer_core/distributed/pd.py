@@ -1,0 +1,304 @@
+"""Prefill / decode disaggregation: a PROMPT engine hands a request's KV to a COMPLETION engine.
+
+:class:`PromptEngine` runs the scheduler as a PROMPT engine: a request's prompt is prefilled, its first
+token sampled, and the request leaves with HANDOFF. At that moment (inside the scheduler's ``update``,
+before the engine frees the state slot, and before any later plan may reuse the freed blocks) its
+:class:`Handoff` is taken: the prompt's block KV (main compressed KV and indexer keys of every source
+layer, whole blocks) and the sequence's state block (SWA rings of every layer, compressor accumulators,
+the Engram token ring, the slot's end position). :class:`CompletionEngine` runs the scheduler as a
+COMPLETION engine: the request arrives as prompt + first token, admission reserves blocks and lists it in
+``plan.kv_load_seq_ids``, and the package is written into those blocks and a fresh state slot before
+the step runs; decoding then continues at the position the PROMPT engine stopped. Sampling is keyed by
+(seed, position), so with batch-invariant mode the tokens (first + the rest) equal a NORMAL engine's.
+
+Transport: in process, pass the object; over torch.distributed, :func:`send_handoff` /
+:func:`recv_handoff` (metadata as a pickled object, tensors point to point; gloo or NCCL).
+
+Scope: this hands over the *full* state block ("full" mode). DeepInfer persists only the encoder half
+of the SWA state and rebuilds the decoder rings with bounded replay on the decode side; that needs the
+engine's bounded-replay path (issue #17), see docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepinfer_core.engine import EngineConfig, LLMEngine, RequestOutput
+from deepinfer_core.engine.outputs import ERROR
+from deepinfer_core.engine.requests import derived_seed, normalize_params
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler import EngineType, FinishReason, Scheduler
+
+log = logging.getLogger(__name__)
+
+HANDOFF = "handoff"  # RequestOutput.finish_reason of a request the PROMPT engine handed over
+
+
+@attrs.frozen(eq=False)
+class Handoff:
+    """One request's state at the end of its prefill (see the module docstring).
+
+    ``num_tokens``: positions with KV (the prompt); ``blocks``: name -> uint8 [prompt blocks, block
+    size, bytes]; ``state``: name -> the state block's tensors; ``params``: as given, seed resolved.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    first_token: int
+    params: SamplingParams
+    num_tokens: int
+    block_size: int
+    blocks: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.blocks.values(), *self.state.values()))
+
+
+# the executor's per-slot host arrays (those present: #17's bounded replay adds the decoder floors)
+_SLOT_ARRAYS = ("_tokens", "_slot_end", "_encoder_only", "_floor", "_min_start")
+
+
+def _state_tensors(ex: Any, slot: int) -> dict[str, torch.Tensor]:
+    """Copies of everything the executor keeps per state slot."""
+    out = {f"swa.{i}": r[slot].clone() for i, r in enumerate(ex.swa)}
+    out.update({f"comp.{k}": v[slot].clone() for k, v in ex.comp_state.items()})
+    for name in _SLOT_ARRAYS:
+        arr = getattr(ex, name, None)
+        if arr is not None:
+            out[name] = torch.from_numpy(np.array(arr[slot], copy=True).reshape(-1))
+    return out
+
+
+def _load_state(ex: Any, slot: int, state: dict[str, torch.Tensor]) -> None:
+    want = set(_state_tensors(ex, slot))
+    if set(state) != want:
+        raise ValueError(f"handoff state: fields {sorted(state)}, this executor keeps {sorted(want)}")
+    for i, r in enumerate(ex.swa):
+        r[slot].copy_(state[f"swa.{i}"].to(r.device))
+    for k, v in ex.comp_state.items():
+        v[slot].copy_(state[f"comp.{k}"].to(v.device))
+    for name in _SLOT_ARRAYS:
+        arr = getattr(ex, name, None)
+        if arr is not None:
+            arr[slot] = state[name].cpu().numpy().reshape(np.shape(arr[slot]))
+
+
+def _block_caches(ex: Any) -> dict[str, torch.Tensor]:
+    return {**{f"kv.{k}": v for k, v in ex.kv.items()}, **{f"index.{k}": v for k, v in ex.index_keys.items()}}
+
+
+def _with_type(engine: LLMEngine, kind: EngineType) -> Scheduler:
+    s = engine.scheduler
+    return Scheduler(engine.kv_pool, attrs.evolve(s.config, engine_type=kind))
+
+
+def _check_engine(engine: LLMEngine, who: str) -> None:
+    if engine.drafts is not None:
+        raise ValueError(f"{who}: EngineConfig.speculative is not supported with P/D hand-off")
+
+
+class _PromptScheduler:
+    """The PROMPT scheduler, its ``update`` taking each HANDOFF's package before the engine frees it."""
+
+    def __init__(self, owner: PromptEngine, inner: Scheduler) -> None:
+        self._owner, self._inner = owner, inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def update(self, plan: Any, *args: Any) -> Any:
+        ended = self._inner.update(plan, *args)
+        for fr in ended:
+            if fr.finish_reason is FinishReason.HANDOFF:
+                self._owner._take(fr)
+        return ended
+
+
+class PromptEngine:
+    """A PROMPT (prefill-only) engine: ``step()`` returns (outputs, handoffs).
+
+    Outputs are requests that ended here (their first token stopped them, or they failed); every other
+    request comes back as a :class:`Handoff` for a :class:`CompletionEngine`.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kw: Any) -> None:
+        self.engine = eng = LLMEngine(config, **kw)
+        _check_engine(eng, "PromptEngine")
+        eng.scheduler = _PromptScheduler(self, _with_type(eng, EngineType.PROMPT))  # type: ignore[assignment]
+        self._ready: list[Handoff] = []
+        self._params: dict[str, SamplingParams] = {}
+        self._serial = 0
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
+        try:
+            sp = normalize_params(params, self.engine.vocab_size)
+        except ValueError:
+            sp = None  # the engine reports the bad field itself
+        if sp is not None and sp.seed is None:  # the COMPLETION engine must sample with the same seed
+            sp = attrs.evolve(sp, seed=derived_seed(self.engine.config.seed, self._serial))
+        self._serial += 1
+        if sp is not None:
+            self._params[request_id] = sp
+        self.engine.add_request(request_id, prompt, sp if sp is not None else params)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def _take(self, fr: Any) -> None:
+        eng = self.engine
+        req = eng._reqs[fr.request_id]
+        ex = eng.executor
+        slot = int(eng.state_pool.slots([req.seq])[0])
+        n = len(req.prompt_token_ids)
+        nb = -(-n // eng.config.block_size)
+        blocks = torch.as_tensor(np.asarray(fr.handoff_block_ids, dtype=np.int64)[:nb], device=ex.device)
+        self._ready.append(Handoff(
+            request_id=fr.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            first_token=int(fr.output_token_ids[0]), params=self._params.pop(fr.request_id, req.params),
+            num_tokens=n, block_size=eng.config.block_size,
+            blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()}, state=_state_tensors(ex, slot)))
+
+    def step(self) -> tuple[list[RequestOutput], list[Handoff]]:
+        outs = self.engine.step()
+        ready, self._ready = self._ready, []
+        gone = {h.request_id for h in ready}
+        for rid in gone:
+            self._params.pop(rid, None)
+        return [o for o in outs if o.request_id not in gone], ready
+
+
+class _CompletionScheduler:
+    """The COMPLETION scheduler, loading each admitted request's KV and state before its first step."""
+
+    def __init__(self, owner: CompletionEngine, inner: Scheduler) -> None:
+        self._owner, self._inner = owner, inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def schedule(self, *args: Any, **kw: Any) -> Any:
+        plan = self._inner.schedule(*args, **kw)
+        for seq, n in zip(plan.kv_load_seq_ids.tolist(), plan.kv_load_num_tokens.tolist()):
+            self._owner._load(int(seq), int(n))
+        return plan
+
+
+class CompletionEngine:
+    """A COMPLETION (decode-only) engine fed with :class:`Handoff` s; outputs carry every token of the
+    request (the PROMPT engine's first one included), as a NORMAL engine's would."""
+
+    def __init__(self, config: EngineConfig | None = None, **kw: Any) -> None:
+        self.engine = eng = LLMEngine(config, **kw)
+        _check_engine(eng, "CompletionEngine")
+        self._inner = _with_type(eng, EngineType.COMPLETION)
+        eng.scheduler = _CompletionScheduler(self, self._inner)  # type: ignore[assignment]
+        self._pending: dict[str, Handoff] = {}
+        self._rid_of: dict[int, str] = {}  # scheduler seq id -> request id
+        self._errors: dict[str, str] = {}  # requests this wrapper ended, and why
+        self._failed: list[RequestOutput] = []
+
+    def add_handoff(self, h: Handoff) -> None:
+        """Queue a handed-over request (it decodes from its first token on)."""
+        eng = self.engine
+        if h.block_size != eng.config.block_size:
+            raise ValueError(f"handoff {h.request_id!r}: block_size {h.block_size}, this engine's is "
+                             f"{eng.config.block_size} (the blocks are copied whole)")
+        sp = h.params
+        if sp.max_tokens is not None and sp.max_tokens <= 1:  # the first token was the last: nothing to do
+            self._failed.append(self._output(h, None))
+            return
+        rest = attrs.evolve(sp, max_tokens=None if sp.max_tokens is None else sp.max_tokens - 1,
+                            min_tokens=max(0, sp.min_tokens - 1))
+        self._pending[h.request_id] = h
+        eng.add_request(h.request_id, [*h.prompt_token_ids, h.first_token], rest)
+        try:
+            self._rid_of[self._inner.seq_id(h.request_id)] = h.request_id
+        except KeyError:  # refused by the engine (it reports why)
+            self._pending.pop(h.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._failed) or self.engine.has_unfinished()
+
+    def _load(self, seq: int, n: int) -> None:
+        eng = self.engine
+        rid = self._rid_of[seq]
+        h = self._pending[rid]
+        if n != h.num_tokens:  # e.g. re-admitted after a preemption: its decoded tokens' KV is gone
+            why = f"KV for {n} tokens asked, the hand-off holds {h.num_tokens} (re-admitted after a preemption?)"
+            log.warning("completion engine: request %r: %s", rid, why)
+            self._errors[rid] = f"P/D hand-off: {why}"
+            eng.abort(rid)
+            return
+        ex = eng.executor
+        if not eng.state_pool.contains(seq) and eng.state_pool.acquire(seq) is None:
+            raise RuntimeError(f"completion engine: no free state slot for {rid!r}")
+        slot = int(eng.state_pool.slots([seq])[0])
+        nb = next(iter(h.blocks.values())).shape[0]
+        table = torch.as_tensor(eng.kv_pool.block_table(seq)[:nb].astype(np.int64), device=ex.device)
+        caches = _block_caches(ex)
+        if set(caches) != set(h.blocks):
+            raise ValueError(f"handoff {rid!r}: block caches {sorted(h.blocks)}, this executor has {sorted(caches)}")
+        for k, t in caches.items():
+            t[table] = h.blocks[k].to(t.device)
+        _load_state(ex, slot, h.state)
+
+    def _output(self, h: Handoff, o: RequestOutput | None) -> RequestOutput:
+        tok = self.engine.tokenizer
+        if o is None:
+            ids: tuple[int, ...] = (h.first_token,)
+            return RequestOutput(request_id=h.request_id, prompt=h.prompt, prompt_token_ids=h.prompt_token_ids,
+                                 text=tok.decode(ids), token_ids=ids, finish_reason="length")
+        ids = (h.first_token, *o.token_ids)
+        return attrs.evolve(o, prompt=h.prompt, prompt_token_ids=h.prompt_token_ids, token_ids=ids,
+                            text=tok.decode(ids))
+
+    def step(self) -> list[RequestOutput]:
+        out, self._failed = self._failed, []
+        for o in self.engine.step():
+            h = self._pending.pop(o.request_id, None)
+            err = self._errors.pop(o.request_id, None)
+            if err is not None:
+                o = attrs.evolve(o, finish_reason=ERROR, error=err)
+            out.append(o if h is None else self._output(h, o))
+        self._rid_of = {s: r for s, r in self._rid_of.items() if r in self._pending}
+        return out
+
+
+# ---------------------------------------------------------------------- over torch.distributed
+def send_handoff(h: Handoff, dst: int, group: Any = None, device: Any = "cpu") -> None:
+    """Send ``h`` to global rank ``dst`` (which calls :func:`recv_handoff`)."""
+    names = [*(f"b:{k}" for k in h.blocks), *(f"s:{k}" for k in h.state)]
+    tensors = [*h.blocks.values(), *h.state.values()]
+    meta = {"request_id": h.request_id, "prompt": h.prompt, "prompt_token_ids": h.prompt_token_ids,
+            "first_token": h.first_token, "params": h.params, "num_tokens": h.num_tokens,
+            "block_size": h.block_size, "tensors": [(n, tuple(t.shape), str(t.dtype).split(".")[-1])
+                                                    for n, t in zip(names, tensors)]}
+    dist.send_object_list([meta], dst=dst, group=group)
+    for t in tensors:
+        dist.send(t.contiguous().to(device), dst=dst, group=group)
+
+
+def recv_handoff(src: int, group: Any = None, device: Any = "cpu") -> Handoff:
+    """Receive a :class:`Handoff` sent by global rank ``src``."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    meta = box[0]
+    blocks: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, shape, dtype in meta["tensors"]:
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.recv(t, src=src, group=group)
+        (blocks if name.startswith("b:") else state)[name[2:]] = t.cpu() if name.endswith("tokens") else t
+    return Handoff(request_id=meta["request_id"], prompt=meta["prompt"], prompt_token_ids=meta["prompt_token_ids"],
+                   first_token=meta["first_token"], params=meta["params"], num_tokens=meta["num_tokens"],
+                   block_size=meta["block_size"], blocks=blocks, state=state)
