@@ -10,6 +10,7 @@ by layer into the device cache. Nothing here imports torch at import time.
 
 from __future__ import annotations
 
+from deepinfer_core.kvstore.engine_link import BlockCodec, StoreLink
 from deepinfer_core.kvstore.file import FileKVStore
 from deepinfer_core.kvstore.memory import InMemoryKVStore, StoreStats
 from deepinfer_core.kvstore.prefetch import PrefetchBatch, Prefetcher
@@ -19,12 +20,14 @@ from deepinfer_core.kvstore.swapin import LayerwiseSwapIn, pack_layers, stage
 
 __all__ = [
     "DEFAULT_TTLS_S",
+    "BlockCodec",
     "FileKVStore",
     "InMemoryKVStore",
     "LayerwiseSwapIn",
     "PrefetchBatch",
     "Prefetcher",
     "RedisKVStore",
+    "StoreLink",
     "StoreStats",
     "TTLPolicy",
     "block_keys",
