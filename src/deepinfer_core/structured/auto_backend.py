@@ -40,6 +40,10 @@ ORDER: dict[str, tuple[str, ...]] = {
     "ebnf": ("xgrammar", "llguidance"),
     "choice": ("llguidance", "xgrammar"),
 }
+# When every engine refused a JSON schema: llguidance once more with what it refuses relaxed (unknown
+# keywords and formats ignored, oneOf as anyOf). Its documents may then violate the schema, which the
+# manager's document check reports as grammar_violation; a request's own options take precedence.
+RELAXED: tuple[str, dict[str, bool]] = ("llguidance", {"lenient": True, "coerce_one_of": True})
 
 
 @attrs.frozen(slots=True)
@@ -49,6 +53,7 @@ class AutoGrammar:
     engine: str
     compiled: object = attrs.field(repr=False)
     refused: tuple[tuple[str, str], ...] = ()
+    relaxed: tuple[str, ...] = ()  # options of RELAXED this compile needed
 
 
 class AutoBackend:
@@ -115,6 +120,21 @@ class AutoBackend:
                 log.info("auto backend: %s refused the %s (%s); %s serves it", refused[-1][0], spec.kind,
                          refused[-1][1].splitlines()[0][:200], engine)
             return AutoGrammar(engine=engine, compiled=compiled, refused=tuple(refused))
+        if spec.kind == "json_schema":
+            engine, extra = RELAXED
+            mine = spec.options_for(engine)
+            add = {k: v for k, v in extra.items() if k not in mine}
+            if add:
+                opts = {e: spec.options_for(e) for e in ENGINES}
+                opts[engine] = {**add, **mine}
+                try:
+                    compiled = self.backends[engine].compile(attrs.evolve(spec, options=opts))
+                except ValueError as e:
+                    refused.append((f"{engine} (relaxed)", str(e)))
+                else:
+                    log.info("auto backend: every engine refused the json_schema; %s serves it relaxed (%s)",
+                             engine, ", ".join(sorted(add)))
+                    return AutoGrammar(engine=engine, compiled=compiled, refused=tuple(refused), relaxed=tuple(sorted(add)))
         raise ValueError("no engine could compile the spec: " + "; ".join(f"{e}: {m}" for e, m in refused))
 
     def matcher(self, compiled: AutoGrammar) -> Any:

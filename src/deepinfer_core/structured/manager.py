@@ -252,6 +252,8 @@ class StructuredOutputManager:
         refused = getattr(grammar, "refused", ())
         if refused:
             req.metrics["grammar_refused"] = {e: m for e, m in refused}
+        if getattr(grammar, "relaxed", ()):
+            req.metrics["grammar_relaxed"] = list(grammar.relaxed)
         if self._u8f is not None:
             variant = 0
             if spec.kind == "json_schema":  # no raw control characters; tab / LF / CR where whitespace may be

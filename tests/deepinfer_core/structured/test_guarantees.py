@@ -257,3 +257,20 @@ def test_check_document_is_strict(data: bytes, ok: bool) -> None:
 
     v, why = make_validator('{"type":"object","properties":{"a":{"type":"integer"}}}')
     assert why is None and check_document(data, v).ok is ok
+
+
+def test_auto_relaxes_llguidance_when_every_engine_refuses(auto, byte_tok) -> None:
+    # an unknown format (llguidance refuses) and an integer bound past int64 (xgrammar refuses)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "mongoId", "maxLength": 6},
+                                               "b": {"type": "integer", "minimum": 0, "maximum": 10**20}},
+              "required": ["a", "b"], "additionalProperties": False}
+    mgr = StructuredOutputManager(auto)
+    rng = np.random.default_rng(random.randrange(2**31))
+    for i in range(3):
+        mgr.add_request(i, {"json_schema": schema})
+        toks = decode(mgr, i, rng)
+        m = mgr.metrics(i)
+        assert m["grammar_engine"] == "llguidance" and m["grammar_relaxed"] == ["coerce_one_of", "lenient"]
+        assert set(m["grammar_refused"]) == {"llguidance", "xgrammar"}
+        if mgr.finish_reason(i) is FinishReason.STOP:
+            assert check_document(text_of(byte_tok, toks[:-1]), None).ok
