@@ -26,6 +26,7 @@ in tests/deepinfer_core/kv/test_formats.py against a float64 decoder.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -86,17 +87,24 @@ def _check_bytes(b: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
     return b.contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def _const(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table on ``device``, made once: a fresh ``torch.tensor`` per call would copy it
+    from the host every time (a device synchronisation, and not allowed inside a CUDA graph capture)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """float (already divided by the scale) -> 4-bit codes in uint8: the nearest e2m1 value with ties
     toward zero (not round-half-even), saturating at +-6. Device kernels must match this tie rule."""
     mag = v.abs().clamp(max=E2M1_MAX)
-    code = torch.bucketize(mag, torch.tensor(_E2M1_MID, dtype=mag.dtype, device=mag.device), right=False)
+    code = torch.bucketize(mag, _const(tuple(_E2M1_MID), mag.dtype, mag.device), right=False)
     sign = (v < 0) & (code > 0)  # no negative zero: keeps bytes canonical
     return (code | (sign.to(code.dtype) << 3)).to(torch.uint8)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=code.device)
+    grid = _const(tuple(_E2M1_GRID), torch.float32, code.device)
     mag = grid[(code & 7).long()]
     return torch.where((code & 8) != 0, -mag, mag)
 

@@ -72,7 +72,9 @@ class MHCResidual(nn.Module):
         cd = torch.float64 if state.dtype == torch.float64 else torch.float32
         x = state.reshape(state.shape[0], -1).to(cd)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        idx = list(subs)
+        # subs are consecutive ((0, 1) or (s,)): a slice, not a list index (which would copy the index to
+        # the device and synchronise, and cannot be captured in a CUDA graph)
+        idx = slice(subs[0], subs[-1] + 1)
         phi, a, b = self.phi[layer, idx].to(cd), self.alpha[layer, idx].to(cd), self.bias[layer, idx].to(cd)
         raw = torch.einsum("tc,skc->tsk", x, phi)  # [T, S, k]
         pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])

@@ -159,6 +159,8 @@ def kv_store(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fm
         raise ValueError(f"x: must be [tokens, dim], got shape {tuple(x.shape)}")
     name = _usable(fmt, x.shape[1], pool, x)
     if name is None:
+        if not check and pool.device.type == "cuda":
+            return _store_static(pool, x, slot_mapping, fmt)
         return ref.kv_store(pool, x, slot_mapping, fmt)
     f = ref.resolve_format(fmt, x.shape[1])
     flat = ref.flat_pool(pool, f.bytes_per_token)
@@ -171,6 +173,27 @@ def kv_store(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fm
             raise ValueError(f"slot_mapping: must have shape ({x.shape[0]},), got {tuple(slot_mapping.shape)}")
         slots = slot_mapping.to(pool.device, torch.int64)
     store_slots(flat, x, slots, name)
+    return pool
+
+
+def _store_static(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: object) -> torch.Tensor:
+    """The reference store's bytes with fixed shapes and no host synchronisation (for formats / dims the
+    kernels do not take, e.g. the tiny model's 66-byte fp8 rows, inside a CUDA graph): a skipped row (slot
+    < 0) repeats the first kept row's write (same slot, same bytes: no race); with none kept, slot 0
+    gets its own bytes back."""
+    if slot_mapping.shape != (x.shape[0],):
+        raise ValueError(f"slot_mapping: must have shape ({x.shape[0]},), got {tuple(slot_mapping.shape)}")
+    f = ref.resolve_format(fmt, x.shape[1])  # type: ignore[arg-type]
+    flat = ref.flat_pool(pool, f.bytes_per_token)
+    if x.shape[0] == 0:
+        return pool
+    slots = slot_mapping.to(pool.device, torch.int64)
+    keep = slots >= 0
+    first = torch.argmax(keep.to(torch.int8))
+    src = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), first)
+    tgt = slots[src].clamp(min=0)
+    val = f.quantize(x).to(pool.device)[src]
+    flat[tgt] = torch.where(keep.any(), val, flat[tgt])
     return pool
 
 
@@ -240,3 +263,17 @@ def swa_ring_read(
     slots, valid = ref.ring_window_slots(ring, states, lengths, window)
     slots = torch.where(valid, slots, -1)
     return gather_slots(flat, slots.reshape(-1), name, dim, out_dtype).view(*slots.shape, dim)
+
+
+@register("kv_gather", "cuda")
+def kv_gather(pool: torch.Tensor, slots: torch.Tensor, fmt: str = "fp8", dim: int = 512,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Same contract as the reference ``kv_gather``: one TileLang gather + dequantise, no checks (fixed
+    shapes, no host synchronisation: capturable in a CUDA graph)."""
+    name = _usable(fmt, dim, pool)
+    if name is None or out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return ref.kv_gather(pool, slots, fmt, dim, out_dtype)
+    f = ref.resolve_format(fmt, dim)
+    flat = ref.flat_pool(pool, f.bytes_per_token)
+    s = slots.reshape(-1).to(pool.device, torch.int64)
+    return gather_slots(flat, s, name, dim, out_dtype).view(*slots.shape, dim)

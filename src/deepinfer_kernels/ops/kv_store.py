@@ -179,3 +179,17 @@ def swa_ring_read(
     slots, valid = ring_window_slots(ring, states, lengths, window)
     out = f.dequantize(flat[slots.reshape(-1)]).reshape(*slots.shape, dim)
     return torch.where(valid[..., None], out, torch.zeros((), device=ring.device)).to(out_dtype)
+
+
+@register("kv_gather")
+def kv_gather(pool: torch.Tensor, slots: torch.Tensor, fmt: str | CacheFormat = "fp8", dim: int = 512,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``slots`` (int64, any shape; < 0 gives zeros) of a paged pool or ring, dequantised to
+    ``[*slots.shape, dim]``. No value checks: the executor's decode gathers, whose slots come from its
+    validated tables (a device-side range check would synchronise)."""
+    f = resolve_format(fmt, dim)
+    flat = flat_pool(pool, f.bytes_per_token)
+    s = slots.reshape(-1).to(pool.device, torch.int64)
+    out = f.dequantize(flat[s.clamp(min=0)]).to(out_dtype)
+    out = torch.where((s >= 0)[:, None], out, torch.zeros((), dtype=out_dtype, device=out.device))
+    return out.view(*slots.shape, dim)

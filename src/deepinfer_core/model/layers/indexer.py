@@ -77,9 +77,14 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
     nb = -(-e // block_size)
     pad = torch.full((n, nb * block_size - e), NEG, dtype=scores.dtype, device=scores.device)
     bmax = torch.cat((scores, pad), 1).view(n, nb, block_size).amax(-1)
-    partial = (visible % block_size) != 0
-    rows = torch.nonzero(partial).flatten()
-    bmax[rows, visible[rows] // block_size] = float("inf")
+    # force each row's newest partial block: a gather / where / scatter of one column per row instead of
+    # a nonzero() over the partial rows, so no host synchronisation (CUDA-graph capturable); a row with
+    # no partial block writes its own value back
+    if nb:
+        partial = (visible % block_size) != 0
+        col = (visible // block_size).clamp(max=nb - 1)[:, None]
+        cur = bmax.gather(1, col)
+        bmax.scatter_(1, col, torch.where(partial[:, None], torch.full_like(cur, float("inf")), cur))
     bsel = topk_mask(bmax, topk_blocks)  # [N, nb]
     pool = bsel.repeat_interleave(block_size, dim=1)[:, :e]
     return pool & (scores > NEG)

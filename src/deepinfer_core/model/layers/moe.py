@@ -10,11 +10,21 @@ expert, so an expert's replicas get token counts that differ by at most one, and
 splits the same way. A slot computes with its logical expert's weights (read through ``phy2log``; in an
 EP deployment the slot holds a copy, which ``eplb.transfer`` moves), so the output is the same under any
 placement up to summation order.
+
+Static mode (:func:`static_shapes`, used by the executor on the cuda backend): the same outputs with fixed
+shapes and no host synchronisation (no ``bincount`` / ``.tolist()`` / per-expert slicing), so a decode step
+can be captured in a CUDA graph. Routed experts then run as three ``torch._grouped_mm`` calls over the
+expert-sorted pairs (bf16 on sm_90+, the offsets stay on the device), else densely (every expert on every
+token, weighted by its routing weight, 0 when not routed). Compute is by logical expert (a placement moves
+no numbers, see above); the expert counts are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -24,6 +34,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
+
+# static mode on in this context (see the module docstring); a context variable, not a module attribute,
+# so an executor turns it on for its own steps only
+# (on, row mask or None): rows whose mask is False (a CUDA graph's padded rows) are left out of the counts
+_STATIC: contextvars.ContextVar[tuple[bool, torch.Tensor | None]] = contextvars.ContextVar(
+    "moe_static", default=(False, None))
+# grouped GEMMs in static mode where torch._grouped_mm applies (a switch for the tests: off = dense)
+GROUPED_MM = True
+
+
+@contextlib.contextmanager
+def static_shapes(on: bool = True, row_mask: torch.Tensor | None = None) -> Iterator[None]:
+    """MoE layers run in static mode (fixed shapes, no host sync) inside this block; ``row_mask`` [N]
+    (bool) marks the rows the expert counts include (None: all)."""
+    tok = _STATIC.set((on, row_mask))
+    try:
+        yield
+    finally:
+        _STATIC.reset(tok)
+
+
+def _grouped_ok(x: torch.Tensor) -> bool:
+    return (GROUPED_MM and hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -154,6 +188,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [N, D], tokens per routed (logical) expert [E] int64)."""
+        if _STATIC.get()[0]:
+            return self._forward_static(x, _STATIC.get()[1])
         n = x.shape[0]
         ids, w = self.route(x)
         counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
@@ -180,5 +216,36 @@ class MoE(nn.Module):
         out = buf.view(n, self.top_k, -1).sum(1)
         if self.shared:
             # (choice, config shared_expert_clamp) the shared expert uses the routed experts' clamp
+            out = out + clamped_swiglu(x @ self.s_w1.t(), x @ self.s_w3.t(), self.shared_limit) @ self.s_w2.t()
+        return out, counts
+
+    def _forward_static(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with fixed shapes and no host synchronisation (static mode)."""
+        n, e, k = x.shape[0], self.n_experts, self.top_k
+        ids, w = self.route(x)
+        flat = ids.reshape(-1)
+        per_expert = torch.zeros(e, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        if row_mask is None:
+            counts = per_expert
+        else:  # masked rows (a graph's padding) are computed but not counted
+            one = row_mask.to(flat.dtype).repeat_interleave(k)
+            counts = torch.zeros(e, dtype=torch.long, device=x.device).scatter_add_(0, flat, one)
+        if _grouped_ok(x):
+            order = torch.argsort(flat, stable=True)
+            xs = x[order // k]
+            offs = torch.cumsum(per_expert, 0).to(torch.int32)  # group bounds over every computed row
+            g = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+            y = torch._grouped_mm(clamped_swiglu(g, u, self.limit), self.w2.transpose(-2, -1), offs=offs)
+            y = y * w.reshape(-1)[order, None]
+            # back to flat (token, k) order, then the k slots of a token summed as in forward()
+            out = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1).sum(1)
+        else:
+            wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
+            out = torch.zeros_like(x)
+            for j in range(e):
+                h = clamped_swiglu(x @ self.w1[j].t(), x @ self.w3[j].t(), self.limit)
+                out = out + (h @ self.w2[j].t()) * wd[:, j, None]
+        if self.shared:
             out = out + clamped_swiglu(x @ self.s_w1.t(), x @ self.s_w3.t(), self.shared_limit) @ self.s_w2.t()
         return out, counts

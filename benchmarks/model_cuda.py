@@ -1,0 +1,294 @@
+"""Decode steps of the wide config on the cuda backend: eager vs CUDA graphs, share of the roofline,
+kernel launches and host synchronisations per step, a profile of the hot kernels.
+
+For each batch size B (context C tokens per request, KV quantised as in serving: FP4 main, FP8 SWA ring,
+MXFP4 indexer keys) one executor is prefilled, then S decode steps run eagerly and S more with CUDA graphs
+(modes: ``legacy`` the plain row path with its host syncs, ``off`` the sync-free eager path, ``on`` CUDA graphs). Reported per mode:
+
+- ``ms_per_step``: synchronised wall clock over S steps through ``ModelExecutor.execute`` (host work included:
+  that is what the engine waits for);
+- ``roofline_pct``: the bytes a step must read (weights it uses + KV it attends to + indexer keys it scores,
+  :func:`step_bytes`) over the device-to-device copy bandwidth measured in the same run, as a share of
+  ``ms_per_step``;
+- ``launches_per_step`` / ``syncs_per_step`` / ``gpu_busy_pct``: from torch.profiler over 3 steps (kernel
+  launch calls incl. graph launches; stream / device / event synchronisations; device time over wall time);
+- with ``--sync-sites``: the source lines that synchronise (torch.cuda.set_sync_debug_mode), eager mode.
+
+    python benchmarks/model_cuda.py [--batches 1,8,64] [--context 1024] [--steps 16] [--graphs off,on]
+                                    [--sync-sites] [--out DIR] [--quick]
+
+Needs a CUDA device (and TileLang for the cuda backend's KV kernels). JSON lines on stdout; with ``--out``
+also the profiler tables (``profile_B<b>_<mode>.txt``).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from _common import emit, log, parser
+from deepinfer_core.kv import PagedKVPool
+from deepinfer_core.model import DeepSeekV41, ForwardBatch, ModelExecutor
+from deepinfer_kernels import get_backend
+from model import wide_config
+
+BENCH = "model_cuda"
+BLOCK = 64
+LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+          "cudaLaunchCooperativeKernel")
+SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def copy_bandwidth(nbytes: int = 1 << 31, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of ``reps``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def step_bytes(model: DeepSeekV41, ex: ModelExecutor, batch: int, ctx: int) -> dict[str, int]:
+    """Bytes one decode step of ``batch`` requests at context ``ctx`` must read at least.
+
+    Weights: every parameter the step uses once (attention, norms, mHC, Engram projections, the LM head),
+    the routed experts that at most min(E, batch * top_k) tokens can reach, the shared expert; the
+    embedding and Engram tables only their ``batch`` rows; the drafter is not used by a plain decode step.
+    KV per request and layer: the SWA window (FP8 ring bytes), the top-k compressed entries (FP4) of
+    compressed layers, and every visible indexer key (MXFP4) of the layers that score."""
+    cfg = model.cfg
+    es = next(model.parameters()).element_size()
+    w = 0
+    for name, p in model.named_parameters():
+        if name.startswith("drafter.") or name == "embed":
+            continue
+        if ".ffn.w" in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3"):
+            used = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok)
+            w += p[0].numel() * es * used
+            continue
+        w += p.numel() * es
+    if model.head is None:  # tied: the LM head reads the whole embedding
+        w += model.embed.numel() * es
+    w += batch * cfg.hidden_size * es
+    kv = 0
+    fmt = ex.fmt
+    for lid in range(cfg.num_hidden_layers):
+        kv += batch * min(ctx, cfg.sliding_window) * fmt.swa.bytes_per_token
+        r = cfg.ratio(lid)
+        if r > 0:
+            kv += batch * min(cfg.index_topk, ctx // r) * fmt.main.bytes_per_token
+            if lid in cfg.index_source_layer_ids:
+                kv += batch * (ctx // r) * fmt.index.bytes_per_token
+    return {"weights": w, "kv": kv, "total": w + kv}
+
+
+class Decoder:
+    """One executor prefilled with ``batch`` random requests of ``ctx`` tokens; ``step()`` decodes one token each."""
+
+    def __init__(self, model: DeepSeekV41, batch: int, ctx: int, room: int) -> None:
+        cfg = model.cfg
+        slots = batch
+        blocks = slots * (-(-(ctx + room) // BLOCK) + 1) + 1
+        self.ex = ModelExecutor(model, blocks, BLOCK, slots, quantize=True, backend=get_backend("cuda"))
+        pool = PagedKVPool(blocks, BLOCK)
+        g = torch.Generator().manual_seed(batch)
+        self.toks = torch.randint(0, cfg.vocab_size, (batch, ctx + room), generator=g).numpy()
+        ids = list(range(batch))
+        for i in ids:
+            pool.allocate(i, ctx + room)
+        self.tables = pool.block_tables(ids)
+        self.batch, self.pos = batch, ctx
+        for i in ids:  # prefill request by request (bounded activation memory)
+            self.ex.execute(ForwardBatch(token_ids=self.toks[i, :ctx], query_lens=[ctx], start_pos=[0],
+                                         block_tables=self.tables[i : i + 1], state_slots=[i], num_logits=[1]))
+        torch.cuda.synchronize()
+
+    def step(self) -> torch.Tensor:
+        b, s = self.batch, self.pos
+        out = self.ex.execute(ForwardBatch(token_ids=self.toks[:, s], query_lens=[1] * b, start_pos=[s] * b,
+                                           block_tables=self.tables, state_slots=list(range(b)), num_logits=[1] * b))
+        self.pos += 1
+        return out.logits
+
+
+def set_mode(ex: ModelExecutor, mode: str) -> None:
+    """legacy: the plain row path (host syncs); off: sync-free eager; on: sync-free + CUDA graphs."""
+    if mode not in ("legacy", "off", "on"):
+        raise SystemExit(f"--graphs: unknown mode {mode!r} (legacy, off, on)")
+    if hasattr(ex, "sync_free"):
+        ex.sync_free = mode != "legacy"
+        ex.cuda_graphs = mode == "on"
+    elif mode != "legacy":
+        raise SystemExit("this executor has no sync-free path")
+
+
+def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dec.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    launches = sum(e.count for e in ka if e.key in LAUNCH)
+    syncs = sum(e.count for e in ka if e.key in SYNC)
+    memcpy = sum(e.count for e in ka if e.key == "cudaMemcpyAsync")
+    dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in ka if getattr(e, "device_type", None) is not None
+                 and str(e.device_type).endswith("CUDA"))
+    if table_path is not None:
+        table_path.write_text(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
+                              + "\n\n" + ka.table(sort_by="count", row_limit=30, max_name_column_width=90))
+    return {"launches_per_step": launches / n, "syncs_per_step": syncs / n, "memcpy_async_per_step": memcpy / n,
+            "gpu_busy_pct": 100 * dev_us / 1e6 / wall, "profiled_ms_per_step": wall / n * 1e3}
+
+
+def sync_sites(dec: Decoder) -> list[tuple[str, int]]:
+    """Source lines (file:line) that synchronise in one step, most frequent first."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            dec.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    c = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in got if "synchroniz" in str(w.message))
+    return c.most_common()
+
+
+def bench_engine(batches: list[int], prompt_len: int, gen: int) -> None:
+    """The engine on the tiny model (cuda backend): output tokens/s and GPU idle share, sync vs async
+    scheduling, graphs off / on. GPU idle = 1 - device time / wall time over one profiled generate call
+    (idle between steps and inside them: an upper bound on the between-steps idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer_core.engine import LLM
+    from deepinfer_core.sampling_params import SamplingParams
+
+    for b in batches:
+        prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(b)]
+        sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+        toks = {}
+        for async_mode in (False, True):
+            llm = LLM(model="tiny-random", backend="cuda", seed=0, num_blocks=4096 // 16 * 4, max_num_seqs=b,
+                      async_scheduling=async_mode)
+            for graphs in (False, True):
+                ex = llm.engine.executor
+                ex.cuda_graphs = graphs and ex.sync_free
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                n = sum(len(o.token_ids) for o in outs)
+                toks[(async_mode, graphs)] = [list(o.token_ids) for o in outs]
+                p = {"model": "tiny-random", "batch": b, "prompt_len": prompt_len, "gen": gen, "async": async_mode,
+                     "graphs": graphs}
+                emit(BENCH, p, "engine_out_tokens_per_s", n / wall, "tok/s")
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, sp, use_tqdm=False)
+                    torch.cuda.synchronize()
+                    pw = time.perf_counter() - t0
+                ka = prof.key_averages()
+                dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in ka
+                             if str(getattr(e, "device_type", "")).endswith("CUDA"))
+                emit(BENCH, p, "engine_gpu_idle_pct", 100 - 100 * dev_us / 1e6 / pw, "%")
+                emit(BENCH, p, "engine_syncs_per_token", sum(e.count for e in ka if e.key in SYNC) / max(n, 1), "count")
+                if graphs and ex.sync_free:
+                    emit(BENCH, p, "engine_graphs_captured", ex.graphs().captures, "count")
+            del llm
+        same = all(v == toks[(False, False)] for v in toks.values())
+        emit(BENCH, {"model": "tiny-random", "batch": b}, "engine_greedy_tokens_equal_all_modes", float(same), "bool")
+
+
+def main() -> None:
+    ap = parser(__doc__ or "")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--graphs", default="legacy,off,on",
+                    help="modes to time: legacy (plain row path), off (sync-free eager), on (CUDA graphs)")
+    ap.add_argument("--sync-sites", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for the profiler tables")
+    ap.add_argument("--engine", default="", help="batches for the engine section (tiny model), e.g. 1,8,64")
+    ap.add_argument("--no-wide", action="store_true", help="skip the wide-config decode section")
+    args = ap.parse_args()
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    if args.engine:
+        bench_engine([int(x) for x in args.engine.split(",")], 64, 8 if args.quick else 32)
+    if args.no_wide:
+        return
+    cfg = wide_config()
+    model = DeepSeekV41.from_config(cfg, seed=0, dtype=torch.bfloat16, device="cuda", init_on_device=True)
+    bw = copy_bandwidth()
+    base = {"config": "wide", "device": torch.cuda.get_device_name(), "context": args.context}
+    emit(BENCH, base, "copy_bandwidth_read_plus_write", bw / 1e9, "GB/s")
+    modes = [m for m in args.graphs.split(",") if m]
+    steps = 3 if args.quick else args.steps
+    for b in [int(x) for x in args.batches.split(",")]:
+        dec = Decoder(model, b, args.context, room=(steps + 8) * len(modes) + 16)
+        need = step_bytes(model, dec.ex, b, args.context)
+        p = {**base, "batch": b}
+        emit(BENCH, p, "step_bytes_weights", need["weights"] / 1e9, "GB")
+        emit(BENCH, p, "step_bytes_kv", need["kv"] / 1e9, "GB")
+        floor_ms = need["total"] / bw * 1e3
+        emit(BENCH, p, "roofline_ms", floor_ms, "ms")
+        for mode in modes:
+            set_mode(dec.ex, mode)
+            if args.sync_sites and mode != "on":
+                dec.step()
+                sites = sync_sites(dec)
+                emit(BENCH, {**p, "mode": mode, "sites": sites[:40]}, "sync_sites_one_step", sum(n for _, n in sites), "syncs")
+            for _ in range(3):  # warm-up (captures the bucket's graph on its first use)
+                dec.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dec.step()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / steps * 1e3
+            pm = {**p, "mode": mode}
+            emit(BENCH, pm, "ms_per_step", ms, "ms")
+            emit(BENCH, pm, "roofline_pct", 100 * floor_ms / ms, "%")
+            emit(BENCH, pm, "tokens_per_s", b / ms * 1e3, "tok/s")
+            prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if out else None)
+            for k, v in prof.items():
+                emit(BENCH, pm, k, v, "%" if k.endswith("pct") else ("ms" if k.endswith("ms_per_step") else "count"))
+        if "on" in modes and "off" in modes:  # the same step eagerly and replayed (rolled back one token)
+            set_mode(dec.ex, "off")
+            ref = dec.step().float()
+            dec.pos -= 1
+            set_mode(dec.ex, "on")
+            got = dec.step().float()
+            emit(BENCH, p, "graph_vs_eager_logits_rel_err", ((got - ref).norm() / ref.norm()).item(), "ratio")
+            emit(BENCH, p, "graph_vs_eager_argmax_agree", (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), "share")
+            emit(BENCH, p, "graphs_captured", dec.ex.graphs().captures, "count")
+        del dec
+        torch.cuda.empty_cache()
+        log(f"batch {b} done")
+
+
+if __name__ == "__main__":
+    main()

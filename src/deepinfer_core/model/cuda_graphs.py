@@ -1,0 +1,207 @@
+"""CUDA graphs for pure-decode steps, bucketed by batch size (the executor's ``cuda_graphs`` switch).
+
+A decode step of the wide config launches thousands of small kernels; replaying a captured graph
+replaces them with one launch. As in vLLM and SGLang the batch is padded up to a bucket size
+(:data:`DEFAULT_BUCKETS`), the step reads its inputs from static device buffers that are refilled before
+each replay, and one graph is captured per bucket on its first use (after one eager warm-up run on a side
+stream, which also compiles the TileLang kernels outside the capture).
+
+What a graph fixes besides the batch bucket, all part of its key: the number of compressed entries the
+indexer scores per compress ratio (rounded up to :data:`ENTRY_QUANTUM`; entries past a row's visible
+count are masked, so padding changes no result) and the block-table width (rounded up to a power of two).
+
+Padded rows repeat request 0's token, position, state slot and block table (so every read stays in
+range) and are marked invalid: their cache writes are skipped (slot -1 in the KV kernels) or redirected
+to request 0's own write with request 0's values (the compressor-state ring), and the MoE leaves them out
+of the expert counts. Their logits are dropped.
+
+The step body is the executor's sync-free row path (:func:`~deepinfer_core.model.decode_step.decode_body`): no host
+synchronisation, fixed shapes; the host side of the step (validation, Engram hashing and row fetch, the
+position bookkeeping, the drafter) stays eager around the replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import torch
+
+from deepinfer_core.model.batch import ForwardBatch
+from deepinfer_core.model.decode_step import DecodeInputs, decode_body
+
+if TYPE_CHECKING:  # the executor imports this module
+    from deepinfer_core.model.executor import ModelExecutor
+
+log = logging.getLogger(__name__)
+
+# batch sizes a graph is captured for (a batch runs in the smallest bucket that holds it)
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# indexer entries per ratio are padded to a multiple of this (a new graph every ENTRY_QUANTUM * ratio tokens)
+ENTRY_QUANTUM = 256
+
+
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """Sorted, distinct positive bucket sizes; ValueError naming the field otherwise."""
+    b = tuple(buckets)
+    if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b):
+        raise ValueError(f"cuda_graph_buckets={b!r}: must be a non-empty sequence of integers >= 1")
+    if list(b) != sorted(set(b)):
+        raise ValueError(f"cuda_graph_buckets={b!r}: must be strictly increasing")
+    return b
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``n`` (None when ``n`` exceeds the largest: the step runs eagerly)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def round_up(n: int, quantum: int) -> int:
+    """``n`` rounded up to a multiple of ``quantum`` (0 stays 0)."""
+    return -(-n // quantum) * quantum
+
+
+def width_bucket(w: int) -> int:
+    """Block-table width of a graph: the next power of two >= ``w`` (at least 1)."""
+    return 1 << max(0, int(w) - 1).bit_length()
+
+
+def pad_rows(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` [R, ...] padded to ``n`` rows by repeating row 0 (padded rows read valid memory)."""
+    r = a.shape[0]
+    if r > n:
+        raise ValueError(f"pad_rows: {r} rows do not fit in {n}")
+    if r == n:
+        return a
+    return np.concatenate((a, np.repeat(a[:1], n - r, axis=0)))
+
+
+@attrs.frozen
+class GraphKey:
+    batch: int
+    width: int
+    entries: tuple[tuple[int, int], ...]  # (ratio, padded entry count), by ratio
+
+
+def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) -> np.ndarray:
+    """The int64 host image of a padded step's inputs: tokens, positions, slots, floors (2 per row),
+    valid, then the block tables [bucket, width] (zero-padded columns), flat."""
+    r = b.num_requests
+    tab = np.zeros((r, width), np.int64)
+    tab[:, : b.block_tables.shape[1]] = b.block_tables
+    cols = [pad_rows(a, bucket) for a in (b.token_ids, b.start_pos, b.state_slots)]
+    fl = pad_rows(np.asarray(floors, np.int64).reshape(r, 2), bucket)
+    v = np.zeros(bucket, np.int64)
+    v[:r] = 1
+    return np.concatenate((*cols, fl.reshape(-1), v, pad_rows(tab, bucket).reshape(-1)))
+
+
+class _Graph:
+    def __init__(self, key: GraphKey, ex: ModelExecutor, pool: Any) -> None:
+        self.key = key
+        n, w = key.batch, key.width
+        dev = ex.device
+        self.size = n * 6 + n * w
+        self.dev_buf = torch.zeros(self.size, dtype=torch.int64, device=dev)
+        # two pinned staging buffers, alternated; each is rewritten only after its last copy finished
+        self.host = [torch.zeros(self.size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+        d = self.dev_buf
+        # padded rows keep whatever Engram rows the buffer last held (finite; their outputs are dropped)
+        engram = {lid: torch.zeros(n, ex.model.engram[str(lid)].row_dim, dtype=ex.dtype, device=dev)
+                  for lid in ex.cfg.engram_layer_ids}
+        self.inp = DecodeInputs(tokens=d[:n], positions=d[n : 2 * n], slots=d[2 * n : 3 * n],
+                                floors=d[3 * n : 5 * n].view(n, 2), valid=d[5 * n : 6 * n],
+                                tables=d[6 * n :].view(n, w), engram=engram, entries=dict(key.entries))
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+        self.pool = pool
+
+    def load(self, image: np.ndarray, engram_rows: dict[int, torch.Tensor], r: int) -> None:
+        i = self.turn
+        self.turn ^= 1
+        ev = self.copied[i]
+        if ev is not None:
+            ev.synchronize()  # the copy that last read this staging buffer is done (not the whole step)
+        self.host[i].numpy()[:] = image
+        self.dev_buf.copy_(self.host[i], non_blocking=True)
+        e = torch.cuda.Event()
+        e.record()
+        self.copied[i] = e
+        for lid, t in self.inp.engram.items():
+            t[:r].copy_(engram_rows[lid])
+
+
+class DecodeGraphs:
+    """Captured decode steps of one executor, one per :class:`GraphKey`; :meth:`run` replays."""
+
+    def __init__(self, ex: ModelExecutor, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 entry_quantum: int = ENTRY_QUANTUM) -> None:
+        if entry_quantum < 1:
+            raise ValueError(f"entry_quantum={entry_quantum}: must be >= 1")
+        self.ex, self.buckets, self.quantum = ex, check_buckets(buckets), entry_quantum
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.replays = 0
+        self.disabled = False  # a capture failed: every step runs eagerly
+        self.targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
+
+    def key(self, b: ForwardBatch, entries: dict[int, int]) -> GraphKey | None:
+        n = bucket_for(b.num_requests, self.buckets)
+        if n is None:
+            return None
+        return GraphKey(n, width_bucket(b.block_tables.shape[1]),
+                        tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())))
+
+    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int],
+            engram_rows: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """(logits [R, V], expert counts, target-layer states [R, D] each) of a pure-decode step, or None
+        when no bucket holds the batch (the caller runs it eagerly)."""
+        key = None if self.disabled else self.key(b, entries)
+        if key is None:
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = _Graph(key, self.ex, self.pool)
+        r = b.num_requests
+        g.load(host_inputs(b, floors, key.batch, key.width), engram_rows, r)
+        if g.graph is None:
+            try:
+                self._capture(g)
+            except Exception as e:  # an op that synchronises or cannot be captured: stay eager from now on
+                log.warning("cuda graph capture of %s failed (%s: %s); decode steps run eagerly", key,
+                            type(e).__name__, e)
+                self.disabled = True
+                self.graphs.pop(key, None)
+                return None  # the warm-up ran the step: its writes are idempotent, the caller reruns it
+        else:
+            g.graph.replay()
+        self.replays += 1
+        assert g.out is not None
+        logits, counts, targets = g.out
+        # copies: the static outputs are overwritten by the next replay
+        return logits[:r].clone(), counts.clone(), [t[:r].clone() for t in targets]
+
+    def _capture(self, g: _Graph) -> None:
+        ex = self.ex
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: the step once eagerly (idempotent writes, JIT compiles)
+            decode_body(ex, g.inp, self.targets)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, counts, caps = decode_body(ex, g.inp, self.targets)
+        g.out = (logits, counts, [caps[lid] for lid in self.targets])
+        g.graph = graph
+        graph.replay()  # the capture ran nothing: this replay is the step
+        self.captures += 1
+        log.info("cuda graph captured: %s (%d graphs)", g.key, len(self.graphs))

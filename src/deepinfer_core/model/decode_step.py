@@ -1,0 +1,201 @@
+"""The executor's sync-free row path: decode / verify steps with no host synchronisation (cuda backend).
+
+The row path (every request feeds <= backtrack + 1 tokens) of :class:`~deepinfer_core.model.executor.
+ModelExecutor` written so that the device never waits for the host and the host never waits for the
+device inside a step, which is also what makes a step capturable in a CUDA graph
+(:mod:`deepinfer_core.model.cuda_graphs`):
+
+- everything data-dependent is decided on the host from the batch (numpy) before the step: the number
+  of compressed entries the indexer scores per ratio (:func:`entries_needed`), the rows' slots, tables
+  and floors; inputs go to the device with non-blocking copies;
+- no ``nonzero`` / ``.item()`` / ``.tolist()`` / ``bincount``: the compressor pools every row and writes
+  only the rows that complete a group (slot -1 = skipped, the KV kernels' padding contract), the
+  candidate pool forces partial blocks with a scatter, the MoE runs in static mode
+  (:func:`~deepinfer_core.model.layers.moe.static_shapes`);
+- cache reads and writes go through the backend's ``kv_gather`` / ``kv_store`` ops with the checks off
+  (they would synchronise; the executor validated the batch on the host).
+
+Same results as the plain row path up to summation order (the MoE's grouped products; tested), with the
+same cache bytes. Used when the executor has a backend and a CUDA device (``ModelExecutor.sync_free``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+import torch
+
+from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
+from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
+from deepinfer_core.model.layers.attention import Attention, sink_attention
+from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
+from deepinfer_core.model.layers.moe import static_shapes
+
+if TYPE_CHECKING:
+    from deepinfer_core.model.executor import ModelExecutor
+
+
+@attrs.define
+class DecodeInputs:
+    """The static device inputs of one graph (views into one int64 buffer) plus the Engram rows."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    floors: torch.Tensor
+    valid: torch.Tensor | None  # int64, 1 for a real request, 0 for a padded row (None: all real)
+    tables: torch.Tensor
+    engram: dict[int, torch.Tensor]
+    entries: dict[int, int]
+
+
+def is_pure_decode(b: ForwardBatch) -> bool:
+    """One new token and one logits row per request, nothing else asked of the step (drafting after it
+    is allowed: the drafter runs eagerly on the replay's outputs)."""
+    return (not b.encoder_only and not b.capture_layers and bool((b.query_lens == 1).all())
+            and bool((b.num_logits == 1).all())
+            and (b.verify_lens is None or not b.verify_lens.any())
+            and (b.snapshot_pos is None or not b.snapshot_pos.any()))
+
+
+def entries_needed(ex: ModelExecutor, positions: np.ndarray) -> dict[int, int]:
+    """Compressed entries the indexer scores, per compress ratio of an indexing layer: the most any row
+    sees, max((position + 1) // ratio) (computed on the host: no device readback)."""
+    cfg = ex.cfg
+    out: dict[int, int] = {}
+    for lid in range(cfg.num_hidden_layers):
+        if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX):
+            r = cfg.ratio(lid)
+            out[r] = int(((positions + 1) // r).max()) if positions.size else 0
+    return out
+
+
+def _masked(slots: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return slots if valid is None else torch.where(valid, slots, -1)
+
+
+def attend_rows(ex: ModelExecutor, lid: int, a: Attention, x: torch.Tensor, inp: DecodeInputs, sel: dict,
+                pools: dict, valid: torch.Tensor | None) -> torch.Tensor:
+    """``ModelExecutor._attend_rows`` without host synchronisation (see the module docstring)."""
+    cfg, fmt_arg, bs = ex.cfg, ex._fmt_arg, ex.block_size
+    w, dev = cfg.sliding_window, ex.device
+    be = ex.backend
+    assert be is not None
+    gather, store = be.op("kv_gather"), be.op("kv_store")
+    positions, slots, tables = inp.positions, inp.slots, inp.tables
+    n = x.shape[0]
+    q, lat = a.queries(x, positions)
+    ring, rl = ex.swa[lid], ex.swa_ring
+    # new SWA keys first: the ring (window + backtrack) then holds every row's whole window
+    store(ring, a.swa_kv(x, positions), _masked(slots * rl + positions % rl, valid), fmt_arg["swa"], check=False)
+    kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
+    mask_a = (kp >= 0) & (kp >= inp.floors[:, int(lid >= cfg.encoder_layers), None])
+    k_a = gather(ring, slots[:, None] * rl + kp.clamp(min=0) % rl, fmt_arg["swa"], cfg.head_dim, ex.dtype)
+    if a.kind == LAYER_SWA:
+        return sink_attention(q, k_a, mask_a, None, None, a.attn_sink, a.scale)
+    r, src, m = a.ratio, cfg.kv_source_of(lid), ex.min_ratio
+    wmax = tables.shape[1] - 1
+
+    def slot_of(ent: torch.Tensor) -> torch.Tensor:  # entries [N, K] (>= 0) -> flat slots, the layout of _slots
+        lg = ent * r // m
+        # columns past a row's table only serve masked entries (padded counts): clamp, do not index out
+        return tables.gather(1, (lg // bs).clamp(max=wmax)) * bs + lg % bs
+
+    if a.kind == LAYER_FULL:
+        st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+        done = (positions + 1) % r == 0  # rows that complete a group
+        if valid is not None:
+            done = done & valid
+        if r > 1:
+            cs, cring = ex.comp_state[lid], ex.comp_ring[lid]
+            flat_cs = cs.view(-1, cs.shape[-1])
+            tgt = slots * cring + positions % cring
+            if valid is None:
+                flat_cs[tgt] = st
+            else:  # padded rows repeat row 0's write (same index, same values: no race)
+                src_row = torch.where(valid, torch.arange(n, device=dev), 0)
+                flat_cs[tgt[src_row]] = st[src_row]
+            grp = positions[:, None] - (r - 1) + torch.arange(r, device=dev)[None, :]
+            gs = flat_cs[slots[:, None] * cring + grp % cring]  # [N, r, width]
+        else:
+            gs = st[:, None]
+        ent = ((positions + 1) // r - 1).clamp(min=0)
+        dm = a.compressor.state_dim
+        sl = torch.where(done, slot_of(ent[:, None])[:, 0], -1)
+        store(ex.kv[lid], a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq), sl, fmt_arg["main"], check=False)
+        store(ex.index_keys[lid], a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq), sl,
+              fmt_arg["index"], check=False)
+    if a.kind in (LAYER_FULL, LAYER_REINDEX):
+        qi, wi = a.indexer(x, lat, positions, a.inv_freq)
+        visible = (positions + 1) // r
+        ent = torch.arange(inp.entries[r], device=dev)[None, :].expand(n, -1)
+        ik = gather(ex.index_keys[src], slot_of(ent), fmt_arg["index"], cfg.index_head_dim, ex.dtype)
+        sc = mask_scores(index_scores(qi, wi, ik), ent < visible[:, None])
+        if cfg.uses_candidates(lid):
+            sc = mask_scores(sc, pools["rows"])
+        if lid == cfg.candidate_source_layer_id:
+            pools["rows"] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        sel[lid] = select_topk(sc, cfg.index_topk)
+    ids, ok = sel[cfg.index_source_of(lid)]
+    kb = gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype)
+    return sink_attention(q, k_a, mask_a, kb, ok, a.attn_sink, a.scale)
+
+
+def decode_body(ex: ModelExecutor, inp: DecodeInputs, capture_ids: tuple[int, ...] = (),
+                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """The device part of a row-path step: (logits of ``logit_rows`` (all rows when None), expert counts,
+    {layer: output state [N, D]} for ``capture_ids``). Reads only ``inp``; no host synchronisation."""
+    valid = None if inp.valid is None else inp.valid > 0
+    sel: dict = {}
+    pools: dict = {}
+    capture: dict[int, torch.Tensor] = dict.fromkeys(capture_ids)  # type: ignore[arg-type]
+    with static_shapes(row_mask=valid):
+        hidden, counts = ex.model.run_layers(
+            inp.tokens, lambda lid, a, x: attend_rows(ex, lid, a, x, inp, sel, pools, valid),
+            capture=capture, engram_rows=inp.engram)
+    logits = ex.model.logits(hidden if logit_rows is None else hidden[logit_rows])
+    return logits, counts, capture
+
+
+def execute_rows(ex: ModelExecutor, b: ForwardBatch) -> ForwardOutput:
+    """A validated row-path step, sync-free; pure-decode batches replay a CUDA graph when the executor's
+    ``cuda_graphs`` is on and a bucket holds the batch."""
+    dev = ex.device
+
+    def put(arr: np.ndarray) -> torch.Tensor:  # no stream synchronisation (torch syncs blocking copies)
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).to(dev, non_blocking=True)
+
+    pos = b.positions
+    slots_np = np.repeat(b.state_slots, b.query_lens)
+    floors_np = ex._floor[slots_np]
+    entries = entries_needed(ex, pos)
+    engram_rows = ex._engram_rows(b, None)  # type: ignore[arg-type]  # host token ids; records the token ring
+    targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
+    got = None
+    if ex.cuda_graphs and is_pure_decode(b):
+        got = ex.graphs().run(b, floors_np, entries, engram_rows)
+    rows = b.logit_rows()
+    if got is not None:
+        logits, counts, tstates = got
+        caps = dict(zip(targets, tstates))
+        captured: dict[int, torch.Tensor] = {}
+    else:
+        req_of_row = np.repeat(np.arange(b.num_requests), b.query_lens)
+        inp = DecodeInputs(tokens=put(b.token_ids), positions=put(pos), slots=put(slots_np), floors=put(floors_np),
+                           valid=None, tables=put(b.block_tables[req_of_row]), engram=engram_rows, entries=entries)  # type: ignore[arg-type]
+        want = (*b.capture_layers, *targets)
+        rows_t = None if rows.shape[0] == b.num_tokens else put(rows)
+        logits, counts, caps = decode_body(ex, inp, want, rows_t)
+        captured = {lid: caps[lid] if rows_t is None else caps[lid][rows_t] for lid in b.capture_layers}
+    ex._slot_end[b.state_slots] = b.start_pos + b.query_lens
+    ex._encoder_only[b.state_slots] = False
+    spec_out = None
+    if ex.spec is not None:
+        keep = put(np.flatnonzero(ex._last_rows_np(b, ex.swa_ring)))  # an index, not a mask (no nonzero())
+        ex.spec.write_context([caps[lid] for lid in targets], put(pos), put(slots_np), keep)
+        spec_out = ex.spec.step(b, logits)
+    req_of = np.repeat(np.arange(b.num_requests), b.num_logits)
+    return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
+                         captured=captured, snapshots=ex._take_snapshots(b), **(spec_out or {}))
