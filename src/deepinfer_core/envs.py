@@ -12,6 +12,7 @@ variable                               default    meaning
 ``DEEPINFER_MAX_BACKTRACKING_TOKENS``  drafts+1   extra SWA ring slots kept so rejected drafts can roll back
 ``DEEPINFER_BATCH_INVARIANT``          0          batch-invariant kernels and deterministic sampling
 ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` 140        suffix recomputed by SWA bounded replay after a prefix hit
+``DEEPINFER_CUDA_GRAPHS``              1          replay CUDA graphs for decode steps (cuda backend); 0 = eager
 =====================================  =========  ============================================================
 """
 
@@ -64,6 +65,7 @@ class Envs:
     max_backtracking_tokens: int = attrs.field()
     batch_invariant: bool = False
     yoco_prefill_keep_tokens: int = 140
+    cuda_graphs: bool = True
 
     @max_backtracking_tokens.default
     def _default_backtracking(self) -> int:
@@ -101,6 +103,8 @@ class Envs:
             kw["batch_invariant"] = _parse_bool("DEEPINFER_BATCH_INVARIANT", raw)
         if (raw := env.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")) is not None:
             kw["yoco_prefill_keep_tokens"] = _parse_int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", raw, 1, None)
+        if (raw := env.get("DEEPINFER_CUDA_GRAPHS")) is not None:
+            kw["cuda_graphs"] = _parse_bool("DEEPINFER_CUDA_GRAPHS", raw)
         return cls(**kw)  # type: ignore[arg-type]
 
 
