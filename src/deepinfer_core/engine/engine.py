@@ -111,7 +111,8 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.executor = ModelExecutor(self.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
                                       backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
-                                      backend=self.backend if cfg.backend == "cuda" else None)
+                                      backend=self.backend if cfg.backend == "cuda" else None,
+                                      cuda_graphs=self.envs.cuda_graphs)
         self._build_scheduler()
         self._sample = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")
