@@ -229,6 +229,7 @@ def main() -> None:
                     help="modes to time: legacy (plain row path), off (sync-free eager), on (CUDA graphs)")
     ap.add_argument("--sync-sites", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the profiler tables")
+    ap.add_argument("--profile-batches", default="", help="batches whose profiler tables go to --out (default all)")
     ap.add_argument("--engine", default="", help="batches for the engine section (tiny model), e.g. 1,8,64")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-config decode section")
     args = ap.parse_args()
@@ -273,7 +274,8 @@ def main() -> None:
             emit(BENCH, pm, "ms_per_step", ms, "ms")
             emit(BENCH, pm, "roofline_pct", 100 * floor_ms / ms, "%")
             emit(BENCH, pm, "tokens_per_s", b / ms * 1e3, "tok/s")
-            prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if out else None)
+            keep = out and (not args.profile_batches or str(b) in args.profile_batches.split(","))
+            prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if keep else None)
             for k, v in prof.items():
                 emit(BENCH, pm, k, v, "%" if k.endswith("pct") else ("ms" if k.endswith("ms_per_step") else "count"))
         if "on" in modes and "off" in modes:  # the same step eagerly and replayed (rolled back one token)
