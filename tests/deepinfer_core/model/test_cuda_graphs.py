@@ -348,3 +348,21 @@ def test_sync_free_gpu_matches_plain_float64() -> None:
     assert s.ex.sync_free
     fast = _run_steps(s, seqs)
     assert (fast - plain).abs().max().item() < 1e-9
+
+
+def test_moe_static_grouped_padded_rows_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped-GEMM static path (torch._grouped_mm, bf16; forced on the CPU): appending masked copies
+    of row 0 (a graph's padding) leaves the real rows' outputs and the counts as without them."""
+    model = DeepSeekV41.from_config(tiny_config(), seed=7, dtype=torch.bfloat16)
+    m = model.layers[2].ffn
+    monkeypatch.setattr(moe_mod, "_grouped_ok", lambda x: x.dtype == torch.bfloat16)
+    x = torch.randn(13, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ref, rc = m(x)  # the grouped loop
+    with moe_mod.static_shapes():
+        got, gc = m(x)
+    padded = torch.cat((x, x[:1].expand(5, -1)))
+    with moe_mod.static_shapes(row_mask=torch.arange(18) < 13):
+        pad, pc = m(padded)
+    assert torch.equal(rc, gc) and torch.equal(rc, pc)
+    for y in (got, pad[:13]):
+        assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
