@@ -14,9 +14,15 @@ the step runs; decoding then continues at the position the PROMPT engine stopped
 Transport: in process, pass the object; over torch.distributed, :func:`send_handoff` /
 :func:`recv_handoff` (metadata as a pickled object, tensors point to point; gloo or NCCL).
 
-Scope: this hands over the *full* state block ("full" mode). DeepInfer persists only the encoder half
-of the SWA state and rebuilds the decoder rings with bounded replay on the decode side; that needs the
-engine's bounded-replay path (issue #17), see docs/distributed.md.
+Two modes. ``"full"``: the whole state block is handed, and decoding continues bit for bit. ``"replay"``
+(DeepInfer's shape): only the blocks before the *hit* (the prompt trimmed as ``swa.plan_replay`` trims a
+prefix hit: whole blocks and compression groups, the tail left to replay) and the persisted half of the
+state, the encoder SWA rings at the hit (captured during the prefill with ``snapshot_pos``); the
+COMPLETION side restores them (``restore_encoder``), runs the plan's encoder-only prefill and the tail
+with truncated decoder windows (``decoder_floor``) up to the last prompt token, then decodes. With
+``replay="exact"`` the tail is the decoder's whole dependency span and the tokens equal a NORMAL
+engine's (up to summation order); ``"bounded"`` replays ``keep`` tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS,
+140), DeepInfer's approximate setting.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from deepinfer_core.engine.outputs import ERROR
 from deepinfer_core.engine.requests import derived_seed, normalize_params
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import EngineType, FinishReason, Scheduler
+
+MODES = ("full", "replay")
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,8 @@ class Handoff:
     block_size: int
     blocks: dict[str, torch.Tensor]
     state: dict[str, torch.Tensor]
+    mode: str = "full"
+    hit: int = 0  # replay mode: positions [0, hit) handed as blocks, encoder rings at hit in state["rings"]
 
     @property
     def nbytes(self) -> int:
@@ -131,13 +141,28 @@ class PromptEngine:
     request comes back as a :class:`Handoff` for a :class:`CompletionEngine`.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kw: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, mode: str = "full", replay: str = "exact",
+                 keep: int | None = None, **kw: Any) -> None:
+        """``mode``: "full" hands the whole state block; "replay" hands the blocks before the hit and the
+        encoder rings at it, for a COMPLETION engine made with the same ``replay`` / ``keep``."""
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {list(MODES)}")
         self.engine = eng = LLMEngine(config, **kw)
         _check_engine(eng, "PromptEngine")
         eng.scheduler = _PromptScheduler(self, _with_type(eng, EngineType.PROMPT))  # type: ignore[assignment]
+        self.mode = mode
         self._ready: list[Handoff] = []
         self._params: dict[str, SamplingParams] = {}
+        self._rings: dict[str, torch.Tensor] = {}  # replay mode: encoder rings at each request's hit
         self._serial = 0
+        if mode == "replay":
+            self.replay_config = _replay_config(eng, replay, keep)
+            eng.executor = _SnapshotExecutor(self, eng.executor)  # type: ignore[assignment]
+
+    def hit_of(self, num_tokens: int) -> int:
+        """Replay mode: positions of a prompt of ``num_tokens`` whose blocks and encoder rings are handed
+        (the COMPLETION side replays the rest; 0: it recomputes the prompt)."""
+        return _plan(self.replay_config, num_tokens, num_tokens).hit
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
         try:
@@ -161,12 +186,23 @@ class PromptEngine:
         slot = int(eng.state_pool.slots([req.seq])[0])
         n = len(req.prompt_token_ids)
         nb = -(-n // eng.config.block_size)
+        hit = 0
+        if self.mode == "replay":
+            hit = self.hit_of(n)
+            nb = hit // eng.config.block_size
+            rings = self._rings.pop(fr.request_id, None)
+            if hit and rings is None:
+                raise RuntimeError(f"prompt engine: no encoder rings captured at {hit} for {fr.request_id!r}")
+            state = {} if not hit else {"rings": rings}
+        else:
+            state = _state_tensors(ex, slot)
         blocks = torch.as_tensor(np.asarray(fr.handoff_block_ids, dtype=np.int64)[:nb], device=ex.device)
         self._ready.append(Handoff(
             request_id=fr.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             first_token=int(fr.output_token_ids[0]), params=self._params.pop(fr.request_id, req.params),
             num_tokens=n, block_size=eng.config.block_size,
-            blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()}, state=_state_tensors(ex, slot)))
+            blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()}, state=state, mode=self.mode,
+            hit=hit))
 
     def step(self) -> tuple[list[RequestOutput], list[Handoff]]:
         outs = self.engine.step()
@@ -175,6 +211,49 @@ class PromptEngine:
         for rid in gone:
             self._params.pop(rid, None)
         return [o for o in outs if o.request_id not in gone], ready
+
+
+def _replay_config(engine: LLMEngine, replay: str, keep: int | None) -> Any:
+    from deepinfer_core.swa import ReplayConfig
+
+    k = engine.envs.yoco_prefill_keep_tokens if keep is None else keep
+    return ReplayConfig.from_model(engine.model_config, keep=k, block_size=engine.config.block_size, mode=replay)
+
+
+def _plan(cfg: Any, num_tokens: int, hit: int) -> Any:
+    """The replay plan of a handed-over prompt of ``num_tokens``: as the prefill of prompt + first token
+    (that token is the COMPLETION engine's first decode row) after a hit with encoder rings persisted."""
+    from deepinfer_core.swa import plan_replay
+
+    return plan_replay(cfg, num_tokens + 1, hit, 0, host_state=True)
+
+
+class _SnapshotExecutor:
+    """PROMPT side, replay mode: asks the executor for the encoder rings at each prompt's hit position."""
+
+    def __init__(self, owner: PromptEngine, inner: Any) -> None:
+        self._owner, self._inner = owner, inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def execute(self, batch: Any) -> Any:
+        eng = self._owner.engine
+        live = [r for r in eng._reqs.values() if r.seq >= 0 and eng.state_pool.contains(r.seq)]
+        rid_of = dict(zip(eng.state_pool.slots([r.seq for r in live]).tolist(), live)) if live else {}
+        snap = np.zeros(batch.num_requests, np.int64)
+        for i, (slot, s, n) in enumerate(zip(batch.state_slots.tolist(), batch.start_pos.tolist(),
+                                             batch.query_lens.tolist())):
+            req = rid_of.get(int(slot))
+            if req is not None:
+                hit = self._owner.hit_of(len(req.prompt_token_ids))
+                snap[i] = hit if s < hit <= s + n else 0
+        if snap.any():
+            batch = attrs.evolve(batch, snapshot_pos=snap)
+        out = self._inner.execute(batch)
+        for i, rings in out.snapshots.items():
+            self._owner._rings[rid_of[int(batch.state_slots[i])].request_id] = rings.detach().clone()
+        return out
 
 
 class _CompletionScheduler:
@@ -197,9 +276,13 @@ class CompletionEngine:
     """A COMPLETION (decode-only) engine fed with :class:`Handoff` s; outputs carry every token of the
     request (the PROMPT engine's first one included), as a NORMAL engine's would."""
 
-    def __init__(self, config: EngineConfig | None = None, **kw: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, replay: str = "exact", keep: int | None = None,
+                 **kw: Any) -> None:
+        """``replay`` / ``keep``: how replay-mode hand-offs are rebuilt (as the PROMPT side's)."""
         self.engine = eng = LLMEngine(config, **kw)
         _check_engine(eng, "CompletionEngine")
+        self.replay_config = _replay_config(eng, replay, keep)
+        self.replayed_tokens = 0
         self._inner = _with_type(eng, EngineType.COMPLETION)
         eng.scheduler = _CompletionScheduler(self, self._inner)  # type: ignore[assignment]
         self._pending: dict[str, Handoff] = {}
@@ -244,13 +327,44 @@ class CompletionEngine:
             raise RuntimeError(f"completion engine: no free state slot for {rid!r}")
         slot = int(eng.state_pool.slots([seq])[0])
         nb = next(iter(h.blocks.values())).shape[0]
-        table = torch.as_tensor(eng.kv_pool.block_table(seq)[:nb].astype(np.int64), device=ex.device)
+        full_table = eng.kv_pool.block_table(seq).astype(np.int64)
+        table = torch.as_tensor(full_table[:nb], device=ex.device)
         caches = _block_caches(ex)
         if set(caches) != set(h.blocks):
             raise ValueError(f"handoff {rid!r}: block caches {sorted(h.blocks)}, this executor has {sorted(caches)}")
         for k, t in caches.items():
             t[table] = h.blocks[k].to(t.device)
-        _load_state(ex, slot, h.state)
+        if h.mode == "full":
+            _load_state(ex, slot, h.state)
+        else:
+            self._rebuild(h, slot, full_table)
+
+    def _rebuild(self, h: Handoff, slot: int, table: np.ndarray) -> None:
+        """Replay mode: encoder rings restored at the hit, then the plan's encoder-only prefill and tail
+        (decoder windows truncated at the tail's start) up to the last prompt token; the decode row at
+        the prompt's end then runs with that floor (the executor keeps it per slot)."""
+        from deepinfer_core.model.batch import ForwardBatch
+        from deepinfer_core.swa import ENCODER_PREFILL, ENCODER_RESTORE, PREFILL, TAIL
+
+        ex, p = self.engine.executor, h.num_tokens
+        plan = _plan(self.replay_config, p, h.hit)
+        if plan.hit != h.hit:
+            raise ValueError(f"handoff {h.request_id!r}: the PROMPT side handed {h.hit} positions, this engine's "
+                             f"replay config plans {plan.hit} (use the same replay / keep / block_size)")
+        toks = np.asarray(h.prompt_token_ids, dtype=np.int64)
+        if h.hit:
+            ex.restore_encoder(slot, h.hit, h.state["rings"], toks[: h.hit])
+        for st in plan.steps:
+            end = min(st.end, p)  # the last position is the engine's first decode row
+            if st.kind == ENCODER_RESTORE or end <= st.start:
+                continue
+            if st.kind not in (ENCODER_PREFILL, TAIL, PREFILL):
+                raise RuntimeError(f"handoff {h.request_id!r}: unexpected replay step {st.kind}")
+            floor = st.floor if st.kind == TAIL and h.hit else 0
+            ex.execute(ForwardBatch(token_ids=toks[st.start:end], query_lens=[end - st.start], start_pos=[st.start],
+                                    block_tables=table[None], state_slots=[slot], num_logits=[0],
+                                    encoder_only=st.kind == ENCODER_PREFILL, decoder_floor=[floor]))
+            self.replayed_tokens += end - st.start
 
     def _output(self, h: Handoff, o: RequestOutput | None) -> RequestOutput:
         tok = self.engine.tokenizer
@@ -281,11 +395,12 @@ def send_handoff(h: Handoff, dst: int, group: Any = None, device: Any = "cpu") -
     tensors = [*h.blocks.values(), *h.state.values()]
     meta = {"request_id": h.request_id, "prompt": h.prompt, "prompt_token_ids": h.prompt_token_ids,
             "first_token": h.first_token, "params": h.params, "num_tokens": h.num_tokens,
-            "block_size": h.block_size, "tensors": [(n, tuple(t.shape), str(t.dtype).split(".")[-1])
-                                                    for n, t in zip(names, tensors)]}
+            "block_size": h.block_size, "mode": h.mode, "hit": h.hit,
+            "tensors": [(n, tuple(t.shape), str(t.dtype).split(".")[-1]) for n, t in zip(names, tensors)]}
     dist.send_object_list([meta], dst=dst, group=group)
     for t in tensors:
-        dist.send(t.contiguous().to(device), dst=dst, group=group)
+        if t.numel():  # (an empty tensor is rebuilt from its shape)
+            dist.send(t.contiguous().to(device), dst=dst, group=group)
 
 
 def recv_handoff(src: int, group: Any = None, device: Any = "cpu") -> Handoff:
@@ -297,8 +412,10 @@ def recv_handoff(src: int, group: Any = None, device: Any = "cpu") -> Handoff:
     state: dict[str, torch.Tensor] = {}
     for name, shape, dtype in meta["tensors"]:
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.recv(t, src=src, group=group)
-        (blocks if name.startswith("b:") else state)[name[2:]] = t.cpu() if name.endswith("tokens") else t
+        if t.numel():
+            dist.recv(t, src=src, group=group)
+        # the executor's host arrays (see _SLOT_ARRAYS) come back to the host
+        (blocks if name.startswith("b:") else state)[name[2:]] = t.cpu() if name[2:] in _SLOT_ARRAYS else t
     return Handoff(request_id=meta["request_id"], prompt=meta["prompt"], prompt_token_ids=meta["prompt_token_ids"],
                    first_token=meta["first_token"], params=meta["params"], num_tokens=meta["num_tokens"],
-                   block_size=meta["block_size"], blocks=blocks, state=state)
+                   block_size=meta["block_size"], blocks=blocks, state=state, mode=meta["mode"], hit=meta["hit"])

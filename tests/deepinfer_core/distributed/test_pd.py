@@ -74,3 +74,40 @@ def test_handoff_errors() -> None:
         CompletionEngine(attrs.evolve(CFG, block_size=8)).add_handoff(h)
     with pytest.raises(ValueError, match="not supported with P/D"):
         PromptEngine(attrs.evolve(CFG, speculative=True, num_speculative_tokens=2))
+
+
+def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
+    # DeepInfer's shape: blocks before the hit + the encoder rings at it; the COMPLETION side replays the
+    # rest (exact mode: the decoder tail's whole dependency span). float64, so summation order cannot
+    # flip a token between the replayed chunking and the NORMAL engine's one-chunk prefill.
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    cfg = attrs.evolve(CFG, dtype="float64")
+    prompts = ["".join(rng.choice("abcdefghij klmnopq,.") for _ in range(rng.randint(85, 150))) for _ in range(3)]
+    params = [SamplingParams(temperature=0.0 if i == 0 else 0.9, seed=seed + i, max_tokens=4, ignore_eos=True)
+              for i in range(3)]
+    pe, ce = PromptEngine(cfg, mode="replay", replay="exact"), CompletionEngine(cfg, replay="exact")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        pe.add_request(str(i), p, sp)
+    handoffs = []
+    while pe.has_unfinished():
+        outs, ready = pe.step()
+        assert outs == []
+        handoffs += ready
+    ex = pe.engine.executor
+    for h in handoffs:
+        assert h.mode == "replay" and h.hit == pe.hit_of(h.num_tokens) and h.hit % cfg.block_size == 0
+        assert h.hit > 0, f"seed {seed}: prompt of {h.num_tokens} tokens got no hit (the test needs one)"
+        assert set(h.state) == {"rings"}  # the persisted half only: encoder rings
+        assert tuple(h.state["rings"].shape) == (pe.engine.model_config.encoder_layers, ex.swa_ring,
+                                                 ex.fmt.swa.bytes_per_token)
+        assert all(t.shape[0] == h.hit // cfg.block_size for t in h.blocks.values())
+        ce.add_handoff(h)
+    done = {}
+    while ce.has_unfinished():
+        done.update({o.request_id: o for o in ce.step()})
+    assert ce.replayed_tokens > 0
+    want = [o.token_ids for o in LLM(**{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs",
+                                                                     "batch_invariant", "dtype")})
+            .generate(prompts, params, use_tqdm=False)]
+    assert [done[str(i)].token_ids for i in range(3)] == want, f"seed {seed}"

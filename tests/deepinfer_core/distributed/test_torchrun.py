@@ -98,9 +98,10 @@ def test_dp2_ep2_equals_single_process_with_and_without_replans(case: dict, tmp_
     for r, res in enumerate(ranks):
         assert [o["tokens"] for o in res["staged"]] == ref, f"seed {seed}: rank {r}, staged weight moves"
     # P/D over torch.distributed: rank 0 prefilled and handed over, rank 1 decoded; first + rest == NORMAL
-    assert ranks[0]["pd"] == [], f"seed {seed}: the PROMPT engine ended requests itself: {ranks[0]['pd']}"
-    assert [o["tokens"] for o in ranks[1]["pd"]] == ref, f"seed {seed}: P/D hand-off != NORMAL engine"
-    assert all(o["error"] is None for o in ranks[1]["pd"])
+    for mode in ("full", "replay"):
+        assert ranks[0]["pd"][mode] == [], f"seed {seed}: the PROMPT engine ended requests itself ({mode})"
+        assert [o["tokens"] for o in ranks[1]["pd"][mode]] == ref, f"seed {seed}: P/D ({mode}) != NORMAL engine"
+        assert all(o["error"] is None for o in ranks[1]["pd"][mode])
     staged = [p for p in ranks[0]["staged_replans"] if p["commit"] > p["step"] and p["batches"] > 1 and p["live"]]
     assert staged, f"seed {seed}: no staged migration spanned steps mid-generation: {ranks[0]['staged_replans']}"
 

@@ -82,10 +82,15 @@ def scenario_equal(groups, prompts, params) -> dict:
     return res
 
 
-def scenario_pd(groups, prompts, params) -> list[dict] | None:
-    """Rank 0 a PROMPT engine, rank 1 a COMPLETION engine; hand-offs over torch.distributed (world group)."""
+def scenario_pd(groups, prompts, params) -> dict:
+    """Rank 0 a PROMPT engine, rank 1 a COMPLETION engine; hand-offs over torch.distributed (world group),
+    the full state block, then the persisted half (replay mode, exact)."""
+    return {mode: _pd(groups, prompts, params, mode) for mode in ("full", "replay")}
+
+
+def _pd(groups, prompts, params, mode: str) -> list[dict] | None:
     if groups.rank == 0:
-        pe = PromptEngine(engine_config())
+        pe = PromptEngine(engine_config(), mode=mode)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             pe.add_request(str(i), p, sp)
         early, sent = [], 0
