@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
 from deepinfer_core.model.batch import ForwardBatch
-from deepinfer_core.model.decode_step import DecodeInputs, decode_body
-
-if TYPE_CHECKING:  # the executor imports this module
-    from deepinfer_core.model.executor import ModelExecutor
+from deepinfer_core.model.decode_step import DecodeInputs, ExecutorView, decode_body
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +100,7 @@ def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) ->
 
 
 class _Graph:
-    def __init__(self, key: GraphKey, ex: ModelExecutor, pool: Any) -> None:
+    def __init__(self, key: GraphKey, ex: ExecutorView, pool: Any) -> None:
         self.key = key
         n, w = key.batch, key.width
         dev = ex.device
@@ -142,7 +139,7 @@ class _Graph:
 class DecodeGraphs:
     """Captured decode steps of one executor, one per :class:`GraphKey`; :meth:`run` replays."""
 
-    def __init__(self, ex: ModelExecutor, buckets: Sequence[int] = DEFAULT_BUCKETS,
+    def __init__(self, ex: ExecutorView, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  entry_quantum: int = ENTRY_QUANTUM) -> None:
         if entry_quantum < 1:
             raise ValueError(f"entry_quantum={entry_quantum}: must be >= 1")

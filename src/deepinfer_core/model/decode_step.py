@@ -21,7 +21,7 @@ same cache bytes. Used when the executor has a backend and a CUDA device (``Mode
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -33,8 +33,12 @@ from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
 from deepinfer_core.model.layers.moe import static_shapes
 
-if TYPE_CHECKING:
-    from deepinfer_core.model.executor import ModelExecutor
+
+class ExecutorView(Protocol):
+    """The ``ModelExecutor`` this module runs for, typed without importing it: executor.py imports this
+    module, so importing it back would be an import cycle (tests/test_imports.py). Attributes are untyped."""
+
+    def __getattr__(self, name: str) -> Any: ...
 
 
 @attrs.define
@@ -60,7 +64,7 @@ def is_pure_decode(b: ForwardBatch) -> bool:
             and (b.snapshot_pos is None or not b.snapshot_pos.any()))
 
 
-def entries_needed(ex: ModelExecutor, positions: np.ndarray) -> dict[int, int]:
+def entries_needed(ex: ExecutorView, positions: np.ndarray) -> dict[int, int]:
     """Compressed entries the indexer scores, per compress ratio of an indexing layer: the most any row
     sees, max((position + 1) // ratio) (computed on the host: no device readback)."""
     cfg = ex.cfg
@@ -76,7 +80,7 @@ def _masked(slots: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return slots if valid is None else torch.where(valid, slots, -1)
 
 
-def attend_rows(ex: ModelExecutor, lid: int, a: Attention, x: torch.Tensor, inp: DecodeInputs, sel: dict,
+def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: DecodeInputs, sel: dict,
                 pools: dict, valid: torch.Tensor | None) -> torch.Tensor:
     """``ModelExecutor._attend_rows`` without host synchronisation (see the module docstring)."""
     cfg, fmt_arg, bs = ex.cfg, ex._fmt_arg, ex.block_size
@@ -143,7 +147,7 @@ def attend_rows(ex: ModelExecutor, lid: int, a: Attention, x: torch.Tensor, inp:
     return sink_attention(q, k_a, mask_a, kb, ok, a.attn_sink, a.scale)
 
 
-def decode_body(ex: ModelExecutor, inp: DecodeInputs, capture_ids: tuple[int, ...] = (),
+def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...] = (),
                 logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """The device part of a row-path step: (logits of ``logit_rows`` (all rows when None), expert counts,
     {layer: output state [N, D]} for ``capture_ids``). Reads only ``inp``; no host synchronisation."""
@@ -159,7 +163,7 @@ def decode_body(ex: ModelExecutor, inp: DecodeInputs, capture_ids: tuple[int, ..
     return logits, counts, capture
 
 
-def execute_rows(ex: ModelExecutor, b: ForwardBatch) -> ForwardOutput:
+def execute_rows(ex: ExecutorView, b: ForwardBatch) -> ForwardOutput:
     """A validated row-path step, sync-free; pure-decode batches replay a CUDA graph when the executor's
     ``cuda_graphs`` is on and a bucket holds the batch."""
     dev = ex.device
