@@ -4,6 +4,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <mutex>
 
 #include "core/buffers.h"
 #include "core/registry.h"
@@ -22,22 +23,73 @@ nb::ndarray<nb::numpy, T> to_np(const std::vector<T>& v) {
   return a;
 }
 
-// A numpy array over an uninitialised heap buffer (the caller writes every element): a plan's block
-// ids are most of its bytes, and zero-filling them first was a second pass over them.
+// Large plan buffers are recycled: a fresh multi-megabyte allocation is mmap'ed by malloc and
+// page-faulted in on every step (perf at 16,384 rows, block size 16: the kernel's fault path was ~15%
+// of the step), so a buffer Python drops goes back to a small free list for the next plan.
+struct Recycler {
+  static constexpr size_t kMinBytes = 64 << 10;  // smaller ones: malloc is cheap enough
+  static constexpr size_t kKeep = 8;
+  static constexpr size_t kHeader = 64;          // capacity stored in front of the data
+  std::mutex mu;
+  std::vector<char*> free;  // bases
+
+  char* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (size_t i = 0; i < free.size(); ++i) {
+        const size_t c = *reinterpret_cast<const size_t*>(free[i]);
+        if (c >= bytes && c <= 2 * bytes) {  // never hand a much larger buffer to a small plan
+          char* base = free[i];
+          free[i] = free.back();
+          free.pop_back();
+          return base;
+        }
+      }
+    }
+    const size_t cap = bytes + bytes / 4;  // room for the plan to grow a little
+    char* base = static_cast<char*>(::operator new(kHeader + cap));
+    *reinterpret_cast<size_t*>(base) = cap;
+    return base;
+  }
+  void give(char* base) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (free.size() < kKeep) {
+        free.push_back(base);
+        return;
+      }
+    }
+    ::operator delete(base);
+  }
+};
+
+Recycler& recycler() {
+  static Recycler* r = new Recycler();  // never destroyed: arrays may outlive module teardown
+  return *r;
+}
+
+// A numpy array over an uninitialised buffer (the caller writes every element: zero-filling a plan's
+// block ids first was a second pass over most of its bytes).
 template <typename T>
 nb::ndarray<nb::numpy, T> raw_array(size_t n) {
-  T* data = new T[n > 0 ? n : 1];
-  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  const size_t bytes = (n > 0 ? n : 1) * sizeof(T);
   size_t shape[1] = {n};
-  return nb::ndarray<nb::numpy, T>(data, 1, shape, owner);
+  if (bytes < Recycler::kMinBytes) {
+    T* data = new T[n > 0 ? n : 1];
+    nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+    return nb::ndarray<nb::numpy, T>(data, 1, shape, owner);
+  }
+  char* base = recycler().take(bytes);
+  nb::capsule owner(base + Recycler::kHeader,
+                    [](void* p) noexcept { recycler().give(static_cast<char*>(p) - Recycler::kHeader); });
+  return nb::ndarray<nb::numpy, T>(reinterpret_cast<T*>(base + Recycler::kHeader), 1, shape, owner);
 }
 
 // The plan as two flat buffers (one int32, one int64) that Python slices into the plan's arrays:
 // creating a numpy array through the binding costs about a microsecond each, and a plan has ten.
-// The block ids are written by the core straight into the int32 buffer (no intermediate copy).
 nb::tuple plan_tuple(const StepScheduler& s, const di::sched::PlanOut& p) {
   const size_t n = p.seq_ids.size(), ntok = p.token_ids.size();
-  const size_t nblk = n ? static_cast<size_t>(p.block_offsets[n]) : 0;
+  const size_t nblk = static_cast<size_t>(p.block_offsets.back());
   const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
   auto i32 = raw_array<int32_t>(4 * n + ntok + n + 1 + nblk + nk);
   auto i64 = raw_array<int64_t>(n + np_ + nk);
@@ -53,9 +105,8 @@ nb::tuple plan_tuple(const StepScheduler& s, const di::sched::PlanOut& p) {
     for (size_t k = 0; k < n; ++k) *o++ = p.sample[k];
     put32(p.num_drafts.data(), n);
     put32(p.token_ids.data(), ntok);
-    if (n) put32(p.block_offsets.data(), n + 1); else *o++ = 0;
-    s.write_block_ids(o);
-    o += nblk;
+    put32(p.block_offsets.data(), n + 1);
+    put32(s.block_ids().data(), nblk);
     put32(p.kv_load_tokens.data(), nk);
     int64_t* o64 = i64.data();
     for (const auto* v : {&p.seq_ids, &p.preempted, &p.kv_load_ids}) {
@@ -146,7 +197,7 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           "schedule",
           [](StepScheduler& s, bool all, bool any, bool dec) {
             nb::gil_scoped_release release;
-            di::sched::PlanOut p = s.schedule(all, any, dec);
+            const di::sched::PlanOut& p = s.schedule(all, any, dec);
             nb::gil_scoped_acquire acquire;
             return plan_tuple(s, p);
           },
@@ -158,7 +209,7 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           "schedule_local",
           [](StepScheduler& s) {
             nb::gil_scoped_release release;
-            di::sched::PlanOut p = s.schedule_local();
+            const di::sched::PlanOut& p = s.schedule_local();
             nb::gil_scoped_acquire acquire;
             return plan_tuple(s, p);
           },

@@ -216,6 +216,11 @@ __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec,
   if (drafts > 0) ++r.spec_in_flight;
   ++r.in_flight;
   ++r.schedule_cnt;
+  // Compact block table row, copied while the request's lines are in cache (its blocks are final here:
+  // later rows only preempt requests not yet planned). A member buffer: its capacity survives steps.
+  block_ids_.insert(block_ids_.end(), r.blocks.begin(), r.blocks.end());
+  out.block_offsets.push_back(static_cast<int32_t>(block_ids_.size()));
+  out.width = std::max<int64_t>(out.width, static_cast<int64_t>(r.blocks.size()));
   rec.slots.push_back(slot);
   rec.seq_ids.push_back(r.seq_id);
   rec.sample.push_back(sample ? 1 : 0);
@@ -367,6 +372,21 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
   // admission); when blocks run out, preempt from the tail (DEEPINFER: longest output, as its
   // _schedule_decode; GUARDED: newest admission), and as a last resort the request itself.
   while (i <= l && rows < cfg_.max_num_seqs && tokens_left > 0) {
+    // Two-stage prefetch: at 16k running requests their state is past L2, and the order is a
+    // permutation of the slots, so the hardware cannot guess it. Request lines kPf rows ahead; the
+    // heap buffers (block ids) of the row kPf / 2 ahead, whose header line was fetched by now.
+    constexpr int64_t kPf = 8;
+    if (i + kPf <= l) {
+      const char* p = reinterpret_cast<const char*>(&at(decoding_[i + kPf]));
+      __builtin_prefetch(p);
+      __builtin_prefetch(p + 64);
+    }
+    if (i + kPf / 2 <= l) {
+      const auto& b = at(decoding_[i + kPf / 2]).blocks;
+      const char* d = reinterpret_cast<const char*>(b.data());
+      const size_t bytes = b.size() * sizeof(int32_t);
+      for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(d + o);
+    }
     const int32_t slot = decoding_[i];
     Req& r = at(slot);
     if (r.output_len() >= r.max_tokens || r.spec_in_flight > 0) {
@@ -443,15 +463,35 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
   }
 }
 
-PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_decode) {
+const PlanOut& StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_decode) {
   const size_t max_out = cfg_.async_mode ? 2 : 1;
   if (plans_.size() >= max_out)
     throw std::runtime_error(std::string("schedule: ") + s(static_cast<int64_t>(plans_.size())) +
                              " plan(s) not yet updated; " + (cfg_.async_mode ? "async" : "sync") +
                              " mode allows " + s(static_cast<int64_t>(max_out - 1)) + " before scheduling again");
-  PlanOut out;
+  // The plan and its record reuse buffers from earlier steps: at 16k rows fresh per-step vectors were
+  // page-faulted in every step (perf: ~15% of the step in the kernel's fault path).
+  PlanOut& out = out_;
+  for (auto* v : {&out.num_tokens, &out.start, &out.num_drafts, &out.token_ids, &out.block_offsets,
+                  &out.kv_load_tokens})
+    v->clear();
+  for (auto* v : {&out.seq_ids, &out.preempted, &out.kv_load_ids}) v->clear();
+  out.sample.clear();
+  out.width = 0;
+  out.predicted_ns = 0.0;
   PlanRec rec;
+  if (!spare_recs_.empty()) {
+    rec = std::move(spare_recs_.back());
+    spare_recs_.pop_back();
+    rec.slots.clear();
+    rec.seq_ids.clear();
+    rec.sample.clear();
+    rec.drafts.clear();
+  }
   out.step_id = rec.step_id = next_step_++;
+  block_ids_.clear();
+  out.block_offsets.reserve(1 + std::min<size_t>(static_cast<size_t>(cfg_.max_num_seqs), decoding_.size() + prefilling_.size() + 64));
+  out.block_offsets.push_back(0);
   out.type = decide(all_prefill, any_prefill, any_decode);
   const size_t est = std::min<size_t>(static_cast<size_t>(cfg_.max_num_seqs), decoding_.size() + prefilling_.size() + 64);
   for (auto* v : {&out.num_tokens, &out.start, &rec.slots}) v->reserve(est);
@@ -470,35 +510,14 @@ PlanOut StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_dec
   }
   for (int32_t slot : draft_slots_) at(slot).want_k = 0;  // draft requests hold for one schedule() only
   draft_slots_.clear();
-  // Compact block tables: offsets here, the ids copied from the mirrors by write_block_ids()
-  // (identical to pool_.fill_block_tables on these ids, which the invariant check and the tests
-  // verify, without a hash lookup per row).
-  const size_t n = rec.slots.size();
-  out.block_offsets.resize(n + 1);
-  int32_t off = 0;
-  int64_t width = 0;
-  for (size_t k = 0; k < n; ++k) {
-    out.block_offsets[k] = off;
-    const int64_t nb = static_cast<int64_t>(at(rec.slots[k]).blocks.size());
-    off += static_cast<int32_t>(nb);
-    width = std::max(width, nb);
-  }
-  out.block_offsets[n] = off;
-  out.width = width;
+  // The compact block tables (block_offsets, block_ids()) were filled row by row by add_row from the
+  // mirrors (identical to pool_.fill_block_tables on these ids, which the invariant check and the
+  // tests verify, without a hash lookup per row).
   plans_.push_back(std::move(rec));
   return out;
 }
 
-void StepScheduler::write_block_ids(int32_t* dst) const {
-  if (plans_.empty()) return;
-  for (int32_t slot : plans_.back().slots) {
-    const auto& b = at(slot).blocks;
-    if (!b.empty()) std::memcpy(dst, b.data(), b.size() * sizeof(int32_t));
-    dst += b.size();
-  }
-}
-
-PlanOut StepScheduler::schedule_local() {
+const PlanOut& StepScheduler::schedule_local() {
   const auto [p, d] = wish();
   return schedule(p, p, d);  // one rank: all_prefill = any_prefill = its own wish
 }

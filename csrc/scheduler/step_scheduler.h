@@ -134,8 +134,8 @@ struct PlanOut {
   std::vector<uint8_t> sample;       // row samples a token (decode rows, last prefill chunk)
   std::vector<int32_t> num_drafts;   // drafts the row verifies (its last num_drafts tokens)
   std::vector<int32_t> token_ids;    // flat, sum(num_tokens); -1 = placeholder (previous step's sample)
-  // Compact (CSR) block tables: row i's blocks are ids[block_offsets[i]:block_offsets[i+1]]; the ids
-  // are written by write_block_ids() straight into the caller's buffer (no padded copy).
+  // Compact (CSR) block tables: row i's blocks are block_ids()[block_offsets[i]:block_offsets[i+1]]
+  // (no padding; the ids live in the scheduler until the next schedule()).
   std::vector<int32_t> block_offsets;  // n + 1
   int64_t width = 0;                   // widest row (the dense view's width)
   std::vector<int64_t> preempted;
@@ -166,12 +166,13 @@ class StepScheduler {
   std::pair<bool, bool> wish() const;
   // The step type every rank of the group derives from the same group facts and the same counter.
   StepType decide(bool all_prefill, bool any_prefill, bool any_decode) const;
-  PlanOut schedule(bool all_prefill, bool any_prefill, bool any_decode);
-  // The newest plan's block ids, row after row (block_offsets.back() of them), into dst. Call right
-  // after schedule(), before anything else changes the scheduler.
-  void write_block_ids(int32_t* dst) const;
+  // The plan lives in the scheduler (buffers reused step after step) until the next schedule().
+  const PlanOut& schedule(bool all_prefill, bool any_prefill, bool any_decode);
+  // The newest plan's block ids, row after row (block_offsets.back() of them); valid until the next
+  // schedule().
+  const std::vector<int32_t>& block_ids() const { return block_ids_; }
   // (wish + local decide + schedule) in one call: the single-rank path (LocalVote).
-  PlanOut schedule_local();
+  const PlanOut& schedule_local();
   int64_t total_preemptions() const { return total_preemptions_; }
   int64_t discarded_tokens() const { return discarded_tokens_; }  // computed KV tokens preemption threw away
   // Drafts to verify in the next schedule() (decode requests only; capped there by max_tokens, the
@@ -241,8 +242,11 @@ class StepScheduler {
   std::vector<int32_t> prefilling_;  // by admission
   std::vector<int32_t> decoding_;    // by (output length, arrival), re-sorted each decode step
   std::deque<PlanRec> plans_;
+  std::vector<PlanRec> spare_recs_;  // updated plans' records, their buffers reused by schedule()
+  PlanOut out_;                      // the newest plan
   std::vector<Ended> ended_;         // ended since the last update() returned
   std::vector<int32_t> draft_slots_; // slots with want_k set by set_drafts(), cleared by schedule()
+  std::vector<int32_t> block_ids_;   // the newest plan's block ids (capacity kept across steps)
   std::vector<int32_t> draft_tmp_;   // set_drafts() scratch: slot per entry, -1 = skip
   uint32_t draft_call_ = 0;          // set_drafts() calls so far (stamps for the duplicate check)
   int64_t next_arrival_ = 0;

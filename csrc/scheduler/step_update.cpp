@@ -81,7 +81,19 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
   plans_.pop_front();
   std::vector<int32_t> done;  // rows whose request has ended: erased once every list is compacted
   int64_t off = 0;
-  for (size_t k = 0; k < rec.slots.size(); ++k) {
+  const size_t nrows = rec.slots.size();
+  for (size_t k = 0; k < nrows; ++k) {
+    // Prefetch as in schedule_decode: request lines 8 rows ahead, the token buffer's tail (where push
+    // writes) 4 rows ahead.
+    if (k + 8 < nrows) {
+      const char* p = reinterpret_cast<const char*>(&at(rec.slots[k + 8]));
+      __builtin_prefetch(p, 1);
+      __builtin_prefetch(p + 64, 1);
+    }
+    if (k + 4 < nrows) {
+      const Req& a = at(rec.slots[k + 4]);
+      __builtin_prefetch(a.tokens.data() + a.known, 1);
+    }
     const int32_t slot = rec.slots[k];
     Req& r = at(slot);
     if (r.seq_id != rec.seq_ids[k]) throw std::logic_error("scheduler: plan row points at a reused slot");
@@ -131,6 +143,7 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
   }
   compact_lists();
   for (int32_t slot : done) erase_if_done(slot);
+  if (spare_recs_.size() < 2) spare_recs_.push_back(std::move(rec));  // its buffers serve a later plan
   std::vector<Ended> out;
   out.swap(ended_);
   // these ends are now reported; a slot still held by a row in flight stops counting as live

@@ -261,9 +261,10 @@ class Plan:
             if rows.dtype == bool:
                 rows = np.flatnonzero(rows)
             lens = lens[rows]
-            if lens.size:  # the selected rows' ids, in row order
-                ids = ids[np.repeat(off[:-1][rows].astype(np.int64) - np.cumsum(lens) + lens, lens)
-                          + np.arange(int(lens.sum()))]
+            # the selected rows' ids, in row order: each row's start, repeated over its length, plus
+            # the position inside the gathered run
+            ids = ids[np.repeat(off[:-1][rows].astype(np.int64) - np.cumsum(lens) + lens, lens)
+                      + np.arange(int(lens.sum()))]
         out = np.zeros((lens.shape[0], self.width), np.int32)
         out[np.arange(self.width) < lens[:, None]] = ids  # row-major mask order = CSR order
         return out

@@ -97,6 +97,7 @@ class StepChecker:
         self.drafts_fed = self.drafts_accepted = 0
         self.admit_key: dict[int, tuple[int, int]] = {}  # GUARDED: seq -> (0 protected / 1, admission no.)
         self.admissions = 0
+        self.first_admitted: list[int] = []  # seq ids in the order of their first admission
         self.max_preempted = 0  # most preemptions of one request seen
 
     def before(self, sched: Scheduler) -> None:
@@ -116,6 +117,8 @@ class StepChecker:
 
     def _admit(self, sched: Scheduler, seqs: list[int]) -> None:
         for seq in seqs:
+            if seq not in self.admit_key:
+                self.first_admitted.append(seq)
             info = sched.request_info(sched._id_of[seq])
             protected = info["num_preemptions"] >= self.cfg.max_preemptions
             self.admit_key[seq] = (0 if protected else 1, self.admissions)
@@ -125,7 +128,18 @@ class StepChecker:
         cfg = self.cfg
         assert plan.total_tokens <= cfg.max_num_batched_tokens
         assert plan.num_rows <= cfg.max_num_seqs
-        assert plan.block_tables.shape[0] == plan.num_rows
+        # Compact tables: CSR offsets consistent, the dense view equal to the pool's own tables (an
+        # independent oracle: the pool's hash map, not the scheduler's mirrors), any row subset too.
+        off = plan.block_offsets
+        assert off.shape == (plan.num_rows + 1,) and off[0] == 0 and (np.diff(off) >= 0).all()
+        assert off[-1] == plan.block_ids.shape[0]
+        dense = plan.block_tables
+        assert dense.shape == (plan.num_rows, plan.width)
+        if plan.num_rows:
+            np.testing.assert_array_equal(dense, sched.pool.block_tables(plan.seq_ids))
+            assert plan.width == int(np.diff(off).max())
+            rows = np.flatnonzero(np.arange(plan.num_rows) % 2 == plan.step_id % 2)
+            np.testing.assert_array_equal(plan.dense_block_tables(rows), dense[rows])
         if plan.step_type is StepType.PREFILL:
             self._admit(sched, plan.seq_ids[plan.start == 0].tolist())
             assert cfg.engine_type is not EngineType.COMPLETION
