@@ -266,8 +266,9 @@ class StructuredOutputManager:
 
     def metrics(self, request_id: Hashable) -> dict[str, Any]:
         """``grammar_engine`` (which engine serves / served it), ``grammar_refused`` (engine -> message,
-        for engines that refused the spec first), ``grammar_check`` ("passed", "failed", or "partial"
-        when only UTF-8 / JSON could be checked) and ``grammar_check_error``."""
+        for engines that refused the spec first), ``grammar_relaxed`` (options the auto backend's last
+        resort needed), ``grammar_check`` ("passed", "failed", or "partial" when only UTF-8 / JSON could
+        be checked) and ``grammar_check_error``."""
         req = self._get(request_id)
         self._resolve(req, request_id)
         return dict(req.metrics)
@@ -285,7 +286,7 @@ class StructuredOutputManager:
 
     def error(self, request_id: Hashable) -> str | None:
         """The backend's message for a request finished with INVALID_GRAMMAR (or REJECTED_TOKEN when the
-        library itself failed, e.g. a parser limit)."""
+        library itself failed, e.g. a parser limit), or what the document check found (VIOLATION)."""
         return self._errors.get(request_id)
 
     def matcher(self, request_id: Hashable) -> GrammarMatcher:
