@@ -57,14 +57,18 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"seed": seed, "path": path, "ref": ref}
 
 
-def _run(scenario: str, case: dict, tmp_path: Path, limit_s: float = 90) -> tuple[list[dict | None], float]:
+def _run(scenario: str, case: dict, tmp_path: Path, limit_s: float = 300) -> tuple[list[dict | None], float]:
     out = tmp_path / scenario
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    proc = subprocess.run([*_torchrun(), "--nproc-per-node", "2", "--max-restarts", "0", str(WORKER), scenario,
-                           str(case["path"]), str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=limit_s)
+    try:
+        proc = subprocess.run([*_torchrun(), "--nproc-per-node", "2", "--max-restarts", "0", str(WORKER), scenario,
+                               str(case["path"]), str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=limit_s)
+    except subprocess.TimeoutExpired as e:  # a hang (or a badly overloaded machine): show what the ranks said
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"seed {case['seed']}: torchrun {scenario} still running after {limit_s}s:\n{err[-4000:]}")
     wall = time.monotonic() - t0
     ranks = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
              for r in (0, 1)]
