@@ -38,7 +38,7 @@ from deepinfer_core.engine import EngineConfig
 from deepinfer_core.eplb import EPLBConfig
 from deepinfer_core.sampling_params import SamplingParams
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 5.0
 EQUAL_TIMEOUT_S = 60.0
 
 
