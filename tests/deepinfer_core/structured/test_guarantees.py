@@ -274,3 +274,44 @@ def test_auto_relaxes_llguidance_when_every_engine_refuses(auto, byte_tok) -> No
         assert set(m["grammar_refused"]) == {"llguidance", "xgrammar"}
         if mgr.finish_reason(i) is FinishReason.STOP:
             assert check_document(text_of(byte_tok, toks[:-1]), None).ok
+
+
+def test_auto_fast_paths_equal_the_general_path(auto) -> None:
+    """Both engines' C++ calls under auto (single-engine batches) and the mixed general path give the
+    rows, cuts and dead ends of a fast_path=False manager, drafts (junk included) and the filter on."""
+    from .test_end_to_end import SCHEMA
+
+    one_of = {"oneOf": [{"type": "integer"}, {"type": "number", "maximum": 5}]}  # xgrammar serves it
+    specs = [GrammarSpec("json_schema", SCHEMA), GrammarSpec("json_schema", one_of), GrammarSpec("regex", "[a-c\u00e9]{1,9}"),
+             GrammarSpec("json_schema", {"type": "string", "maxLength": 8}, engine="xgrammar")]
+    seed = random.randrange(2**31)
+    rng = np.random.default_rng(seed)
+    fast, slow = StructuredOutputManager(auto, compile_workers=1), StructuredOutputManager(auto, compile_workers=1, fast_path=False)
+    rids = list(range(2 * len(specs)))
+    for r in rids:
+        fast.add_request(r, specs[r % len(specs)])
+        slow.add_request(r, specs[r % len(specs)])
+    fast.wait(rids)
+    slow.wait(rids)
+    V = auto.vocab_size
+    for step in range(16):
+        live = [r for r in rids if fast.finish_reason(r) is None]
+        assert live == [r for r in rids if slow.finish_reason(r) is None], seed
+        if not live:
+            break
+        eng = {r: fast.metrics(r)["grammar_engine"] for r in live}
+        groups = [live] + [[r for r in live if eng[r] == e] for e in ("llguidance", "xgrammar")]
+        for group in (g for g in groups if g):
+            batch = [(r, [int(rng.integers(0, V)) for _ in range(int(rng.integers(0, 4)))] if step % 2 else [])
+                     for r in group]
+            a = fast.fill_bitmask(batch)
+            a_bits, a_k, a_dead = a.bitmask.clone(), a.num_drafts.copy(), a.dead_end.copy()
+            b = slow.fill_bitmask(batch)
+            assert torch.equal(a_bits, b.bitmask) and a_k.tolist() == b.num_drafts.tolist(), seed
+            assert a_dead.tolist() == b.dead_end.tolist(), seed
+        bm = slow.fill_bitmask([(r, []) for r in live])
+        for j, r in enumerate(live):
+            if not bm.dead_end[j]:
+                t = int(rng.choice(allowed(bm.bitmask[j], V)))
+                assert fast.advance(r, [t]) == slow.advance(r, [t])
+    assert fast._fast_fill.fast_calls > 0 and fast._fast_fill2 is not None and fast._fast_fill2.fast_calls > 0
