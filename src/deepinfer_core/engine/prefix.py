@@ -75,6 +75,7 @@ class StepRows:
     tok_mask: np.ndarray
     floor: np.ndarray
     snap: np.ndarray
+    decode: bool = False
     failed: list[tuple[int, str]] = attrs.field(factory=list)
 
 
@@ -96,9 +97,7 @@ class PrefixCaching:
         self.ex = executor
         self.bs = block_size
         self.cfg = ReplayConfig.from_model(model_cfg, keep=keep, block_size=block_size, mode=mode)
-        if self.cfg.align != block_size:
-            raise ValueError(f"EngineConfig.block_size: {block_size} must be a multiple of every compress ratio "
-                             f"(prefix hits are whole blocks and whole compression groups)")
+        self.al = self.cfg.align  # hits (and so snapshots) are whole blocks and whole compression groups
         self.store = HostSWAStore(host_bytes)
         self.pending = pending_drafts
         self.stats = PrefixStats()
@@ -156,32 +155,48 @@ class PrefixCaching:
 
     # ------------------------------------------------------------------ publishing
     def snapshot_pos(self, seq: int, start: int, end: int, decode: bool) -> int:
-        """The block boundary whose encoder rings this row should capture (0: none)."""
+        """The block boundary whose encoder rings this row should capture (0: none).
+
+        Decode rows: the boundary right after the row's first (verified) token, the newest end of the
+        sequence (what a follow-up turn hits). Prefill rows: the position a request repeating this prompt
+        would hit (its tail left new), when inside the row, else the row's newest boundary.
+        """
         st = self._seq.get(seq)
         if st is None or not st.exact:
             return 0
         if decode:  # only the row's first token is verified (the rest may be drafts)
-            return start + 1 if (start + 1) % self.bs == 0 and start + 1 > st.published else 0
-        x = end // self.bs * self.bs
-        return x if x > start and x > st.published and x <= st.tokens.shape[0] else 0
+            return start + 1 if (start + 1) % self.al == 0 else 0
+        n = st.tokens.shape[0]
+        tail = self.cfg.exact_tail(self.pending) if self.cfg.mode == "exact" else max(self.cfg.keep, self.cfg.window + self.pending)
+        x = (n - tail) // self.al * self.al
+        if start < x <= end:
+            return x
+        x = min(end, n) // self.al * self.al
+        return x if x > start else 0
 
-    def publish(self, seq: int, pos: int, rings: torch.Tensor | None, table: np.ndarray,
+    def publish(self, seq: int, upto: int, snap: int, rings: torch.Tensor | None, table: np.ndarray,
                 tokens: Callable[[], np.ndarray]) -> None:
-        """Blocks [0, pos) of ``seq`` are complete and exact: insert them in the prefix index and keep their
-        encoder rings in the host store. ``tokens()`` gives the sequence's tokens (at least ``pos``)."""
+        """``seq`` has computed its first ``upto`` tokens exactly: insert its whole blocks below ``upto`` in the
+        prefix index, and keep ``rings`` (its encoder rings at ``snap``) in the host store.
+        ``tokens()`` gives the sequence's tokens when more are needed than it started with."""
         st = self._seq.get(seq)
-        if st is None or not st.exact or pos <= st.published:
+        if st is None or not st.exact:
             return
-        toks = st.tokens if pos <= st.tokens.shape[0] else np.asarray(tokens(), dtype=np.int64)
-        if toks.shape[0] < pos:
-            return
-        if toks is not st.tokens:
+        pos = max(upto // self.al * self.al, snap)
+        toks = st.tokens
+        if pos > toks.shape[0]:
+            toks = np.asarray(tokens(), dtype=np.int64)
+            if toks.shape[0] < pos:
+                return
             st.tokens = toks
+        if len(st.digests) < pos // self.bs:
             st.digests = _digests(toks, self.bs, start=st.digests)
-        self.index.insert(toks[:pos], table[: pos // self.bs])
-        if rings is not None:
-            self.store.put(st.digests[pos // self.bs - 1], pos, rings.cpu().numpy())
-        st.published = pos
+        blocks = upto // self.al * self.al
+        if blocks > st.published:
+            self.index.insert(toks[:blocks], table[: blocks // self.bs])
+            st.published = blocks
+        if rings is not None and snap:
+            self.store.put(st.digests[snap // self.bs - 1], snap, rings.cpu().numpy())
 
     # ------------------------------------------------------------------ one engine step
     def prepare(self, prefill: bool, rows: np.ndarray, seq_ids: np.ndarray, start: np.ndarray, ntok: np.ndarray,
@@ -200,6 +215,7 @@ class PrefixCaching:
                        snap=np.zeros(start.shape[0], np.int64))
         off = np.concatenate(([0], np.cumsum(ntok)))
         if not prefill:
+            out.decode = True
             for r in rows.tolist():
                 out.snap[r] = self.snapshot_pos(int(seq_ids[r]), int(start[r]), int(start[r] + ntok[r]), True)
             return out
@@ -235,9 +251,8 @@ class PrefixCaching:
                 out.failed.append((int(seq_ids[er[e.request]]), f"encoder-only prefill refused: {e}"))
                 out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
                 return out
-            for i, (r, _, _, x) in enumerate(enc):
-                if x:
-                    self.publish(int(seq_ids[r]), x, res.snapshots[i], tables[r], lambda: np.zeros(0, np.int64))
+            for i, (r, _, e_end, x) in enumerate(enc):
+                self.publish(int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64))
         out.rows = np.asarray([r for r in rows.tolist() if out.ntok[r] > 0], np.int64)
         return out
 
@@ -246,16 +261,17 @@ class PrefixCaching:
         """After the main batch ran ``rows`` (its request i = rows[i]): publish completed blocks and rings.
         ``fed``: each plan row's first input token (a decode row's verified token at its start)."""
         for i, r in enumerate(rows.tolist()):
-            x = int(out.snap[r])
-            if not x:
-                continue
             seq, s0 = int(seq_ids[r]), int(out.start[r])
+            x = int(out.snap[r])
+            upto = x if out.decode else s0 + int(out.ntok[r])
+            if upto < self.al:
+                continue
 
             def toks(seq: int = seq, s0: int = s0, r: int = r) -> np.ndarray:
                 k = np.asarray(known(seq), dtype=np.int64)
                 return np.concatenate((k[:s0], fed[r : r + 1])) if k.shape[0] >= s0 else k[:0]
 
-            self.publish(seq, x, snapshots.get(i), tables[r], toks)
+            self.publish(seq, upto, x, snapshots.get(i), tables[r], toks)
 
     # ------------------------------------------------------------------ lifecycle
     def drop(self, seq: int) -> None:
@@ -267,3 +283,20 @@ class PrefixCaching:
         self._seq.pop(seq, None)
         c, r = self._metrics.pop(seq, (0, 0))
         return int(c), int(r)
+
+
+def make_prefix_caching(engine: Any) -> PrefixCaching | None:
+    """The engine's prefix caching per its config (None: off, or a model without a CED decoder)."""
+    cfg, mc = engine.config, engine.model_config
+    if not cfg.prefix_caching or mc.encoder_layers >= mc.num_hidden_layers:
+        return None
+    keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else engine.envs.yoco_prefill_keep_tokens
+    return PrefixCaching(engine.kv_pool, engine.executor, mc, block_size=cfg.block_size, mode=cfg.swa_replay,
+                         keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=engine.num_speculative_tokens)
+
+
+def known_tokens(engine: Any, seq: int) -> np.ndarray:
+    """A live sequence's tokens as the scheduler knows them: prompt + outputs applied so far."""
+    req = engine._by_seq[seq]
+    out = engine.scheduler.output_token_ids(req.request_id)
+    return np.asarray([*req.prompt_token_ids, *out], dtype=np.int64)
