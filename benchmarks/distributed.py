@@ -13,7 +13,11 @@ group. Emitted, one JSON line each:
   waits for), from the rows each rank actually computed, both placements; and their ratio;
 - ``a2a_share``: all-to-all seconds / MoE seconds per rank (gloo over loopback, 4 processes on this
   machine's cores, so it includes waiting for the slowest rank);
-- ``replan_s`` / ``moved_bytes``: per re-plan, the online group's plan + weight move time and bytes.
+- ``replan_s`` / ``moved_bytes``: per re-plan, the online group's plan + weight move time and bytes;
+- ``pd_*`` (one process, tiny model): P/D hand-off package bytes per mode (full state block; replay:
+  blocks before the hit + encoder rings), the COMPLETION side's first step (load / rebuild + one decode)
+  over the PROMPT side's prefill of the same prompt, replayed tokens, and whether the tokens equal a
+  NORMAL engine's.
 
 Usage: flock /tmp/heavy.lock python benchmarks/distributed.py [--quick] [--plot]
 The intervals are scaled down (window 20 / re-plan every 50 steps instead of the seeds' 1,000 / 10,000):
@@ -126,10 +130,55 @@ def _moe_lb(per_rank_rows: np.ndarray) -> np.ndarray:
     return mx / np.where(mean > 0, mean, 1)
 
 
+def bench_pd(lengths: list[int], new_tokens: int) -> None:
+    """P/D hand-off in one process, tiny model, one request at a time: package bytes and the COMPLETION
+    side's rebuild time per mode, against the PROMPT side's prefill of the same prompt (side by side)."""
+    import random
+
+    from deepinfer_core.distributed.pd import CompletionEngine, PromptEngine
+    from deepinfer_core.engine import LLM, EngineConfig
+    from deepinfer_core.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    cfg = EngineConfig(num_blocks=512, max_num_seqs=4, max_model_len=4096, batch_invariant=True)
+    rng = random.Random(0)
+    ref_llm = LLM(**{k: getattr(cfg, k) for k in ("num_blocks", "max_num_seqs", "max_model_len", "batch_invariant")})
+    for n in lengths:
+        prompt = [rng.randrange(3, 500) for _ in range(n)]
+        sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        want = ref_llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+        for mode, replay in (("full", "exact"), ("replay", "exact"), ("replay", "bounded")):
+            pe = PromptEngine(cfg, mode=mode, replay=replay)
+            ce = CompletionEngine(cfg, replay=replay)
+            pe.add_request("r", prompt, sp)
+            t0 = time.perf_counter()
+            hs = []
+            while pe.has_unfinished():
+                hs += pe.step()[1]
+            prefill_s = time.perf_counter() - t0
+            (h,) = hs
+            ce.add_handoff(h)
+            t0 = time.perf_counter()
+            got = ce.step()  # the first step loads (and in replay mode rebuilds) the state, then decodes one
+            first_s = time.perf_counter() - t0
+            while ce.has_unfinished():
+                got += ce.step()
+            params = {"prompt_tokens": n, "mode": mode, "replay": replay if mode == "replay" else None,
+                      "hit": h.hit, "model": "tiny", "device": "cpu"}
+            emit(BENCH, params, "pd_handoff_bytes", float(h.nbytes), "B")
+            emit(BENCH, params, "pd_first_decode_step_over_prefill", first_s / prefill_s, "ratio")
+            emit(BENCH, params, "pd_replayed_tokens", float(ce.replayed_tokens), "tokens")
+            emit(BENCH, params, "pd_tokens_equal_normal", float(got[0].token_ids == want), "bool")
+
+
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--pd-only", action="store_true", help="only the P/D hand-off measurements")
     args = ap.parse_args()
+    bench_pd([256, 1024] if not args.quick else [160], 4)
+    if args.pd_only:
+        return
     p = dict(layers=8, experts=32, top_k=4, hidden=256, inter=128, tokens=256, redundant=2, skew=1.2,
              window=20, replan=50, steps=300)
     if args.quick:
