@@ -4,8 +4,9 @@ Layouts (all owned by the executor, addressed by what the caller passes in the b
 
 - per Full (KV source) layer: main KV ``uint8 [num_blocks, block_size, main.bytes_per_token]`` and
   indexer keys ``uint8 [num_blocks, block_size, index.bytes_per_token]``. Compressed entry j of a
-  sequence lives at logical slot j of its block table (so a table sized for the tokens always has room;
-  at ratio 2 half of it stays unused, see docs/model.md).
+  ratio-r layer lives at logical slot j * r / min_ratio of its block table (so a table sized for the
+  tokens always has room and block b holds only block b's tokens' entries; at ratio 2 half of it stays
+  unused, see docs/model.md).
 - per layer: SWA ring ``uint8 [num_slots, window + backtrack, swa.bytes_per_token]``, token p at p % ring.
 - per Full layer with ratio > 1: compressor state ``float [num_slots, ratio + backtrack, state_dim]``,
   the per-token (value, score) pairs of the newest tokens, token p at p % ring. Because every entry is
