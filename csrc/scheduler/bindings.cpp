@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 
@@ -144,6 +145,35 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
         return make_cost(base, token, quad, ctx).chunk_ns(q, c);
       },
       nb::arg("base_ns"), nb::arg("token_ns"), nb::arg("quad_ns"), nb::arg("ctx_ns"), nb::arg("q"), nb::arg("c"));
+
+  m.def(
+      "dense_block_tables",
+      [](di::CArray1<int32_t> offsets, di::CArray1<int32_t> ids, di::CArray1<int64_t> rows, bool all_rows,
+         int64_t width) {
+        const int64_t n = static_cast<int64_t>(offsets.shape(0)) - 1;
+        di::require(n >= 0, "block_offsets: must hold rows + 1 entries");
+        const int64_t m = all_rows ? n : static_cast<int64_t>(rows.shape(0));
+        const int32_t* off = offsets.data();
+        const int64_t* rw = rows.data();
+        for (int64_t k = 0; k < m && !all_rows; ++k)
+          if (rw[k] < 0 || rw[k] >= n)
+            throw std::out_of_range("rows[" + std::to_string(k) + "]=" + std::to_string(rw[k]) +
+                                    ": must be in [0, " + std::to_string(n) + ")");
+        auto out = raw_array<int32_t>(static_cast<size_t>(m * width));
+        {
+          nb::gil_scoped_release release;
+          int32_t* o = out.data();
+          for (int64_t k = 0; k < m; ++k, o += width) {
+            const int64_t r = all_rows ? k : rw[k];
+            const int64_t len = std::min<int64_t>(off[r + 1] - off[r], width);
+            if (len > 0) std::memcpy(o, ids.data() + off[r], static_cast<size_t>(len) * sizeof(int32_t));
+            std::fill(o + len, o + width, 0);
+          }
+        }
+        return out;
+      },
+      nb::arg("offsets"), nb::arg("ids"), nb::arg("rows"), nb::arg("all_rows"), nb::arg("width"),
+      "Dense [rows, width] block tables (padded with 0) from the compact CSR form, flat.");
 
   nb::class_<StepScheduler>(m, "StepScheduler", "Per-step planner over a di::kv::BlockPool (see step_scheduler.h).")
       .def(

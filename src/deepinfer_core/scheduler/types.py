@@ -8,7 +8,11 @@ import math
 import attrs
 import numpy as np
 
+from deepinfer_core import _C
 from deepinfer_core.sampling_params import SamplingParams
+
+_dense = _C.scheduler.dense_block_tables  # CSR -> padded rows in one C++ pass
+_NO_ROWS = np.zeros(0, np.int64)
 
 MAX_STEP_TOKENS = 32768  # DeepInfer's hard cap on tokens in one step (deployment Q&A)
 
@@ -253,21 +257,23 @@ class Plan:
     def dense_block_tables(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Dense ``[len(rows), width]`` block tables of ``rows`` (default: all rows), padded with 0,
         the width being the widest row of the whole plan (so any subset lines up with the full view)."""
-        off = self.block_offsets
-        lens = np.diff(off)
-        ids = self.block_ids
-        if rows is not None:
-            rows = np.asarray(rows)
-            if rows.dtype == bool:
-                rows = np.flatnonzero(rows)
-            lens = lens[rows]
-            # the selected rows' ids, in row order: each row's start, repeated over its length, plus
-            # the position inside the gathered run
-            ids = ids[np.repeat(off[:-1][rows].astype(np.int64) - np.cumsum(lens) + lens, lens)
-                      + np.arange(int(lens.sum()))]
-        out = np.zeros((lens.shape[0], self.width), np.int32)
-        out[np.arange(self.width) < lens[:, None]] = ids  # row-major mask order = CSR order
-        return out
+        if rows is None:
+            flat = _dense(self.block_offsets, self.block_ids, _NO_ROWS, True, self.width)
+            return flat.reshape(self.num_rows, self.width)
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            if rows.shape != (self.num_rows,):
+                raise ValueError(f"rows: a boolean mask must have shape ({self.num_rows},), got {rows.shape}")
+            rows = np.flatnonzero(rows)
+        elif rows.dtype.kind not in "iu" and rows.size:
+            raise ValueError(f"rows: must be row indices or a boolean mask, got dtype {rows.dtype}")
+        rows = np.ascontiguousarray(rows.reshape(-1), np.int64)
+        rows = np.where(rows < 0, rows + self.num_rows, rows)  # numpy-style negative indices
+        try:
+            flat = _dense(self.block_offsets, self.block_ids, rows, False, self.width)
+        except IndexError as e:
+            raise IndexError(f"dense_block_tables: {e}") from None
+        return flat.reshape(rows.shape[0], self.width)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -286,7 +292,7 @@ class Plan:
 
     def request_id_array(self) -> np.ndarray:
         """object [n]: the request id of each row, as a numpy array (no list built)."""
-        return self._names[self.seq_ids - self._base]
+        return self._names.take(self.seq_ids - self._base)  # take: ~1.6x faster than fancy indexing
 
     @property
     def num_scheduled(self) -> dict[str, int]:

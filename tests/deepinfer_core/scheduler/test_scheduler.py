@@ -292,6 +292,30 @@ def test_plan_arrays_match_pool_and_positions() -> None:
     np.testing.assert_array_equal(plan.context_lens, [3, 9, 5])
 
 
+def test_compact_tables_and_dense_views() -> None:
+    """CSR rows are the pool's tables; dense views by index, mask, negative index; errors name rows."""
+    pool = PagedKVPool(64, 4)
+    s = Scheduler(pool, SchedulerConfig(max_model_len=64))
+    for i, n in enumerate([3, 9, 5, 13]):
+        s.add_request(req(f"r{i}", n=n))
+    plan = s.schedule()
+    off, ids = plan.block_offsets, plan.block_ids
+    for i, seq in enumerate(plan.seq_ids.tolist()):
+        assert ids[off[i] : off[i + 1]].tolist() == np.asarray(pool.block_table(seq)).tolist()
+    dense = plan.block_tables
+    assert dense.shape == (4, 4) and dense[0, 1:].tolist() == [0, 0, 0]  # padded with the null block
+    np.testing.assert_array_equal(plan.dense_block_tables([2, 0]), dense[[2, 0]])
+    np.testing.assert_array_equal(plan.dense_block_tables(np.array([True, False, False, True])), dense[[0, 3]])
+    np.testing.assert_array_equal(plan.dense_block_tables([-1]), dense[[-1]])
+    assert plan.dense_block_tables([]).shape == (0, 4)
+    with pytest.raises(IndexError, match=r"rows\[1\]=4"):
+        plan.dense_block_tables([0, 4])
+    with pytest.raises(ValueError, match="rows"):
+        plan.dense_block_tables(np.array([True, False]))
+    assert plan.request_ids == ["r0", "r1", "r2", "r3"]
+    assert plan.request_id_array().tolist() == plan.request_ids
+
+
 def test_core_keeps_the_pool_alive() -> None:
     import gc
 
