@@ -180,6 +180,7 @@ def bench_engine(batches: list[int], prompt_len: int, gen: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer_core.engine import LLM
+    from deepinfer_core.envs import Envs
     from deepinfer_core.sampling_params import SamplingParams
 
     for b in batches:
@@ -187,8 +188,10 @@ def bench_engine(batches: list[int], prompt_len: int, gen: int) -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
         toks = {}
         for async_mode in (False, True):
+            # speculation off: verify steps are not pure decode (they run eagerly), and the drafter forces
+            # synchronous scheduling
             llm = LLM(model="tiny-random", backend="cuda", seed=0, num_blocks=4096 // 16 * 4, max_num_seqs=b,
-                      async_scheduling=async_mode)
+                      async_scheduling=async_mode, envs=Envs(use_nextn_decode=0))
             for graphs in (False, True):
                 ex = llm.engine.executor
                 ex.cuda_graphs = graphs and ex.sync_free
