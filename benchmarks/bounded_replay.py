@@ -178,8 +178,17 @@ def bench_cost(model: DeepSeekV41, name: str, contexts: list[int], new: int, rep
 
 
 # ---------------------------------------------------------------------------------------------- quality
+def text_prompts(tok: Any) -> np.ndarray:
+    """Token ids of this repository's docs (real text for a trained model; random windows are cut)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = "\n".join(p.read_text() for p in sorted((root / "docs").glob("*.md")))
+    return np.asarray(tok.encode(text), dtype=np.int64)
+
+
 def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit: int, decode: int,
-                  keeps: list[int], rows: list[dict]) -> None:
+                  keeps: list[int], rows: list[dict], texts: np.ndarray | None = None) -> None:
     cfg = model.cfg
     w, bs = cfg.sliding_window, 8
     nb = -(-(length + decode) // bs) + 2
@@ -188,7 +197,11 @@ def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit:
     stats: dict[tuple[int, bool], list[tuple[float, bool]]] = {}
     last: dict[tuple[int, bool], list[tuple[float, bool]]] = {}
     for _ in range(prompts):
-        toks = rng.integers(0, cfg.vocab_size, length)
+        if texts is None:  # random weights: random token ids
+            toks = rng.integers(0, cfg.vocab_size, length)
+        else:  # a trained model: windows of real text
+            a = int(rng.integers(0, texts.shape[0] - length))
+            toks = texts[a : a + length]
         ex = ModelExecutor(model, nb, bs, 2, quantize=True)
         # the exact run (no cache): prefill with a snapshot at the hit, then greedy decode
         out = ex.execute(ForwardBatch(token_ids=toks[:hit], query_lens=[hit], start_pos=[0], block_tables=table[None],
@@ -225,6 +238,7 @@ def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit:
         kl0 = np.array([a for a, _ in last[(keep, host)]])
         top0 = np.array([b for _, b in last[(keep, host)]])
         p = {"model": name, "keep": keep, "window": w, "exact_tail": exact_tail, "host_copy": host, "prompts": prompts,
+             "prompt_source": "random ids" if texts is None else "docs/*.md text",
              "length": length, "hit": hit, "decode_steps": decode, "quantized_kv": True}
         emit(BENCH, p, "kl_mean_all_positions", float(kl.mean()), "nats")
         emit(BENCH, p, "kl_p99_all_positions", float(np.quantile(kl, 0.99)), "nats")
@@ -322,11 +336,13 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = tiny_config() if args.model == "tiny" else wide_config()
     dev = torch.device(args.device)
-    if args.checkpoint:
-        from deepinfer_core.model.weights import load_pretrained  # type: ignore[attr-defined]
+    texts = None
+    if args.checkpoint:  # e.g. "tiny": the trained checkpoint shipped in the package (issue #16)
+        from deepinfer_core.model.checkpoint import load_model
 
-        model = load_pretrained(args.checkpoint).to(dev)
-        name = f"{args.model}-trained"
+        model, tok = load_model(args.checkpoint, device=dev)
+        name = f"{args.checkpoint}-trained"
+        texts = text_prompts(tok)
     else:
         model = DeepSeekV41.from_config(cfg, seed=0, dtype=torch.float32, device=dev)
         name = f"{args.model}-random"
@@ -342,7 +358,7 @@ def main() -> None:
         keeps = [w, w + 6, 2 * w, ReplayConfig.from_model(model.cfg, keep=1).exact_tail()]
         length, hit = (8 * w, 4 * w) if args.model == "tiny" else (4 * w, 2 * w)
         bench_quality(model, name, 4 if args.quick else args.prompts, length + 8, hit, 2 if args.quick else 8,
-                      sorted(set(keeps)), quality)
+                      sorted(set(keeps)), quality, texts)
     if args.plot:
         plot(cost, quality, f"{args.model}_{dev.type}")
 
