@@ -104,6 +104,9 @@ class DistConfig:
     ``moves_per_step``: None moves a re-plan's weights at once, between two steps; an int spreads them
     over the following steps, that many moves after each step, staged while the old placement serves,
     then switched (:mod:`deepinfer_core.distributed.migrate`; a re-plan falling due meanwhile is skipped).
+    ``engine_type``: NORMAL, or one side of a P/D pair (:mod:`deepinfer_core.distributed.pd`): a PROMPT
+    instance leaves its hand-offs in ``DistributedEngine.handoffs`` (``pd_mode`` "full" / "replay"), a
+    COMPLETION instance takes them with ``add_handoff`` (``replay``: "exact" / "bounded").
     """
 
     eplb: EPLBConfig | None = None
@@ -115,6 +118,8 @@ class DistConfig:
     move_batch_size: int = 32
     moves_per_step: int | None = None
     engine_type: EngineType = EngineType.NORMAL
+    pd_mode: str = "full"
+    replay: str = "exact"
 
     def __attrs_post_init__(self) -> None:
         if self.eplb is not None and not isinstance(self.eplb, EPLBConfig):
@@ -126,9 +131,10 @@ class DistConfig:
         if self.moves_per_step is not None and (isinstance(self.moves_per_step, bool) or not isinstance(
                 self.moves_per_step, int) or self.moves_per_step < 1):
             raise ValueError(f"DistConfig.moves_per_step: {self.moves_per_step!r} must be None or an int >= 1")
-        if self.engine_type is not EngineType.NORMAL:
-            raise ValueError(f"DistConfig.engine_type: {self.engine_type!r}; only NORMAL engines run distributed "
-                             "here (PROMPT / COMPLETION disaggregation: docs/distributed.md)")
+        if not isinstance(self.engine_type, EngineType):
+            raise ValueError(f"DistConfig.engine_type: {self.engine_type!r} must be a scheduler.EngineType")
+        if self.pd_mode not in ("full", "replay"):
+            raise ValueError(f"DistConfig.pd_mode: {self.pd_mode!r} must be 'full' or 'replay'")
 
     def eplb_config(self) -> EPLBConfig:
         if self.eplb is not None:
@@ -230,6 +236,16 @@ class DistributedEngine:
         self.sync = StepSync(g.dp, g.device, self._dummy_forward)
         self.executor = _CollectiveExecutor(eng.executor, self.sync, self.ep)
         eng.executor = self.executor
+        self.pd: Any = None  # the P/D side wrapping the engine (PROMPT / COMPLETION instances)
+        self.handoffs: list[Any] = []  # PROMPT instance: requests handed over, for the caller to take
+        if dc.engine_type is not EngineType.NORMAL:
+            from deepinfer_core.distributed.pd import CompletionEngine, PromptEngine
+
+            if dc.engine_type is EngineType.PROMPT:
+                self.pd = PromptEngine(mode=dc.pd_mode, replay=dc.replay, engine=eng)
+            else:
+                self.pd = CompletionEngine(replay=dc.replay, engine=eng)
+            self._install_vote()
         from deepinfer_core.eplb.stats import ExpertLoadWindow
 
         self.window = ExpertLoadWindow(mc.num_hidden_layers, mc.n_routed_experts, self.eplb_config.window_steps)
@@ -249,13 +265,24 @@ class DistributedEngine:
             self._late.append(RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                                             prompt_token_ids=(), finish_reason=ERROR, error=self.failed))
             return
-        self.engine.add_request(request_id, prompt, params)
+        if self.pd is not None and not hasattr(self.pd, "add_request"):
+            raise ValueError("add_request: a COMPLETION instance takes hand-offs (add_handoff), not prompts")
+        (self.pd if self.pd is not None else self.engine).add_request(request_id, prompt, params)
 
     def has_unfinished(self) -> bool:
         """Whether this rank must keep stepping: some rank of the group had work after the last step."""
         if self.failed is not None:
             return bool(self._late)
-        return self._group_busy or self.engine.has_unfinished()
+        return self._group_busy or self._local_busy()
+
+    def _local_busy(self) -> bool:
+        return self.pd.has_unfinished() if self.pd is not None else self.engine.has_unfinished()
+
+    def add_handoff(self, h: Any) -> None:
+        """COMPLETION instance: queue a request handed over by a PROMPT engine (see ``pd``)."""
+        if self.pd is None or not hasattr(self.pd, "add_handoff"):
+            raise ValueError("add_handoff: this instance is not a COMPLETION engine (DistConfig.engine_type)")
+        self.pd.add_handoff(h)
 
     @property
     def placement(self) -> ExpertPlacement:
@@ -277,13 +304,19 @@ class DistributedEngine:
         try:
             self._install_vote()
             self._vote.calls = 0
-            out = self.engine.step()
+            if self.dist_config.engine_type is EngineType.PROMPT:
+                out, ready = self.pd.step()
+                self.handoffs += ready
+            elif self.pd is not None:
+                out = self.pd.step()
+            else:
+                out = self.engine.step()
             broken = self._vote.broken or self.executor.broken
             if broken is not None:  # the engine caught it (failing a batch); the group is gone anyway
                 raise broken
             if self._vote.calls == 0:  # nothing queued here: the group still needs this rank's vote
                 self._vote.decide(False, False)
-            self._group_busy = self.sync.end_step(self.engine.has_unfinished())
+            self._group_busy = self.sync.end_step(self._local_busy())
             self.steps += 1
             self._eplb_step()
         except Exception as e:  # a dead / stuck peer, or a local failure: the whole group is gone
@@ -293,6 +326,7 @@ class DistributedEngine:
     def _install_vote(self) -> None:
         """The DP vote as the scheduler's ``vote`` (again after an engine ``reset`` rebuilt it)."""
         s = self.engine.scheduler
+        s = getattr(s, "_inner", s)  # under a P/D proxy: the scheduler itself
         if s.vote is not self._vote:
             s.vote = self._vote
             if hasattr(s, "_local"):  # the scheduler caches "is the vote local?" when it is built

@@ -142,12 +142,13 @@ class PromptEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, *, mode: str = "full", replay: str = "exact",
-                 keep: int | None = None, **kw: Any) -> None:
+                 keep: int | None = None, engine: LLMEngine | None = None, **kw: Any) -> None:
         """``mode``: "full" hands the whole state block; "replay" hands the blocks before the hit and the
-        encoder rings at it, for a COMPLETION engine made with the same ``replay`` / ``keep``."""
+        encoder rings at it, for a COMPLETION engine made with the same ``replay`` / ``keep``.
+        ``engine``: wrap this engine (e.g. a ``DistributedEngine``'s) instead of building one."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {list(MODES)}")
-        self.engine = eng = LLMEngine(config, **kw)
+        self.engine = eng = engine if engine is not None else LLMEngine(config, **kw)
         _check_engine(eng, "PromptEngine")
         eng.scheduler = _PromptScheduler(self, _with_type(eng, EngineType.PROMPT))  # type: ignore[assignment]
         self.mode = mode
@@ -277,9 +278,10 @@ class CompletionEngine:
     request (the PROMPT engine's first one included), as a NORMAL engine's would."""
 
     def __init__(self, config: EngineConfig | None = None, *, replay: str = "exact", keep: int | None = None,
-                 **kw: Any) -> None:
-        """``replay`` / ``keep``: how replay-mode hand-offs are rebuilt (as the PROMPT side's)."""
-        self.engine = eng = LLMEngine(config, **kw)
+                 engine: LLMEngine | None = None, **kw: Any) -> None:
+        """``replay`` / ``keep``: how replay-mode hand-offs are rebuilt (as the PROMPT side's); ``engine``:
+        wrap this engine instead of building one."""
+        self.engine = eng = engine if engine is not None else LLMEngine(config, **kw)
         _check_engine(eng, "CompletionEngine")
         self.replay_config = _replay_config(eng, replay, keep)
         self.replayed_tokens = 0

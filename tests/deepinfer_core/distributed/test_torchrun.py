@@ -106,6 +106,10 @@ def test_dp2_ep2_equals_single_process_with_and_without_replans(case: dict, tmp_
         assert ranks[0]["pd"][mode] == [], f"seed {seed}: the PROMPT engine ended requests itself ({mode})"
         assert [o["tokens"] for o in ranks[1]["pd"][mode]] == ref, f"seed {seed}: P/D ({mode}) != NORMAL engine"
         assert all(o["error"] is None for o in ranks[1]["pd"][mode])
+    # DP2 / EP2 PROMPT instance -> DP2 / EP2 COMPLETION instance (replay mode, hand-offs crossing ranks)
+    for r, res in enumerate(ranks):
+        assert [o["tokens"] for o in res["pd_dp"]] == ref, f"seed {seed}: rank {r}, DP/EP P/D != NORMAL engine"
+        assert all(o["error"] is None for o in res["pd_dp"])
     staged = [p for p in ranks[0]["staged_replans"] if p["commit"] > p["step"] and p["batches"] > 1 and p["live"]]
     assert staged, f"seed {seed}: no staged migration spanned steps mid-generation: {ranks[0]['staged_replans']}"
 

@@ -55,8 +55,9 @@ def test_plan_placement_follows_the_load() -> None:
 def test_dist_config_errors_name_the_field() -> None:
     assert DistConfig().eplb_config() is DECODE  # NORMAL engine: the decode window and interval
     assert DistConfig(eplb=PREFILL).eplb_config() is PREFILL
+    assert DistConfig(engine_type=EngineType.PROMPT).eplb_config() is PREFILL  # a prefill instance
     for kw, field in ((dict(tolerance=1.0), "tolerance"), (dict(move_batch_size=0), "move_batch_size"),
-                      (dict(eplb=3), "eplb"), (dict(engine_type=EngineType.PROMPT), "engine_type")):
+                      (dict(eplb=3), "eplb"), (dict(engine_type=1), "engine_type"), (dict(pd_mode="x"), "pd_mode")):
         with pytest.raises(ValueError, match=f"DistConfig.{field}"):
             DistConfig(**kw)  # type: ignore[arg-type]
 

@@ -37,6 +37,7 @@ from deepinfer_core.distributed.pd import CompletionEngine, PromptEngine, recv_h
 from deepinfer_core.engine import EngineConfig
 from deepinfer_core.eplb import EPLBConfig
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler import EngineType
 
 TIMEOUT_S = 5.0
 EQUAL_TIMEOUT_S = 60.0
@@ -79,7 +80,45 @@ def scenario_equal(groups, prompts, params) -> dict:
     res["staged"] = outputs_json(eng3.generate(prompts, params))
     res["staged_replans"] = _replans(eng3)
     res["pd"] = scenario_pd(groups, prompts, params)
+    res["pd_dp"] = scenario_pd_dp(groups, prompts, params)
     return res
+
+
+def scenario_pd_dp(groups, prompts, params) -> list[dict]:
+    """A DP2 / EP2 PROMPT instance (replay mode), then a DP2 / EP2 COMPLETION instance on the same ranks;
+    rank r's hand-offs go to rank 1 - r over the world group. Every rank returns all outputs in order."""
+    pe = DistributedEngine(groups, engine_config(), DistConfig(engine_type=EngineType.PROMPT, pd_mode="replay",
+                                                               online_eplb=False))
+    early = _serve_local(pe, prompts, params, groups)
+    ce = DistributedEngine(groups, engine_config(), DistConfig(engine_type=EngineType.COMPLETION, online_eplb=False))
+    other = 1 - groups.rank
+    mine = pe.handoffs
+    for r in (0, 1):  # rank 0 sends first, then rank 1 (point to point, no deadlock)
+        if groups.rank == r:
+            dist.send_object_list([len(mine)], dst=other)
+            for h in mine:
+                send_handoff(h, dst=other)
+        else:
+            box: list = [None]
+            dist.recv_object_list(box, src=other)
+            for _ in range(box[0]):
+                ce.add_handoff(recv_handoff(src=other))
+    done = list(early)
+    while ce.has_unfinished():
+        done += ce.step()
+    parts: list = [None, None]
+    dist.all_gather_object(parts, outputs_json(done))
+    return sorted((o for part in parts for o in part), key=lambda o: int(o["id"]))
+
+
+def _serve_local(eng: DistributedEngine, prompts, params, groups) -> list:
+    for i in range(len(prompts)):
+        if i % groups.group_size == groups.group_rank:
+            eng.add_request(str(i), prompts[i], params[i])
+    out = []
+    while eng.has_unfinished():
+        out += eng.step()
+    return out
 
 
 def scenario_pd(groups, prompts, params) -> dict:
