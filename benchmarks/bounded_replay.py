@@ -317,7 +317,7 @@ def rows_from(path: str) -> tuple[list[dict], list[dict], str]:
             quality.setdefault(key, dict(p))["kl" if m.startswith("kl") else "top1"] = d["value"]
     c, q = list(cost.values()), list(quality.values())
     first = (c or q)[0]
-    return c, q, f"{first['model'].split('-')[0]}_{first.get('device', 'cpu')}"
+    return c, q, f"{first['model']}_{first.get('device', 'cpu')}"
 
 
 def main() -> None:
@@ -360,7 +360,7 @@ def main() -> None:
         bench_quality(model, name, 4 if args.quick else args.prompts, length + 8, hit, 2 if args.quick else 8,
                       sorted(set(keeps)), quality, texts)
     if args.plot:
-        plot(cost, quality, f"{args.model}_{dev.type}")
+        plot(cost, quality, f"{name}_{dev.type}")
 
 
 if __name__ == "__main__":
