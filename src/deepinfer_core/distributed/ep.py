@@ -23,6 +23,7 @@ for the tokens others send to its slots), and a round whose every rank is inacti
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -135,8 +136,6 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ collectives
     def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        import time
-
         out = x.new_empty((sum(recv), *x.shape[1:]))
         t0 = time.perf_counter()
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
