@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/distributed_generate.py      # torchrun starts the ranks
     python examples/distributed_generate.py --nproc 2                  # spawn() starts them from Python
+    (--check: compare with one process; --quick: 4 tokens per prompt)
 
 Each rank serves every other prompt (DP), routes every MoE layer's tokens to the rank holding the
 chosen expert replica (EP all-to-all), and every rank prints all completions. ``--check`` compares the
@@ -32,12 +33,13 @@ from deepinfer_core.sampling_params import SamplingParams
 PROMPTS = ["Hello, my name is", "The capital of France is", "DeepSeek-V4.1-Flash uses a sliding window of",
            "Expert parallelism sends each token to", "A sharded Engram table is fetched by"]
 PARAMS = SamplingParams(temperature=0.8, seed=1234, max_tokens=12, ignore_eos=True)
+QUICK = SamplingParams(temperature=0.8, seed=1234, max_tokens=4, ignore_eos=True)
 CONFIG = EngineConfig(seed=0, num_blocks=256, max_num_seqs=8, batch_invariant=True)
 
 
-def serve(groups: ParallelGroups) -> list[list[int]]:
+def serve(groups: ParallelGroups, params: SamplingParams = PARAMS) -> list[list[int]]:
     eng = DistributedEngine(groups, CONFIG, DistConfig())
-    outs = eng.generate(PROMPTS, PARAMS)  # every rank gets all outputs back, in order
+    outs = eng.generate(PROMPTS, params)  # every rank gets all outputs back, in order
     if groups.rank == 0:
         for p, o in zip(PROMPTS, outs):
             print(f"{p!r} -> {o.text!r}")
@@ -51,20 +53,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     ap.add_argument("--check", action="store_true", help="compare with the single-process engine")
+    ap.add_argument("--quick", action="store_true", help="4 tokens per prompt (CI)")
     args = ap.parse_args()
+    params = QUICK if args.quick else PARAMS
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     if "RANK" in os.environ:  # under torchrun
-        got = serve(init_groups(backend="gloo", timeout_s=60))
+        got = serve(init_groups(backend="gloo", timeout_s=60), params)
         rank = int(os.environ["RANK"])
         shutdown()
     else:
-        got = spawn(serve, args.nproc, backend="gloo", timeout_s=60)[0]
+        got = spawn(serve, args.nproc, args=(params,), backend="gloo", timeout_s=60)[0]
         rank = 0
     if args.check and rank == 0:
         want = [list(o.token_ids) for o in LLM(**{k: getattr(CONFIG, k) for k in
                                                   ("seed", "num_blocks", "max_num_seqs", "batch_invariant")})
-                .generate(PROMPTS, PARAMS, use_tqdm=False)]
+                .generate(PROMPTS, params, use_tqdm=False)]
         ok = got == want
         print("tokens equal to the single-process engine:", ok)
         sys.exit(0 if ok else 1)

@@ -148,3 +148,19 @@ def test_ep_layer_equals_the_full_moe_over_placements_and_replans() -> None:
     assert res[0][1] == res[1][1] > 0, f"seed {seed}: the re-plans moved no expert between ranks"
     with pytest.raises(ValueError, match="nprocs"):
         spawn(_ep_layer_vs_moe, 0)
+
+
+@pytest.mark.distributed
+def test_example_distributed_generate_spawned() -> None:
+    # examples/distributed_generate.py as a user runs it: spawn() starts 2 ranks, tokens checked against
+    # the single-process engine by the script itself
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, str(root / "examples" / "distributed_generate.py"), "--nproc", "2", "--quick",
+                        "--check"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "tokens equal to the single-process engine: True" in r.stdout
+    assert "token-expert rows sent to the other rank" in r.stdout
