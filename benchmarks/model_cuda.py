@@ -126,12 +126,14 @@ class Decoder:
 
 
 def set_mode(ex: ModelExecutor, mode: str) -> None:
-    """legacy: the plain row path (host syncs); off: sync-free eager; on: sync-free + CUDA graphs."""
-    if mode not in ("legacy", "off", "on"):
-        raise SystemExit(f"--graphs: unknown mode {mode!r} (legacy, off, on)")
+    """legacy: the plain row path (host syncs); off: sync-free eager; on: sync-free + CUDA graphs;
+    fused: graphs with the opt-in fused kernels (mhc_sinkhorn)."""
+    if mode not in ("legacy", "off", "on", "fused"):
+        raise SystemExit(f"--graphs: unknown mode {mode!r} (legacy, off, on, fused)")
     if hasattr(ex, "sync_free"):
         ex.sync_free = mode != "legacy"
-        ex.cuda_graphs = mode == "on"
+        ex.cuda_graphs = mode in ("on", "fused")
+        ex.fused_sinkhorn = mode == "fused"
     elif mode != "legacy":
         raise SystemExit("this executor has no sync-free path")
 
@@ -229,7 +231,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--graphs", default="legacy,off,on",
-                    help="modes to time: legacy (plain row path), off (sync-free eager), on (CUDA graphs)")
+                    help="modes to time: legacy (plain row path), off (sync-free eager), on (CUDA graphs), "
+                         "fused (graphs + the opt-in fused mhc_sinkhorn kernel)")
     ap.add_argument("--sync-sites", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the profiler tables")
     ap.add_argument("--profile-batches", default="", help="batches whose profiler tables go to --out (default all)")

@@ -84,6 +84,7 @@ class GraphKey:
     batch: int
     width: int
     entries: tuple[tuple[int, int], ...]  # (ratio, padded entry count), by ratio
+    fused: bool = False  # the executor's opt-in fused kernels (a different body: its own graph)
 
 
 def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) -> np.ndarray:
@@ -156,7 +157,8 @@ class DecodeGraphs:
         if n is None:
             return None
         return GraphKey(n, width_bucket(b.block_tables.shape[1]),
-                        tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())))
+                        tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
+                        bool(getattr(self.ex, "fused_sinkhorn", False)))
 
     def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int],
             engram_rows: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:

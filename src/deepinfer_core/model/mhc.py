@@ -18,14 +18,32 @@ layer instead of two); the default paper form recomputes them from the state ent
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
 
-__all__ = ["MHCResidual", "sinkhorn"]
+__all__ = ["MHCResidual", "sinkhorn", "sinkhorn_impl"]
+
+# the Sinkhorn used by MHCResidual in this context: None = :func:`sinkhorn`; the executor's sync-free
+# decode path may set a fused kernel (the ``mhc_sinkhorn`` op, same contract) with :func:`sinkhorn_impl`
+_SINKHORN: contextvars.ContextVar[Callable[[torch.Tensor, int], torch.Tensor] | None] = contextvars.ContextVar(
+    "mhc_sinkhorn", default=None)
+
+
+@contextlib.contextmanager
+def sinkhorn_impl(fn: Callable[[torch.Tensor, int], torch.Tensor] | None) -> Iterator[None]:
+    """MHCResidual computes its Sinkhorn with ``fn(logits, iters)`` inside this block (None: the torch loop)."""
+    tok = _SINKHORN.set(fn)
+    try:
+        yield
+    finally:
+        _SINKHORN.reset(tok)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -80,7 +98,8 @@ class MHCResidual(nn.Module):
         pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
         post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
         # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
-        res = sinkhorn((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), self.iters)
+        sk = _SINKHORN.get() or sinkhorn
+        res = sk((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), self.iters)
         dt = state.dtype
         for i, sub in enumerate(subs):
             self._pending[(layer, sub)] = (pre[:, i].to(dt), post[:, i].to(dt), res[:, i].to(dt))
