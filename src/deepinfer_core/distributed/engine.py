@@ -234,8 +234,14 @@ class DistributedEngine:
             eng.executor.engram_tables = self.engram_tables
         self._engram_order = [lid for lid in mc.engram_layer_ids if lid in self.engram_tables]
         self.sync = StepSync(g.dp, g.device, self._dummy_forward)
-        self.executor = _CollectiveExecutor(eng.executor, self.sync, self.ep)
+        inner = eng.executor
+        self.executor = _CollectiveExecutor(inner, self.sync, self.ep)
         eng.executor = self.executor
+        # helpers the engine built around its executor (the prefix cache's encoder-only calls) must go
+        # through the proxy too, or their MoE all-to-alls would skip the lock-step rounds
+        for helper in list(vars(eng).values()):
+            if getattr(helper, "ex", None) is inner:
+                helper.ex = self.executor
         self.pd: Any = None  # the P/D side wrapping the engine (PROMPT / COMPLETION instances)
         self.handoffs: list[Any] = []  # PROMPT instance: requests handed over, for the caller to take
         if dc.engine_type is not EngineType.NORMAL:
