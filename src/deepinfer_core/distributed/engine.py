@@ -235,6 +235,12 @@ class DistributedEngine:
         self._engram_order = [lid for lid in mc.engram_layer_ids if lid in self.engram_tables]
         self.sync = StepSync(g.dp, g.device, self._dummy_forward)
         inner = eng.executor
+        # the EP layer synchronises with the host (split sizes) and runs collectives: no CUDA-graph capture,
+        # no sync-free decode path on the cuda backend (both are off on the CPU anyway)
+        for flag in ("cuda_graphs", "sync_free"):
+            if getattr(inner, flag, False):
+                setattr(inner, flag, False)
+                log.info("rank %d: executor %s off under expert parallelism", g.rank, flag)
         self.executor = _CollectiveExecutor(inner, self.sync, self.ep)
         eng.executor = self.executor
         # helpers the engine built around its executor (the prefix cache's encoder-only calls) must go
