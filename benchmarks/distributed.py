@@ -96,7 +96,9 @@ def _run(groups: ParallelGroups, p: dict[str, Any]) -> dict[str, Any]:
     rows = {n: [] for n in eps}
     moe_s = {n: 0.0 for n in eps}
     replans: dict[str, list[dict[str, float]]] = {n: [] for n in windows}
-    for step in range(p["steps"]):
+    from tqdm.auto import tqdm
+
+    for step in tqdm(range(p["steps"]), desc="EP steps (rank 0)", disable=me != 0, mininterval=5):
         phase = 0.5 * np.pi * step / max(p["steps"] - 1, 1)  # from profile 0 to profile 1 over the run
         bias = torch.as_tensor(np.cos(phase) * b0 + np.sin(phase) * b1, dtype=torch.float32)
         x = torch.randn(p["tokens"], p["hidden"], generator=tok_rng)
