@@ -23,6 +23,7 @@ position bookkeeping, the drafter) stays eager around the replay.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # indexer entries per ratio are padded to a multiple of this (a new graph every ENTRY_QUANTUM * ratio tokens)
 ENTRY_QUANTUM = 256
+# graphs kept per executor; past it the least recently replayed one is dropped (contexts grow: each entry
+# bucket is a new key, and every graph holds its static inputs and outputs)
+MAX_GRAPHS = 64
 
 
 def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
@@ -141,11 +145,14 @@ class DecodeGraphs:
     """Captured decode steps of one executor, one per :class:`GraphKey`; :meth:`run` replays."""
 
     def __init__(self, ex: ExecutorView, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 entry_quantum: int = ENTRY_QUANTUM) -> None:
+                 entry_quantum: int = ENTRY_QUANTUM, max_graphs: int = MAX_GRAPHS) -> None:
         if entry_quantum < 1:
             raise ValueError(f"entry_quantum={entry_quantum}: must be >= 1")
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs={max_graphs}: must be >= 1")
         self.ex, self.buckets, self.quantum = ex, check_buckets(buckets), entry_quantum
-        self.graphs: dict[GraphKey, _Graph] = {}
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()  # least recently used first
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
@@ -169,7 +176,12 @@ class DecodeGraphs:
             return None
         g = self.graphs.get(key)
         if g is None:
+            while len(self.graphs) >= self.max_graphs:
+                old, dropped = self.graphs.popitem(last=False)
+                dropped.graph = dropped.out = None  # its memory returns to the shared pool
+                log.info("cuda graph dropped (least recently used): %s", old)
             g = self.graphs[key] = _Graph(key, self.ex, self.pool)
+        self.graphs.move_to_end(key)
         r = b.num_requests
         g.load(host_inputs(b, floors, key.batch, key.width), engram_rows, r)
         if g.graph is None:
