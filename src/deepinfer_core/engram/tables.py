@@ -133,6 +133,9 @@ class LocalEngramTable:
 
     def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
         flat = check_row_ids(row_ids, self.num_rows)
+        if flat.device.type == "cpu" and self.data.device.type == "cuda":
+            # pinned + non-blocking: a blocking copy would wait for the device's queued work
+            flat = flat.pin_memory().to(self.data.device, non_blocking=True)
         out = self._gather(self.data, flat.to(self.data.device), self.scales, self.out_dtype)
         return out.reshape(*row_ids.shape, self.row_dim)
 

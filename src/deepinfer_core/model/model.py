@@ -36,6 +36,14 @@ log = logging.getLogger(__name__)
 AttendFn = Callable[[int, Attention, torch.Tensor], torch.Tensor]
 
 
+def _to_device(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
+    """``t.to(dev, dt)``; host rows to a CUDA device go through pinned memory without a blocking copy, which
+    would wait for the device's queued work (the decode step's one host synchronisation otherwise)."""
+    if t.device.type == "cpu" and dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True).to(dt)
+    return t.to(dev, dt)
+
+
 class PlainResidual(nn.Module):
     """h + sublayer(norm(h)). mHC (part 2) keeps hc_mult streams behind the same four methods."""
 
@@ -175,7 +183,7 @@ class DeepSeekV41(nn.Module):
         rows = h.hash(token_ids.cpu(), None if cu_seqlens is None else cu_seqlens.cpu(),
                       None if context is None else context.cpu())
         dt, dev = self.embed.dtype, self.embed.device
-        return {lid: tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(token_ids.shape[0], -1).to(dev, dt)
+        return {lid: _to_device(tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(token_ids.shape[0], -1), dev, dt)
                 for lid in self.cfg.engram_layer_ids}
 
     # ------------------------------------------------------------------ expert placement
