@@ -7,10 +7,41 @@ the fly, so there is no precomputed table and no maximum length.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+# (positions, inv_freq, dtype) -> (positions, inv_freq, cos, sin) inside :func:`cached_angles`; the key
+# tensors are kept in the value so their ids cannot be reused while the cache lives
+_ANGLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rope_angles", default=None)
+
+
+@contextlib.contextmanager
+def cached_angles() -> Iterator[None]:
+    """Inside this block :func:`apply_rope` computes cos / sin once per (positions, inv_freq, dtype):
+    a decode step ropes queries, keys and indexer queries at the same positions in every layer, and each
+    fresh computation is 6 kernels (the executor's sync-free step uses it; same values)."""
+    tok = _ANGLES.set({})
+    try:
+        yield
+    finally:
+        _ANGLES.reset(tok)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = _ANGLES.get()
+    key = (id(positions), id(inv_freq), dtype)
+    if cache is not None and (hit := cache.get(key)) is not None and hit[0] is positions and hit[1] is inv_freq:
+        return hit[2], hit[3]
+    ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, r/2]
+    cos, sin = torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+    if cache is not None:
+        cache[key] = (positions, inv_freq, cos, sin)
+    return cos, sin
 
 
 def rope_inv_freq(rope_dim: int, base: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -42,10 +73,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     """
     if rope_dim == 0:
         return x
-    ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, r/2]
-    shape = (ang.shape[0],) + (1,) * (x.dim() - 2) + (ang.shape[1],)
-    cos = torch.cos(ang).to(x.dtype).view(shape)
-    sin = torch.sin(ang).to(x.dtype).view(shape)
+    cos, sin = _cos_sin(positions, inv_freq, x.dtype)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
     d, h = x.shape[-1], rope_dim // 2
     tail = x[..., d - rope_dim :]
     if interleave:
