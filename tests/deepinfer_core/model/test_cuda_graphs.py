@@ -261,7 +261,7 @@ def _greedy(s: Session, prompts: dict[int, torch.Tensor], steps: int, drop_at: i
         ids = [i for i in prompts if not (i == 0 and k >= drop_at)]
         _, per = s.step([(i, torch.tensor([last[i]]), pos[i], 1) for i in ids])
         for i, lg in zip(ids, per):
-            logits.append(lg[-1].float().cpu())
+            logits.append(lg[-1].double().cpu())
             last[i] = int(lg[-1].argmax())
             toks[i].append(last[i])
             pos[i] += 1
