@@ -8,6 +8,7 @@ MODELS = ("tiny",)
 BACKENDS = ("reference", "cuda")
 DTYPES = ("float32", "float64", "bfloat16")
 PREEMPTION_POLICIES = ("guarded", "deepinfer")
+SWA_REPLAY_MODES = ("exact", "bounded")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "auto")  # auto: per-spec engine with fallback (structured.auto_backend)
 
 
@@ -40,6 +41,11 @@ class EngineConfig:
     ``preemption_policy``: the scheduler's victim rule under KV pressure: ``"guarded"`` (default: admission
     headroom, newest-admitted victim, bounded preemptions per request; cannot thrash) or ``"deepinfer"``
     (the seed's longest-output victim; docs/scheduler.md).
+    ``prefix_caching`` reuses cached prompt blocks through the KV pool's prefix index and rebuilds the
+    sliding-window state by replay (docs/swa.md): ``swa_replay="exact"`` (default: the tokens of a run
+    without the cache) or ``"bounded"`` (DeepInfer's: the last ``swa_keep_tokens`` tokens, None =
+    ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, decoder windows truncated to them; approximate);
+    ``swa_host_bytes`` bounds the host-memory store of persisted encoder rings (LRU).
     """
 
     model: str = "tiny"
@@ -58,6 +64,10 @@ class EngineConfig:
     speculative: bool = False
     num_speculative_tokens: int | None = None
     preemption_policy: str = "guarded"
+    prefix_caching: bool = True
+    swa_replay: str = "exact"
+    swa_keep_tokens: int | None = None
+    swa_host_bytes: int = 256 << 20
 
     def __attrs_post_init__(self) -> None:
         _check(self.model in MODELS, "model", f"{self.model!r}: must be one of {list(MODELS)} (no downloads here)")
@@ -79,7 +89,14 @@ class EngineConfig:
                f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
         _check(self.preemption_policy in PREEMPTION_POLICIES, "preemption_policy",
                f"{self.preemption_policy!r}: must be one of {list(PREEMPTION_POLICIES)}")
-        for name in ("quantize", "async_scheduling", "speculative"):
+        _check(self.swa_replay in SWA_REPLAY_MODES, "swa_replay",
+               f"{self.swa_replay!r}: must be one of {list(SWA_REPLAY_MODES)}")
+        _check(self.swa_keep_tokens is None or (_is_int(self.swa_keep_tokens) and 1 <= self.swa_keep_tokens <= 2**20),
+               "swa_keep_tokens", f"{self.swa_keep_tokens!r}: must be None (from DEEPINFER_YOCO_PREFILL_KEEP_TOKENS) "
+               "or an int in [1, 2**20]")
+        _check(_is_int(self.swa_host_bytes) and 0 <= self.swa_host_bytes <= 2**48, "swa_host_bytes",
+               f"{self.swa_host_bytes!r}: must be an int in [0, 2**48] (bytes of host memory for SWA rings)")
+        for name in ("quantize", "async_scheduling", "speculative", "prefix_caching"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
         _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)
                                                         and 0 <= self.num_speculative_tokens <= 5),

@@ -22,6 +22,7 @@ import torch
 
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
+from deepinfer_core.engine.prefix import known_tokens, make_prefix_caching
 from deepinfer_core.engine.requests import (
     EngineRequest,
     RequestError,
@@ -49,6 +50,7 @@ from deepinfer_core.scheduler import (
     Request,
     Scheduler,
     SchedulerConfig,
+    StepType,
 )
 from deepinfer_core.spec import make_policy
 from deepinfer_core.tokenizer import ByteTokenizer
@@ -140,6 +142,7 @@ class LLMEngine:
             # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
             async_mode=cfg.async_scheduling and self.drafts is None,
             preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()]))
+        self.prefix = make_prefix_caching(self)  # prefix caching + SWA bounded replay (docs/swa.md)
 
     def _clear_tables(self) -> None:
         """Empty per-request tables (at start, and by ``reset``)."""
@@ -340,6 +343,8 @@ class LLMEngine:
             self.state_pool.release(seq)
         if self.drafts is not None:
             self.drafts.drop(seq)
+        if self.prefix is not None:
+            self.prefix.drop(seq)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -425,9 +430,10 @@ class LLMEngine:
         if error is not None:
             log.warning("request %r failed: %s", req.request_id, error)
         ids = fr.output_token_ids
+        cached, replayed = self.prefix.take_metrics(seq) if self.prefix is not None else (0, 0)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                              text=self.tokenizer.decode(ids), token_ids=ids, finish_reason=reason, error=error,
-                             num_preemptions=fr.num_preemptions)
+                             num_preemptions=fr.num_preemptions, cached_tokens=cached, replayed_tokens=replayed)
 
     def _fail_row(self, seq: int, msg: str) -> None:
         """End a running request from inside a step (its later rows are dropped)."""
@@ -446,6 +452,8 @@ class LLMEngine:
                 self.state_pool.release(seq)
             if seq >= 0 and book is not None:
                 book.drop(seq)  # the executor forgets its drafts when the slot restarts
+            if seq >= 0 and self.prefix is not None:
+                self.prefix.drop(seq)  # it re-hits its own prefix when it is admitted again
         seq_ids = plan.seq_ids
         ix = seqs.ix(seq_ids)  # each row's place in the per-sequence arrays
         ntok = plan.num_tokens.astype(np.int64)
@@ -464,6 +472,13 @@ class LLMEngine:
                 log.error("engine: no free state slot for seq %d (%d slots)", seq, self.state_pool.num_slots)
                 self._fail_row(seq, f"no free state slot ({self.state_pool.num_slots} slots)")
         rows = np.flatnonzero(~seqs.dead[ix])  # rows of requests that already ended are discarded
+        pre = None  # prefix caching: hit tokens skipped, encoder-only parts run, the tail's decoder floor
+        if self.prefix is not None and rows.size:
+            pre = self.prefix.prepare(plan.step_type == StepType.PREFILL, rows, seq_ids, plan.start, ntok, tokens,
+                                      plan.block_tables, self.state_pool.slots, lambda q: known_tokens(self, q))
+            for seq, msg in pre.failed:
+                self._fail_row(seq, msg)
+            rows = pre.rows
         sampled = np.zeros(plan.num_rows, np.int32)
         nd = plan.num_drafts.astype(np.int64)
         # rows whose token comes from the executor (greedy verify / draft); the rest sample here
@@ -471,10 +486,14 @@ class LLMEngine:
         got: dict[int, list[int]] = {}
         while rows.size:
             tok_keep = np.repeat(np.isin(np.arange(plan.num_rows), rows), ntok)
+            qn, qs = (ntok, plan.start) if pre is None else (pre.ntok, pre.start)
             spec_kw: dict[str, Any] = {}
+            if pre is not None:
+                tok_keep &= pre.tok_mask
+                spec_kw.update(decoder_floor=pre.floor[rows], snapshot_pos=pre.snap[rows])
             if book is not None:
-                spec_kw = dict(verify_lens=nd[rows], draft=spec_row[rows], temperature=np.zeros(rows.size))
-            batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=ntok[rows], start_pos=plan.start[rows],
+                spec_kw.update(verify_lens=nd[rows], draft=spec_row[rows], temperature=np.zeros(rows.size))
+            batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
                                  block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(seq_ids[rows]),
                                  num_logits=plan.sample[rows] + nd[rows], **spec_kw)
             st.build_s += time.perf_counter() - t0
@@ -496,6 +515,10 @@ class LLMEngine:
                                                seq_ids[srows], ix[srows], plan.context_lens[srows].astype(np.int64))
             if book is not None:
                 got = self._collect(plan, rows, spec_row, spec_out, tokens, ntok, ix)
+            if pre is not None:  # publish completed exact blocks and the encoder rings at their end
+                first = tokens[np.concatenate(([0], np.cumsum(ntok)[:-1]))]
+                self.prefix.after(pre, rows, seq_ids, plan.block_tables, self._snapshots,
+                                  lambda q: known_tokens(self, q), first)
             st.sample_s += time.perf_counter() - t0
             break
         if book is None:
@@ -545,12 +568,14 @@ class LLMEngine:
             for i in range(batch.num_requests):
                 sl = slice(i, i + 1)
                 opt = {n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
-                       for n in ("verify_lens", "draft", "temperature")}
+                       for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")}
                 one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[sl],
                                    start_pos=batch.start_pos[sl], block_tables=batch.block_tables[sl],
                                    state_slots=batch.state_slots[sl], num_logits=batch.num_logits[sl], **opt)
                 outs.append(self.executor.execute(one))
         logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
+        self._snapshots = (outs[0].snapshots if len(outs) == 1
+                           else {i: o.snapshots[0] for i, o in enumerate(outs) if o.snapshots})
         spec: dict[str, np.ndarray] = {}
         if self.drafts is not None:
             for name in ("num_accepted", "next_token", "drafts", "draft_confidence"):
