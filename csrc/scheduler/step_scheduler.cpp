@@ -105,12 +105,14 @@ bool StepScheduler::fits_with_watermark(int64_t num_tokens) const {
   const int64_t blocks = pool_.blocks_for_tokens(num_tokens);
   const int64_t running = num_running();
   int64_t keep = running == 0 ? 0 : cfg_.watermark_blocks;  // a lone request may use all
-  if (running > 0 && cfg_.policy == Policy::GUARDED) {
-    // What the running requests grow into over the next headroom_steps decode steps (one token each
-    // a step, on average headroom_steps / block_size blocks each): admitting into that space is what
-    // makes the next decode steps preempt, and the victim then waits here for the same space again.
+  if (running > 0 && cfg_.policy == Policy::GUARDED && cfg_.engine_type != EngineType::PROMPT) {
+    // What the requests that will decode grow into over the next headroom_steps decode steps (one
+    // token each a step, on average headroom_steps / block_size blocks each): admitting into that
+    // space is what makes the next decode steps preempt, and the victim then waits here for the same
+    // space again. (PROMPT engines never decode: their requests do not grow.)
     const int64_t bs = pool_.block_size();
-    keep += (running * cfg_.headroom_steps + bs - 1) / bs;
+    const int64_t growing = static_cast<int64_t>(prefilling_.size() + decoding_.size());
+    keep += (growing * cfg_.headroom_steps + bs - 1) / bs;
   }
   return blocks + keep <= pool_.num_free_blocks();
 }
