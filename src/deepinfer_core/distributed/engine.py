@@ -406,6 +406,9 @@ class DistributedEngine:
         and gets its own outputs. Raises :class:`GroupFailedError` (with this rank's outputs) when the
         group fails.
         """
+        if self.pd is not None:
+            raise ValueError("generate: a PROMPT / COMPLETION instance is driven with add_request / add_handoff "
+                             "and step() (hand-offs in .handoffs); generate serves NORMAL instances")
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
