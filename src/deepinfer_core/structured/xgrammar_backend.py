@@ -120,7 +120,6 @@ class XGrammarBackend:
         return self._vocab.vocab_size
 
     @property
-    @property
     def vocab(self) -> GrammarVocab:
         """Token bytes, control ids and EOS this backend was built from (the manager's UTF-8 filter)."""
         return self._vocab
@@ -129,6 +128,7 @@ class XGrammarBackend:
         """Whether a JSON document of ``spec`` may contain whitespace between its tokens."""
         return bool(spec.options_for("xgrammar").get("any_whitespace", self._json_any_ws))
 
+    @property
     def eos_token_id(self) -> int:
         return self._vocab.eos_token_id
 
