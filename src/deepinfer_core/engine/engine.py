@@ -32,6 +32,8 @@ from deepinfer_core.engine.requests import (
     normalize_prompt,
 )
 from deepinfer_core.engine.speculative import DraftBook
+from deepinfer_core.engine.stops import StopStrings
+from deepinfer_core.engine.structured_spec import VerifyMasks
 from deepinfer_core.envs import Envs, get_envs
 from deepinfer_core.kv import PagedKVPool, StatePool
 from deepinfer_core.model import (
@@ -59,6 +61,7 @@ from deepinfer_kernels import get_backend
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+VIOLATION = "grammar_violation"  # structured.FinishReason.VIOLATION: the document check failed
 _REASONS = {FinishReason.STOP: STOP, FinishReason.LENGTH: LENGTH, FinishReason.ABORT: ABORT,
             FinishReason.FAILED: ERROR}
 
@@ -153,6 +156,8 @@ class LLMEngine:
         self._inflight: tuple[Plan, Any] | None = None
         self._to_abort: list[str] = []  # ended by the engine in a step; aborted after its update
         self._idle_steps = 0
+        self._stops: dict[str, StopStrings] = {}  # requests with stop strings (engine/stops.py)
+        self._verify_masks: VerifyMasks | None = None  # this step's grammar masks of verify rows
 
     def _spec_tokens(self) -> int:
         cfg = self.config
@@ -197,6 +202,9 @@ class LLMEngine:
                 return
             req = EngineRequest(request_id, text, ids, sp)
             self._reqs[request_id] = req
+            if sp.stop:
+                self._stops[request_id] = StopStrings(sp.stop, self._token_bytes(), include=sp.include_stop_str_in_output,
+                                                      min_tokens=sp.min_tokens)
             if sp.so_args is not None:
                 try:
                     self._grammar_manager().add_request(request_id, sp.so_args)
@@ -291,8 +299,14 @@ class LLMEngine:
         self._failed.append(RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, finish_reason=reason,
                                           error=msg))
 
+    def _token_bytes(self) -> list[bytes]:
+        if getattr(self, "_tok_bytes", None) is None:
+            self._tok_bytes = list(self.tokenizer.token_bytes())
+        return self._tok_bytes
+
     def _drop_early(self, req: EngineRequest, msg: str | None, reason: str = ERROR) -> None:
         del self._reqs[req.request_id]
+        self._stops.pop(req.request_id, None)
         if req.structured and self._grammar is not None:
             self._grammar.remove_request(req.request_id)
         self._fail_early(req.request_id, req.prompt, req.prompt_token_ids, msg, reason)
@@ -421,8 +435,15 @@ class LLMEngine:
         self._release(seq)
         self._seqs.remove(seq)
         del self._by_seq[seq]
+        metrics: dict[str, Any] = {}
         if req.structured:
+            try:
+                metrics = self._grammar.metrics(req.request_id)  # e.g. which grammar engine served it
+            except Exception:  # never lose the output over its metrics
+                log.exception("request %r: grammar metrics unavailable", req.request_id)
             self._grammar.remove_request(req.request_id)
+        stops = self._stops.pop(req.request_id, None)
+        hit = stops.hit if stops is not None else None
         reason = req.reason if req.reason is not None else _REASONS.get(fr.finish_reason, ERROR)
         error = req.error
         if fr.finish_reason is FinishReason.FAILED and error is None:
@@ -431,9 +452,13 @@ class LLMEngine:
             log.warning("request %r failed: %s", req.request_id, error)
         ids = fr.output_token_ids
         cached, replayed = self.prefix.take_metrics(seq) if self.prefix is not None else (0, 0)
+        text = None
+        if hit is not None and stops is not None:  # the text ends at the stop string (vLLM's rule)
+            ids, text = ids[: hit.tokens], stops.text()
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             text=self.tokenizer.decode(ids), token_ids=ids, finish_reason=reason, error=error,
-                             num_preemptions=fr.num_preemptions, cached_tokens=cached, replayed_tokens=replayed)
+                             text=self.tokenizer.decode(ids) if text is None else text, token_ids=ids,
+                             finish_reason=reason, error=error, num_preemptions=fr.num_preemptions, cached_tokens=cached, replayed_tokens=replayed,
+                             stop_reason=hit.stop if hit is not None else None, metrics=metrics)
 
     def _fail_row(self, seq: int, msg: str) -> None:
         """End a running request from inside a step (its later rows are dropped)."""
@@ -492,7 +517,9 @@ class LLMEngine:
                 tok_keep &= pre.tok_mask
                 spec_kw.update(decoder_floor=pre.floor[rows], snapshot_pos=pre.snap[rows])
             if book is not None:
-                spec_kw.update(verify_lens=nd[rows], draft=spec_row[rows], temperature=np.zeros(rows.size))
+                spec_kw.update(verify_lens=nd[rows], draft=spec_row[rows],
+                               temperature=np.where(spec_row[rows], seqs.temperature[ix[rows]], 0.0))
+                self._spec_masks(plan, rows, spec_row, tokens, ntok, ix)
             batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
                                  block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(seq_ids[rows]),
                                  num_logits=plan.sample[rows] + nd[rows], **spec_kw)
@@ -501,11 +528,13 @@ class LLMEngine:
             try:
                 logits, spec_out = self._execute(batch)
             except BatchError as e:  # one bad request: fail it, rerun the others (nothing was written)
+                self._spec_masks_off()
                 if e.request is None:
                     raise
                 self._fail_row(int(seq_ids[rows[e.request]]), f"executor refused the request: {e}")
                 rows = np.delete(rows, e.request)
                 continue
+            self._spec_masks_off()
             st.execute_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             last = np.cumsum(batch.num_logits) - 1  # each request's last logits row
@@ -534,6 +563,42 @@ class LLMEngine:
                 counts[i] = 1
         return np.asarray(flat, np.int32), counts
 
+    def _spec_masks(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, tokens: np.ndarray,
+                    ntok: np.ndarray, ix: np.ndarray) -> None:
+        """Before the executor verifies: grammar masks for structured spec rows, and every spec row's seed
+        (verification keyed by (seed, position)); engine/structured_spec.py, SpecState.counter_seeds."""
+        spec = self.executor.spec
+        self._verify_masks = None
+        self._spec_masks_off()  # nothing of an earlier step's (e.g. one that raised) may stay
+        if spec is None:
+            return
+        sr = rows[spec_row[rows]]
+        if sr.size == 0:
+            return
+        slots = self.state_pool.slots(plan.seq_ids[sr])
+        spec.counter_seeds = {int(sl): int(self._seqs.seed[ix[i]]) for sl, i in zip(slots.tolist(), sr.tolist())}
+        con = [(int(sl), int(i)) for sl, i in zip(slots.tolist(), sr.tolist()) if self._seqs.structured[ix[i]]]
+        if not con:
+            return
+        ends = np.cumsum(ntok)
+        items = []
+        for sl, i in con:
+            k = int(plan.num_drafts[i])
+            items.append((sl, self._by_seq[int(plan.seq_ids[i])].request_id, tokens[ends[i] - k : ends[i]].tolist()))
+        vm = VerifyMasks(self._grammar, self._apply_mask)
+        vm.build(items)
+        for rid in vm.dead:
+            req = self._reqs[rid]
+            req.reason, req.error = str(self._grammar.finish_reason(rid)), "grammar dead end: no token can continue"
+        self._verify_masks = vm
+        spec.logits_hook = vm.hook
+
+    def _spec_masks_off(self) -> None:
+        spec = self.executor.spec
+        if spec is not None:
+            spec.logits_hook = None
+            spec.counter_seeds = None
+
     def _collect(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, out: dict[str, np.ndarray],
                  tokens: np.ndarray, ntok: np.ndarray, ix: np.ndarray) -> dict[int, list[int]]:
         """Executor-verified rows: [accepted drafts..., next token] per plan row; keep the new drafts."""
@@ -546,6 +611,14 @@ class LLMEngine:
                 continue
             k, a, seq = int(plan.num_drafts[i]), int(out["num_accepted"][j]), int(plan.seq_ids[i])
             row = [*tokens[ends[i] - k : ends[i] - k + a].tolist(), int(out["next_token"][j])]
+            req = self._by_seq[seq]
+            if self._verify_masks is not None and req.request_id in self._verify_masks.dead:
+                row = [-1]  # the grammar allows no token: the scheduler fails the request (reason set)
+                seqs.dead[ix[i]] = True
+            elif seqs.structured[ix[i]]:
+                self._grammar_commit(req, int(ix[i]), row)
+            if row[-1] >= 0:
+                self._feed_stops(req, int(ix[i]), row)
             got[i] = row
             book.verified += k
             book.accepted += a
@@ -635,13 +708,52 @@ class LLMEngine:
             # ignore_eos; then the engine ends it itself once this token is applied
             if req.params.ignore_eos or str(why) != STOP:
                 req.reason = str(why)
-                if str(why) != STOP:
+                if str(why) == VIOLATION:  # the document check failed: say what it found
+                    req.error = f"SamplingParams.so_args: {g.error(req.request_id)}"
+                elif str(why) != STOP:
                     lib = g.error(req.request_id)  # the library's own message, when it failed itself
                     req.error = f"grammar: {why}" if not lib else f"SamplingParams.so_args: grammar library error: {lib}"
                     if lib:
                         req.reason = ERROR
                 self._to_abort.append(req.request_id)
+        if self._stops:
+            for r in range(n):
+                if tok[r] >= 0:
+                    self._feed_stops(self._by_seq[int(seq[r])], int(ix[r]), [int(tok[r])])
         return tok.astype(np.int32)
+
+    def _feed_stops(self, req: EngineRequest, ixr: int, toks: list[int]) -> None:
+        """Stop strings (engine/stops.py): a match ends the request once these tokens are applied."""
+        stops = self._stops.get(req.request_id)
+        if stops is None or stops.hit is not None or req.reason is not None:  # already ending otherwise
+            return
+        if stops.feed(toks) is not None:
+            req.reason = STOP
+            self._seqs.dead[ixr] = True  # a row already planned one step ahead is dropped
+            self._to_abort.append(req.request_id)
+
+    def _grammar_commit(self, req: EngineRequest, ixr: int, toks: list[int]) -> bool:
+        """A verify row's tokens into the request's grammar (as ``_sample_rows`` does for one token);
+        False when the request ended here."""
+        g = self._grammar
+        try:
+            g.advance(req.request_id, toks)
+            why = g.finish_reason(req.request_id)
+        except Exception as e:  # a grammar library error fails that request alone
+            self._seqs.dead[ixr] = True
+            req.reason, req.error = ERROR, f"SamplingParams.so_args: grammar library error: {e}"
+            self._to_abort.append(req.request_id)
+            return False
+        if why is None:
+            return True
+        self._seqs.dead[ixr] = True
+        if req.params.ignore_eos or str(why) != STOP:
+            req.reason = str(why)
+            if str(why) != STOP:
+                lib = g.error(req.request_id)
+                req.error = f"SamplingParams.so_args: {lib}" if lib else f"grammar: {why}"
+            self._to_abort.append(req.request_id)
+        return False
 
     def _grammar_masks(self, seq: np.ndarray, con: np.ndarray, n: int,
                        failed: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:

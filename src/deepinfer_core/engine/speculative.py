@@ -42,7 +42,10 @@ class DraftBook:
     def eligible(seqs: SeqTable, ix: np.ndarray) -> np.ndarray:
         """Rows whose requests may draft / verify (see the module docstring); ``ix``: the rows' places in
         ``seqs`` (``SeqTable.ix``)."""
-        return (seqs.temperature[ix] <= 0) & ~seqs.structured[ix] & (seqs.n_out[ix] >= seqs.min_tokens[ix])
+        # greedy, or sampled from the full distribution (no top-k / top-p: the executor verifies against
+        # softmax(logits / T)); structured rows verify against grammar-masked logits (engine/structured_spec.py)
+        full = (seqs.top_k[ix] < 0) & (seqs.top_p[ix] >= 1.0)
+        return ((seqs.temperature[ix] <= 0) | full) & (seqs.n_out[ix] >= seqs.min_tokens[ix])
 
     def clear(self) -> None:
         """Forget every sequence's drafts (engine reset)."""
