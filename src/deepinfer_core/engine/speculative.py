@@ -7,11 +7,12 @@ them: it keeps each sequence's last drafts and confidences, asks the policy (``s
 ``spec.FixedLength`` with varlen off) for per-request verify lengths, fills the plan's draft placeholders,
 and collects ``[accepted drafts..., next token]`` per row.
 
-Who drafts: greedy (temperature 0), unconstrained requests once their ``min_tokens`` are out. Sampled
-requests keep the engine's counter-based sampler (keyed by seed and position, so batch-invariant; the
-executor's verification draws from its own generator, whose draws depend on the batch), structured
-requests keep the grammar mask (the executor's verification does not apply it), and requests still
-under ``min_tokens`` keep the EOS / stop ban. Their rows are plain one-token decode rows.
+Who drafts: once their ``min_tokens`` are out, greedy requests and requests sampled from the full
+distribution (no top-k / top-p, since the executor verifies against softmax(logits / T)), structured
+ones included. The engine keys every drafting row's verification by (seed, position)
+(``SpecState.counter_seeds``: batch-invariant, argmax drafts) and masks structured rows' verify logits
+with the grammar's draft rows (``engine/structured_spec.py``). Top-k / top-p requests and requests still
+under ``min_tokens`` (the EOS / stop ban) keep plain one-token decode rows.
 """
 
 from __future__ import annotations
