@@ -13,6 +13,13 @@ without it: (a) the tiny model with random weights (its drafter's drafts are alm
 this measures the overhead of drafting and verifying, not a gain); (b) float64, raw KV, a drafter built
 to copy the target (every draft accepted: the best case, 5 drafts per step).
 
+Speculative decoding on the shipped trained checkpoint (``model="tiny"``, its trained DSpark drafter),
+prompts cut from the held-out corpus files of ``scripts/train_tiny.py`` (never trained on), greedy:
+off vs fixed 5 drafts vs MTPVarlen (at most 5), side by side. Counted in the engine, not assumed: output
+tokens per engine step, tokens per verify step (1 + accepted drafts per verify row), acceptance, output
+tokens/s, and the confidence head's reliability per draft position (mean predicted confidence vs the
+observed acceptance rate of the drafts actually verified there, given the earlier ones were accepted).
+
     python benchmarks/engine.py [--quick] [--plot] [--threads N]
 """
 
@@ -33,7 +40,7 @@ BENCH = "engine"
 
 
 def run(batch: int, prompt_len: int, gen: int, async_mode: bool, regex: str | None = None) -> dict[str, float]:
-    llm = LLM(seed=0, num_blocks=4096 // 16 * 4, max_num_seqs=max(batch, 1), async_scheduling=async_mode)
+    llm = LLM(model="tiny-random", seed=0, num_blocks=4096 // 16 * 4, max_num_seqs=max(batch, 1), async_scheduling=async_mode)
     prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(batch)]
     so = {"regex": regex} if regex else None
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=regex is None, so_args=so)
@@ -71,7 +78,7 @@ def copying_model(seed: int) -> DeepSeekV41:
 
 def run_spec(batch: int, prompt_len: int, gen: int, speculative: bool, copying: bool) -> dict[str, float]:
     kw = dict(dtype="float64", quantize=False) if copying else {}
-    cfg = EngineConfig(seed=0, num_blocks=1024, max_num_seqs=max(batch, 1), async_scheduling=False,
+    cfg = EngineConfig(model="tiny-random", seed=0, num_blocks=1024, max_num_seqs=max(batch, 1), async_scheduling=False,
                        speculative=speculative, **kw)
     eng = LLMEngine(cfg, envs=Envs(), model=copying_model(0) if copying else None)
     prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(batch)]
@@ -89,15 +96,105 @@ def run_spec(batch: int, prompt_len: int, gen: int, speculative: bool, copying: 
             "acceptance": 0.0 if book is None or not book.verified else book.accepted / book.verified}
 
 
+def heldout_prompts(tok: object, n: int, prompt_len: int) -> list[list[int]]:
+    """``n`` prompts of ``prompt_len`` tokens from the held-out corpus files (deterministic cuts)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_tiny", Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    files = [t for name, t in mod.corpus_files() if mod.held_out(name)]
+    out = []
+    for i in range(n):
+        ids = tok.encode(files[i % len(files)])  # type: ignore[attr-defined]
+        start = (7919 * (i // len(files) + 1)) % max(1, len(ids) - prompt_len)
+        out.append(ids[start : start + prompt_len])
+    return out
+
+
+class _Reliability:
+    """Wraps a DraftBook's ``store``: the engine calls it right after counting a verify row's drafts
+    (``verified`` += k, ``accepted`` += a), while the row's previous confidences are still stored."""
+
+    def __init__(self, book: object, block: int) -> None:
+        self.book, self.seen = book, [0, 0]
+        self.pred = [[] for _ in range(block)]  # type: list[list[float]]
+        self.acc = [[] for _ in range(block)]  # type: list[list[int]]
+        inner = book.store  # type: ignore[attr-defined]
+
+        def store(seq, drafts, conf):  # type: ignore[no-untyped-def]
+            k = book.verified - self.seen[0]  # type: ignore[attr-defined]
+            a = book.accepted - self.seen[1]  # type: ignore[attr-defined]
+            self.seen = [book.verified, book.accepted]  # type: ignore[attr-defined]
+            prev = book._conf.get(seq)  # type: ignore[attr-defined]
+            if prev is not None and k > 0:
+                for j in range(min(k, a + 1)):  # draft j is judged only if drafts < j were accepted
+                    self.pred[j].append(float(prev[j]))
+                    self.acc[j].append(int(j < a))
+            inner(seq, drafts, conf)
+
+        book.store = store  # type: ignore[attr-defined]
+
+
+def run_shipped(mode: str, batch: int, prompt_len: int, gen: int) -> tuple[dict[str, float], _Reliability | None]:
+    spec = mode != "off"
+    cfg = EngineConfig(model="tiny", num_blocks=1024, max_num_seqs=batch, async_scheduling=False,
+                       speculative=spec, num_speculative_tokens=5 if spec else None)
+    eng = LLMEngine(cfg, envs=Envs(enable_mtp_varlen=mode == "varlen"))
+    rel = _Reliability(eng.drafts, eng.model.drafter.block) if spec else None
+    prompts = heldout_prompts(eng.tokenizer, batch, prompt_len)
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp)
+    n_out = 0
+    while eng.has_unfinished():
+        n_out += sum(len(o.token_ids) for o in eng.step())
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    book, st = eng.drafts, eng.stats
+    res = {"out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": st.steps,
+           "out_tok_per_step": n_out / max(st.steps, 1)}
+    if book is not None and st.verify_rows:
+        res.update({"verify_rows": st.verify_rows, "drafts_verified": book.verified, "drafts_accepted": book.accepted,
+                    "acceptance": book.accepted / max(book.verified, 1),
+                    "drafts_per_verify": book.verified / st.verify_rows,
+                    "tokens_per_verify": 1 + book.accepted / st.verify_rows})
+    return res, rel
+
+
+def shipped_section(batches: tuple[int, ...], prompt_len: int, gen: int) -> None:
+    for b in batches:
+        runs = {}
+        for mode in ("off", "fixed5", "varlen"):
+            log(f"shipped model, speculative={mode} batch {b}")
+            r, rel = runs[mode] = run_shipped(mode, b, prompt_len, gen)
+            params = {"model": "tiny", "batch": b, "prompt_len": prompt_len, "gen": gen, "speculative": mode}
+            for k, v in r.items():
+                emit(BENCH, params, k, v, "tok/s" if "per_s" in k else "ratio" if k == "acceptance" else "count")
+            if rel is not None:
+                for j, (pr, ac) in enumerate(zip(rel.pred, rel.acc)):
+                    if pr:
+                        emit(BENCH, {**params, "draft": j + 1, "rows": len(pr)}, "confidence_predicted", sum(pr) / len(pr), "prob")
+                        emit(BENCH, {**params, "draft": j + 1, "rows": len(ac)}, "acceptance_observed", sum(ac) / len(ac), "prob")
+        for mode in ("fixed5", "varlen"):
+            emit(BENCH, {"model": "tiny", "batch": b, "speculative": mode}, "spec_over_off_tok_per_s_cpu",
+                 runs[mode][0]["out_tok_per_s_cpu"] / runs["off"][0]["out_tok_per_s_cpu"], "ratio")
+
+
 def main() -> None:
     ap = parser(__doc__ or "")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model is dispatch-bound)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--only-shipped", action="store_true", help="only the shipped-model speculative section")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = 8 if args.quick else args.gen
     batches = (1, 8) if args.quick else (1, 8, 32)
+    if args.only_shipped:
+        shipped_section((1, 8), args.prompt_len, gen if args.quick else 48)
+        return
     results: dict[tuple[int, bool], dict[str, float]] = {}
     for b in batches:
         for async_mode in (True, False):  # side by side: the ratio is what to quote on a shared CPU
@@ -126,6 +223,7 @@ def main() -> None:
                     emit(BENCH, params, k, v, "tok/s" if "tok" in k else "ratio" if k == "acceptance" else "count")
             emit(BENCH, {"batch": b, "drafter": "copying" if copying else "random"}, "spec_over_plain_tok_per_s_cpu",
                  pair[True]["out_tok_per_s_cpu"] / pair[False]["out_tok_per_s_cpu"], "ratio")
+    shipped_section((1, 8), args.prompt_len, gen if args.quick else 48)
     if args.plot:
         import matplotlib
 

@@ -348,6 +348,17 @@ def round_release_(m: DeepSeekV41) -> None:
                 p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
+def single_file_(out: Path) -> None:
+    """One shard: store it as ``model.safetensors`` without the index (the usual single-file release
+    layout; the index alone is 48 KB of the 8 MiB budget)."""
+    from deepinfer_core.model.weights import INDEX_FILE
+
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    if len(shards) == 1:
+        shards[0].rename(out / "model.safetensors")
+        (out / INDEX_FILE).unlink()
+
+
 def train(args: argparse.Namespace) -> None:
     t_start = time.time()
     torch.manual_seed(args.seed)
@@ -359,16 +370,25 @@ def train(args: argparse.Namespace) -> None:
     d = np.load(args.data)
     train_s, held, nbytes = d["train"], d["heldout"], int(d["heldout_bytes"])
     out = Path(args.out)
-    m = init_model(args.seed, args.device)
-    tables = _tables(m, args.device)
     logd: dict = {"args": vars(args), "train_tokens": len(train_s), "heldout_tokens": len(held), "heldout_bytes": nbytes}
-    train_target(m, train_s, args, tables, logd)
-    lim = args.eval_tokens
-    if args.eval_float:
-        logd["bpb_float"] = bits_per_byte(m, held, nbytes, args.seq, args.device, tables, lim)
-    round_release_(m)
-    logd["bpb_release"] = bits_per_byte(m, held, nbytes, args.seq, args.device, tables, lim)
-    log.info("held-out bits/byte: %s (float) %.4f (release rounding)", logd.get("bpb_float"), logd["bpb_release"])
+    if args.init is not None:  # continue from a checkpoint (e.g. more drafter steps with --steps 0)
+        from deepinfer_core.model.checkpoint import load_model
+
+        m = load_model(str(args.init), device=args.device)[0]
+        prev = args.init / "train_log.json"
+        if prev.is_file():
+            logd["init_log"] = json.loads(prev.read_text())
+    else:
+        m = init_model(args.seed, args.device)
+    tables = _tables(m, args.device)
+    if args.steps > 0:
+        train_target(m, train_s, args, tables, logd)
+        lim = args.eval_tokens
+        if args.eval_float:
+            logd["bpb_float"] = bits_per_byte(m, held, nbytes, args.seq, args.device, tables, lim)
+        round_release_(m)
+        logd["bpb_release"] = bits_per_byte(m, held, nbytes, args.seq, args.device, tables, lim)
+        log.info("held-out bits/byte: %s (float) %.4f (release rounding)", logd.get("bpb_float"), logd["bpb_release"])
     if args.backup is not None:
         save_weights(m, args.backup, dtype=torch.bfloat16, max_shard_bytes=64 << 20)
     g = torch.Generator().manual_seed(args.seed + 2)
@@ -379,6 +399,7 @@ def train(args: argparse.Namespace) -> None:
     train_drafter(m, train_s, chains, args, tables, logd)
     round_release_(m)
     save_weights(m, out, dtype=torch.bfloat16, max_shard_bytes=64 << 20)  # before the evaluation: keep it
+    single_file_(out)
     shutil.copy(Path(args.data).with_name("tokenizer.json"), out / "tokenizer.json")
     try:
         h = torch.from_numpy(held.astype(np.int64))
@@ -425,6 +446,7 @@ def main() -> None:
                    help="also evaluate before the release rounding")
     t.add_argument("--time-budget", type=float, default=None, help="seconds for the target phase (sets --steps)")
     t.add_argument("--drafter-time-budget", type=float, default=None)
+    t.add_argument("--init", type=Path, default=None, help="start from this checkpoint directory")
     t.add_argument("--backup", type=Path, default=None, help="also write the rounded target here before the drafter phase")
     args = ap.parse_args()
     if args.cmd == "prepare":

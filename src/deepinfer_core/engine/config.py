@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
-MODELS = ("tiny",)
+MODELS = ("tiny", "tiny-random")  # or a checkpoint directory (model/checkpoint.py)
 BACKENDS = ("reference", "cuda")
 DTYPES = ("float32", "float64", "bfloat16")
 PREEMPTION_POLICIES = ("guarded", "deepinfer")
@@ -25,8 +27,10 @@ def _is_int(v: object) -> bool:
 class EngineConfig:
     """What ``LLM(...)`` / ``LLMEngine`` build.
 
-    ``model="tiny"`` is the built-in tiny V4.1 config with weights drawn from ``seed`` (no download) and
-    the byte tokenizer. ``backend`` picks the device ops ("reference": torch on CPU; "cuda": the CUDA
+    ``model="tiny"`` is the trained tiny V4.1 checkpoint shipped in the package (its BPE tokenizer with the
+    V4.1 control tokens; ``seed`` unused), ``"tiny-random"`` the same config with weights drawn from
+    ``seed`` and the byte tokenizer, and a directory path any release-format checkpoint (``config.json``,
+    safetensors, ``tokenizer.json``; no downloads). ``backend`` picks the device ops ("reference": torch on CPU; "cuda": the CUDA
     backend's kernels, model on the GPU). ``dtype`` / ``quantize`` choose the model dtype and whether the
     KV caches use the FP4 / FP8 / MXFP4 byte formats (off: exact raw values, what the oracle tests use).
     ``num_blocks`` x ``block_size`` is the paged KV pool; ``max_num_seqs`` bounds running requests (and
@@ -70,7 +74,8 @@ class EngineConfig:
     swa_host_bytes: int = 256 << 20
 
     def __attrs_post_init__(self) -> None:
-        _check(self.model in MODELS, "model", f"{self.model!r}: must be one of {list(MODELS)} (no downloads here)")
+        _check(isinstance(self.model, str) and (self.model in MODELS or Path(self.model).is_dir()), "model",
+               f"{self.model!r}: must be one of {list(MODELS)} or a checkpoint directory (no downloads here)")
         _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"{self.seed!r}: must be an int in [0, 2**63)")
         _check(self.backend in BACKENDS, "backend", f"{self.backend!r}: must be one of {list(BACKENDS)}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r}: must be one of {list(DTYPES)}")

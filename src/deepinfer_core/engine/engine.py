@@ -42,8 +42,8 @@ from deepinfer_core.model import (
     ForwardBatch,
     ForwardOutput,
     ModelExecutor,
-    tiny_config,
 )
+from deepinfer_core.model.checkpoint import load_model
 from deepinfer_core.scheduler import (
     FinishedRequest,
     FinishReason,
@@ -103,11 +103,13 @@ class LLMEngine:
         self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
         self.backend = get_backend(cfg.backend)
         self.device = self.backend.device
-        self.model_config = tiny_config() if model is None else model.cfg
-        self.tokenizer = ByteTokenizer(self.model_config.vocab_size)
+        if model is None:  # "tiny" (shipped checkpoint), "tiny-random" (weights from seed) or a directory
+            model, self.tokenizer = load_model(cfg.model, seed=cfg.seed, dtype=_DTYPES[cfg.dtype], device=self.device)
+        else:
+            self.tokenizer = ByteTokenizer(model.cfg.vocab_size)
+        self.model_config = model.cfg
         self.vocab_size = self.model_config.vocab_size
-        self.model = model if model is not None else DeepSeekV41.from_config(
-            self.model_config, seed=cfg.seed, dtype=_DTYPES[cfg.dtype], device=self.device)
+        self.model = model
         self.num_speculative_tokens = self._spec_tokens()
         self.drafts: DraftBook | None = None
         if self.num_speculative_tokens > 0:

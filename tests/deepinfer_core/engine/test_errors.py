@@ -11,7 +11,7 @@ from deepinfer_core.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(seed=0, num_blocks=32, block_size=16, max_num_seqs=4, max_model_len=128)
+    return LLM(model="tiny-random", seed=0, num_blocks=32, block_size=16, max_num_seqs=4, max_model_len=128)
 
 
 def test_bad_requests_fail_alone(llm: LLM) -> None:

@@ -21,7 +21,7 @@ def test_cuda_backend_matches_reference() -> None:
               SamplingParams(temperature=0.9, top_p=0.9, seed=seed, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, top_k=20, seed=seed + 1, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=seed + 2, max_tokens=16, so_args={"regex": "[0-9]{3}-[a-z]{2}"})]
-    kw = {"seed": seed % 1000, "dtype": "float64", "quantize": False, "num_blocks": 128, "max_num_seqs": 8}
+    kw = {"model": "tiny-random", "seed": seed % 1000, "dtype": "float64", "quantize": False, "num_blocks": 128, "max_num_seqs": 8}
     ref = LLM(backend="reference", **kw).generate(prompts, params, use_tqdm=False)
     got = LLM(backend="cuda", **kw).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref], f"seed {seed}"

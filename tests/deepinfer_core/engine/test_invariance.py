@@ -34,7 +34,7 @@ def case() -> dict:
     ]
     # the same seeded request twice, and once with another seed, in the same batch
     other = attrs.evolve(params[1], seed=seed + 17)
-    llm = LLM(seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
+    llm = LLM(model="tiny-random", seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
     outs = llm.generate([*prompts, prompts[1], prompts[1]], [*params, params[1], other], use_tqdm=False)
     return {"seed": seed, "prompts": prompts, "params": params, "llm": llm, "outs": outs,
             "batched": [o.token_ids for o in outs[:3]]}
@@ -50,7 +50,7 @@ def test_alone_equals_batched(case: dict) -> None:
 def test_other_batch_and_sync_scheduling(case: dict) -> None:
     # reversed order, extra requests around them, synchronous scheduling, a fresh engine
     extra = random_prompts(case["seed"] + 1, 2, 5, 90)
-    llm = LLM(seed=7, num_blocks=128, max_num_seqs=8, async_scheduling=False, batch_invariant=True)
+    llm = LLM(model="tiny-random", seed=7, num_blocks=128, max_num_seqs=8, async_scheduling=False, batch_invariant=True)
     prompts = [extra[0], *case["prompts"][::-1], extra[1]]
     params = [SamplingParams(temperature=1.0, max_tokens=5), *case["params"][::-1], SamplingParams(max_tokens=N + 3)]
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)][1:4][::-1]
@@ -65,7 +65,7 @@ def test_seed_controls_sampling(case: dict) -> None:
 
 def test_batch_invariant_mode_from_envs(case: dict) -> None:
     # DEEPINFER_BATCH_INVARIANT, read once through Envs, switches the same mode on
-    llm = LLM(seed=7, num_blocks=128, max_num_seqs=8, envs=Envs(batch_invariant=True))
+    llm = LLM(model="tiny-random", seed=7, num_blocks=128, max_num_seqs=8, envs=Envs(batch_invariant=True))
     assert llm.engine.batch_invariant
     got = [o.token_ids for o in llm.generate(case["prompts"], case["params"], use_tqdm=False)]
     assert got == case["batched"], f"seed {case['seed']}"

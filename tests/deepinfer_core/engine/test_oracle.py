@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
 def case() -> dict:
     seed = random.randrange(2**31)
     prompts = random_prompts(seed, 3, 24, 56)  # past the window (16), through compression and top-k
-    llm = LLM(seed=seed % 1000, dtype="float64", quantize=False, num_blocks=64, block_size=16, max_num_seqs=4)
+    llm = LLM(model="tiny-random", seed=seed % 1000, dtype="float64", quantize=False, num_blocks=64, block_size=16, max_num_seqs=4)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return {"seed": seed, "prompts": prompts, "llm": llm, "outs": outs}
 
@@ -65,7 +65,7 @@ def test_greedy_equals_full_forward_oracle(case: dict) -> None:
 def test_same_tokens_sync_preempted_chunked(case: dict, kw: dict) -> None:
     if kw.get("num_blocks") == "tight":
         kw = kw | {"num_blocks": sum(-(-len(p) // 8) for p in case["prompts"]) + 2}
-    llm = LLM(**({"seed": case["seed"] % 1000, "dtype": "float64", "quantize": False, "num_blocks": 64,
+    llm = LLM(**({"model": "tiny-random", "seed": case["seed"] % 1000, "dtype": "float64", "quantize": False, "num_blocks": 64,
                   "block_size": 16, "max_num_seqs": 4} | kw))
     outs = llm.generate(case["prompts"], GREEDY, use_tqdm=False)
     assert _streams(outs) == _streams(case["outs"]), f"seed {case['seed']}"

@@ -19,7 +19,7 @@ from deepinfer_core.engine import LLM
 from deepinfer_core.sampling_params import SamplingParams
 from tests.deepinfer_core.engine.helpers import teacher_forced_argmax
 
-EXACT = {"seed": 11, "dtype": "float64", "quantize": False}
+EXACT = {"model": "tiny-random", "seed": 11, "dtype": "float64", "quantize": False}
 
 
 @functools.cache

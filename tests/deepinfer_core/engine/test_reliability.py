@@ -39,7 +39,7 @@ def _all_free(eng: LLMEngine) -> None:
 def test_abort_at_full_occupancy_admits_waiting(mode: str) -> None:
     """Every seat taken, requests waiting: aborting running requests (one per step, several rounds) must
     hand the state slot back before the scheduler gives the seat away."""
-    eng = LLM(seed=1, num_blocks=64, block_size=8, max_num_seqs=2, **MODES[mode]).engine
+    eng = LLM(model="tiny-random", seed=1, num_blocks=64, block_size=8, max_num_seqs=2, **MODES[mode]).engine
     rng = random.Random(5)
     for i in range(8):
         eng.add_request(f"r{i}", [rng.randrange(3, 259) for _ in range(rng.randint(2, 12))],
@@ -60,7 +60,7 @@ def test_abort_at_full_occupancy_admits_waiting(mode: str) -> None:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_grammar_end_under_ignore_eos_at_full_occupancy(mode: str) -> None:
     pytest.importorskip("xgrammar")
-    eng = LLM(seed=2, num_blocks=64, block_size=8, max_num_seqs=2, **MODES[mode]).engine
+    eng = LLM(model="tiny-random", seed=2, num_blocks=64, block_size=8, max_num_seqs=2, **MODES[mode]).engine
     for i in range(6):  # each ends itself (the grammar accepts "ab") while others wait for its seat
         eng.add_request(f"g{i}", [5, 6, 7 + i], {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
                                                  "so_args": {"choice": ["ab"]}})
@@ -78,7 +78,7 @@ def test_grammar_end_under_ignore_eos_at_full_occupancy(mode: str) -> None:
 def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unexpected error inside a step fails that step's requests (with the error), the engine keeps
     serving later requests, and their tokens equal a clean engine's."""
-    llm = LLM(seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True, **MODES[mode])
+    llm = LLM(model="tiny-random", seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True, **MODES[mode])
     eng = llm.engine
     real = eng.executor.execute
     calls = {"n": 0}
@@ -98,7 +98,7 @@ def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyP
     _all_free(eng)
     eng.add_request("c", [5, 6, 7], GREEDY)
     (c,) = _drain(eng).values()
-    (want,) = LLM(seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True,
+    (want,) = LLM(model="tiny-random", seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True,
                   **MODES[mode]).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert c.ok and c.token_ids == want.token_ids
     _all_free(eng)
@@ -107,7 +107,7 @@ def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyP
 def test_failing_update_resets_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure the step cannot repair (the scheduler's update itself) resets the engine: every live
     request fails with the reason, every block and slot is free, and the engine serves again."""
-    eng = LLM(seed=4, num_blocks=32, block_size=8, max_num_seqs=2, async_scheduling=False).engine
+    eng = LLM(model="tiny-random", seed=4, num_blocks=32, block_size=8, max_num_seqs=2, async_scheduling=False).engine
     for i in range(4):
         eng.add_request(f"r{i}", [5, 6, 7 + i], GREEDY)
     eng.step()
@@ -121,7 +121,7 @@ def test_failing_update_resets_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_abort_all_and_reset_return_everything() -> None:
-    eng = LLM(seed=5, num_blocks=32, block_size=8, max_num_seqs=2).engine
+    eng = LLM(model="tiny-random", seed=5, num_blocks=32, block_size=8, max_num_seqs=2).engine
     for i in range(5):
         eng.add_request(f"r{i}", [5, 6, 7 + i], {**GREEDY, "max_tokens": 20})
     eng.step()
@@ -140,7 +140,7 @@ def test_abort_all_and_reset_return_everything() -> None:
 
 
 def test_two_threads_generate_on_one_llm() -> None:
-    llm = LLM(seed=6, num_blocks=128, block_size=8, max_num_seqs=4, batch_invariant=True)
+    llm = LLM(model="tiny-random", seed=6, num_blocks=128, block_size=8, max_num_seqs=4, batch_invariant=True)
     prompts = [[5 + i, 6, 7] for i in range(6)]
     want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     got: dict = {}
@@ -162,7 +162,7 @@ def test_two_threads_generate_on_one_llm() -> None:
 
 
 def test_front_end_thread_adds_and_aborts_while_loop_steps() -> None:
-    eng = LLM(seed=7, num_blocks=64, block_size=8, max_num_seqs=3).engine
+    eng = LLM(model="tiny-random", seed=7, num_blocks=64, block_size=8, max_num_seqs=3).engine
     n = 40
     stop = threading.Event()
     done: dict = {}
@@ -188,7 +188,7 @@ def test_front_end_thread_adds_and_aborts_while_loop_steps() -> None:
 
 
 def test_prompt_shapes() -> None:
-    llm = LLM(seed=8, num_blocks=64, block_size=8, max_num_seqs=4)
+    llm = LLM(model="tiny-random", seed=8, num_blocks=64, block_size=8, max_num_seqs=4)
     ids = [5, 6, 7, 8]
     (ref,) = llm.generate([ids], GREEDY, use_tqdm=False)
     (a,) = llm.generate(np.asarray(ids, np.int32), GREEDY, use_tqdm=False)  # one prompt, not four
@@ -224,7 +224,7 @@ def test_validation_rules() -> None:
 
 
 def test_max_tokens_none_fills_the_context() -> None:
-    llm = LLM(seed=9, num_blocks=32, block_size=8, max_num_seqs=2, max_model_len=24)
+    llm = LLM(model="tiny-random", seed=9, num_blocks=32, block_size=8, max_num_seqs=2, max_model_len=24)
     (o,) = llm.generate([[5, 6, 7, 8]], {"temperature": 0.0, "ignore_eos": True, "max_tokens": None}, use_tqdm=False)
     assert o.ok and o.finish_reason == "length" and len(o.token_ids) == 20
 
@@ -232,7 +232,7 @@ def test_max_tokens_none_fills_the_context() -> None:
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_grammar_library_limit_is_the_requests_error(backend: str) -> None:
     pytest.importorskip(backend)
-    llm = LLM(seed=10, num_blocks=64, block_size=8, max_num_seqs=2, structured_backend=backend)
+    llm = LLM(model="tiny-random", seed=10, num_blocks=64, block_size=8, max_num_seqs=2, structured_backend=backend)
     options = [f"opt{i}" for i in range(2500)]  # past llguidance's 2,000 items per parser row
     big, plain = llm.generate(["pick: ", "x"], [{"temperature": 0.0, "max_tokens": 8, "so_args": {"choice": options}},
                                                 GREEDY], use_tqdm=False)

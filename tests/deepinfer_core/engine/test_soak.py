@@ -37,7 +37,7 @@ def table_sizes(eng: LLMEngine) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS from /proc (Linux)")
 def test_soak_memory_flat() -> None:
-    eng = LLM(seed=0, num_blocks=256, block_size=16, max_num_seqs=64, max_num_batched_tokens=512).engine
+    eng = LLM(model="tiny-random", seed=0, num_blocks=256, block_size=16, max_num_seqs=64, max_num_batched_tokens=512).engine
     rng = random.Random(1234)
     live: list[str] = []
     done = 0

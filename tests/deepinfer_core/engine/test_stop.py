@@ -14,7 +14,7 @@ EOS = 1
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(seed=0, num_blocks=256, max_num_seqs=16)
+    return LLM(model="tiny-random", seed=0, num_blocks=256, max_num_seqs=16)
 
 
 def _greedy(**kw: object) -> SamplingParams:

@@ -33,7 +33,7 @@ def outs(request: pytest.FixtureRequest) -> tuple[int, list]:
     if request.param == "llguidance":
         pytest.importorskip("llguidance")
     seed = random.randrange(2**31)
-    llm = LLM(seed=seed % 1000, num_blocks=128, max_num_seqs=8, structured_backend=request.param)
+    llm = LLM(model="tiny-random", seed=seed % 1000, num_blocks=128, max_num_seqs=8, structured_backend=request.param)
     sp = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=24, so_args={"regex": REGEX}) for i in range(2)]
     sp += [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=48, so_args={"json_schema": SCHEMA})
            for i in range(2)]
@@ -68,7 +68,7 @@ def test_invalid_grammar_fails_alone(outs: tuple[int, list]) -> None:
 
 def test_grammar_end_stops_under_ignore_eos() -> None:
     # with ignore_eos the scheduler would not stop on EOS; the engine ends the request at the grammar's end
-    llm = LLM(seed=1, num_blocks=64, max_num_seqs=2)
+    llm = LLM(model="tiny-random", seed=1, num_blocks=64, max_num_seqs=2)
     (r,) = llm.generate(["digits: "], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
                                                      so_args={"regex": "[0-9]{2}"}), use_tqdm=False)
     assert r.finish_reason == "stop" and r.ok
