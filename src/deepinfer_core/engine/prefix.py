@@ -214,9 +214,9 @@ class PrefixCaching:
                        tok_mask=np.ones(tokens.shape[0], bool), floor=np.zeros(start.shape[0], np.int64),
                        snap=np.zeros(start.shape[0], np.int64))
         off = np.concatenate(([0], np.cumsum(ntok)))
-        if not prefill:
+        if not prefill:  # only rows crossing a boundary publish: no per-row Python in most decode steps
             out.decode = True
-            for r in rows.tolist():
+            for r in rows[(start[rows] + 1) % self.al == 0].tolist():
                 out.snap[r] = self.snapshot_pos(int(seq_ids[r]), int(start[r]), int(start[r] + ntok[r]), True)
             return out
         sl = slots(seq_ids[rows])
@@ -260,9 +260,11 @@ class PrefixCaching:
               snapshots: dict[int, torch.Tensor], known: Callable[[int], np.ndarray], fed: np.ndarray) -> None:
         """After the main batch ran ``rows`` (its request i = rows[i]): publish completed blocks and rings.
         ``fed``: each plan row's first input token (a decode row's verified token at its start)."""
-        for i, r in enumerate(rows.tolist()):
-            seq, s0 = int(seq_ids[r]), int(out.start[r])
+        which = np.flatnonzero(out.snap[rows] > 0) if out.decode else np.arange(rows.shape[0])
+        for i in which.tolist():
+            r = int(rows[i])
             x = int(out.snap[r])
+            seq, s0 = int(seq_ids[r]), int(out.start[r])
             upto = x if out.decode else s0 + int(out.ntok[r])
             if upto < self.al:
                 continue

@@ -52,7 +52,7 @@ def _waves(llm: LLM, prompts, params):
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31), n_prefix=st.integers(1, 2), n_req=st.integers(2, 4),
        block_size=st.sampled_from([8, 16]), token_cap=st.sampled_from([24, 64, 4096]), async_mode=st.booleans(),
-       spare=st.sampled_from([0, 2, 8, 16]))
+       spare=st.sampled_from([0, 2, 8, 64]))
 def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(seed, n_prefix, n_req, block_size, token_cap,
                                                                  async_mode, spare) -> None:
     prompts, params = _workload(seed, n_prefix, n_req)
@@ -67,7 +67,9 @@ def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(seed, n_prefi
         assert w.cached_tokens == 0 and g.cached_tokens % block_size == 0
         if g.cached_tokens:
             assert g.replayed_tokens >= TAIL  # exact mode replays the whole decoder span
-    if spare >= 8:  # room for the first wave's blocks to stay cached: the second wave hits them
+    # with room for the first wave's cached blocks beside the second wave's fresh ones, the second wave
+    # hits them (with less, admitting a request can evict its own prefix first: docs/swa.md, copied hits)
+    if spare >= 64:
         assert sum(g.cached_tokens > 0 for g in got[max(1, len(prompts) // 2):]) >= 1
     _check_free(llm)
 
