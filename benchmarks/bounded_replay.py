@@ -249,6 +249,45 @@ def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit:
         log(f"quality keep={keep} host={host}: KL {kl.mean():.3g}, top-1 {top.mean():.3f}")
 
 
+# ---------------------------------------------------------------------------------------------- engine
+def bench_engine(repeat: int) -> None:
+    """The engine with prefix caching on vs off (tiny-random, CPU seconds, side by side): the overhead
+    without hits, and a repeat of long prompts (exact and bounded)."""
+    from deepinfer_core.engine import LLM
+    from deepinfer_core.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llms = {pc: LLM(model="tiny-random", prefix_caching=pc, num_blocks=256) for pc in (False, True)}
+    t: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeat):
+        for pc in (False, True):
+            ps = [rng.integers(3, 259, 64).tolist() for _ in range(8)]
+            t0 = time.process_time()
+            llms[pc].generate(ps, [sp] * 8, use_tqdm=False)
+            t[pc].append(time.process_time() - t0)
+    on, off = float(np.median(t[True])), float(np.median(t[False]))
+    emit(BENCH, {"scenario": "no_hits", "prompts": 8, "prompt_len": 64, "outputs": 24}, "cpu_s_on_vs_off", on / off, "x")
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    res = {}
+    for mode in ("off", EXACT, "bounded"):
+        llm = LLM(model="tiny-random", prefix_caching=mode != "off", swa_replay=EXACT if mode == "off" else mode,
+                  num_blocks=512)
+        ts, out = [], []
+        for _ in range(repeat):
+            ps = [rng.integers(3, 259, 400).tolist() for _ in range(4)]
+            llm.generate(ps, [sp] * 4, use_tqdm=False)  # the first wave computes and caches
+            t0 = time.process_time()
+            out = llm.generate(ps, [sp] * 4, use_tqdm=False)
+            ts.append(time.process_time() - t0)
+        res[mode] = float(np.median(ts))
+        p = {"scenario": "repeat", "mode": mode, "prompts": 4, "prompt_len": 400,
+             "cached_tokens": sum(o.cached_tokens for o in out), "replayed_tokens": sum(o.replayed_tokens for o in out)}
+        emit(BENCH, p, "cpu_s", res[mode], "s")
+        emit(BENCH, p, "cpu_s_vs_off", res[mode] / res["off"], "x")
+        log(f"engine repeat {mode}: {res[mode]:.3f} s ({p['cached_tokens']} cached, {p['replayed_tokens']} replayed)")
+
+
 # ---------------------------------------------------------------------------------------------- plots
 def plot(cost: list[dict], quality: list[dict], tag: str) -> None:
     import matplotlib
@@ -325,7 +364,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["tiny", "wide"], default="tiny")
     ap.add_argument("--checkpoint", default=None, help="a trained checkpoint directory (DeepSeekV41 weights)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--only", default="recon,quality", help="comma list of: recon (includes hit), quality")
+    ap.add_argument("--only", default="recon,quality", help="comma list of: recon (includes hit), quality, engine")
     ap.add_argument("--max-full", type=int, default=8192, help="longest context whose full prefill is timed")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--plot-from", default=None, help="only plot the JSON lines of an earlier run (no model)")
@@ -359,6 +398,8 @@ def main() -> None:
         length, hit = (8 * w, 4 * w) if args.model == "tiny" else (4 * w, 2 * w)
         bench_quality(model, name, 4 if args.quick else args.prompts, length + 8, hit, 2 if args.quick else 8,
                       sorted(set(keeps)), quality, texts)
+    if "engine" in only:
+        bench_engine(1 if args.quick else 3)
     if args.plot:
         plot(cost, quality, f"{name}_{dev.type}")
 
