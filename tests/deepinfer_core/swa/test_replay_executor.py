@@ -168,3 +168,16 @@ def test_replay_and_restore_refuse_bad_input(model64: DeepSeekV41) -> None:
     with pytest.raises(BatchError, match="snapshot_pos"):
         rig.ex.execute(ForwardBatch(token_ids=rig.b[SHARED:SHARED + 4], start_pos=[SHARED], encoder_only=True,
                                     snapshot_pos=[SHARED], **row))
+
+
+def test_persisted_half_bytes(model64: DeepSeekV41) -> None:
+    # the host copy is the encoder rings: layers x (window + backtrack) x the FP8 ring format's bytes
+    from deepinfer_core.kv.formats import get_format
+    from deepinfer_core.model.config import flash_config
+
+    q = ModelExecutor(model64, 8, BS, 2, quantize=True)
+    cfg = model64.cfg
+    fp8 = get_format("fp8", cfg.head_dim).bytes_per_token
+    assert q.encoder_rings(0).numel() == cfg.encoder_layers * (cfg.sliding_window + 6) * fp8
+    big = flash_config()
+    assert big.encoder_layers * (big.sliding_window + 6) * get_format("fp8", big.head_dim).bytes_per_token == 1_415_040
