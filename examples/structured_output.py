@@ -2,8 +2,9 @@
 
     python examples/structured_output.py [--backend xgrammar|llguidance]
 
-The tiny model has random weights, so only the grammar gives the text its shape: every completion below
-matches its constraint (checked here with re / json), and an invalid grammar fails its request alone.
+The built-in tiny model is a small model trained on Python sources, so the grammar is what gives the
+text its shape: every completion below matches its constraint (checked here with re / json), and an
+invalid grammar fails its request alone.
 """
 
 from __future__ import annotations
