@@ -50,6 +50,10 @@ class EngineConfig:
     without the cache) or ``"bounded"`` (DeepInfer's: the last ``swa_keep_tokens`` tokens, None =
     ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, decoder windows truncated to them; approximate);
     ``swa_host_bytes`` bounds the host-memory store of persisted encoder rings (LRU).
+    ``kv_store`` attaches an external ``protocols.KVBlockStore`` (docs/kvstore.md; needs
+    ``prefix_caching``): a GPU prefix miss continues in the store block by block (fetched blocks, then
+    the SWA state by replay), and finished blocks are written back, decode's too, under the TTL of
+    ``kv_store_traffic_class``.
     """
 
     model: str = "tiny"
@@ -72,6 +76,8 @@ class EngineConfig:
     swa_replay: str = "exact"
     swa_keep_tokens: int | None = None
     swa_host_bytes: int = 256 << 20
+    kv_store: object | None = attrs.field(default=None, eq=False, repr=False)
+    kv_store_traffic_class: str = "chatbot"
 
     def __attrs_post_init__(self) -> None:
         _check(isinstance(self.model, str) and (self.model in MODELS or Path(self.model).is_dir()), "model",
@@ -101,6 +107,14 @@ class EngineConfig:
                "or an int in [1, 2**20]")
         _check(_is_int(self.swa_host_bytes) and 0 <= self.swa_host_bytes <= 2**48, "swa_host_bytes",
                f"{self.swa_host_bytes!r}: must be an int in [0, 2**48] (bytes of host memory for SWA rings)")
+        if self.kv_store is not None:
+            from deepinfer_core.protocols.kvstore import KVBlockStore
+
+            _check(isinstance(self.kv_store, KVBlockStore), "kv_store",
+                   f"{type(self.kv_store).__name__}: must be None or a KVBlockStore (put, get, exists, touch, delete)")
+            _check(self.prefix_caching is True, "kv_store", "needs prefix_caching=True (the store continues its hits)")
+        _check(isinstance(self.kv_store_traffic_class, str) and bool(self.kv_store_traffic_class),
+               "kv_store_traffic_class", f"{self.kv_store_traffic_class!r}: must be a non-empty str (a TTL class)")
         for name in ("quantize", "async_scheduling", "speculative", "prefix_caching"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
         _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)

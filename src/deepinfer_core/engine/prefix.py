@@ -104,6 +104,7 @@ class PrefixCaching:
         self._seq: dict[int, _Seq] = {}
         self._metrics: dict[int, list[int]] = {}  # seq -> [cached, replayed], summed over its restarts
         self._ctx = int(executor.tok_ring)
+        self.link: Any = None  # a kvstore.StoreLink when EngineConfig.kv_store is set
 
     # ------------------------------------------------------------------ a (re)start
     def begin(self, seq: int, known: np.ndarray, table: np.ndarray, slot: int) -> None:
@@ -114,6 +115,8 @@ class PrefixCaching:
         dig = _digests(toks, self.bs)
         self.stats.lookups += 1
         hit, blocks = self.index.match(toks)
+        fetched = self.link.fetch(toks, len(blocks)) if self.link is not None else []
+        hit += len(fetched) * self.bs  # the external store continues the GPU hit block by block
         plan = plan_replay(self.cfg, n, hit, self.pending)
         if plan.hit > 0 and self.store.has(dig[plan.hit // self.bs - 1], plan.hit):
             plan = plan_replay(self.cfg, n, hit, self.pending, host_state=True)
@@ -123,7 +126,10 @@ class PrefixCaching:
             return
         nb = plan.hit // self.bs
         ex = self.ex
-        ex.copy_blocks(np.asarray(blocks[:nb]), table[:nb])  # type: ignore[attr-defined]
+        ng = min(nb, len(blocks))
+        ex.copy_blocks(np.asarray(blocks[:ng]), table[:ng])  # type: ignore[attr-defined]
+        if nb > ng:  # the rest of the hit came from the external store (docs/kvstore.md)
+            self.link.codec.write(table[ng:nb], fetched[: nb - ng])
         first = plan.steps[0]
         ctx = toks[max(0, first.start - self._ctx) : first.start]
         if first.kind == ENCODER_RESTORE:
@@ -194,6 +200,8 @@ class PrefixCaching:
         blocks = upto // self.al * self.al
         if blocks > st.published:
             self.index.insert(toks[:blocks], table[: blocks // self.bs])
+            if self.link is not None:  # exact finished blocks go to the external store too (decode's as well)
+                self.link.write_back(toks, table, st.published // self.bs, blocks // self.bs)
             st.published = blocks
         if rings is not None and snap:
             self.store.put(st.digests[snap // self.bs - 1], snap, rings.cpu().numpy())
@@ -293,8 +301,14 @@ def make_prefix_caching(engine: Any) -> PrefixCaching | None:
     if not cfg.prefix_caching or mc.encoder_layers >= mc.num_hidden_layers:
         return None
     keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else engine.envs.yoco_prefill_keep_tokens
-    return PrefixCaching(engine.kv_pool, engine.executor, mc, block_size=cfg.block_size, mode=cfg.swa_replay,
-                         keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=engine.num_speculative_tokens)
+    pc = PrefixCaching(engine.kv_pool, engine.executor, mc, block_size=cfg.block_size, mode=cfg.swa_replay,
+                       keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=engine.num_speculative_tokens)
+    if getattr(cfg, "kv_store", None) is not None:
+        from deepinfer_core.kvstore import BlockCodec, StoreLink, config_key
+
+        pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(engine.executor), cfg.block_size,
+                            extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class)
+    return pc
 
 
 def known_tokens(engine: Any, seq: int) -> np.ndarray:

@@ -10,7 +10,7 @@ by layer into the device cache. Nothing here imports torch at import time.
 
 from __future__ import annotations
 
-from deepinfer_core.kvstore.engine_link import BlockCodec, StoreLink
+from deepinfer_core.kvstore.engine_link import BlockCodec, StoreLink, config_key
 from deepinfer_core.kvstore.file import FileKVStore
 from deepinfer_core.kvstore.memory import InMemoryKVStore, StoreStats
 from deepinfer_core.kvstore.prefetch import PrefetchBatch, Prefetcher
@@ -31,6 +31,7 @@ __all__ = [
     "StoreStats",
     "TTLPolicy",
     "block_keys",
+    "config_key",
     "pack_layers",
     "stage",
 ]

@@ -131,3 +131,16 @@ class StoreLink:
         for i, data in zip(todo, self.codec.read(np.asarray(table)[todo])):
             self.store.put(keys[i], data, traffic_class=self.traffic_class)
         self.written_blocks += len(todo)
+
+
+def config_key(cfg) -> bytes:
+    """The extra key of an engine's blocks: everything in an ``EngineConfig`` that changes the KV bytes of
+    the same tokens (model and its weights, dtype, cache formats, backend, block size). A checkpoint
+    directory is named by its resolved path: a store shared across weight updates in place needs a new
+    directory (or a store per version)."""
+    import os
+
+    model = cfg.model if cfg.model in ("tiny", "tiny-random") else os.path.realpath(cfg.model)
+    seed = cfg.seed if cfg.model == "tiny-random" else "-"
+    return (f"deepinfer-kv|{model}|seed={seed}|{cfg.dtype}|quantize={cfg.quantize}|{cfg.backend}"
+            f"|bs={cfg.block_size}").encode()
