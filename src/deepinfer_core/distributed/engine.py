@@ -176,13 +176,34 @@ class _CountingVote:
 
 
 class _CollectiveExecutor:
-    """The engine's executor, each ``execute`` bracketed by the lock-step rounds (validation first, so a
-    refused batch raises before any collective and the engine's retry stays in step)."""
+    """The engine's executor, each call that runs the model (``execute``, ``replay_encoder``: the prefix
+    cache's encoder replay) bracketed by the lock-step rounds. ``execute`` validates first, so a refused
+    batch raises before any collective and the engine's retry stays in step; ``replay_encoder`` refuses
+    bad input before it computes, and then finishes the opened forward as a dummy one."""
 
-    def __init__(self, inner: Any, sync: StepSync, ep: ExpertParallel) -> None:
-        self._inner, self._sync, self._ep = inner, sync, ep
+    def __init__(self, inner: Any, sync: StepSync, ep: ExpertParallel, dummy: Any) -> None:
+        self._inner, self._sync, self._ep, self._dummy = inner, sync, ep, dummy
         self.forwards = 0
         self.broken: BaseException | None = None
+
+    def replay_encoder(self, *args: Any, **kw: Any) -> Any:
+        from deepinfer_core.model import BatchError
+
+        try:
+            self._sync.begin_forward()
+            try:
+                out = self._inner.replay_encoder(*args, **kw)
+            except BatchError:  # refused before computing: complete the forward the others are in
+                self._dummy()
+                raise
+            self._ep.drain()
+        except BatchError:
+            raise
+        except Exception as e:  # see _CountingVote.broken
+            self.broken = e
+            raise
+        self.forwards += 1
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -241,7 +262,7 @@ class DistributedEngine:
             if getattr(inner, flag, False):
                 setattr(inner, flag, False)
                 log.info("rank %d: executor %s off under expert parallelism", g.rank, flag)
-        self.executor = _CollectiveExecutor(inner, self.sync, self.ep)
+        self.executor = _CollectiveExecutor(inner, self.sync, self.ep, self._dummy_forward)
         eng.executor = self.executor
         # helpers the engine built around its executor (the prefix cache's encoder-only calls) must go
         # through the proxy too, or their MoE all-to-alls would skip the lock-step rounds

@@ -164,3 +164,43 @@ def test_example_distributed_generate_spawned() -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "tokens equal to the single-process engine: True" in r.stdout
     assert "token-expert rows sent to the other rank" in r.stdout
+
+
+_PREFIX_CFG = dict(seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
+
+
+def _prefix_rounds(groups, rounds: list[list[str]], params: object) -> tuple[list[list[tuple[int, ...]]], tuple, int]:
+    from deepinfer_core.distributed import DistributedEngine
+    from deepinfer_core.engine import EngineConfig
+
+    eng = DistributedEngine(groups, EngineConfig(**_PREFIX_CFG), DistConfig())
+    got = [[o.token_ids for o in eng.generate(r, params)] for r in rounds]
+    prefix = getattr(eng.engine, "prefix", None)
+    st = prefix.stats if prefix is not None else None
+    return got, ((st.hits, st.encoder_replays, st.host_restores) if st is not None else None), eng.sync.dummies
+
+
+@pytest.mark.distributed
+def test_dp_engine_with_prefix_hits_equals_single_process() -> None:
+    # the engine's prefix cache runs extra (encoder-only) forwards on a hit: they must join the lock-step
+    # rounds like any other forward (DistributedEngine points the cache at its executor proxy)
+    import random
+
+    from deepinfer_core.engine import LLM
+    from deepinfer_core.sampling_params import SamplingParams
+
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    a = "".join(rng.choice("abcdefghij klmnop") for _ in range(120))
+    rounds = [[a, a[:60] + "zz"], [a + " more", a[:100] + " and so", "other " * 8]]
+    sp = SamplingParams(temperature=0.7, seed=seed % 1000, max_tokens=5, ignore_eos=True)
+    res = spawn(_prefix_rounds, 2, args=(rounds, sp), timeout_s=60)
+    llm = LLM(**_PREFIX_CFG)
+    want = [[o.token_ids for o in llm.generate(r, sp, use_tqdm=False)] for r in rounds]
+    for rank, (got, stats, _) in enumerate(res):
+        assert got == want, f"seed {seed}: rank {rank}"
+        assert stats is None or stats[0] > 0, f"seed {seed}: rank {rank} had no prefix hit (the test needs one)"
+    # an encoder replay (the executor's replay_encoder, not execute) happened on some rank: a[:100] hits
+    # a's blocks at 96, where no rings were kept
+    assert res[0][1] is None or res[0][1][1] + res[1][1][1] > 0, f"seed {seed}: {[r[1] for r in res]}"
+    assert res[1][2] > 0  # rank 1 (fewer requests) joined rank 0's forwards with empty batches
