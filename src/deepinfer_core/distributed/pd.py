@@ -162,8 +162,12 @@ class PromptEngine:
 
     def hit_of(self, num_tokens: int) -> int:
         """Replay mode: positions of a prompt of ``num_tokens`` whose blocks and encoder rings are handed
-        (the COMPLETION side replays the rest; 0: it recomputes the prompt)."""
-        return _plan(self.replay_config, num_tokens, num_tokens).hit
+        (the COMPLETION side replays the rest; 0: it recomputes the prompt). Planned as a prefix hit on
+        the prompt itself, the position the engine's prefix cache also keeps rings at, so one snapshot
+        serves both; the COMPLETION side's plan (prompt + first token) never moves a hit it is given."""
+        from deepinfer_core.swa import plan_replay
+
+        return plan_replay(self.replay_config, num_tokens, num_tokens, 0, host_state=True).hit
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
         try:
@@ -187,13 +191,17 @@ class PromptEngine:
         slot = int(eng.state_pool.slots([req.seq])[0])
         n = len(req.prompt_token_ids)
         nb = -(-n // eng.config.block_size)
-        hit = 0
-        if self.mode == "replay":
+        hit, mode = 0, self.mode
+        rings = self._rings.pop(fr.request_id, None)
+        if mode == "replay":
             hit = self.hit_of(n)
-            nb = hit // eng.config.block_size
-            rings = self._rings.pop(fr.request_id, None)
             if hit and rings is None:
-                raise RuntimeError(f"prompt engine: no encoder rings captured at {hit} for {fr.request_id!r}")
+                # the position ran outside this proxy (e.g. skipped by a prefix hit, or an encoder-only part
+                # of the prefix cache): no rings there, so this request hands its full state block
+                log.debug("prompt engine: %r: no encoder rings at %d, handing the full state", fr.request_id, hit)
+                hit, mode = 0, "full"
+        if mode == "replay":
+            nb = hit // eng.config.block_size
             state = {} if not hit else {"rings": rings}
         else:
             state = _state_tensors(ex, slot)
@@ -202,7 +210,7 @@ class PromptEngine:
             request_id=fr.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             first_token=int(fr.output_token_ids[0]), params=self._params.pop(fr.request_id, req.params),
             num_tokens=n, block_size=eng.config.block_size,
-            blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()}, state=state, mode=self.mode,
+            blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()}, state=state, mode=mode,
             hit=hit))
 
     def step(self) -> tuple[list[RequestOutput], list[Handoff]]:
@@ -242,18 +250,26 @@ class _SnapshotExecutor:
         eng = self._owner.engine
         live = [r for r in eng._reqs.values() if r.seq >= 0 and eng.state_pool.contains(r.seq)]
         rid_of = dict(zip(eng.state_pool.slots([r.seq for r in live]).tolist(), live)) if live else {}
-        snap = np.zeros(batch.num_requests, np.int64)
+        # the engine's prefix cache may ask for snapshots of its own (to publish rings): keep those, add
+        # ours where the row asks for none; a row wanting two positions hands its full state instead
+        theirs = batch.snapshot_pos
+        snap = np.zeros(batch.num_requests, np.int64) if theirs is None else theirs.copy()
+        mine = []
         for i, (slot, s, n) in enumerate(zip(batch.state_slots.tolist(), batch.start_pos.tolist(),
                                              batch.query_lens.tolist())):
             req = rid_of.get(int(slot))
-            if req is not None:
-                hit = self._owner.hit_of(len(req.prompt_token_ids))
-                snap[i] = hit if s < hit <= s + n else 0
-        if snap.any():
+            if req is None:
+                continue
+            hit = self._owner.hit_of(len(req.prompt_token_ids))
+            if s < hit <= s + n and snap[i] in (0, hit):
+                snap[i] = hit
+                mine.append(i)
+        if mine:
             batch = attrs.evolve(batch, snapshot_pos=snap)
         out = self._inner.execute(batch)
-        for i, rings in out.snapshots.items():
-            self._owner._rings[rid_of[int(batch.state_slots[i])].request_id] = rings.detach().clone()
+        for i in mine:
+            if i in out.snapshots:
+                self._owner._rings[rid_of[int(batch.state_slots[i])].request_id] = out.snapshots[i].detach().clone()
         return out
 
 

@@ -95,8 +95,11 @@ def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
         assert outs == []
         handoffs += ready
     ex = pe.engine.executor
+    # (a request whose rings position the engine's prefix cache also wanted, differently, hands its full
+    # state instead: see PromptEngine; with distinct prompts that should not happen)
+    assert [h.mode for h in handoffs] == ["replay"] * 3, f"seed {seed}"
     for h in handoffs:
-        assert h.mode == "replay" and h.hit == pe.hit_of(h.num_tokens) and h.hit % cfg.block_size == 0
+        assert h.hit == pe.hit_of(h.num_tokens) and h.hit % cfg.block_size == 0
         assert h.hit > 0, f"seed {seed}: prompt of {h.num_tokens} tokens got no hit (the test needs one)"
         assert set(h.state) == {"rings"}  # the persisted half only: encoder rings
         assert tuple(h.state["rings"].shape) == (pe.engine.model_config.encoder_layers, ex.swa_ring,
@@ -111,3 +114,35 @@ def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
                                                                      "batch_invariant", "dtype")})
             .generate(prompts, params, use_tqdm=False)]
     assert [done[str(i)].token_ids for i in range(3)] == want, f"seed {seed}"
+
+
+def test_replay_handoff_with_prefix_hits_on_the_prompt_side() -> None:
+    # prompts sharing a prefix: the PROMPT engine's own prefix cache skips (or runs encoder-only) part of a
+    # later prompt, possibly where the hand-off's rings would be taken; such a request hands its full
+    # state instead. Either way the tokens equal a NORMAL engine's.
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    cfg = attrs.evolve(CFG, dtype="float64")
+    a = "".join(rng.choice("abcdefghij klmnopq,.") for _ in range(130))
+    rounds = [[a], [a + " and more", a[:110] + "xy z", a[:70]]]
+    sp = SamplingParams(temperature=0.8, seed=seed % 997, max_tokens=4, ignore_eos=True)
+    pe, ce = PromptEngine(cfg, mode="replay"), CompletionEngine(cfg)
+    done, modes = {}, []
+    for k, prompts in enumerate(rounds):  # one round after the other, so later prompts hit earlier blocks
+        for i, p in enumerate(prompts):
+            pe.add_request(f"{k}.{i}", p, sp)
+        while pe.has_unfinished():
+            outs, ready = pe.step()
+            done.update({o.request_id: o for o in outs})
+            for h in ready:
+                modes.append(h.mode)
+                ce.add_handoff(h)
+        while ce.has_unfinished():
+            done.update({o.request_id: o for o in ce.step()})
+    prefix = getattr(pe.engine, "prefix", None)
+    if prefix is not None:
+        assert prefix.stats.hits > 0, f"seed {seed}: no prefix hit on the PROMPT side (the test needs one)"
+    llm = LLM(**{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant", "dtype")})
+    for k, prompts in enumerate(rounds):
+        want = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert [done[f"{k}.{i}"].token_ids for i in range(len(prompts))] == want, f"seed {seed}: round {k} ({modes})"
