@@ -49,14 +49,17 @@ def sinkhorn_impl(fn: Callable[[torch.Tensor, int], torch.Tensor] | None) -> Ite
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Doubly stochastic [..., n, n] from ``exp(logits)`` by ``iters`` row-then-column normalisations.
 
-    The per-matrix max is subtracted first (a common factor, which the first normalisation cancels) so
-    ``exp`` cannot overflow. The last step normalises columns: columns sum to 1 exactly, rows to within
-    the iteration's convergence (tested).
+    Each row's max is subtracted first (a per-row factor, which the first row normalisation cancels
+    exactly) so ``exp`` can neither overflow nor underflow a whole row to zero: with the per-matrix max, a
+    row ~88 below it in float32 became 0 / 0 (NaN), which killed a training run. Sums are floored at the
+    dtype's smallest normal for the same reason (a column can still underflow). The last step normalises
+    columns: columns sum to 1 exactly, rows to within the iteration's convergence (tested).
     """
-    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    m = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    tiny = torch.finfo(m.dtype).tiny
     for _ in range(iters):
-        m = m / m.sum(-1, keepdim=True)
-        m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True).clamp_min(tiny)
+        m = m / m.sum(-2, keepdim=True).clamp_min(tiny)
     return m
 
 
