@@ -52,8 +52,9 @@ class LLM:
     ``LLM(model="tiny", seed=0, backend="reference", num_blocks=256, max_num_seqs=16, async_scheduling=True)``.
 
     ``num_threads``: torch's CPU threads while the engine is built and while ``generate`` runs (restored
-    after). Default 1: the reference model is dispatch-bound, and torch's default of one thread per core
-    was several times slower (docs/performance.md, engine); ``None`` leaves torch's setting alone.
+    after). Default 1: the reference model is dispatch-bound, so more threads buy little (the README job:
+    0.94x the wall time for 1.9x the CPU on an idle 2-core machine) and on a shared, loaded machine were
+    several times slower (docs/performance.md, engine); ``None`` leaves torch's setting alone.
     """
 
     def __init__(self, model: str = "tiny", *, num_threads: int | None = 1, envs: Envs | None = None,
