@@ -153,14 +153,14 @@ class SamplingParams:
             _check(isinstance(so, Mapping) and sum(k in SO_KINDS for k in so) == 1
                    and all(k in SO_KINDS or k in ("options", "engine") for k in so), "so_args",
                    f"must be a dict with exactly one key of {sorted(SO_KINDS)} (optionally 'options', "
-                   f"'engine'), got {_short(so)}")
+                   f"'engine'), got {short_repr(so)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def _short(v: object, n: int = 200) -> str:
+def short_repr(v: object, n: int = 200) -> str:
     """``repr`` cut to ``n`` characters (a huge or deeply nested value must not flood the message)."""
     try:
         r = repr(v)

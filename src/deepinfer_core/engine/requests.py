@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 from deepinfer_core.protocols import Tokenizer
-from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sampling_params import SamplingParams, short_repr
 
 
 class RequestError(ValueError):
@@ -101,12 +101,8 @@ def normalize_params(params: object, vocab_size: int) -> SamplingParams:
     return params
 
 
-def _short(v: object, n: int = 80) -> str:
-    try:
-        r = repr(v)
-    except (RecursionError, ValueError):
-        return f"<{type(v).__name__}>"
-    return r if len(r) <= n else r[:n] + "..."
+def _short(v: object) -> str:
+    return short_repr(v, 80)
 
 
 @attrs.define(slots=True)
