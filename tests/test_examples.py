@@ -101,6 +101,25 @@ def test_engine_examples() -> None:
     assert "Traceback" not in out
 
 
+def test_bounded_replay() -> None:
+    out = _run("bounded_replay.py", "--quick")
+    plans = re.findall(r"(bounded|exact)\s+host copy=(True|False)\s*: hit (\d+), replayed (\d+) tokens, exact=(True|False)", out)
+    assert len(plans) == 4, out
+    rep = {(m, h): (int(hit), int(r), e == "True") for m, h, hit, r, e in plans}
+    # bounded: the tail is keep=140 tokens (plus the last window for the encoder without a host copy);
+    # exact: the dependency span D (w - 1) + 1 + d = 20 * 127 + 1 + 5 = 2,546 tokens
+    assert rep[("bounded", "True")][1] == 140 and not rep[("bounded", "True")][2]
+    assert rep[("bounded", "False")][1] == 140 + 128
+    assert rep[("exact", "True")][1] == 2546 and rep[("exact", "True")][2]
+    eng = re.findall(r"(exact|bounded)\s*: first request cached 0 tokens; second cached (\d+) of (\d+), replayed (\d+); "
+                     r"tokens equal a run without caching: (True|False)", out)
+    assert [m for m, *_ in eng] == ["exact", "bounded"], out
+    for mode, cached, _, _, equal in eng:
+        assert int(cached) > 0, out  # the second request hit the first's blocks
+        if mode == "exact":
+            assert equal == "True", out
+
+
 # Examples whose test is being written with them by their component's engineer this session; remove the
 # entry when that test lands (the check below fails while an entry is stale).
 NOT_YET_TESTED: dict[str, str] = {}
