@@ -18,6 +18,7 @@ from deepinfer_kernels.ops import mhc_sinkhorn as ref
 from deepinfer_kernels.registry import register
 
 _THREADS = 128
+_TINY = 1.1754943508222875e-38  # float32's smallest normal: the reference's floor on every sum
 
 
 def _build(n: int, iters: int):
@@ -33,22 +34,25 @@ def _build(n: int, iters: int):
             s = T.alloc_var("float32")
             i = bx * _THREADS + tx
             if i < m_dyn:
-                mx = x[i, 0]
-                for j in T.unroll(1, nn):
-                    mx = T.max(mx, x[i, j])
-                for j in T.unroll(nn):
-                    a[j] = T.exp(x[i, j] - mx)
+                for r in T.unroll(n):  # each row's max (the reference's rule: no row underflows to 0 / 0)
+                    mx = x[i, r * n]
+                    for c in T.unroll(1, n):
+                        mx = T.max(mx, x[i, r * n + c])
+                    for c in T.unroll(n):
+                        a[r * n + c] = T.exp(x[i, r * n + c] - mx)
                 for _it in T.serial(iters):
                     for r in T.unroll(n):
                         s = a[r * n]
                         for c in T.unroll(1, n):
                             s = s + a[r * n + c]
+                        s = T.max(s, _TINY)
                         for c in T.unroll(n):
                             a[r * n + c] = a[r * n + c] / s
                     for c in T.unroll(n):
                         s = a[c]
                         for r in T.unroll(1, n):
                             s = s + a[r * n + c]
+                        s = T.max(s, _TINY)
                         for r in T.unroll(n):
                             a[r * n + c] = a[r * n + c] / s
                 for j in T.unroll(nn):

@@ -61,7 +61,8 @@ class Compressor(nn.Module):
         g = state.shape[0] // self.ratio
         assert state.shape[0] == g * self.ratio, "pool() takes whole groups"
         ids = torch.arange(first_entry, first_entry + g, device=state.device)
-        return self.pool_groups(state.view(g, self.ratio, -1), ids, inv_freq)
+        # explicit last dim: g may be 0 (a sequence shorter than one group), where -1 is ambiguous
+        return self.pool_groups(state.view(g, self.ratio, state.shape[-1]), ids, inv_freq)
 
     def pool_groups(self, groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Entries [M, out_dim] from per-group states [M, ratio, state_dim] of entries ``entry_ids`` [M]."""
