@@ -68,7 +68,7 @@ class EngineConfig:
     max_model_len: int = 2048
     async_scheduling: bool = True
     batch_invariant: bool | None = None
-    structured_backend: str = "xgrammar"
+    structured_backend: str = "auto"
     speculative: bool = False
     num_speculative_tokens: int | None = None
     preemption_policy: str = "guarded"
