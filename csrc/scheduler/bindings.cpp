@@ -92,7 +92,7 @@ nb::tuple plan_tuple(const StepScheduler& s, const di::sched::PlanOut& p) {
   const size_t n = p.seq_ids.size(), ntok = p.token_ids.size();
   const size_t nblk = static_cast<size_t>(p.block_offsets.back());
   const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
-  auto i32 = raw_array<int32_t>(4 * n + ntok + n + 1 + nblk + nk);
+  auto i32 = raw_array<int32_t>(4 * n + ntok + n + 1 + nblk + nk + n);
   auto i64 = raw_array<int64_t>(n + np_ + nk);
   {
     nb::gil_scoped_release release;
@@ -109,6 +109,7 @@ nb::tuple plan_tuple(const StepScheduler& s, const di::sched::PlanOut& p) {
     put32(p.block_offsets.data(), n + 1);
     put32(s.block_ids().data(), nblk);
     put32(p.kv_load_tokens.data(), nk);
+    put32(p.cached.data(), n);
     int64_t* o64 = i64.data();
     for (const auto* v : {&p.seq_ids, &p.preempted, &p.kv_load_ids}) {
       if (!v->empty()) std::memcpy(o64, v->data(), v->size() * sizeof(int64_t));
@@ -218,6 +219,9 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           nb::arg("seq_id"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("min_tokens"), nb::arg("ignore_eos"),
           nb::arg("stop_ids"))
       .def("abort", &StepScheduler::abort, nb::arg("seq_id"))
+      .def("set_prefix_sharing", &StepScheduler::set_prefix_sharing, nb::arg("align"), nb::arg("tail"),
+           "Admissions share the pool's cached prefix blocks (align > 0: hit granularity in tokens, a multiple "
+           "of block_size; tail: tokens always computed), reported per row in the plan's cached array.")
       .def("wish", &StepScheduler::wish, "(has prefill work startable now, has decode work)")
       .def(
           "decide",
@@ -234,7 +238,7 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"),
           "(step_id, step_type, i32, i64, rows, tokens, block_ids, preempted, kv_loads, predicted_ns, width); i32 = "
           "[num_tokens | start | sample | num_drafts | token_ids | block_offsets (rows + 1) | block_ids | "
-          "kv_load_tokens], i64 = [seq_ids | preempted | kv_load_ids]")
+          "kv_load_tokens | cached], i64 = [seq_ids | preempted | kv_load_ids]")
       .def(
           "schedule_local",
           [](StepScheduler& s) {

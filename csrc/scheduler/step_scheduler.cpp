@@ -102,7 +102,38 @@ bool StepScheduler::abort(int64_t seq_id) {
 }
 
 bool StepScheduler::fits_with_watermark(int64_t num_tokens) const {
-  const int64_t blocks = pool_.blocks_for_tokens(num_tokens);
+  return fits_blocks_with_watermark(pool_.blocks_for_tokens(num_tokens));
+}
+
+void StepScheduler::set_prefix_sharing(int32_t align, int32_t tail) {
+  if (align < 0 || (align > 0 && align % pool_.block_size() != 0))
+    bad("prefix_align=" + s(align) + ": must be 0 (off) or a positive multiple of block_size=" + s(pool_.block_size()));
+  if (tail < 1) bad("prefix_tail=" + s(tail) + ": must be >= 1 (the last token is always computed)");
+  cfg_.prefix_align = align;
+  cfg_.prefix_tail = tail;
+}
+
+int64_t StepScheduler::prefix_hit(const Req& r, std::vector<int32_t>& out) const {
+  out.clear();
+  if (cfg_.prefix_align <= 0 || cfg_.engine_type == EngineType::COMPLETION) return 0;
+  const int64_t al = cfg_.prefix_align;
+  const int64_t cap = std::max<int64_t>(0, static_cast<int64_t>(r.known) - cfg_.prefix_tail) / al * al;
+  if (cap == 0 || pool_.num_cached_blocks() == 0) return 0;
+  static const std::string kNoKey;
+  const int64_t got = pool_.match(r.tokens.data(), cap, kNoKey, out) / al * al;
+  out.resize(static_cast<size_t>(got / pool_.block_size()));
+  return got;
+}
+
+int64_t StepScheduler::admit_blocks(int64_t num_tokens, const std::vector<int32_t>& hit) const {
+  // Fresh blocks for the rest, plus the shared ones that are only evictable now (they leave the free
+  // count when revived); shared blocks in use by another request cost nothing.
+  int64_t need = pool_.blocks_for_tokens(num_tokens) - static_cast<int64_t>(hit.size());
+  for (int32_t b : hit) need += pool_.refcount(b) == 0;
+  return need;
+}
+
+bool StepScheduler::fits_blocks_with_watermark(int64_t blocks) const {
   const int64_t running = num_running();
   int64_t keep = running == 0 ? 0 : cfg_.watermark_blocks;  // a lone request may use all
   if (running > 0 && cfg_.policy == Policy::GUARDED && cfg_.engine_type != EngineType::PROMPT) {
@@ -151,9 +182,12 @@ bool StepScheduler::reserve(Req& r, int64_t num_tokens) {
   return true;
 }
 
-void StepScheduler::allocate(Req& r, int64_t num_tokens) {
+void StepScheduler::allocate(Req& r, int64_t num_tokens, const std::vector<int32_t>* hit) {
   const int64_t want = round_up(num_tokens);
-  if (!pool_.allocate(r.seq_id, want)) throw std::logic_error("scheduler: allocate failed after a fit check");
+  const bool ok = hit != nullptr && !hit->empty()
+                      ? pool_.allocate_with_prefix(r.seq_id, want, hit->data(), static_cast<int64_t>(hit->size()))
+                      : pool_.allocate(r.seq_id, want);
+  if (!ok) throw std::logic_error("scheduler: allocate failed after a fit check");
   r.kv_slots = want;
   r.blocks = pool_.block_table(r.seq_id);
 }
@@ -170,7 +204,8 @@ bool StepScheduler::admissible_prefill_head() const {
     const Req& r = at(slot);
     if (r.pending > 0) continue;  // its last step's tokens are still in flight
     // COMPLETION admission reserves KV for every known token (the KV it loads plus the decode slot).
-    return fits_with_watermark(admit_tokens(r));
+    prefix_hit(r, hit_tmp_);
+    return fits_blocks_with_watermark(admit_blocks(admit_tokens(r), hit_tmp_));
   }
   return false;
 }
@@ -200,13 +235,14 @@ StepType StepScheduler::decide(bool all_prefill, bool any_prefill, bool any_deco
 // flatten: the -O2 build otherwise leaves vector::push_back as an out-of-line call per field per row,
 // measured at ~20% of a decode step.
 __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample,
-                                                     int32_t drafts) {
+                                                     int32_t drafts, int32_t cached) {
   Req& r = at(slot);
   out.seq_ids.push_back(r.seq_id);
   out.num_tokens.push_back(static_cast<int32_t>(q));
   out.start.push_back(static_cast<int32_t>(r.num_computed));
   out.sample.push_back(sample ? 1 : 0);
   out.num_drafts.push_back(drafts);
+  out.cached.push_back(cached);
   const int64_t known = r.known;
   if (q == 1) {  // decode: the last known token, or the placeholder of the one still in flight
     out.token_ids.push_back(r.num_computed == known - 1 ? r.last_token : r.num_computed < known ? r.tokens[r.num_computed] : -1);
@@ -293,16 +329,22 @@ void StepScheduler::schedule_prefill(PlanOut& out, PlanRec& rec) {
     if (num_running() >= cfg_.max_num_seqs || tokens_left == 0) break;
     const int64_t target = r.total();
     const int64_t reserve_tokens = admit_tokens(r);
-    if (!fits_with_watermark(reserve_tokens)) break;
-    r.num_computed = 0;
-    const int64_t q = chunk(r, target);
-    if (q == 0) break;
-    allocate(r, reserve_tokens);
+    // Prefix sharing: the hit's cached blocks join its table by refcount (the tail stays new, so the
+    // request never writes a shared block) and its prefill starts after them.
+    const int64_t hit = prefix_hit(r, hit_tmp_);
+    if (!fits_blocks_with_watermark(admit_blocks(reserve_tokens, hit_tmp_))) break;
+    r.num_computed = static_cast<int32_t>(hit);
+    const int64_t q = chunk(r, target - hit);
+    if (q == 0) {
+      r.num_computed = 0;
+      break;
+    }
+    allocate(r, reserve_tokens, &hit_tmp_);
     admitted(r);
     r.prefill_target = target;
     r.status = Status::PREFILLING;
-    const bool last = q == target;
-    add_row(out, rec, slot, q, last);
+    const bool last = hit + q == target;
+    add_row(out, rec, slot, q, last, 0, static_cast<int32_t>(hit));
     if (last) finish_prefill(slot); else prefilling_.push_back(slot);
   }
   for (; k < waiting_.size(); ++k) keep.push_back(waiting_[k]);
@@ -453,7 +495,7 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
     out.kv_load_tokens.push_back(static_cast<int32_t>(total - 1));
     decoding_.push_back(slot);
     decode_dirty_ = true;
-    add_row(out, rec, slot, 1, true);
+    add_row(out, rec, slot, 1, true);  // (cached -1: a KV load, not a prefill admission)
     ++rows;
     --tokens_left;
     any_admitted = true;
@@ -475,7 +517,7 @@ const PlanOut& StepScheduler::schedule(bool all_prefill, bool any_prefill, bool 
   // page-faulted in every step (perf: ~15% of the step in the kernel's fault path).
   PlanOut& out = out_;
   for (auto* v : {&out.num_tokens, &out.start, &out.num_drafts, &out.token_ids, &out.block_offsets,
-                  &out.kv_load_tokens})
+                  &out.kv_load_tokens, &out.cached})
     v->clear();
   for (auto* v : {&out.seq_ids, &out.preempted, &out.kv_load_ids}) v->clear();
   out.sample.clear();

@@ -71,6 +71,13 @@ struct Config {
   Policy policy = Policy::GUARDED;
   int32_t max_preemptions = 2;              // GUARDED: preemptions before a request is protected
   int32_t headroom_steps = 8;               // GUARDED: decode steps of growth kept free at admission
+  // Prefix sharing (0: off). A NORMAL / PROMPT admission takes the pool's cached blocks of the longest
+  // cached prefix of its first max(0, known - prefix_tail) tokens, rounded down to prefix_align
+  // tokens, by refcount (no copy, no new memory), and starts num_computed there; the caller rebuilds
+  // whatever else the hit needs (e.g. SWA state) from PlanOut::cached. The tail is left to compute, so
+  // every write of the request goes to its own fresh blocks after the hit.
+  int32_t prefix_align = 0;
+  int32_t prefix_tail = 1;
   CostModel cost;
 };
 
@@ -141,6 +148,9 @@ struct PlanOut {
   std::vector<int64_t> preempted;
   std::vector<int64_t> kv_load_ids;  // COMPLETION: admitted requests whose KV the caller must load
   std::vector<int32_t> kv_load_tokens;
+  // Per row: -1, or (the row is the first of a prefill admission this step: NORMAL / PROMPT) the
+  // tokens its shared cached prefix covers (0: no hit); the row starts there.
+  std::vector<int32_t> cached;
   double predicted_ns = 0.0;         // cost model's prediction (prefill steps)
 };
 
@@ -173,6 +183,8 @@ class StepScheduler {
   const std::vector<int32_t>& block_ids() const { return block_ids_; }
   // (wish + local decide + schedule) in one call: the single-rank path (LocalVote).
   const PlanOut& schedule_local();
+  // Turn prefix sharing on (align > 0) or off (align == 0); see Config::prefix_align.
+  void set_prefix_sharing(int32_t align, int32_t tail);
   int64_t total_preemptions() const { return total_preemptions_; }
   int64_t discarded_tokens() const { return discarded_tokens_; }  // computed KV tokens preemption threw away
   // Drafts to verify in the next schedule() (decode requests only; capped there by max_tokens, the
@@ -216,17 +228,24 @@ class StepScheduler {
   const Req& at(int32_t slot) const { return slots_[slot]; }
   bool admissible_prefill_head() const;
   bool fits_with_watermark(int64_t num_tokens) const;
+  bool fits_blocks_with_watermark(int64_t blocks) const;
+  // Prefix sharing: the cached blocks an admission of r would share (appended to `out`, whole
+  // prefix_align groups); returns the tokens they hold (0: none, or sharing off / COMPLETION).
+  int64_t prefix_hit(const Req& r, std::vector<int32_t>& out) const;
+  // Blocks an admission reserving num_tokens takes from the free count when it shares `hit`.
+  int64_t admit_blocks(int64_t num_tokens, const std::vector<int32_t>& hit) const;
   int64_t full_tokens(const Req& r) const;   // tokens a request can ever feed (its whole possible KV)
   int64_t admit_tokens(const Req& r) const;  // KV tokens admission reserves (protected: whole length)
   void admitted(Req& r);                      // admission bookkeeping (order key, protection)
   int64_t round_up(int64_t num_tokens) const;
   bool reserve(Req& r, int64_t num_tokens);  // grow the reservation to >= num_tokens; false if no blocks
-  void allocate(Req& r, int64_t num_tokens);  // first reservation (after a fit check)
+  void allocate(Req& r, int64_t num_tokens, const std::vector<int32_t>* hit = nullptr);  // first reservation (after a fit check)
   void release(Req& r);                       // give every block back to the pool
   void sort_decoding();
   void preempt(int32_t slot, PlanOut& out);
   void end(int32_t slot, FinishReason reason);
-  void add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample, int32_t drafts = 0);
+  void add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample, int32_t drafts = 0,
+               int32_t cached = -1);
   void schedule_prefill(PlanOut& out, PlanRec& rec);
   void schedule_decode(PlanOut& out, PlanRec& rec);
   void erase_if_done(int32_t slot);
@@ -247,6 +266,7 @@ class StepScheduler {
   std::vector<Ended> ended_;         // ended since the last update() returned
   std::vector<int32_t> draft_slots_; // slots with want_k set by set_drafts(), cleared by schedule()
   std::vector<int32_t> block_ids_;   // the newest plan's block ids (capacity kept across steps)
+  mutable std::vector<int32_t> hit_tmp_;  // admission scratch: a prefix hit's block ids
   std::vector<int32_t> draft_tmp_;   // set_drafts() scratch: slot per entry, -1 = skip
   uint32_t draft_call_ = 0;          // set_drafts() calls so far (stamps for the duplicate check)
   int64_t next_arrival_ = 0;

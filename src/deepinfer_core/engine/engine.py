@@ -490,9 +490,10 @@ class LLMEngine:
         hole = tokens < 0
         if hole.any():  # one step ahead: the token the previous step sampled for that sequence
             tokens[hole] = seqs.last_token[np.repeat(ix, ntok)[hole]]
-        # only a sequence's first chunk (position 0: new, or recomputed after preemption) needs a slot;
-        # every later row holds one already, so this is no per-row loop in decode steps
-        for r in np.flatnonzero((plan.start == 0) & ~seqs.dead[ix]).tolist():
+        # only a sequence's first chunk (an admission: new, or recomputed after preemption; it starts
+        # after its shared prefix hit) needs a slot; every later row holds one already, so this is no
+        # per-row loop in decode steps
+        for r in np.flatnonzero((plan.cached >= 0) & ~seqs.dead[ix]).tolist():
             seq = int(seq_ids[r])
             if not self.state_pool.contains(seq) and self.state_pool.acquire(seq) is None:
                 # cannot happen while slots are returned before seats (see _end); fail it alone if it does
@@ -502,7 +503,8 @@ class LLMEngine:
         pre = None  # prefix caching: hit tokens skipped, encoder-only parts run, the tail's decoder floor
         if self.prefix is not None and rows.size:
             pre = self.prefix.prepare(plan.step_type == StepType.PREFILL, rows, seq_ids, plan.start, ntok, tokens,
-                                      plan.block_tables, self.state_pool.slots, lambda q: known_tokens(self, q))
+                                      plan.block_tables, self.state_pool.slots, lambda q: known_tokens(self, q),
+                                      plan.cached)
             for seq, msg in pre.failed:
                 self._fail_row(seq, msg)
             rows = pre.rows

@@ -1,15 +1,17 @@
 """The engine's prefix caching: the KV pool's prefix index for block KV, SWA bounded replay for the state.
 
-Per sequence, when its prefill (re)starts at position 0 (a new request, or one recomputed after
-preemption, which then re-hits its own prefix):
+Per sequence, when it is admitted (a new request, or one recomputed after preemption, which then
+re-hits its own prefix):
 
-1. ``PrefixIndex.match`` finds the longest cached run of whole blocks of its known tokens; the
-   :mod:`deepinfer_core.swa` planner trims it (whole compression groups, the tail left new) and says
-   how to rebuild the sliding-window state.
-2. The hit's block KV is copied into the sequence's own blocks (``ModelExecutor.copy_blocks``): the
-   scheduler allocates every block of a request at admission and has no way yet to start a request on
-   shared blocks, so the reference engine shares the *compute*, not the memory (docs/swa.md says what
-   the scheduler would need).
+1. The scheduler (``Scheduler.set_prefix_sharing``, set up here) matched the pool's prefix index over
+   the longest hit the :mod:`deepinfer_core.swa` planner keeps (whole blocks and compression groups,
+   at most ``known - tail`` tokens so the tail is new), took those cached blocks into the request's
+   table by refcount (shared, no copy, no new memory: a hit also saves blocks, and admission can no
+   longer evict the blocks it is about to hit), and started the prefill after them; ``plan.cached``
+   reports the hit. Every write of the request goes to its own fresh blocks after the hit.
+2. An external block store (``EngineConfig.kv_store``) may continue the hit block by block into the
+   request's private blocks; the planner then trims the whole hit and says how to rebuild the
+   sliding-window state.
 3. The encoder rings at the hit are restored from the host SWA store when present, else replayed.
 4. The scheduler's chunks then run as planned, except that tokens inside the hit are skipped, tokens
    before the tail run encoder-only (one extra executor call per step, before the main batch), and the
@@ -104,30 +106,34 @@ class PrefixCaching:
         self._seq: dict[int, _Seq] = {}
         self._metrics: dict[int, list[int]] = {}  # seq -> [cached, replayed], summed over its restarts
         self._ctx = int(executor.tok_ring)
+        # tokens a hit always leaves to compute (plan_replay's tail; the model has a decoder here)
+        self.tail = self.cfg.exact_tail(pending_drafts) if self.cfg.mode == "exact" else max(self.cfg.keep, self.cfg.window + pending_drafts)
         self.link: Any = None  # a kvstore.StoreLink when EngineConfig.kv_store is set
 
     # ------------------------------------------------------------------ a (re)start
-    def begin(self, seq: int, known: np.ndarray, table: np.ndarray, slot: int) -> None:
-        """Sequence ``seq`` starts its prefill at 0 with ``known`` tokens in ``slot`` / ``table``: look up the
-        prefix, copy the hit's blocks, rebuild the encoder rings."""
+    def begin(self, seq: int, known: np.ndarray, table: np.ndarray, slot: int, shared: int = 0) -> None:
+        """Sequence ``seq`` was admitted with ``known`` tokens in ``slot`` / ``table``, its first ``shared``
+        tokens on cached blocks the scheduler shared into ``table``: continue the hit in the external
+        store, plan the replay, rebuild the encoder rings."""
         toks = np.ascontiguousarray(np.asarray(known, dtype=np.int64))
         n = int(toks.shape[0])
         dig = _digests(toks, self.bs)
         self.stats.lookups += 1
-        hit, blocks = self.index.match(toks)
-        fetched = self.link.fetch(toks, len(blocks)) if self.link is not None else []
-        hit += len(fetched) * self.bs  # the external store continues the GPU hit block by block
+        ng = shared // self.bs
+        fetched = self.link.fetch(toks, ng) if self.link is not None else []
+        hit = shared + len(fetched) * self.bs  # the external store continues the GPU hit block by block
         plan = plan_replay(self.cfg, n, hit, self.pending)
         if plan.hit > 0 and self.store.has(dig[plan.hit // self.bs - 1], plan.hit):
             plan = plan_replay(self.cfg, n, hit, self.pending, host_state=True)
+        if plan.hit < shared:  # the scheduler's cap is the planner's: a shared block is never recomputed
+            raise RuntimeError(f"prefix caching: seq {seq} was admitted on {shared} shared tokens but the replay "
+                               f"plan keeps only {plan.hit} (scheduler prefix_align / prefix_tail out of step)")
         m = self._metrics.setdefault(seq, [0, 0])
         if plan.hit == 0:
             self._seq[seq] = _Seq(toks, dig, None, True)
             return
         nb = plan.hit // self.bs
         ex = self.ex
-        ng = min(nb, len(blocks))
-        ex.copy_blocks(np.asarray(blocks[:ng]), table[:ng])  # type: ignore[attr-defined]
         if nb > ng:  # the rest of the hit came from the external store (docs/kvstore.md)
             self.link.codec.write(table[ng:nb], fetched[: nb - ng])
         first = plan.steps[0]
@@ -173,8 +179,7 @@ class PrefixCaching:
         if decode:  # only the row's first token is verified (the rest may be drafts)
             return start + 1 if (start + 1) % self.al == 0 else 0
         n = st.tokens.shape[0]
-        tail = self.cfg.exact_tail(self.pending) if self.cfg.mode == "exact" else max(self.cfg.keep, self.cfg.window + self.pending)
-        x = (n - tail) // self.al * self.al
+        x = (n - self.tail) // self.al * self.al
         if start < x <= end:
             return x
         x = min(end, n) // self.al * self.al
@@ -209,12 +214,13 @@ class PrefixCaching:
     # ------------------------------------------------------------------ one engine step
     def prepare(self, prefill: bool, rows: np.ndarray, seq_ids: np.ndarray, start: np.ndarray, ntok: np.ndarray,
                 tokens: np.ndarray, tables: np.ndarray, slots: Callable[[np.ndarray], np.ndarray],
-                known: Callable[[int], np.ndarray]) -> StepRows:
+                known: Callable[[int], np.ndarray], cached: np.ndarray | None = None) -> StepRows:
         """Before a step's main batch: (re)start lookups, skipped hit tokens, the encoder-only parts (run
         here, one executor call), and what the main batch runs of each plan row (``StepRows``).
 
         ``rows``: the plan rows to run; ``start`` / ``ntok`` / ``tokens`` / ``tables``: the plan's
-        (placeholders filled); ``slots(seq_ids)``: state slots; ``known(seq)``: a sequence's tokens.
+        (placeholders filled); ``slots(seq_ids)``: state slots; ``known(seq)``: a sequence's tokens;
+        ``cached``: the plan's per-row shared hit (-1: not an admission; None: rows at 0 are admissions).
         """
         from deepinfer_core.model.batch import BatchError, ForwardBatch
 
@@ -231,8 +237,9 @@ class PrefixCaching:
         enc: list[tuple[int, int, int, int]] = []  # (plan row, start, end, snapshot)
         for j, r in enumerate(rows.tolist()):
             seq, s0, n = int(seq_ids[r]), int(start[r]), int(ntok[r])
-            if s0 == 0:
-                self.begin(seq, known(seq), tables[r], int(sl[j]))
+            c = (0 if s0 == 0 else -1) if cached is None else int(cached[r])
+            if c >= 0:
+                self.begin(seq, known(seq), tables[r], int(sl[j]), c)
             x = self.snapshot_pos(seq, s0, s0 + n, False)
             p = self.parts(seq, s0, s0 + n)
             if p is None:
@@ -303,6 +310,8 @@ def make_prefix_caching(engine: Any) -> PrefixCaching | None:
     keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else engine.envs.yoco_prefill_keep_tokens
     pc = PrefixCaching(engine.kv_pool, engine.executor, mc, block_size=cfg.block_size, mode=cfg.swa_replay,
                        keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=engine.num_speculative_tokens)
+    # admissions share cached blocks up to the largest hit the planner keeps (its tail left new)
+    engine.scheduler.set_prefix_sharing(pc.al, pc.tail)
     if getattr(cfg, "kv_store", None) is not None:
         from deepinfer_core.kvstore import BlockCodec, StoreLink, config_key
 

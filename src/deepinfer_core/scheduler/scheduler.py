@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 
 from deepinfer_core import _C
@@ -105,6 +106,8 @@ class Scheduler:
             cfg.max_preemptions,
             cfg.headroom_steps,
         )
+        if cfg.prefix_align:  # (a copy of a sharing scheduler's config shares too, e.g. P/D's PROMPT side)
+            self.set_prefix_sharing(cfg.prefix_align, cfg.prefix_tail)
         # One rank deciding alone: wish, vote and schedule in one core call.
         self._local = type(self.vote) is LocalVote
         self._next_seq = int(first_seq_id)
@@ -167,6 +170,26 @@ class Scheduler:
         """End a request now (its blocks are freed at once); reported by the next ``update``."""
         seq = self._seq_of.get(request_id)
         return seq is not None and bool(self._impl.abort(seq))
+
+    def set_prefix_sharing(self, align: int, tail: int) -> None:
+        """Admit requests onto the pool's cached prefix blocks, shared by refcount (``align`` 0: off).
+
+        An admission matches the prefix index (no extra key) over the first ``known - tail`` tokens,
+        rounded down to ``align`` tokens (a multiple of the block size), takes those blocks into its
+        table, fresh blocks for the rest, and starts computing after them; ``plan.cached`` reports the
+        hit of each row that begins an admission. ``tail`` (>= 1) tokens are always computed, so a request
+        only ever writes its own blocks. ``ValueError`` naming the field for other values.
+        """
+        for name, v in (("align", align), ("tail", tail)):
+            if not isinstance(v, int | np.integer) or isinstance(v, bool):
+                raise ValueError(f"{name}: must be an int, got {v!r}")
+        bs = int(getattr(self.pool, "impl", self.pool).block_size)
+        if align < 0 or align % bs:
+            raise ValueError(f"align: {align} must be 0 (off) or a positive multiple of block_size={bs}")
+        if tail < 1:
+            raise ValueError(f"tail: {tail} must be >= 1 (the last prompt token is always computed)")
+        self._impl.set_prefix_sharing(int(align), int(tail))
+        self.config = attrs.evolve(self.config, prefix_align=int(align), prefix_tail=int(tail))
 
     def has_unfinished(self) -> bool:
         """True while a request is waiting or running, a plan awaits ``update``, or an ended request

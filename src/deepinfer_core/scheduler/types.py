@@ -82,6 +82,9 @@ class SchedulerConfig:
     preemption_policy: PreemptionPolicy = PreemptionPolicy.GUARDED
     max_preemptions: int = 2
     headroom_steps: int = 8
+    # prefix sharing at admission (0: off; see Scheduler.set_prefix_sharing, which sets these)
+    prefix_align: int = 0
+    prefix_tail: int = 1
 
     def __attrs_post_init__(self) -> None:
         _check(isinstance(self.engine_type, EngineType), "engine_type", f"{self.engine_type!r} must be an EngineType")
@@ -114,6 +117,10 @@ class SchedulerConfig:
                f"{self.max_preemptions!r} must be an int >= 0")
         _check(isinstance(self.headroom_steps, int) and 0 <= self.headroom_steps <= 2**20, "headroom_steps",
                f"{self.headroom_steps!r} must be an int in [0, 2**20]")
+        _check(isinstance(self.prefix_align, int) and self.prefix_align >= 0, "prefix_align",
+               f"{self.prefix_align!r} must be an int >= 0 (0: off), a multiple of the pool's block size")
+        _check(isinstance(self.prefix_tail, int) and self.prefix_tail >= 1, "prefix_tail",
+               f"{self.prefix_tail!r} must be an int >= 1")
 
 
 def _prompt(v: object) -> tuple[int, ...]:
@@ -169,6 +176,7 @@ class Plan:
         "_i64",
         "_names",
         "_nblk",
+        "_nk",
         "_npre",
         "_ntok",
         "num_rows",
@@ -180,7 +188,7 @@ class Plan:
     )
 
     def __init__(self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int) -> None:
-        step_id, step_type, self._i32, self._i64, self.num_rows, self._ntok, self._nblk, self._npre, _nk, \
+        step_id, step_type, self._i32, self._i64, self.num_rows, self._ntok, self._nblk, self._npre, self._nk, \
             self.predicted_ns, self.width = raw
         self.step_id = step_id
         self.step_type = StepType(step_type)
@@ -192,7 +200,7 @@ class Plan:
                 f"tokens={self._ntok}, blocks={self._nblk}, preempted={self.preempted})")
 
     # ---- the arrays (int32 buffer: num_tokens | start | sample | num_drafts | token_ids |
-    #      block_offsets | block_ids | kv_load_num_tokens; int64: seq_ids | preempted | kv_load_seq_ids)
+    #      block_offsets | block_ids | kv_load_num_tokens | cached; int64: seq_ids | preempted | kv_load_seq_ids)
     @property
     def seq_ids(self) -> np.ndarray:
         """int64 [n]: the scheduler's sequence id of each row."""
@@ -247,7 +255,15 @@ class Plan:
     @property
     def kv_load_num_tokens(self) -> np.ndarray:
         """int32: how many tokens of KV each of kv_load_seq_ids needs."""
-        return self._i32[5 * self.num_rows + self._ntok + 1 + self._nblk :]
+        a = 5 * self.num_rows + self._ntok + 1 + self._nblk
+        return self._i32[a : a + self._nk]
+
+    @property
+    def cached(self) -> np.ndarray:
+        """int32 [n]: -1, or for a row that is the first of an admission this step, the tokens of the
+        shared cached prefix it starts after (0: no hit; prefix sharing, ``Scheduler.set_prefix_sharing``)."""
+        a = 5 * self.num_rows + self._ntok + 1 + self._nblk + self._nk
+        return self._i32[a : a + self.num_rows]
 
     @property
     def block_tables(self) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Prefix caching in the engine (docs/swa.md): exact mode gives the tokens of a run without it.
+"""Prefix caching in the engine (docs/swa.md): exact mode gives the tokens of a run without it; hits share
+the cached blocks (refcount), they are not copied.
 
 Workloads of requests sharing long prefixes (so the tail and a block still fit: hits happen) run in two
 waves on one engine, so the second wave hits the first wave's blocks (and a preempted request re-hits its
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from deepinfer_core.engine import LLM, EngineConfig
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.swa import plan_replay
 
 EXACT = {"model": "tiny-random", "seed": 5, "dtype": "float64", "quantize": False}
 TAIL = 4 * 15 + 1  # the tiny model's exact decoder span: D (w - 1) + 1
@@ -67,10 +69,69 @@ def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(seed, n_prefi
         assert w.cached_tokens == 0 and g.cached_tokens % block_size == 0
         if g.cached_tokens:
             assert g.replayed_tokens >= TAIL  # exact mode replays the whole decoder span
-    # with room for the first wave's cached blocks beside the second wave's fresh ones, the second wave
-    # hits them (with less, admitting a request can evict its own prefix first: docs/swa.md, copied hits)
+    # the planner's largest hit for each prompt (whole groups, the tail left new) bounds every hit
+    pc = llm.engine.prefix
+    cap = [plan_replay(pc.cfg, len(p), len(p), pc.pending).hit for p in prompts]
+    most = [plan_replay(pc.cfg, len(p) + sp.max_tokens, len(p) + sp.max_tokens, pc.pending).hit  # after a preemption
+            for p, sp in zip(prompts, params)]
+    half = max(1, len(prompts) // 2)
+    for i, g in enumerate(got):
+        j = i if i < half else i - half
+        assert g.cached_tokens <= (cap[j] if not g.num_preemptions else most[j] * (1 + g.num_preemptions))
+    # the second wave's first request repeats the first wave's first prompt; with one request in the first
+    # wave nothing evicted its blocks, and admission takes them before allocating (shared, not copied, so
+    # its own allocation cannot evict them): it hits the whole planned cap, however tight the pool
+    if half == 1:
+        assert got[half].cached_tokens == cap[0] if not got[half].num_preemptions else got[half].cached_tokens >= cap[0]
     if spare >= 64:
-        assert sum(g.cached_tokens > 0 for g in got[max(1, len(prompts) // 2):]) >= 1
+        assert sum(g.cached_tokens > 0 for g in got[half:]) >= 1
+    _check_free(llm)
+
+
+def test_a_hit_shares_the_cached_blocks() -> None:
+    """A second request with a cached prefix takes the first's blocks by refcount while both run: the pool's
+    free count drops by its private blocks only, and its tokens equal a run without caching."""
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, 259, 150).tolist()
+    prompts = [[*prefix, 5, 6, 7], prefix + rng.integers(3, 259, 9).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = reference().generate(prompts, [params, params], use_tqdm=False)
+    bs = 16
+    llm = LLM(num_blocks=64, block_size=bs, max_num_seqs=4, async_scheduling=False, swa_replay="exact", **EXACT)
+    eng = llm.engine
+    pool, pc = eng.kv_pool, eng.prefix
+    cap = plan_replay(pc.cfg, len(prompts[1]), len(prompts[1]), pc.pending).hit
+    assert cap >= 4 * bs
+    outs: dict = {}
+
+    def step_until(rid: str, status: int) -> None:  # scheduler status: 0 waiting, 1 prefilling, 2 decoding
+        for _ in range(100):
+            if eng._reqs[rid].seq >= 0 and eng.scheduler.request_info(rid)["status"] >= status:
+                return
+            outs.update({o.request_id: o for o in eng.step()})
+        raise AssertionError(f"{rid} never reached status {status}")
+
+    eng.add_request("a", prompts[0], params)
+    step_until("a", 2)
+    a = eng._reqs["a"].seq
+    free = pool.num_free_blocks
+    ta0 = len(pool.block_table(a))
+    eng.add_request("b", prompts[1], params)
+    step_until("b", 1)
+    b = eng._reqs["b"].seq
+    ta, tb = pool.block_table(a), pool.block_table(b)
+    nh = cap // bs
+    assert tb[:nh].tolist() == ta[:nh].tolist()  # the same blocks, not copies
+    assert [pool.refcount(int(x)) for x in tb[:nh]] == [2] * nh
+    assert all(pool.refcount(int(x)) == 1 for x in tb[nh:])
+    assert pool.impl.num_pending_copy_ops == 0  # no copy-on-write: b never appends into a shared block
+    # b's private blocks only (plus any block a's decode reserved meanwhile), not its whole table
+    assert free - pool.num_free_blocks == len(tb) - nh + (len(ta) - ta0)
+    assert len(tb) - nh < len(tb) // 2
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert outs["b"].cached_tokens == cap
+    assert [outs["a"].token_ids, outs["b"].token_ids] == [w.token_ids for w in want]
     _check_free(llm)
 
 
