@@ -120,7 +120,8 @@ class PrefixCaching:
         dig = _digests(toks, self.bs)
         self.stats.lookups += 1
         ng = shared // self.bs
-        fetched = self.link.fetch(toks, ng) if self.link is not None else []
+        lim = max(0, n - self.tail) // self.al * self.al  # the planner keeps no more: fetch nothing past it
+        fetched = self.link.fetch(toks[:lim], ng) if self.link is not None and lim > shared else []
         hit = shared + len(fetched) * self.bs  # the external store continues the GPU hit block by block
         plan = plan_replay(self.cfg, n, hit, self.pending)
         if plan.hit > 0 and self.store.has(dig[plan.hit // self.bs - 1], plan.hit):
