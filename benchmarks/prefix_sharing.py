@@ -55,7 +55,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="a 128-token prefix, 4 requests (make bench)")
     args = ap.parse_args()
+    if args.quick:
+        args.prefix, args.requests = 128, 4
     logging.basicConfig(level=logging.WARNING)
     rng = np.random.default_rng(0)
     prefix = rng.integers(3, 259, args.prefix).tolist()
