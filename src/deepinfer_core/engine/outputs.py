@@ -11,6 +11,7 @@ STOP = "stop"  # EOS (unless ignore_eos), a stop_token_ids member, or the gramma
 LENGTH = "length"  # max_tokens outputs, or max_model_len tokens in all
 ABORT = "abort"  # LLMEngine.abort
 ERROR = "error"  # the request could not be served; ``error`` says why (the rest of the batch is unaffected)
+VIOLATION = "grammar_violation"  # structured.FinishReason.VIOLATION: the finished document failed its check
 
 
 @attrs.frozen(kw_only=True)
