@@ -29,7 +29,7 @@ _SUFFIX = ".kvb"
 _TMP = ".tmp."
 
 
-class FileKVStore:
+class FileKVStore(record.RecordReads):
     """``KVBlockStore`` over the directory ``root`` (created if missing).
 
     ``fsync=True`` (default) makes a put durable before it becomes visible (power loss included);
@@ -111,25 +111,11 @@ class FileKVStore:
             logger.warning("kvstore: corrupt or truncated block %s (treated as a miss)", path.name)
         return rec
 
-    def get(self, key: bytes) -> bytes | None:
-        rec = self._read(check_key(key))
-        if rec is None:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        return rec[1]
-
-    def exists(self, key: bytes) -> bool:
-        return self._read(check_key(key)) is not None
-
     def touch(self, key: bytes, *, traffic_class: str | None = None) -> bool:
         key = check_key(key)
-        if traffic_class is not None:
-            self.ttl.ttl_ns(traffic_class)  # validate before reading
-        rec = self._read(key)
-        if rec is None:
+        exp = self._touch_expiry_ns(key, traffic_class)
+        if exp is None:
             return False
-        exp = self.clock() + self.ttl.ttl_ns(rec[0] if traffic_class is None else traffic_class)
         try:
             os.utime(self.path(key), ns=(exp, exp))
         except FileNotFoundError:

@@ -133,6 +133,40 @@ class TTLPolicy:
             ) from None
 
 
+class RecordReads:
+    """``get`` / ``exists`` and ``touch``'s new expiry for a backend that stores checksummed records:
+    the backend gives ``_read(key) -> (traffic class, payload) | None`` (a missing, expired, corrupt or
+    truncated block is None), ``stats``, ``ttl`` and ``clock``."""
+
+    stats: object
+    ttl: TTLPolicy
+    clock: Clock
+
+    def _read(self, key: bytes) -> tuple[str, bytes] | None:  # pragma: no cover - each backend's own
+        raise NotImplementedError
+
+    def get(self, key: bytes) -> bytes | None:
+        rec = self._read(check_key(key))
+        if rec is None:
+            self.stats.misses += 1  # type: ignore[attr-defined]
+            return None
+        self.stats.hits += 1  # type: ignore[attr-defined]
+        return rec[1]
+
+    def exists(self, key: bytes) -> bool:
+        return self._read(check_key(key)) is not None
+
+    def _touch_expiry_ns(self, key: bytes, traffic_class: str | None) -> int | None:
+        """The expiry a ``touch`` sets (now + the TTL of ``traffic_class``, else of the block's own class),
+        or None when the block is not there. A bad class is refused before anything is read."""
+        if traffic_class is not None:
+            self.ttl.ttl_ns(traffic_class)
+        rec = self._read(key)
+        if rec is None:
+            return None
+        return self.clock() + self.ttl.ttl_ns(rec[0] if traffic_class is None else traffic_class)
+
+
 def block_keys(
     tokens: Sequence[int] | np.ndarray, block_size: int, extra_key: bytes | None = None, *, digest_size: int = 16
 ) -> list[bytes]:

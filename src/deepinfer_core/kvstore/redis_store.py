@@ -20,7 +20,7 @@ from deepinfer_core.kvstore.record import Clock, TTLPolicy, as_payload, check_ke
 logger = logging.getLogger(__name__)
 
 
-class RedisKVStore:
+class RedisKVStore(record.RecordReads):
     """``KVBlockStore`` on a Redis server. ``client`` is a ``redis.Redis`` (binary mode, i.e. without
     ``decode_responses``); or pass ``url`` ("redis://host:port/db") and one is made. ``namespace``
     prefixes every key so several stores (models, versions) can share a server."""
@@ -77,27 +77,13 @@ class RedisKVStore:
             logger.warning("kvstore: corrupt block %s in Redis (treated as a miss)", key.hex())
         return rec
 
-    def get(self, key: bytes) -> bytes | None:
-        rec = self._read(check_key(key))
-        if rec is None:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        return rec[1]
-
-    def exists(self, key: bytes) -> bool:
-        return self._read(check_key(key)) is not None
-
     def touch(self, key: bytes, *, traffic_class: str | None = None) -> bool:
         key = check_key(key)
-        if traffic_class is not None:
-            self.ttl.ttl_ns(traffic_class)
-        rec = self._read(key)
-        if rec is None:
+        exp = self._touch_expiry_ns(key, traffic_class)
+        if exp is None:
             return False
-        exp_ms = (self.clock() + self.ttl.ttl_ns(rec[0] if traffic_class is None else traffic_class)) // 1_000_000
         # XX-like: PEXPIREAT on a key deleted meanwhile returns 0 and creates nothing
-        return bool(self.client.pexpireat(self._k(key), exp_ms))
+        return bool(self.client.pexpireat(self._k(key), exp // 1_000_000))
 
     def delete(self, key: bytes) -> bool:
         return bool(self.client.delete(self._k(key)))
