@@ -19,7 +19,9 @@ std::vector<int32_t> StepScheduler::output_tokens(int64_t seq_id) const {
   auto it = slot_of_.find(seq_id);
   if (it == slot_of_.end()) bad("seq_id=" + s(seq_id) + ": unknown (never added, or ended and processed)");
   const Req& r = at(it->second);
-  return std::vector<int32_t>(r.tokens.begin() + r.prompt_len, r.tokens.end());
+  std::vector<int32_t> out(r.tokens.begin() + r.prompt_len, r.tokens.end());
+  out.insert(out.end(), r.stage, r.stage + r.nstage);
+  return out;
 }
 
 void StepScheduler::check_invariants() const {
@@ -48,7 +50,10 @@ void StepScheduler::check_invariants() const {
       fail(id + "preempted more than max_preemptions times");
     if (holds && r.kv_slots < r.num_computed) fail(id + "fewer KV slots than computed tokens");
     if (r.num_computed > r.total()) fail(id + "computed beyond its tokens");
-    if (r.known != static_cast<int64_t>(r.tokens.size()) || r.last_token != r.tokens.back()) fail(id + "token cache");
+    if (r.known != static_cast<int64_t>(r.tokens.size()) + r.nstage || r.last_token != r.token_at(r.known - 1))
+      fail(id + "token cache");
+    if (r.nstage < 0 || r.nstage > kStage || (r.nstage > 0 && r.status != Status::DECODING))
+      fail(id + "staged tokens outside DECODING");
     if (r.status == Status::DECODING && r.num_computed != r.total() - 1) fail(id + "decoding but not one token behind");
     if (r.pending < 0 || (r.pending > 0 && r.in_flight == 0)) fail(id + "pending tokens without an outstanding row");
     if (r.spec_in_flight < 0 || r.spec_in_flight > r.in_flight) fail(id + "verify rows in flight exceed rows in flight");

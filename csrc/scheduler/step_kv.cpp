@@ -27,6 +27,8 @@ int64_t StepScheduler::prefix_hit(const Req& r, std::vector<int32_t>& out) const
   const int64_t al = cfg_.prefix_align;
   const int64_t cap = std::max<int64_t>(0, static_cast<int64_t>(r.known) - cfg_.prefix_tail) / al * al;
   if (cap == 0 || pool_.num_cached_blocks() == 0) return 0;
+  // (admission candidates are WAITING, so none of their tokens is staged: the buffer is whole)
+  if (r.nstage != 0) throw std::logic_error("scheduler: prefix match over a request with staged tokens");
   static const std::string kNoKey;
   const int64_t got = pool_.match(r.tokens.data(), cap, kNoKey, out) / al * al;
   out.resize(static_cast<size_t>(got / pool_.block_size()));

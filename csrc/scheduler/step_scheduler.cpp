@@ -83,8 +83,8 @@ void StepScheduler::add_request(int64_t seq_id, const int32_t* prompt, int64_t n
   r.max_tokens = max_tokens;
   r.min_tokens = min_tokens;
   r.ignore_eos = ignore_eos;
-  r.stop_ids = stop_ids;
   r.has_stop = !stop_ids.empty();
+  if (r.has_stop) r.stop_ids = std::make_unique<std::vector<int32_t>>(stop_ids);
   slot_of_[seq_id] = slot;
   waiting_.push_back(slot);  // arrival is increasing, so waiting_ stays sorted by arrival
   ++live_;
@@ -148,9 +148,9 @@ __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec,
   out.cached.push_back(cached);
   const int64_t known = r.known;
   if (q == 1) {  // decode: the last known token, or the placeholder of the one still in flight
-    out.token_ids.push_back(r.num_computed == known - 1 ? r.last_token : r.num_computed < known ? r.tokens[r.num_computed] : -1);
+    out.token_ids.push_back(r.num_computed == known - 1 ? r.last_token : r.num_computed < known ? r.token_at(r.num_computed) : -1);
   } else {
-    for (int64_t p = r.num_computed; p < r.num_computed + q; ++p) out.token_ids.push_back(p < known ? r.tokens[p] : -1);
+    for (int64_t p = r.num_computed; p < r.num_computed + q; ++p) out.token_ids.push_back(p < known ? r.token_at(p) : -1);
   }
   r.num_computed += q;
   if (sample) r.pending += 1 + drafts;  // a verify row yields up to 1 + drafts tokens
@@ -298,6 +298,7 @@ void StepScheduler::preempt(int32_t slot, PlanOut& out) {
   ++total_preemptions_;
   discarded_tokens_ += r.num_computed;
   release(r);
+  r.flush();  // re-admission recomputes from the token buffer (and prefix matching reads it whole)
   // Output tokens (and any still in flight) are kept: the request is recomputed from prompt + output.
   r.num_computed = 0;
   r.prefill_target = 0;

@@ -13,7 +13,7 @@ FinishReason StepScheduler::stop_reason(const Req& r, int32_t tok) const {
   if (n_out >= r.min_tokens) {
     if (!r.ignore_eos && cfg_.eos_token_id >= 0 && tok == cfg_.eos_token_id) return FinishReason::STOP;
     if (r.has_stop)
-      for (int32_t t : r.stop_ids)
+      for (int32_t t : *r.stop_ids)
         if (t == tok) return FinishReason::STOP;
   }
   if (n_out >= r.max_tokens || r.known >= cfg_.max_model_len)
@@ -27,6 +27,7 @@ void StepScheduler::end(int32_t slot, FinishReason reason) {
   e.seq_id = r.seq_id;
   e.reason = reason;
   e.num_preemptions = r.num_preemptions;
+  r.flush();
   e.output.assign(r.tokens.begin() + r.prompt_len, r.tokens.end());
   if (r.kv_slots > 0) {
     if (reason == FinishReason::HANDOFF) e.handoff_blocks = r.blocks;
@@ -83,16 +84,12 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
   int64_t off = 0;
   const size_t nrows = rec.slots.size();
   for (size_t k = 0; k < nrows; ++k) {
-    // Prefetch as in schedule_decode: request lines 8 rows ahead, the token buffer's tail (where push
-    // writes) 4 rows ahead.
+    // Prefetch the request's two hot lines 8 rows ahead, as in schedule_decode (a decoding request's
+    // new tokens go to its inline stage, so the token buffer is not touched here but once per kStage steps).
     if (k + 8 < nrows) {
       const char* p = reinterpret_cast<const char*>(&at(rec.slots[k + 8]));
       __builtin_prefetch(p, 1);
       __builtin_prefetch(p + 64, 1);
-    }
-    if (k + 4 < nrows) {
-      const Req& a = at(rec.slots[k + 4]);
-      __builtin_prefetch(a.tokens.data() + a.known, 1);
     }
     const int32_t slot = rec.slots[k];
     Req& r = at(slot);
