@@ -34,6 +34,7 @@ import torch
 from _common import emit, log, parser
 from deepinfer_core.kv import PagedKVPool
 from deepinfer_core.model import DeepSeekV41, ForwardBatch, ModelExecutor
+from deepinfer_core.model.fusion import compiled_count
 from deepinfer_kernels import get_backend
 from model import wide_config
 
@@ -125,15 +126,20 @@ class Decoder:
         return out.logits
 
 
+MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager")
+
+
 def set_mode(ex: ModelExecutor, mode: str) -> None:
     """legacy: the plain row path (host syncs); off: sync-free eager; on: sync-free + CUDA graphs;
-    fused: graphs with the opt-in fused kernels (mhc_sinkhorn)."""
-    if mode not in ("legacy", "off", "on", "fused"):
-        raise SystemExit(f"--graphs: unknown mode {mode!r} (legacy, off, on, fused)")
+    fused: graphs with the opt-in fused kernels (mhc_sinkhorn); glue: graphs with the fused glue
+    (model.fusion: torch.compile of the small per-token functions); glue-eager: the same without graphs."""
+    if mode not in MODES:
+        raise SystemExit(f"--graphs: unknown mode {mode!r} ({', '.join(MODES)})")
     if hasattr(ex, "sync_free"):
         ex.sync_free = mode != "legacy"
-        ex.cuda_graphs = mode in ("on", "fused")
+        ex.cuda_graphs = mode in ("on", "fused", "glue")
         ex.fused_sinkhorn = mode == "fused"
+        ex.fuse_glue = mode in ("glue", "glue-eager")
     elif mode != "legacy":
         raise SystemExit("this executor has no sync-free path")
 
@@ -152,13 +158,15 @@ def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, fl
     launches = sum(e.count for e in ka if e.key in LAUNCH)
     syncs = sum(e.count for e in ka if e.key in SYNC)
     memcpy = sum(e.count for e in ka if e.key == "cudaMemcpyAsync")
-    dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in ka if getattr(e, "device_type", None) is not None
-                 and str(e.device_type).endswith("CUDA"))
+    on_dev = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in on_dev)
+    kernels = sum(e.count for e in on_dev)  # kernels and copies the GPU ran (inside graphs too)
     if table_path is not None:
         table_path.write_text(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
                               + "\n\n" + ka.table(sort_by="count", row_limit=30, max_name_column_width=90))
     return {"launches_per_step": launches / n, "syncs_per_step": syncs / n, "memcpy_async_per_step": memcpy / n,
-            "gpu_busy_pct": 100 * dev_us / 1e6 / wall, "profiled_ms_per_step": wall / n * 1e3}
+            "gpu_busy_pct": 100 * dev_us / 1e6 / wall, "profiled_ms_per_step": wall / n * 1e3,
+            "gpu_kernels_per_step": kernels / n, "gpu_ms_per_step": dev_us / 1e3 / n}
 
 
 def sync_sites(dec: Decoder) -> list[tuple[str, int]]:
@@ -268,9 +276,11 @@ def main() -> None:
                 dec.step()
                 sites = sync_sites(dec)
                 emit(BENCH, {**p, "mode": mode, "sites": sites[:40]}, "sync_sites_one_step", sum(n for _, n in sites), "syncs")
-            for _ in range(3):  # warm-up (captures the bucket's graph on its first use)
+            t0 = time.perf_counter()
+            for _ in range(3):  # warm-up (captures the bucket's graph on its first use; fused glue compiles)
                 dec.step()
             torch.cuda.synchronize()
+            emit(BENCH, {**p, "mode": mode}, "warmup_s", time.perf_counter() - t0, "s")
             t0 = time.perf_counter()
             for _ in range(steps):
                 dec.step()
@@ -284,14 +294,19 @@ def main() -> None:
             prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if keep else None)
             for k, v in prof.items():
                 emit(BENCH, pm, k, v, "%" if k.endswith("pct") else ("ms" if k.endswith("ms_per_step") else "count"))
-        if "on" in modes and "off" in modes:  # the same step eagerly and replayed (rolled back one token)
+            if mode.startswith("glue"):
+                emit(BENCH, pm, "fused_functions_compiled", compiled_count(), "count")
+        for m in (x for x in ("on", "fused", "glue") if x in modes and "off" in modes):
+            # the same step eagerly (sync-free, no fusion) and in mode m (rolled back one token)
             set_mode(dec.ex, "off")
             ref = dec.step().float()
             dec.pos -= 1
-            set_mode(dec.ex, "on")
+            set_mode(dec.ex, m)
             got = dec.step().float()
-            emit(BENCH, p, "graph_vs_eager_logits_rel_err", ((got - ref).norm() / ref.norm()).item(), "ratio")
-            emit(BENCH, p, "graph_vs_eager_argmax_agree", (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), "share")
+            q = {**p, "mode": m}
+            emit(BENCH, q, "vs_eager_logits_rel_err", ((got - ref).norm() / ref.norm()).item(), "ratio")
+            emit(BENCH, q, "vs_eager_argmax_agree", (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), "share")
+        if dec.ex.cuda_graphs or "on" in modes:
             emit(BENCH, p, "graphs_captured", dec.ex.graphs().captures, "count")
         del dec
         torch.cuda.empty_cache()

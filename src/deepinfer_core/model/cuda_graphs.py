@@ -89,6 +89,7 @@ class GraphKey:
     width: int
     entries: tuple[tuple[int, int], ...]  # (ratio, padded entry count), by ratio
     fused: bool = False  # the executor's opt-in fused kernels (a different body: its own graph)
+    glue: bool = False  # the executor's fused glue (model.fusion; a different body too)
 
 
 def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) -> np.ndarray:
@@ -165,7 +166,7 @@ class DecodeGraphs:
             return None
         return GraphKey(n, width_bucket(b.block_tables.shape[1]),
                         tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
-                        bool(getattr(self.ex, "fused_sinkhorn", False)))
+                        bool(getattr(self.ex, "fused_sinkhorn", False)), bool(getattr(self.ex, "fuse_glue", False)))
 
     def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int],
             engram_rows: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:

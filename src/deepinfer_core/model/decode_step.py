@@ -29,6 +29,7 @@ import torch
 
 from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
+from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
 from deepinfer_core.model.layers.moe import static_shapes
@@ -160,7 +161,8 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
     # opt-in (``executor.fused_sinkhorn = True``): the mHC Sinkhorn as one TileLang kernel per layer
     # instead of 80 torch launches; off by default until an H200 run has checked it
     fused = ex.backend.op("mhc_sinkhorn") if getattr(ex, "fused_sinkhorn", False) and ex.backend else None
-    with static_shapes(row_mask=valid), sinkhorn_impl(fused), cached_angles():
+    # ``executor.fuse_glue``: the model's small functions compiled into fused kernels (model.fusion)
+    with static_shapes(row_mask=valid), sinkhorn_impl(fused), cached_angles(), fused_glue(getattr(ex, "fuse_glue", False)):
         hidden, counts = ex.model.run_layers(
             inp.tokens, lambda lid, a, x: attend_rows(ex, lid, a, x, inp, sel, pools, valid),
             capture=capture, engram_rows=inp.engram)

@@ -55,13 +55,16 @@ class ModelExecutor(ReplayMixin):
     synchronisation (:mod:`~deepinfer_core.model.decode_step`), and with ``cuda_graphs`` pure-decode
     batches replay CUDA graphs captured per batch bucket (``cuda_graph_buckets``;
     :mod:`~deepinfer_core.model.cuda_graphs`); ``cuda_graphs=False`` (DEEPINFER_CUDA_GRAPHS=0) runs them
-    eagerly. Both attributes may be changed between steps.
+    eagerly. ``fuse_glue`` compiles the step's small per-token functions into fused kernels
+    (:mod:`~deepinfer_core.model.fusion`, torch.compile; the first step of each new shape compiles).
+    These attributes may be changed between steps.
     """
 
     def __init__(self, model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int,
                  backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None,
                  engram_placement: str = "local", engram_group: object | None = None, seed: int = 0,
-                 cuda_graphs: bool = True, cuda_graph_buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
+                 cuda_graphs: bool = True, cuda_graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 fuse_glue: bool = False) -> None:
         for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
                             ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
             if not isinstance(v, int) or v < lo:
@@ -84,6 +87,8 @@ class ModelExecutor(ReplayMixin):
         self.sync_free = backend is not None and self.device.type == "cuda"
         self.cuda_graphs = bool(cuda_graphs) and self.sync_free
         self._graph_buckets = check_buckets(cuda_graph_buckets)
+        # the sync-free step's small functions compiled into fused kernels (model.fusion; torch.compile)
+        self.fuse_glue = bool(fuse_glue) and self.sync_free
         self._graphs: DecodeGraphs | None = None
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers

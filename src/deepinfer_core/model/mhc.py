@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
+from deepinfer_core.model.fusion import fusable, glue_on
 
 __all__ = ["MHCResidual", "sinkhorn", "sinkhorn_impl"]
 
@@ -63,6 +64,38 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
+@fusable
+def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
+                      iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, S, n], post [T, S, n], res [T, S, n, n]) in the state's dtype for the S sublayers whose
+    ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k] are given; ``sk`` None: :func:`sinkhorn`."""
+    # coefficients in >= float32 (a bf16 Sinkhorn drifts); the stream update stays in the model dtype
+    cd = torch.float64 if state.dtype == torch.float64 else torch.float32
+    x = state.reshape(state.shape[0], -1).to(cd)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    phi, a, b = phi.to(cd), alpha.to(cd), bias.to(cd)
+    raw = torch.einsum("tc,skc->tsk", x, phi)  # [T, S, k]
+    pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
+    post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
+    # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
+    res = (sk or sinkhorn)((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), iters)
+    dt = state.dtype
+    return pre.to(dt), post.to(dt), res.to(dt)
+
+
+@fusable
+def _mix_in(pre: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j state_j: [T, n] x [T, n, D] -> [T, D]."""
+    return torch.einsum("tn,tnd->td", pre, state)
+
+
+@fusable
+def _mix_out(res: torch.Tensor, state: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """res @ state + post * out: the streams after a sublayer, [T, n, D]."""
+    return torch.einsum("tij,tjd->tid", res, state) + post[:, :, None] * out[:, None, :]
+
+
 class MHCResidual(nn.Module):
     """Drop-in for ``PlainResidual`` (``begin``, ``sublayer_input``, ``sublayer_output``, ``end``)."""
 
@@ -88,24 +121,15 @@ class MHCResidual(nn.Module):
         self.bias.copy_(torch.randn(self.bias.shape, generator=gen, device=dev))
 
     def _coefficients(self, state: torch.Tensor, layer: int, subs: tuple[int, ...]) -> None:
-        n = self.n
-        # coefficients in >= float32 (a bf16 Sinkhorn drifts); the stream update stays in the model dtype
-        cd = torch.float64 if state.dtype == torch.float64 else torch.float32
-        x = state.reshape(state.shape[0], -1).to(cd)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         # subs are consecutive ((0, 1) or (s,)): a slice, not a list index (which would copy the index to
         # the device and synchronise, and cannot be captured in a CUDA graph)
         idx = slice(subs[0], subs[-1] + 1)
-        phi, a, b = self.phi[layer, idx].to(cd), self.alpha[layer, idx].to(cd), self.bias[layer, idx].to(cd)
-        raw = torch.einsum("tc,skc->tsk", x, phi)  # [T, S, k]
-        pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
-        post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
-        # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
-        sk = _SINKHORN.get() or sinkhorn
-        res = sk((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), self.iters)
-        dt = state.dtype
+        # fused glue: the torch Sinkhorn inside the compiled function (its size-n reductions fuse)
+        sk = None if glue_on() else _SINKHORN.get()
+        pre, post, res = _mhc_coefficients(state, self.phi[layer, idx], self.alpha[layer, idx], self.bias[layer, idx],
+                                           self.n, self.iters, self.eps, sk)
         for i, sub in enumerate(subs):
-            self._pending[(layer, sub)] = (pre[:, i].to(dt), post[:, i].to(dt), res[:, i].to(dt))
+            self._pending[(layer, sub)] = (pre[:, i], post[:, i], res[:, i])
 
     def coefficients(self, state: torch.Tensor, layer: int, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, n], post [T, n], res [T, n, n]) of one sublayer for streams ``state`` (tests, docs)."""
@@ -120,12 +144,11 @@ class MHCResidual(nn.Module):
         if (layer_id, sub) not in self._pending:
             subs = (0, 1) if self.single_pass and sub == 0 else (sub,)
             self._coefficients(state, layer_id, subs)
-        pre = self._pending[(layer_id, sub)][0]
-        return torch.einsum("tn,tnd->td", pre, state)
+        return _mix_in(self._pending[(layer_id, sub)][0], state)
 
     def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
         _, post, res = self._pending.pop((layer_id, sub))
-        return torch.einsum("tij,tjd->tid", res, state) + post[:, :, None] * out[:, None, :]
+        return _mix_out(res, state, post, out)
 
     def collapse(self, state: torch.Tensor) -> torch.Tensor:
         """Streams summed, [T, D] (what ``end`` returns; also the captured per-layer state)."""

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, ModelConfig
+from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.compressor import Compressor
 from deepinfer_core.model.layers.indexer import IndexerQuery
 from deepinfer_core.model.layers.norm import RMSNorm
@@ -80,6 +81,7 @@ class Attention(nn.Module):
         return mid.reshape(n, -1) @ self.wo_b.t()
 
 
+@fusable
 def sink_attention(
     q: torch.Tensor,
     k_a: torch.Tensor,

@@ -17,7 +17,8 @@ import math
 import torch
 from torch import nn
 
-from deepinfer_core.model.layers.norm import RMSNorm
+from deepinfer_core.model.fusion import fusable
+from deepinfer_core.model.layers.norm import RMSNorm, rms_norm
 from deepinfer_core.model.layers.rope import apply_rope
 
 
@@ -66,12 +67,20 @@ class Compressor(nn.Module):
 
     def pool_groups(self, groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Entries [M, out_dim] from per-group states [M, ratio, state_dim] of entries ``entry_ids`` [M]."""
-        r, d = self.ratio, self.out_dim
-        if r == 1:
-            ent = groups[:, 0]
-        else:
-            v, sc = groups[..., :d], groups[..., d:] + self.ape.to(groups.dtype)[None]
-            ent = (torch.softmax(sc, dim=1) * v).sum(1)
-        ent = self.norm(ent)
-        pos = entry_ids * r + (r - 1 if self.rope_at == "last" else 0)
-        return apply_rope(ent, pos, inv_freq, self.rope_dim, self.rope_interleave)
+        return _pool_groups(groups, entry_ids, inv_freq, self.ape if self.ratio > 1 else None, self.norm.weight,
+                            self.norm.eps, self.ratio, self.out_dim, self.rope_dim, self.rope_at, self.rope_interleave)
+
+
+@fusable
+def _pool_groups(groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor, ape: torch.Tensor | None,
+                 norm_w: torch.Tensor, eps: float, r: int, d: int, rope_dim: int, rope_at: str,
+                 interleave: bool) -> torch.Tensor:
+    if r == 1:
+        ent = groups[:, 0]
+    else:
+        assert ape is not None
+        v, sc = groups[..., :d], groups[..., d:] + ape.to(groups.dtype)[None]
+        ent = (torch.softmax(sc, dim=1) * v).sum(1)
+    ent = rms_norm(ent, norm_w, eps)
+    pos = entry_ids * r + (r - 1 if rope_at == "last" else 0)
+    return apply_rope(ent, pos, inv_freq, rope_dim, interleave)

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.rope import apply_rope
 
 NEG = float("-inf")
@@ -43,16 +44,19 @@ class IndexerQuery(nn.Module):
         return q, w
 
 
+@fusable
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Scores [N, E] of queries [N, H, d] (weights [N, H]) against keys [E, d] or per row [N, E, d]."""
     eq = "nhd,ed->nhe" if keys.dim() == 2 else "nhd,ned->nhe"
     return torch.einsum("nh,nhe->ne", w, torch.relu(torch.einsum(eq, q, keys)))
 
 
+@fusable
 def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~allowed, NEG)
 
 
+@fusable
 def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Entry ids [N, k'] (k' = min(k, E)) and validity [N, k'] of the top-k unmasked scores per row."""
     k = min(k, scores.shape[1])
@@ -68,6 +72,7 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return m
 
 
+@fusable
 def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
     """Boolean [N, E] pool of the hierarchical candidate blocks.
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
+from deepinfer_core.model.fusion import fusable
 
 # static mode on in this context (see the module docstring); a context variable, not a module attribute,
 # so an executor turns it on for its own steps only
@@ -60,6 +61,7 @@ def _grouped_ok(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+@fusable
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit); ``limit`` 0 disables the clamp.
 
@@ -129,6 +131,38 @@ def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+@fusable
+def _route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scoring: str, norm_topk: bool,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = route_scores(x @ gate.t(), scoring)
+    ids = torch.topk(scores + bias, k, dim=-1).indices
+    w = scores.gather(-1, ids)
+    if norm_topk:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w * scale
+
+
+@fusable
+def _dispatch(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Static mode's dispatch: (counted tokens per expert, the pairs' expert-sorted order, group end
+    offsets int32 over every computed row)."""
+    per_expert = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    if row_mask is None:
+        counts = per_expert
+    else:  # masked rows (a graph's padding) are computed but not counted
+        one = row_mask.to(flat.dtype)[:, None].expand(-1, k).reshape(-1)
+        counts = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, one)
+    order = torch.argsort(flat, stable=True)
+    return counts, order, torch.cumsum(per_expert, 0).to(torch.int32)
+
+
+@fusable
+def _combine(y: torch.Tensor, w: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Expert outputs in sorted order, weighted, back to flat (token, k) order, the k slots summed."""
+    y = y * w.reshape(-1)[order, None]
+    return torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1).sum(1)
+
+
 class MoE(nn.Module):
     """Routed experts (stacked weights [E, ...]) plus ``n_shared_experts`` always-on experts."""
 
@@ -163,12 +197,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [N, k] and weights [N, k] for tokens ``x`` [N, D]."""
-        scores = route_scores(x @ self.gate.t(), self.scoring)
-        ids = torch.topk(scores + self.gate_bias, self.top_k, dim=-1).indices
-        w = scores.gather(-1, ids)
-        if self.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
-        return ids, w * self.scale
+        return _route(x, self.gate, self.gate_bias, self.top_k, self.scoring, self.norm_topk, self.scale)
 
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Physical slot [N, k] of each token-expert pair: per expert, round robin over its replicas in
@@ -224,22 +253,13 @@ class MoE(nn.Module):
         n, e, k = x.shape[0], self.n_experts, self.top_k
         ids, w = self.route(x)
         flat = ids.reshape(-1)
-        per_expert = torch.zeros(e, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        if row_mask is None:
-            counts = per_expert
-        else:  # masked rows (a graph's padding) are computed but not counted
-            one = row_mask.to(flat.dtype).repeat_interleave(k)
-            counts = torch.zeros(e, dtype=torch.long, device=x.device).scatter_add_(0, flat, one)
+        counts, order, offs = _dispatch(flat, e, k, row_mask)
         if _grouped_ok(x):
-            order = torch.argsort(flat, stable=True)
-            xs = x[order // k]
-            offs = torch.cumsum(per_expert, 0).to(torch.int32)  # group bounds over every computed row
+            xs = x[order // k]  # group bounds (offs) over every computed row
             g = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
             u = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
             y = torch._grouped_mm(clamped_swiglu(g, u, self.limit), self.w2.transpose(-2, -1), offs=offs)
-            y = y * w.reshape(-1)[order, None]
-            # back to flat (token, k) order, then the k slots of a token summed as in forward()
-            out = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1).sum(1)
+            out = _combine(y, w, order, n, k)
         else:
             wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
             out = torch.zeros_like(x)

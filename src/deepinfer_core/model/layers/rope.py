@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.model.fusion import fusable, glue_on
+
 # (positions, inv_freq, dtype) -> (positions, inv_freq, cos, sin) inside :func:`cached_angles`; the key
 # tensors are kept in the value so their ids cannot be reused while the cache lives
 _ANGLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rope_angles", default=None)
@@ -73,7 +75,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     """
     if rope_dim == 0:
         return x
+    if glue_on():  # fused: the angles are recomputed inside the one kernel (cheaper than reading a cache)
+        return _rope_fused(x, positions, inv_freq, rope_dim, interleave)
+    if torch.compiler.is_compiling():  # traced inside another fused function: no cache either
+        return _rope_fused.eager(x, positions, inv_freq, rope_dim, interleave)  # type: ignore[attr-defined]
     cos, sin = _cos_sin(positions, inv_freq, x.dtype)
+    return _rotate(x, cos, sin, rope_dim, interleave)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleave: bool) -> torch.Tensor:
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
     d, h = x.shape[-1], rope_dim // 2
@@ -86,3 +96,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         a, b = tail[..., :h], tail[..., h:]
         rot = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
     return torch.cat((x[..., : d - rope_dim], rot), dim=-1)
+
+
+@fusable
+def _rope_fused(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+                interleave: bool) -> torch.Tensor:
+    ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    return _rotate(x, torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype), rope_dim, interleave)

@@ -1,0 +1,126 @@
+"""Fused glue (model.fusion): marked functions run plain outside ``fused_glue``, compiled inside, and the
+sync-free step with the glue compiled equals the plain row path.
+
+CPU: compiled with ``aot_eager`` (dynamo + AOT tracing, no code generation), which checks that every
+marked function on the decode path compiles whole (``fullgraph``) and computes the same values. GPU
+(marked ``gpu``): Inductor's Triton kernels inside CUDA graphs, against the eager step and the float64
+CPU reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer_core.model import fusion
+from deepinfer_core.model.config import flash_config, tiny_config
+from deepinfer_core.model.layers.norm import rms_norm
+from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_kernels import get_backend
+
+from .session import Session
+from .test_cuda_graphs import _cuda_session, _greedy, _run_steps, _sync_free
+
+
+@pytest.fixture
+def counting_backend() -> Iterator[list[int]]:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    fusion.set_backend(backend)
+    try:
+        yield graphs
+    finally:
+        fusion.set_backend(None)
+
+
+def test_fusable_is_plain_outside_the_block_and_compiled_inside(counting_backend: list[int]) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 64, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
+    want = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w  # the oracle, written out
+    assert torch.allclose(rms_norm(x, w, 1e-6), want, rtol=1e-12, atol=0)
+    assert counting_backend == [] and fusion.compiled_count() == 0
+    with fusion.fused_glue():
+        assert fusion.glue_on()
+        got = rms_norm(x, w, 1e-6)
+    assert not fusion.glue_on()
+    assert counting_backend and fusion.compiled_count() == 1
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    with fusion.fused_glue(False):
+        rms_norm(x, w, 1e-6)
+    assert len(counting_backend) == 1  # off: the plain function, nothing compiled
+
+
+def test_sync_free_step_with_fused_glue_equals_plain_path(model64: DeepSeekV41) -> None:
+    """Every marked function on the decode path compiles whole (fullgraph; aot_eager) and the steps
+    (prefill chunks, decode with a late joiner, a verify-sized step) give the plain path's logits."""
+    fusion.set_backend("aot_eager")
+    try:
+        g = torch.Generator().manual_seed(13)
+        seqs = {i: torch.randint(0, 512, (60,), generator=g) for i in range(3)}
+        plain = _run_steps(Session(model64), seqs)
+        s = _sync_free(Session(model64, quantize=True), get_backend("reference"))
+        s.ex.fuse_glue = True
+        fast = _run_steps(s, seqs)
+        ref_q = _run_steps(Session(model64, quantize=True), seqs)
+        # the names the decode path marks: mHC coefficients and mixes, norms, RoPE, routing, dispatch,
+        # SwiGLU, attention, indexer scores / masks / top-k / candidates, compressor pooling
+        assert fusion.compiled_count() >= 12
+    finally:
+        fusion.set_backend(None)
+    assert (fast - ref_q).abs().max().item() < 1e-10
+    assert (plain - ref_q).abs().max().item() > 0  # the quantised caches do change the logits
+
+
+# ---------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+def test_fused_glue_graphs_quantized_v41_head_widths() -> None:
+    """Inductor kernels replayed inside CUDA graphs (bf16, FP4 / FP8 / MXFP4 caches): greedy tokens as
+    the unfused eager steps, logits close."""
+
+    cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
+                       q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
+                       kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2, 3], num_encoder_layers=2,
+                       index_n_heads=4, candidate_source_layer_id=2, candidate_topk_blocks=8, index_topk=32,
+                       n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
+                       engram_table_sizes=[1009], hc_mult=4, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
+                       dspark_noise_token_id=2047)
+    model = DeepSeekV41.from_config(cfg, seed=5, dtype=torch.bfloat16, device="cuda", init_on_device=True)
+    g = torch.Generator().manual_seed(25)
+    prompts = {i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))}
+    kw = dict(slots=8, blocks=128, block_size=64)
+    te, le = _greedy(_cuda_session(model, True, graphs=False, **kw), prompts, 16, drop_at=6)
+    s = _cuda_session(model, True, graphs=True, **kw)
+    s.ex.fuse_glue = True
+    tg, lg = _greedy(s, prompts, 16, drop_at=6)
+    assert not s.ex.graphs().disabled and s.ex.graphs().captures >= 2 and fusion.compiled_count() >= 10
+    same = sum(a == b for x, y in zip(te, tg) for a, b in zip(x, y))
+    assert same >= 0.95 * sum(map(len, te)), (te, tg)
+    errs = [((a - b).norm() / a.norm()).item() for a, b in zip(le, lg)]
+    assert float(np.median(errs)) < 2e-2, errs
+
+
+@pytest.mark.gpu
+def test_fused_glue_float64_equals_the_cpu_reference() -> None:
+    """Greedy outputs with the glue compiled for the GPU (float64, exact caches, graphs on) equal the
+    reference backend's on the CPU to 1e-9."""
+    cpu = DeepSeekV41.from_config(tiny_config(), seed=9, dtype=torch.float64)
+    gpu = DeepSeekV41.from_config(tiny_config(), seed=9, dtype=torch.float64, device="cuda")
+    g = torch.Generator().manual_seed(42)
+    prompts = {i: torch.randint(0, 512, (int(n),), generator=g) for i, n in enumerate((35, 22, 41))}
+    tr, lr = _greedy(Session(cpu), prompts, 10, drop_at=4)
+    s = _cuda_session(gpu, False, graphs=True)
+    s.ex.fuse_glue = True
+    tg, lg = _greedy(s, prompts, 10, drop_at=4)
+    assert tg == tr
+    assert max((a - b).abs().max().item() for a, b in zip(lr, lg)) < 1e-9
