@@ -165,9 +165,37 @@ def read_plan(plan: Plan) -> None:
          plan.context_lens, plan.preempted, plan.num_rows, plan.block_offsets, plan.block_ids)
 
 
-def scale_one(n: int, block: int, steps: int) -> dict[str, float]:
-    """Median CPU us of a decode step (api, read) and of the dense view / request ids of its plan."""
-    s = build(n, False, block=block, waiting=0)
+SCALE_ROUND = 80  # steps: a multiple of the core's 10-token output stage and of block size 16
+
+
+def build_scaling(n: int, block: int) -> Scheduler:
+    """n requests decoding in the same state at every n: all prompts are prefilled before the first decode
+    step (prefill intervals 0), so every request has the same output count whatever n is; prompts of
+    512-527 tokens (by request index), so the requests cross block boundaries at staggered steps."""
+    pool = PagedKVPool(n * (1536 // block + 3) + 16, block)
+    cfg = SchedulerConfig(max_num_seqs=n, max_model_len=8192, eos_token_id=0, prefill_attempt_interval=0,
+                          prefill_any_attempt_interval=0)
+    s = Scheduler(pool, cfg)
+    sp = SamplingParams(max_tokens=1024, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        s.add_request(Request(f"r{i}", rng.integers(1, 1000, size=PROMPT + i % 16), sp))
+    while True:
+        plan = s.schedule()
+        if plan.step_type is not StepType.PREFILL:
+            break
+        s.update(plan, np.full(plan.num_rows, 7, dtype=np.int32))
+    assert plan.num_rows == n and s.num_running == n, (plan.num_rows, s.num_running)
+    s.update(plan, np.full(n, 7, dtype=np.int32))
+    return s
+
+
+def scale_one(n: int, block: int, rounds: int) -> dict[str, float]:
+    """CPU us of a decode step (api; read: also reading the plan's arrays), each the median over rounds
+    of the mean of SCALE_ROUND consecutive steps (periodic work, the output stage's flush every 10
+    steps and a new block every block_size steps, is inside every round the same number of times), and
+    of the dense view / request ids of a plan (median over calls)."""
+    s = build_scaling(n, block)
     toks = np.full(n, 7, dtype=np.int32)
     box: list[Plan] = []
 
@@ -180,24 +208,35 @@ def scale_one(n: int, block: int, steps: int) -> dict[str, float]:
         box[:] = [plan]
         s.update(plan, toks)
 
-    fns = {"api": api, "read": read, "dense": lambda: box[0].dense_block_tables(), "ids": lambda: box[0].request_ids,
-           "ids_array": lambda: box[0].request_id_array()}
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    read()
-    for _ in range(max(1, steps // 5)):  # rounds of 5 consecutive calls per path, alternating
-        for k, fn in fns.items():
-            for _ in range(5):
-                cpu[k].append(cpu_us(fn))
-    return {k: statistics.median(v) for k, v in cpu.items()}
+    for _ in range(SCALE_ROUND // 4):  # warm-up (caches, recycled plan buffers, page faults)
+        read()
+    steps: dict[str, list[float]] = {"api": [], "read": []}
+    calls: dict[str, Callable[[], object]] = {
+        "dense": lambda: box[0].dense_block_tables(), "ids": lambda: box[0].request_ids,
+        "ids_array": lambda: box[0].request_id_array()}
+    once: dict[str, list[float]] = {k: [] for k in calls}
+    # api rounds, with a read round after every other one (each request has 1,024 tokens to give, so
+    # rounds x 80 steps must stay below that)
+    for r in range(rounds):
+        for k, fn in (("api", api), ("read", read)) if r % 2 == 0 else (("api", api),):
+            t0 = time.thread_time_ns()
+            for _ in range(SCALE_ROUND):
+                fn()
+            steps[k].append((time.thread_time_ns() - t0) / SCALE_ROUND / 1e3)
+        for k, fn in calls.items():
+            once[k].extend(cpu_us(fn) for _ in range(5))
+    return {**{k: statistics.median(v) for k, v in steps.items()}, **{k: statistics.median(v) for k, v in once.items()},
+            "api_min": min(steps["api"]), "api_max": max(steps["api"])}
 
 
-def scaling(sizes: list[int], blocks: list[int], steps: int) -> None:
+def scaling(sizes: list[int], blocks: list[int], rounds: int) -> None:
     """Per-request decode-step cost against the running count, per block size (ratios to the smallest N)."""
     for block in blocks:
         base: float | None = None
         for n in tqdm(sizes, desc=f"scaling, block {block}"):
-            med = scale_one(n, block, steps)
-            params = {"running": n, "block_size": block, "prompt": PROMPT, "steps": steps,
+            med = scale_one(n, block, rounds)
+            params = {"running": n, "block_size": block, "prompt": f"{PROMPT}-{PROMPT + 15}",
+                      "steps_per_round": SCALE_ROUND, "rounds": rounds,
                       "blocks_per_row": -(-(PROMPT + 1) // block)}
             per = 1e3 * med["api"] / n
             base = per if base is None else base
@@ -209,10 +248,10 @@ def scaling(sizes: list[int], blocks: list[int], steps: int) -> None:
             emit(BENCH, {**params, "path": "ids_array"}, "cpu_us", round(med["ids_array"], 1), "us")
             emit(BENCH, params, "ids_over_step", round(med["ids"] / med["api"], 3), "ratio")
             emit(BENCH, params, "ids_array_over_step", round(med["ids_array"] / med["api"], 3), "ratio")
-            log(f"scaling N={n} block={block}: {per:.0f} ns/request ({per / base:.2f}x N={sizes[0]}), "
-                f"with reads {1e3 * med['read'] / n:.0f}; dense view {med['dense']:.0f} us, "
-                f"request ids {med['ids']:.0f} us ({med['ids'] / med['api']:.1%} of the step; as an array "
-                f"{med['ids_array'] / med['api']:.1%})")
+            log(f"scaling N={n} block={block}: {per:.1f} ns/request ({per / base:.2f}x N={sizes[0]}; rounds "
+                f"{1e3 * med['api_min'] / n:.1f}-{1e3 * med['api_max'] / n:.1f}), with reads {1e3 * med['read'] / n:.1f}; "
+                f"dense view {med['dense']:.0f} us, request ids {med['ids']:.0f} us ({med['ids'] / med['api']:.1%} "
+                f"of the step; as an array {med['ids_array'] / med['api']:.1%})")
 
 
 def fixed_cost(steps: int) -> None:
@@ -417,7 +456,7 @@ def main() -> None:
     if "fixed" in parts:
         fixed_cost(30 if args.quick else 100)
     if "scaling" in parts:
-        scaling([1024, 4096] if args.quick else [1024, 4096, 16384], [16, 256], 10 if args.quick else 40)
+        scaling([1024, 4096] if args.quick else [1024, 4096, 16384], [16, 256], 2 if args.quick else 5)
     rows = trace(500 if args.quick else TRACE_STEPS, [0.7] if args.quick else [0.5, 0.6, 0.7, 0.85]) \
         if "trace" in parts else {}
     if args.plot and results:

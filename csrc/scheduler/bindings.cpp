@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <mutex>
 
 #include "core/buffers.h"
 #include "core/registry.h"
+#include "scheduler/plan_buffer.h"
 #include "scheduler/step_scheduler.h"
 
 namespace nb = nanobind;
@@ -24,100 +24,34 @@ nb::ndarray<nb::numpy, T> to_np(const std::vector<T>& v) {
   return a;
 }
 
-// Large plan buffers are recycled: a fresh multi-megabyte allocation is mmap'ed by malloc and
-// page-faulted in on every step (perf at 16,384 rows, block size 16: the kernel's fault path was ~15%
-// of the step), so a buffer Python drops goes back to a small free list for the next plan.
-struct Recycler {
-  static constexpr size_t kMinBytes = 64 << 10;  // smaller ones: malloc is cheap enough
-  static constexpr size_t kKeep = 8;
-  static constexpr size_t kHeader = 64;          // capacity stored in front of the data
-  std::mutex mu;
-  std::vector<char*> free;  // bases
-
-  char* take(size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      for (size_t i = 0; i < free.size(); ++i) {
-        const size_t c = *reinterpret_cast<const size_t*>(free[i]);
-        if (c >= bytes && c <= 2 * bytes) {  // never hand a much larger buffer to a small plan
-          char* base = free[i];
-          free[i] = free.back();
-          free.pop_back();
-          return base;
-        }
-      }
-    }
-    const size_t cap = bytes + bytes / 4;  // room for the plan to grow a little
-    char* base = static_cast<char*>(::operator new(kHeader + cap));
-    *reinterpret_cast<size_t*>(base) = cap;
-    return base;
-  }
-  void give(char* base) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (free.size() < kKeep) {
-        free.push_back(base);
-        return;
-      }
-    }
-    ::operator delete(base);
-  }
-};
-
-Recycler& recycler() {
-  static Recycler* r = new Recycler();  // never destroyed: arrays may outlive module teardown
-  return *r;
+// A numpy array that owns a buffer from take_buffer (given back when Python drops it).
+template <typename T>
+nb::ndarray<nb::numpy, T> owned_array(void* data, size_t n) {
+  size_t shape[1] = {n};
+  nb::capsule owner(data, [](void* p) noexcept { di::sched::give_buffer(p); });
+  return nb::ndarray<nb::numpy, T>(static_cast<T*>(data), 1, shape, owner);
 }
 
-// A numpy array over an uninitialised buffer (the caller writes every element: zero-filling a plan's
-// block ids first was a second pass over most of its bytes).
+// A numpy array over a recycled buffer (plan_buffer.h), uninitialised: the caller writes every element
+// (zero-filling first was a second pass over most of the bytes of a dense table).
 template <typename T>
 nb::ndarray<nb::numpy, T> raw_array(size_t n) {
-  const size_t bytes = (n > 0 ? n : 1) * sizeof(T);
-  size_t shape[1] = {n};
-  if (bytes < Recycler::kMinBytes) {
-    T* data = new T[n > 0 ? n : 1];
-    nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
-    return nb::ndarray<nb::numpy, T>(data, 1, shape, owner);
-  }
-  char* base = recycler().take(bytes);
-  nb::capsule owner(base + Recycler::kHeader,
-                    [](void* p) noexcept { recycler().give(static_cast<char*>(p) - Recycler::kHeader); });
-  return nb::ndarray<nb::numpy, T>(reinterpret_cast<T*>(base + Recycler::kHeader), 1, shape, owner);
+  void* data = di::sched::take_buffer((n > 0 ? n : 1) * sizeof(T));
+  return owned_array<T>(data, n);
 }
 
-// The plan as two flat buffers (one int32, one int64) that Python slices into the plan's arrays:
-// creating a numpy array through the binding costs about a microsecond each, and a plan has ten.
-nb::tuple plan_tuple(const StepScheduler& s, const di::sched::PlanOut& p) {
-  const size_t n = p.seq_ids.size(), ntok = p.token_ids.size();
-  const size_t nblk = static_cast<size_t>(p.block_offsets.back());
+// The plan's two flat buffers, which the core wrote it into, become numpy arrays as they are (no copy);
+// Python slices them into the plan's arrays (creating an array through the binding costs about a
+// microsecond each, and a plan has eleven). Region layout: see PlanOut.
+nb::tuple plan_tuple(di::sched::PlanOut& p) {
+  const size_t n = p.seq_ids.size(), ntok = p.token_ids.size(), nblk = p.block_ids.size();
   const size_t np_ = p.preempted.size(), nk = p.kv_load_ids.size();
-  auto i32 = raw_array<int32_t>(4 * n + ntok + n + 1 + nblk + nk + n);
-  auto i64 = raw_array<int64_t>(n + np_ + nk);
-  {
-    nb::gil_scoped_release release;
-    int32_t* o = i32.data();
-    auto put32 = [&o](const int32_t* src, size_t len) {
-      if (len) std::memcpy(o, src, len * sizeof(int32_t));
-      o += len;
-    };
-    put32(p.num_tokens.data(), n);
-    put32(p.start.data(), n);
-    for (size_t k = 0; k < n; ++k) *o++ = p.sample[k];
-    put32(p.num_drafts.data(), n);
-    put32(p.token_ids.data(), ntok);
-    put32(p.block_offsets.data(), n + 1);
-    put32(s.block_ids().data(), nblk);
-    put32(p.kv_load_tokens.data(), nk);
-    put32(p.cached.data(), n);
-    int64_t* o64 = i64.data();
-    for (const auto* v : {&p.seq_ids, &p.preempted, &p.kv_load_ids}) {
-      if (!v->empty()) std::memcpy(o64, v->data(), v->size() * sizeof(int64_t));
-      o64 += v->size();
-    }
-  }
+  const size_t len32 = p.len32(), len64 = p.len64();
+  const auto [b32, b64] = p.hand_off();
+  auto i32 = owned_array<int32_t>(b32, len32);
+  auto i64 = owned_array<int64_t>(b64, len64);
   return nb::make_tuple(p.step_id, static_cast<int32_t>(p.type), i32, i64, n, ntok, nblk, np_, nk, p.predicted_ns,
-                        p.width);
+                        p.width, p.rows_cap, p.tok_cap);
 }
 
 CostModel make_cost(double base, double token, double quad, double ctx) {
@@ -231,21 +165,22 @@ DI_SUBMODULE(scheduler, "step planner: prefill/decode plans over the KV block po
           "schedule",
           [](StepScheduler& s, bool all, bool any, bool dec) {
             nb::gil_scoped_release release;
-            const di::sched::PlanOut& p = s.schedule(all, any, dec);
+            di::sched::PlanOut& p = s.schedule(all, any, dec);
             nb::gil_scoped_acquire acquire;
-            return plan_tuple(s, p);
+            return plan_tuple(p);
           },
           nb::arg("all_prefill"), nb::arg("any_prefill"), nb::arg("any_decode"),
-          "(step_id, step_type, i32, i64, rows, tokens, block_ids, preempted, kv_loads, predicted_ns, width); i32 = "
-          "[num_tokens | start | sample | num_drafts | token_ids | block_offsets (rows + 1) | block_ids | "
-          "kv_load_tokens | cached], i64 = [seq_ids | preempted | kv_load_ids]")
+          "(step_id, step_type, i32, i64, rows, tokens, block_ids, preempted, kv_loads, predicted_ns, width, R, T); "
+          "regions of capacity R rows / T tokens: i32 = [num_tokens | start | sample | num_drafts | cached | "
+          "kv_load_tokens (R each) | block_offsets (R + 1) | token_ids (T) | block_ids], "
+          "i64 = [seq_ids | kv_load_ids (R each) | preempted]")
       .def(
           "schedule_local",
           [](StepScheduler& s) {
             nb::gil_scoped_release release;
-            const di::sched::PlanOut& p = s.schedule_local();
+            di::sched::PlanOut& p = s.schedule_local();
             nb::gil_scoped_acquire acquire;
-            return plan_tuple(s, p);
+            return plan_tuple(p);
           },
           "schedule() with this rank's own wish as the group's answer (one rank, LocalVote)")
       .def(

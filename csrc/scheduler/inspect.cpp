@@ -1,4 +1,5 @@
 // StepScheduler inspection: per-request facts for tests and tools, and the full invariant check.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -42,7 +43,12 @@ void StepScheduler::check_invariants() const {
     if (holds != pool_.contains(r.seq_id)) fail(id + "holds blocks iff running");
     if (holds != (r.kv_slots > 0)) fail(id + "reservation does not match the pool");
     if (holds && pool_.num_tokens(r.seq_id) != r.kv_slots) fail(id + "reserved slots differ from the pool's");
-    if (holds && pool_.block_table(r.seq_id) != r.blocks) fail(id + "block-table mirror differs from the pool's");
+    if (holds) {
+      const std::vector<int32_t>& t = pool_.block_table(r.seq_id);
+      if (static_cast<int32_t>(t.size()) != r.blocks.n || !std::equal(t.begin(), t.end(), arena_.data(r.blocks)))
+        fail(id + "block-table mirror differs from the pool's");
+    }
+    if (!holds && r.blocks.cls >= 0) fail(id + "holds a block-table chunk but no blocks");
     if (r.kv_slots % pool_.block_size() != 0) fail(id + "reservation is not whole blocks");
     if (r.protect && holds && r.kv_slots < full_tokens(r)) fail(id + "protected but not holding its whole length");
     if (r.protect && cfg_.policy != Policy::GUARDED) fail(id + "protected outside the GUARDED policy");

@@ -88,7 +88,7 @@ bool StepScheduler::reserve(Req& r, int64_t num_tokens) {
   const int64_t extra = round_up(num_tokens) - r.kv_slots;
   if (!pool_.append_slots(r.seq_id, extra)) return false;
   r.kv_slots += extra;
-  r.blocks = pool_.block_table(r.seq_id);
+  refresh_blocks(r);
   return true;
 }
 
@@ -99,13 +99,18 @@ void StepScheduler::allocate(Req& r, int64_t num_tokens, const std::vector<int32
                       : pool_.allocate(r.seq_id, want);
   if (!ok) throw std::logic_error("scheduler: allocate failed after a fit check");
   r.kv_slots = want;
-  r.blocks = pool_.block_table(r.seq_id);
+  refresh_blocks(r);
 }
 
 void StepScheduler::release(Req& r) {
   if (r.kv_slots > 0 || pool_.contains(r.seq_id)) pool_.free(r.seq_id);
   r.kv_slots = 0;
-  r.blocks.clear();
+  arena_.clear(r.blocks);
+}
+
+void StepScheduler::refresh_blocks(Req& r) {
+  const std::vector<int32_t>& t = pool_.block_table(r.seq_id);
+  arena_.assign(r.blocks, t.data(), static_cast<int32_t>(t.size()));
 }
 
 }  // namespace di::sched

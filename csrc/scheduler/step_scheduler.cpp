@@ -77,6 +77,7 @@ void StepScheduler::add_request(int64_t seq_id, const int32_t* prompt, int64_t n
   r.arrival = next_arrival_++;
   r.tokens.reserve(static_cast<size_t>(n + std::min<int64_t>(max_tokens, 64)));
   r.tokens.assign(prompt, prompt + n);
+  r.tok_tail = r.tokens.data() + n;
   r.known = n;
   r.last_token = prompt[n - 1];
   r.prompt_len = n;
@@ -140,6 +141,9 @@ StepType StepScheduler::decide(bool all_prefill, bool any_prefill, bool any_deco
 __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec, int32_t slot, int64_t q, bool sample,
                                                      int32_t drafts, int32_t cached) {
   Req& r = at(slot);
+  if (static_cast<int64_t>(out.seq_ids.size()) >= out.rows_cap ||
+      static_cast<int64_t>(out.token_ids.size()) + q > out.tok_cap)
+    throw std::logic_error("scheduler: plan row beyond the step's bound");
   out.seq_ids.push_back(r.seq_id);
   out.num_tokens.push_back(static_cast<int32_t>(q));
   out.start.push_back(static_cast<int32_t>(r.num_computed));
@@ -158,10 +162,12 @@ __attribute__((flatten)) void StepScheduler::add_row(PlanOut& out, PlanRec& rec,
   ++r.in_flight;
   ++r.schedule_cnt;
   // Compact block table row, copied while the request's lines are in cache (its blocks are final here:
-  // later rows only preempt requests not yet planned). A member buffer: its capacity survives steps.
-  block_ids_.insert(block_ids_.end(), r.blocks.begin(), r.blocks.end());
-  out.block_offsets.push_back(static_cast<int32_t>(block_ids_.size()));
-  out.width = std::max<int64_t>(out.width, static_cast<int64_t>(r.blocks.size()));
+  // later rows only preempt requests not yet planned), straight into the buffer Python will own.
+  const auto nb = static_cast<size_t>(r.blocks.n);
+  out.reserve_blocks(nb);
+  out.block_ids.append(arena_.data(r.blocks), nb);
+  out.block_offsets.push_back(static_cast<int32_t>(out.block_ids.size()));
+  out.width = std::max<int64_t>(out.width, r.blocks.n);
   rec.slots.push_back(slot);
   rec.seq_ids.push_back(r.seq_id);
   rec.sample.push_back(sample ? 1 : 0);
@@ -307,6 +313,8 @@ void StepScheduler::preempt(int32_t slot, PlanOut& out) {
   auto pos = std::lower_bound(waiting_.begin(), waiting_.end(), r.arrival,
                               [&](int32_t w, int64_t arr) { return at(w).arrival < arr; });
   waiting_.insert(pos, slot);
+  if (static_cast<int64_t>(out.preempted.size()) >= out.pre_cap)
+    throw std::logic_error("scheduler: more preemptions than the step's bound");
   out.preempted.push_back(r.seq_id);
 }
 
@@ -322,7 +330,7 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
   while (i <= l && rows < cfg_.max_num_seqs && tokens_left > 0) {
     // Two-stage prefetch: at 16k running requests their state is past L2, and the order is a
     // permutation of the slots, so the hardware cannot guess it. Request lines kPf rows ahead; the
-    // heap buffers (block ids) of the row kPf / 2 ahead, whose header line was fetched by now.
+    // block ids (arena) of the row kPf / 2 ahead, whose header line was fetched by now.
     constexpr int64_t kPf = 8;
     if (i + kPf <= l) {
       const char* p = reinterpret_cast<const char*>(&at(decoding_[i + kPf]));
@@ -331,8 +339,8 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
     }
     if (i + kPf / 2 <= l) {
       const auto& b = at(decoding_[i + kPf / 2]).blocks;
-      const char* d = reinterpret_cast<const char*>(b.data());
-      const size_t bytes = b.size() * sizeof(int32_t);
+      const char* d = reinterpret_cast<const char*>(arena_.data(b));
+      const size_t bytes = static_cast<size_t>(b.n) * sizeof(int32_t);
       for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(d + o);
     }
     const int32_t slot = decoding_[i];
@@ -411,22 +419,38 @@ void StepScheduler::schedule_decode(PlanOut& out, PlanRec& rec) {
   }
 }
 
-const PlanOut& StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_decode) {
+PlanOut& StepScheduler::schedule(bool all_prefill, bool any_prefill, bool any_decode) {
   const size_t max_out = cfg_.async_mode ? 2 : 1;
   if (plans_.size() >= max_out)
     throw std::runtime_error(std::string("schedule: ") + s(static_cast<int64_t>(plans_.size())) +
                              " plan(s) not yet updated; " + (cfg_.async_mode ? "async" : "sync") +
                              " mode allows " + s(static_cast<int64_t>(max_out - 1)) + " before scheduling again");
-  // The plan and its record reuse buffers from earlier steps: at 16k rows fresh per-step vectors were
-  // page-faulted in every step (perf: ~15% of the step in the kernel's fault path).
   PlanOut& out = out_;
-  for (auto* v : {&out.num_tokens, &out.start, &out.num_drafts, &out.token_ids, &out.block_offsets,
-                  &out.kv_load_tokens, &out.cached})
-    v->clear();
-  for (auto* v : {&out.seq_ids, &out.preempted, &out.kv_load_ids}) v->clear();
-  out.sample.clear();
-  out.width = 0;
-  out.predicted_ns = 0.0;
+  out.step_id = next_step_++;
+  out.type = decide(all_prefill, any_prefill, any_decode);
+  // Region capacities from bounds on this step (add_row checks them per row): rows come from the
+  // prefilling or decoding requests plus admissions from the waiting queue, at most max_num_seqs;
+  // tokens are capped by the step's token cap (a decode row is 1 token, a verify row up to
+  // 1 + kMaxDrafts, and only requests named by set_drafts verify); only decode steps preempt, each
+  // victim a distinct decoding request. Block ids are sized from the previous plan of the same type
+  // and grow if a row does not fit.
+  const int64_t cap = static_cast<int64_t>(cfg_.max_num_seqs);
+  const int64_t waiting = static_cast<int64_t>(waiting_.size());
+  int64_t rows = 0, tokens = 0, pre = 0;
+  if (out.type == StepType::PREFILL) {
+    rows = std::min(cap, static_cast<int64_t>(prefilling_.size()) + waiting);
+    tokens = rows > 0 ? cfg_.max_num_batched_tokens : 0;
+  } else if (out.type == StepType::DECODE) {
+    const int64_t dec = static_cast<int64_t>(decoding_.size());
+    rows = std::min(cap, dec + (cfg_.engine_type == EngineType::COMPLETION ? waiting : 0));
+    tokens = std::min(cfg_.max_num_batched_tokens, rows + kMaxDrafts * static_cast<int64_t>(draft_slots_.size()));
+    pre = dec;
+  }
+  const int64_t hint = blk_hint_[static_cast<int32_t>(out.type)];
+  out.open(rows, tokens, pre, rows == 0 ? 0 : hint + hint / 8 + 2 * rows + 16);
+  out.block_offsets.push_back(0);
+  // The record reuses buffers of an updated plan: at 16k rows fresh per-step vectors were page-faulted
+  // in every step (perf: ~15% of the step in the kernel's fault path).
   PlanRec rec;
   if (!spare_recs_.empty()) {
     rec = std::move(spare_recs_.back());
@@ -436,19 +460,12 @@ const PlanOut& StepScheduler::schedule(bool all_prefill, bool any_prefill, bool 
     rec.sample.clear();
     rec.drafts.clear();
   }
-  out.step_id = rec.step_id = next_step_++;
-  block_ids_.clear();
-  out.block_offsets.reserve(1 + std::min<size_t>(static_cast<size_t>(cfg_.max_num_seqs), decoding_.size() + prefilling_.size() + 64));
-  out.block_offsets.push_back(0);
-  out.type = decide(all_prefill, any_prefill, any_decode);
-  const size_t est = std::min<size_t>(static_cast<size_t>(cfg_.max_num_seqs), decoding_.size() + prefilling_.size() + 64);
-  for (auto* v : {&out.num_tokens, &out.start, &rec.slots}) v->reserve(est);
-  for (auto* v : {&out.seq_ids, &rec.seq_ids}) v->reserve(est);
-  out.sample.reserve(est);
+  rec.step_id = out.step_id;
+  const size_t est = static_cast<size_t>(rows);
+  rec.slots.reserve(est);
+  rec.seq_ids.reserve(est);
   rec.sample.reserve(est);
-  out.num_drafts.reserve(est);
   rec.drafts.reserve(est);
-  if (out.type == StepType::DECODE) out.token_ids.reserve(est);
   if (out.type == StepType::PREFILL) {
     decode_since_prefill_ = 0;
     schedule_prefill(out, rec);
@@ -458,14 +475,15 @@ const PlanOut& StepScheduler::schedule(bool all_prefill, bool any_prefill, bool 
   }
   for (int32_t slot : draft_slots_) at(slot).want_k = 0;  // draft requests hold for one schedule() only
   draft_slots_.clear();
-  // The compact block tables (block_offsets, block_ids()) were filled row by row by add_row from the
+  // The compact block tables (block_offsets, block_ids) were filled row by row by add_row from the
   // mirrors (identical to pool_.fill_block_tables on these ids, which the invariant check and the
   // tests verify, without a hash lookup per row).
+  blk_hint_[static_cast<int32_t>(out.type)] = static_cast<int64_t>(out.block_ids.size());
   plans_.push_back(std::move(rec));
   return out;
 }
 
-const PlanOut& StepScheduler::schedule_local() {
+PlanOut& StepScheduler::schedule_local() {
   const auto [p, d] = wish();
   return schedule(p, p, d);  // one rank: all_prefill = any_prefill = its own wish
 }

@@ -45,7 +45,9 @@
 #include <vector>
 
 #include "kv/block_pool.h"
+#include "scheduler/block_arena.h"
 #include "scheduler/cost_model.h"
+#include "scheduler/plan_buffer.h"
 
 namespace di::sched {
 
@@ -83,7 +85,7 @@ struct Config {
 
 // Output tokens a decoding request keeps inline in its second cache line before they are appended to its
 // token buffer (see Req::push).
-inline constexpr int32_t kStage = 9;
+inline constexpr int32_t kStage = 10;
 
 // One request. Laid out so that a decode step and its update touch only the first two cache lines of the
 // request (plus its block ids): every per-step counter is in the first line (32-bit counts: a request's
@@ -118,12 +120,15 @@ struct alignas(64) Req {
   bool has_stop = false;  // stop_ids non-empty (saves reading the third line per token)
   bool used = false;      // the slot holds a request
   // ---- second line ----
-  // Mirror of the pool's block table, refreshed whenever the reservation changes, so a step copies
-  // block tables without a hash lookup per row.
-  std::vector<int32_t> blocks;
+  // Mirror of the pool's block table (in the scheduler's BlockArena), refreshed whenever the
+  // reservation changes, so a step copies block tables without a hash lookup per row.
+  BlockArena::Ref blocks;
   // The newest nstage known tokens, not yet in `tokens`: only while DECODING (flushed when the
   // request is preempted or ends, and before anything reads the buffer as a whole).
   int32_t nstage = 0;
+  // tokens.data() + tokens.size() as of the last change of `tokens`: where the next flush writes,
+  // kept here so update can prefetch it rows ahead (a hint only: never dereferenced).
+  const int32_t* tok_tail = nullptr;
   int32_t stage[kStage] = {};
   // ---- third line (rarely touched) ----
   int64_t arrival = 0;
@@ -147,6 +152,7 @@ struct alignas(64) Req {
     if (nstage == 0) return;
     tokens.insert(tokens.end(), stage, stage + nstage);
     nstage = 0;
+    tok_tail = tokens.data() + tokens.size();
   }
   void push(int32_t tok) {
     if (status == Status::DECODING) {
@@ -155,6 +161,7 @@ struct alignas(64) Req {
     } else {
       flush();
       tokens.push_back(tok);
+      tok_tail = tokens.data() + tokens.size();
     }
     ++known;
     last_token = tok;
@@ -162,27 +169,56 @@ struct alignas(64) Req {
 };
 static_assert(sizeof(Req) == 192, "Req: two hot cache lines and one cold one");
 
-// What schedule() hands back (copied into numpy arrays by the binding).
+// What schedule() hands back. The plan is written in place into two flat buffers (int32 and int64; see
+// plan_buffer.h) that the binding hands to Python as they are. Regions, with capacities R (rows), T
+// (tokens), P (preemptions), B (block ids; the last region, so it can grow):
+//   int32: num_tokens R | start R | sample R | num_drafts R | cached R | kv_load_tokens R |
+//          block_offsets R + 1 | token_ids T | block_ids B
+//   int64: seq_ids R | kv_load_ids R | preempted P
 struct PlanOut {
   int64_t step_id = 0;
   StepType type = StepType::IDLE;
-  std::vector<int64_t> seq_ids;
-  std::vector<int32_t> num_tokens;
-  std::vector<int32_t> start;        // num_computed before the step = position of the first new token
-  std::vector<uint8_t> sample;       // row samples a token (decode rows, last prefill chunk)
-  std::vector<int32_t> num_drafts;   // drafts the row verifies (its last num_drafts tokens)
-  std::vector<int32_t> token_ids;    // flat, sum(num_tokens); -1 = placeholder (previous step's sample)
-  // Compact (CSR) block tables: row i's blocks are block_ids()[block_offsets[i]:block_offsets[i+1]]
-  // (no padding; the ids live in the scheduler until the next schedule()).
-  std::vector<int32_t> block_offsets;  // n + 1
-  int64_t width = 0;                   // widest row (the dense view's width)
-  std::vector<int64_t> preempted;
-  std::vector<int64_t> kv_load_ids;  // COMPLETION: admitted requests whose KV the caller must load
-  std::vector<int32_t> kv_load_tokens;
+  Col<int64_t> seq_ids;
+  Col<int32_t> num_tokens;
+  Col<int32_t> start;        // num_computed before the step = position of the first new token
+  Col<int32_t> sample;       // 1: the row samples a token (decode rows, last prefill chunk)
+  Col<int32_t> num_drafts;   // drafts the row verifies (its last num_drafts tokens)
+  Col<int32_t> token_ids;    // flat, sum(num_tokens); -1 = placeholder (previous step's sample)
+  // Compact (CSR) block tables: row i's blocks are block_ids[block_offsets[i]:block_offsets[i+1]]
+  // (no padding).
+  Col<int32_t> block_offsets;  // n + 1
+  Col<int32_t> block_ids;
+  int64_t width = 0;           // widest row (the dense view's width)
+  Col<int64_t> preempted;
+  Col<int64_t> kv_load_ids;  // COMPLETION: admitted requests whose KV the caller must load
+  Col<int32_t> kv_load_tokens;
   // Per row: -1, or (the row is the first of a prefill admission this step: NORMAL / PROMPT) the
   // tokens its shared cached prefix covers (0: no hit); the row starts there.
-  std::vector<int32_t> cached;
-  double predicted_ns = 0.0;         // cost model's prediction (prefill steps)
+  Col<int32_t> cached;
+  double predicted_ns = 0.0;  // cost model's prediction (prefill steps)
+  int64_t rows_cap = 0, tok_cap = 0, pre_cap = 0, blk_cap = 0;
+
+  PlanOut() = default;
+  PlanOut(const PlanOut&) = delete;
+  PlanOut& operator=(const PlanOut&) = delete;
+  ~PlanOut() { drop(); }
+  // Fresh buffers with these capacities, every region empty (a buffer not handed off is given back).
+  void open(int64_t rows, int64_t tokens, int64_t preemptions, int64_t blocks);
+  // Room for `more` block ids: a larger buffer when the block region is full (written part copied).
+  void reserve_blocks(size_t more) {
+    if (block_ids.size() + more > static_cast<size_t>(blk_cap)) grow_blocks(block_ids.size() + more);
+  }
+  size_t len32() const { return static_cast<size_t>(7 * rows_cap + 1 + tok_cap) + block_ids.size(); }
+  size_t len64() const { return static_cast<size_t>(2 * rows_cap) + preempted.size(); }
+  // The buffers (int32, int64) pass to the caller, who gives them back with give_buffer().
+  std::pair<void*, void*> hand_off();
+
+ private:
+  void bind32(int32_t* base);
+  void grow_blocks(size_t need);
+  void drop();
+  void* buf32_ = nullptr;
+  void* buf64_ = nullptr;
 };
 
 struct Ended {
@@ -207,13 +243,11 @@ class StepScheduler {
   std::pair<bool, bool> wish() const;
   // The step type every rank of the group derives from the same group facts and the same counter.
   StepType decide(bool all_prefill, bool any_prefill, bool any_decode) const;
-  // The plan lives in the scheduler (buffers reused step after step) until the next schedule().
-  const PlanOut& schedule(bool all_prefill, bool any_prefill, bool any_decode);
-  // The newest plan's block ids, row after row (block_offsets.back() of them); valid until the next
-  // schedule().
-  const std::vector<int32_t>& block_ids() const { return block_ids_; }
+  // The plan lives in the scheduler until the next schedule(); its buffers until hand_off() (the
+  // caller owns them then) or the next schedule().
+  PlanOut& schedule(bool all_prefill, bool any_prefill, bool any_decode);
   // (wish + local decide + schedule) in one call: the single-rank path (LocalVote).
-  const PlanOut& schedule_local();
+  PlanOut& schedule_local();
   // Turn prefix sharing on (align > 0) or off (align == 0); see Config::prefix_align.
   void set_prefix_sharing(int32_t align, int32_t tail);
   int64_t total_preemptions() const { return total_preemptions_; }
@@ -272,6 +306,7 @@ class StepScheduler {
   bool reserve(Req& r, int64_t num_tokens);  // grow the reservation to >= num_tokens; false if no blocks
   void allocate(Req& r, int64_t num_tokens, const std::vector<int32_t>* hit = nullptr);  // first reservation (after a fit check)
   void release(Req& r);                       // give every block back to the pool
+  void refresh_blocks(Req& r);                // mirror := the pool's table of r
   void sort_decoding();
   void preempt(int32_t slot, PlanOut& out);
   void end(int32_t slot, FinishReason reason);
@@ -285,7 +320,9 @@ class StepScheduler {
 
   kv::BlockPool& pool_;
   Config cfg_;
-  std::vector<Req> slots_;  // by value: one indirection less per request per step
+  // By value (one indirection less per request per step), on huge pages (plan_buffer.h).
+  std::vector<Req, HugeAllocator<Req>> slots_;
+  BlockArena arena_;  // every request's block-table mirror
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_of_;
   std::vector<int32_t> waiting_;     // by arrival
@@ -296,7 +333,7 @@ class StepScheduler {
   PlanOut out_;                      // the newest plan
   std::vector<Ended> ended_;         // ended since the last update() returned
   std::vector<int32_t> draft_slots_; // slots with want_k set by set_drafts(), cleared by schedule()
-  std::vector<int32_t> block_ids_;   // the newest plan's block ids (capacity kept across steps)
+  int64_t blk_hint_[3] = {0, 0, 0};  // block ids of the previous plan of each step type (region sizing)
   mutable std::vector<int32_t> hit_tmp_;  // admission scratch: a prefix hit's block ids
   std::vector<int32_t> draft_tmp_;   // set_drafts() scratch: slot per entry, -1 = skip
   uint32_t draft_call_ = 0;          // set_drafts() calls so far (stamps for the duplicate check)

@@ -30,7 +30,10 @@ void StepScheduler::end(int32_t slot, FinishReason reason) {
   r.flush();
   e.output.assign(r.tokens.begin() + r.prompt_len, r.tokens.end());
   if (r.kv_slots > 0) {
-    if (reason == FinishReason::HANDOFF) e.handoff_blocks = r.blocks;
+    if (reason == FinishReason::HANDOFF) {
+      const int32_t* b = arena_.data(r.blocks);
+      e.handoff_blocks.assign(b, b + r.blocks.n);
+    }
     release(r);  // exactly once: ENDED requests hold nothing, so they are never freed again
   }
   if (r.status == Status::HANDOFF) --num_handoff_;
@@ -52,6 +55,7 @@ void StepScheduler::erase_if_done(int32_t slot) {
   Req& r = at(slot);
   if (!r.used || r.status != Status::ENDED || r.in_flight > 0) return;
   slot_of_.erase(r.seq_id);
+  arena_.clear(r.blocks);  // (already empty: ended requests hold no blocks)
   r = Req{};  // drops its buffers
   free_slots_.push_back(slot);
 }
@@ -84,12 +88,17 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
   int64_t off = 0;
   const size_t nrows = rec.slots.size();
   for (size_t k = 0; k < nrows; ++k) {
-    // Prefetch the request's two hot lines 8 rows ahead, as in schedule_decode (a decoding request's
-    // new tokens go to its inline stage, so the token buffer is not touched here but once per kStage steps).
-    if (k + 8 < nrows) {
-      const char* p = reinterpret_cast<const char*>(&at(rec.slots[k + 8]));
+    // Two-stage prefetch: the request's two hot lines 16 rows ahead; 8 rows ahead, for a request whose
+    // stage is full (its token goes to the token buffer this step: a line on a page of its own, the
+    // costliest access of an update at 16k requests), the buffer's tail, whose address is in line 2.
+    if (k + 16 < nrows) {
+      const char* p = reinterpret_cast<const char*>(&at(rec.slots[k + 16]));
       __builtin_prefetch(p, 1);
       __builtin_prefetch(p + 64, 1);
+    }
+    if (k + 8 < nrows) {
+      const Req& a = at(rec.slots[k + 8]);
+      if (a.nstage == kStage) __builtin_prefetch(a.tok_tail, 1);
     }
     const int32_t slot = rec.slots[k];
     Req& r = at(slot);
@@ -134,7 +143,7 @@ std::vector<Ended> StepScheduler::update(int64_t step_id, const int32_t* sampled
       if (keep < r.kv_slots && !r.protect) {  // a protected request keeps its whole reservation
         pool_.truncate(r.seq_id, keep);
         r.kv_slots = static_cast<int32_t>(keep);
-        r.blocks = pool_.block_table(r.seq_id);
+        refresh_blocks(r);
       }
     }
   }

@@ -245,8 +245,8 @@ class Scheduler:
         preempted: tuple[str, ...] = ()
         npre = raw[7]
         if npre:
-            n = raw[4]
-            preempted = tuple(self._id_of[s] for s in raw[3][n : n + npre].tolist())
+            a = 2 * raw[11]  # the preempted region follows seq_ids and kv_load_ids (row capacity each)
+            preempted = tuple(self._id_of[s] for s in raw[3][a : a + npre].tolist())
             logger.debug("step %d preempted %s", raw[0], preempted)
         return Plan(raw, preempted, self._names, self._names_base)
 

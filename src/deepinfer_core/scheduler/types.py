@@ -172,6 +172,7 @@ class Plan:
 
     __slots__ = (
         "_base",
+        "_blk",
         "_i32",
         "_i64",
         "_names",
@@ -179,6 +180,8 @@ class Plan:
         "_nk",
         "_npre",
         "_ntok",
+        "_rcap",
+        "_tok",
         "num_rows",
         "predicted_ns",
         "preempted",
@@ -189,7 +192,10 @@ class Plan:
 
     def __init__(self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int) -> None:
         step_id, step_type, self._i32, self._i64, self.num_rows, self._ntok, self._nblk, self._npre, self._nk, \
-            self.predicted_ns, self.width = raw
+            self.predicted_ns, self.width, rcap, tcap = raw
+        self._rcap = rcap
+        self._tok = 7 * rcap + 1  # start of token_ids; block_ids follow the token region
+        self._blk = self._tok + tcap
         self.step_id = step_id
         self.step_type = StepType(step_type)
         self.preempted = preempted  # request ids, in eviction order
@@ -199,8 +205,10 @@ class Plan:
         return (f"Plan(step_id={self.step_id}, step_type={self.step_type.name}, rows={self.num_rows}, "
                 f"tokens={self._ntok}, blocks={self._nblk}, preempted={self.preempted})")
 
-    # ---- the arrays (int32 buffer: num_tokens | start | sample | num_drafts | token_ids |
-    #      block_offsets | block_ids | kv_load_num_tokens | cached; int64: seq_ids | preempted | kv_load_seq_ids)
+    # ---- the arrays: regions of the core's two buffers, which it wrote the plan into; R = row capacity,
+    #      T = token capacity (int32: num_tokens | start | sample | num_drafts | cached | kv_load_num_tokens,
+    #      R each | block_offsets R + 1 | token_ids T | block_ids; int64: seq_ids | kv_load_seq_ids, R each |
+    #      preempted)
     @property
     def seq_ids(self) -> np.ndarray:
         """int64 [n]: the scheduler's sequence id of each row."""
@@ -214,55 +222,53 @@ class Plan:
     @property
     def start(self) -> np.ndarray:
         """int32 [n]: position of the row's first new token (its KV length before the step)."""
-        n = self.num_rows
-        return self._i32[n : 2 * n]
+        a = self._rcap
+        return self._i32[a : a + self.num_rows]
 
     @property
     def sample(self) -> np.ndarray:
         """int32 [n]: 1 where the row samples a token."""
-        n = self.num_rows
-        return self._i32[2 * n : 3 * n]
+        a = 2 * self._rcap
+        return self._i32[a : a + self.num_rows]
 
     @property
     def num_drafts(self) -> np.ndarray:
         """int32 [n]: drafts a verify row checks (its last num_drafts input tokens)."""
-        n = self.num_rows
-        return self._i32[3 * n : 4 * n]
+        a = 3 * self._rcap
+        return self._i32[a : a + self.num_rows]
 
     @property
     def token_ids(self) -> np.ndarray:
         """int32 [sum(num_tokens)]: flat input tokens, -1 = placeholder."""
-        a = 4 * self.num_rows
-        return self._i32[a : a + self._ntok]
+        return self._i32[self._tok : self._tok + self._ntok]
 
     @property
     def block_offsets(self) -> np.ndarray:
         """int32 [n + 1]: row i's blocks are block_ids[block_offsets[i]:block_offsets[i+1]]."""
-        a = 4 * self.num_rows + self._ntok
+        a = 6 * self._rcap
         return self._i32[a : a + self.num_rows + 1]
 
     @property
     def block_ids(self) -> np.ndarray:
         """int32 [block_offsets[-1]]: every row's KV block ids, row after row."""
-        a = 5 * self.num_rows + self._ntok + 1
-        return self._i32[a : a + self._nblk]
+        return self._i32[self._blk : self._blk + self._nblk]
 
     @property
     def kv_load_seq_ids(self) -> np.ndarray:
         """int64: COMPLETION admissions whose KV the caller must load."""
-        return self._i64[self.num_rows + self._npre :]
+        return self._i64[self._rcap : self._rcap + self._nk]
 
     @property
     def kv_load_num_tokens(self) -> np.ndarray:
         """int32: how many tokens of KV each of kv_load_seq_ids needs."""
-        a = 5 * self.num_rows + self._ntok + 1 + self._nblk
+        a = 5 * self._rcap
         return self._i32[a : a + self._nk]
 
     @property
     def cached(self) -> np.ndarray:
         """int32 [n]: -1, or for a row that is the first of an admission this step, the tokens of the
         shared cached prefix it starts after (0: no hit; prefix sharing, ``Scheduler.set_prefix_sharing``)."""
-        a = 5 * self.num_rows + self._ntok + 1 + self._nblk + self._nk
+        a = 4 * self._rcap
         return self._i32[a : a + self.num_rows]
 
     @property
