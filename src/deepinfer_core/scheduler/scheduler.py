@@ -118,6 +118,7 @@ class Scheduler:
         # with, so its names stay valid for as long as the plan lives, while dropped windows are freed.
         self._names_base = self._next_seq
         self._names = np.empty(1024, dtype=object)
+        self._names_at = self._names.__array_interface__["data"][0]  # for the core's list gather
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -165,6 +166,7 @@ class Scheduler:
         names = np.empty(max(1024, 2 * (seq + 1 - lo)), dtype=object)
         names[: keep.shape[0]] = keep
         self._names, self._names_base = names, lo
+        self._names_at = names.__array_interface__["data"][0]
 
     def abort(self, request_id: str) -> bool:
         """End a request now (its blocks are freed at once); reported by the next ``update``."""
@@ -248,7 +250,7 @@ class Scheduler:
             a = 2 * raw[11]  # the preempted region follows seq_ids and kv_load_ids (row capacity each)
             preempted = tuple(self._id_of[s] for s in raw[3][a : a + npre].tolist())
             logger.debug("step %d preempted %s", raw[0], preempted)
-        return Plan(raw, preempted, self._names, self._names_base)
+        return Plan(raw, preempted, self._names, self._names_base, self._names_at)
 
     def update(self, plan: Plan, result: Any, num_sampled: Any = None) -> list[FinishedRequest]:
         """Apply ``plan``'s sampled tokens; return every request that ended since the previous

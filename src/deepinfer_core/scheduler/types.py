@@ -13,6 +13,7 @@ from deepinfer_core.sampling_params import SamplingParams
 
 _dense = _C.scheduler.dense_block_tables  # CSR -> padded rows in one C++ pass
 _NO_ROWS = np.zeros(0, np.int64)
+_gather_names = _C.scheduler.gather_names  # plan.request_ids: a list of cached str objects in one pass
 
 MAX_STEP_TOKENS = 32768  # DeepInfer's hard cap on tokens in one step (deployment Q&A)
 
@@ -176,6 +177,7 @@ class Plan:
         "_i32",
         "_i64",
         "_names",
+        "_names_at",
         "_nblk",
         "_nk",
         "_npre",
@@ -190,7 +192,7 @@ class Plan:
         "width",
     )
 
-    def __init__(self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int) -> None:
+    def __init__(self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int, names_at: int) -> None:
         step_id, step_type, self._i32, self._i64, self.num_rows, self._ntok, self._nblk, self._npre, self._nk, \
             self.predicted_ns, self.width, rcap, tcap = raw
         self._rcap = rcap
@@ -199,7 +201,8 @@ class Plan:
         self.step_id = step_id
         self.step_type = StepType(step_type)
         self.preempted = preempted  # request ids, in eviction order
-        self._names, self._base = names, base  # request id by seq id - base (request_ids)
+        # request id by seq id - base (request_ids); names_at: the address of names' data (held alive here)
+        self._names, self._base, self._names_at = names, base, names_at
 
     def __repr__(self) -> str:
         return (f"Plan(step_id={self.step_id}, step_type={self.step_type.name}, rows={self.num_rows}, "
@@ -309,8 +312,8 @@ class Plan:
 
     @property
     def request_ids(self) -> list[str]:
-        """The request id of each row (one vectorised gather; valid for as long as the plan lives)."""
-        return self.request_id_array().tolist()
+        """The request id of each row (one gather in the core; valid for as long as the plan lives)."""
+        return _gather_names(self._names_at, self._names.shape[0], self._i64, self.num_rows, self._base)
 
     def request_id_array(self) -> np.ndarray:
         """object [n]: the request id of each row, as a numpy array (no list built)."""
