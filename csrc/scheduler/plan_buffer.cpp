@@ -65,7 +65,61 @@ Recycler& recycler() {
   return *r;
 }
 
+constexpr int kSlabMinShift = 6;   // 64-byte chunks at least
+constexpr int kSlabMaxShift = 16;  // 64 KiB at most; larger buffers come from operator new
+
+struct Slabs {
+  std::mutex mu;
+  std::vector<void*> free[kSlabMaxShift + 1];
+  char* cur = nullptr;  // unused tail of the newest slab
+  size_t left = 0;
+};
+
+Slabs& slabs() {
+  static Slabs* s = new Slabs();  // never destroyed: buffers may be freed during teardown
+  return *s;
+}
+
+int slab_class(size_t bytes) {
+  int c = kSlabMinShift;
+  while ((size_t{1} << c) < bytes) ++c;
+  return c;
+}
+
 }  // namespace
+
+void* slab_alloc(size_t bytes) {
+  if (bytes > (size_t{1} << kSlabMaxShift)) return ::operator new(bytes);
+  const int c = slab_class(bytes);
+  const size_t len = size_t{1} << c;
+  Slabs& s = slabs();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto& fl = s.free[c];
+  if (!fl.empty()) {
+    void* p = fl.back();
+    fl.pop_back();
+    return p;
+  }
+  if (s.left < len) {  // a new slab (what is left of the old one is too small: at most 64 KiB lost)
+    s.cur = static_cast<char*>(huge_alloc(kHugePage));
+    s.left = kHugePage;
+  }
+  void* p = s.cur;
+  s.cur += len;
+  s.left -= len;
+  return p;
+}
+
+void slab_free(void* p, size_t bytes) noexcept {
+  if (p == nullptr) return;
+  if (bytes > (size_t{1} << kSlabMaxShift)) {
+    ::operator delete(p);
+    return;
+  }
+  Slabs& s = slabs();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.free[slab_class(bytes)].push_back(p);  // (push_back may throw only on exhaustion: then terminate)
+}
 
 void* huge_alloc(size_t bytes) {
   if (bytes < kHugeMin) return ::operator new(bytes > 0 ? bytes : 1, std::align_val_t{kSmallAlign});

@@ -139,7 +139,7 @@ struct alignas(64) Req {
   FinishReason reason = FinishReason::NONE;
   bool protect = false;        // GUARDED: whole possible length reserved, never preempted
   bool reported = false;       // ENDED and returned by update() (the slot lives on while rows are in flight)
-  std::vector<int32_t> tokens;  // prompt + known output, but for the staged tail
+  std::vector<int32_t, SlabAllocator<int32_t>> tokens;  // prompt + known output, but for the staged tail
   std::unique_ptr<std::vector<int32_t>> stop_ids;  // only when has_stop (a pointer keeps this line whole)
 
   int64_t total() const { return static_cast<int64_t>(known) + pending; }
