@@ -29,6 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from _common import emit, log, parser
@@ -97,6 +98,87 @@ def step_bytes(model: DeepSeekV41, ex: ModelExecutor, batch: int, ctx: int) -> d
     return {"weights": w, "kv": kv, "total": w + kv}
 
 
+def matmul_rate(n: int = 8192, reps: int = 10) -> float:
+    """bf16 matrix-product rate on random data, FLOP/s (median of ``reps``)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * n**3 / statistics.median(times)
+
+
+GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "gemv")
+
+
+def prefill_flops(model: DeepSeekV41, tokens: int) -> float:
+    """FLOPs of the weight products of one prefill of ``tokens`` tokens (the GEMM-bound part): every
+    dense weight once per token, top-k routed experts per token, the LM head for one logits row."""
+    cfg = model.cfg
+    f = 0.0
+    for name, p in model.named_parameters():
+        if name.startswith("drafter.") or name in ("embed", "head") or p.dim() < 2 or ("engram." in name and "table" in name):
+            continue
+        if ".ffn.w" in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3"):
+            f += 2 * tokens * cfg.num_experts_per_tok * p[0].numel()
+        else:
+            f += 2 * tokens * p.numel()
+    return f + 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path | None) -> None:
+    """One request's prefill (eager; prefill steps are not graphed): wall time, and the weight-product
+    FLOPs over it as a share of the bf16 matmul rate; with the profiler, the same over the GEMM kernels'
+    own time (the GEMM-bound part)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = {"config": "wide", "device": torch.cuda.get_device_name()}
+    for t in lengths:
+        blocks = -(-t // BLOCK) + 2
+        ex = ModelExecutor(model, blocks, BLOCK, 1, quantize=True, backend=get_backend("cuda"))
+        toks = torch.randint(0, model.cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(t)).numpy()
+        table = np.arange(1, blocks, dtype=np.int64)[None, : -(-t // BLOCK)]
+
+        batch = ForwardBatch(token_ids=toks, query_lens=[t], start_pos=[0], block_tables=table,
+                             state_slots=[0], num_logits=[1])
+        ex.execute(batch)
+        torch.cuda.synchronize()
+        reps = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ex.execute(batch)
+            torch.cuda.synchronize()
+            reps.append(time.perf_counter() - t0)
+        wall = statistics.median(reps)
+        flops = prefill_flops(model, t)
+        p = {**base, "tokens": t}
+        emit(BENCH, p, "prefill_ms", wall * 1e3, "ms")
+        emit(BENCH, p, "prefill_tokens_per_s", t / wall, "tok/s")
+        emit(BENCH, p, "prefill_weight_tflops", flops / wall / 1e12, "TFLOP/s")
+        emit(BENCH, p, "prefill_pct_of_matmul_rate", 100 * flops / wall / rate, "%")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ex.execute(batch)
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        on_dev = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        gemm_us = sum(e.self_device_time_total for e in on_dev if any(k in e.key.lower() for k in GEMM_KERNELS))
+        dev_us = sum(e.self_device_time_total for e in on_dev)
+        emit(BENCH, p, "prefill_gemm_share_of_gpu_time", 100 * gemm_us / max(dev_us, 1e-9), "%")
+        emit(BENCH, p, "prefill_gemm_part_pct_of_matmul_rate", 100 * flops / (gemm_us / 1e6) / rate, "%")
+        if out is not None:
+            with open(out / "profiles.txt", "a") as fh:
+                fh.write(f"\n\n==== prefill {t} tokens\n")
+                fh.write(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
+        del ex
+        torch.cuda.empty_cache()
+
+
 class Decoder:
     """One executor prefilled with ``batch`` random requests of ``ctx`` tokens; ``step()`` decodes one token each."""
 
@@ -161,12 +243,33 @@ def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, fl
     on_dev = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
     dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in on_dev)
     kernels = sum(e.count for e in on_dev)  # kernels and copies the GPU ran (inside graphs too)
-    if table_path is not None:
-        table_path.write_text(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
-                              + "\n\n" + ka.table(sort_by="count", row_limit=30, max_name_column_width=90))
+    if table_path is not None:  # one file for every profile: a device call returns at most 8 files
+        with open(table_path.parent / "profiles.txt", "a") as fh:
+            fh.write(f"\n\n==== {table_path.stem}\n")
+            fh.write(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
+                     + "\n\n" + ka.table(sort_by="count", row_limit=45, max_name_column_width=90))
     return {"launches_per_step": launches / n, "syncs_per_step": syncs / n, "memcpy_async_per_step": memcpy / n,
             "gpu_busy_pct": 100 * dev_us / 1e6 / wall, "profiled_ms_per_step": wall / n * 1e3,
             "gpu_kernels_per_step": kernels / n, "gpu_ms_per_step": dev_us / 1e3 / n}
+
+
+def host_profile(dec: Decoder, n: int, path: Path, title: str) -> None:
+    """cProfile of ``n`` steps (the host's share of a step: what the GPU waits for when it idles)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        dec.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+    with open(path, "a") as fh:
+        fh.write(f"\n\n==== {title} ({n} steps)\n{buf.getvalue()}")
 
 
 def sync_sites(dec: Decoder) -> list[tuple[str, int]]:
@@ -246,6 +349,8 @@ def main() -> None:
     ap.add_argument("--profile-batches", default="", help="batches whose profiler tables go to --out (default all)")
     ap.add_argument("--engine", default="", help="batches for the engine section (tiny model), e.g. 1,8,64")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-config decode section")
+    ap.add_argument("--prefill", default="", help="prompt lengths for the wide-config prefill section, e.g. 2048,8192")
+    ap.add_argument("--host-profile", default="", help="modes whose host side is profiled (cProfile, 5 steps)")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out:
@@ -260,6 +365,10 @@ def main() -> None:
     bw = copy_bandwidth()
     base = {"config": "wide", "device": torch.cuda.get_device_name(), "context": args.context}
     emit(BENCH, base, "copy_bandwidth_read_plus_write", bw / 1e9, "GB/s")
+    if args.prefill:
+        rate = matmul_rate()
+        emit(BENCH, base, "bf16_matmul_rate", rate / 1e12, "TFLOP/s")
+        bench_prefill(model, [int(x) for x in args.prefill.split(",")], rate, out)
     modes = [m for m in args.graphs.split(",") if m]
     steps = 3 if args.quick else args.steps
     for b in [int(x) for x in args.batches.split(",")]:
@@ -296,6 +405,8 @@ def main() -> None:
                 emit(BENCH, pm, k, v, "%" if k.endswith("pct") else ("ms" if k.endswith("ms_per_step") else "count"))
             if mode.startswith("glue"):
                 emit(BENCH, pm, "fused_functions_compiled", compiled_count(), "count")
+            if out and mode in args.host_profile.split(","):
+                host_profile(dec, 5, out / "host_profile.txt", f"B={b} {mode}")
         for m in (x for x in ("on", "fused", "glue") if x in modes and "off" in modes):
             # the same step eagerly (sync-free, no fusion) and in mode m (rolled back one token)
             set_mode(dec.ex, "off")

@@ -13,6 +13,7 @@ variable                               default    meaning
 ``DEEPINFER_BATCH_INVARIANT``          0          batch-invariant kernels and deterministic sampling
 ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` 140        suffix recomputed by SWA bounded replay after a prefix hit
 ``DEEPINFER_CUDA_GRAPHS``              1          replay CUDA graphs for decode steps (cuda backend); 0 = eager
+``DEEPINFER_FUSE_GLUE``                0          compile the decode step's small functions into fused kernels (cuda)
 =====================================  =========  ============================================================
 """
 
@@ -66,6 +67,7 @@ class Envs:
     batch_invariant: bool = False
     yoco_prefill_keep_tokens: int = 140
     cuda_graphs: bool = True
+    fuse_glue: bool = False
 
     @max_backtracking_tokens.default
     def _default_backtracking(self) -> int:
@@ -105,6 +107,8 @@ class Envs:
             kw["yoco_prefill_keep_tokens"] = _parse_int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", raw, 1, None)
         if (raw := env.get("DEEPINFER_CUDA_GRAPHS")) is not None:
             kw["cuda_graphs"] = _parse_bool("DEEPINFER_CUDA_GRAPHS", raw)
+        if (raw := env.get("DEEPINFER_FUSE_GLUE")) is not None:
+            kw["fuse_glue"] = _parse_bool("DEEPINFER_FUSE_GLUE", raw)
         return cls(**kw)  # type: ignore[arg-type]
 
 

@@ -21,6 +21,7 @@ same cache bytes. Used when the executor has a backend and a CUDA device (``Mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -95,11 +96,25 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
     n = x.shape[0]
     q, lat = a.queries(x, positions)
     ring, rl = ex.swa[lid], ex.swa_ring
+    memo = pools.setdefault("index", {})  # index tensors shared by every layer of the step (same rows)
+
+    def once(key: tuple, make: Callable[[], Any]) -> Any:
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
     # new SWA keys first: the ring (window + backtrack) then holds every row's whole window
-    store(ring, a.swa_kv(x, positions), _masked(slots * rl + positions % rl, valid), fmt_arg["swa"], check=False)
-    kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
-    mask_a = (kp >= 0) & (kp >= inp.floors[:, int(lid >= cfg.encoder_layers), None])
-    k_a = gather(ring, slots[:, None] * rl + kp.clamp(min=0) % rl, fmt_arg["swa"], cfg.head_dim, ex.dtype)
+    store(ring, a.swa_kv(x, positions), once(("swa_put",), lambda: _masked(slots * rl + positions % rl, valid)),
+          fmt_arg["swa"], check=False)
+    enc = int(lid >= cfg.encoder_layers)
+
+    def window() -> tuple[torch.Tensor, torch.Tensor]:
+        kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
+        return slots[:, None] * rl + kp.clamp(min=0) % rl, kp
+
+    ring_slots, kp = once(("swa_get",), window)
+    mask_a = once(("swa_mask", enc), lambda: (kp >= 0) & (kp >= inp.floors[:, enc, None]))
+    k_a = gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype)
     if a.kind == LAYER_SWA:
         return sink_attention(q, k_a, mask_a, None, None, a.attn_sink, a.scale)
     r, src, m = a.ratio, cfg.kv_source_of(lid), ex.min_ratio
@@ -112,9 +127,6 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
 
     if a.kind == LAYER_FULL:
         st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
-        done = (positions + 1) % r == 0  # rows that complete a group
-        if valid is not None:
-            done = done & valid
         if r > 1:
             cs, cring = ex.comp_state[lid], ex.comp_ring[lid]
             flat_cs = cs.view(-1, cs.shape[-1])
@@ -122,24 +134,36 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
             if valid is None:
                 flat_cs[tgt] = st
             else:  # padded rows repeat row 0's write (same index, same values: no race)
-                src_row = torch.where(valid, torch.arange(n, device=dev), 0)
+                src_row = once(("src_row",), lambda: torch.where(valid, torch.arange(n, device=dev), 0))
                 flat_cs[tgt[src_row]] = st[src_row]
             grp = positions[:, None] - (r - 1) + torch.arange(r, device=dev)[None, :]
             gs = flat_cs[slots[:, None] * cring + grp % cring]  # [N, r, width]
         else:
             gs = st[:, None]
-        ent = ((positions + 1) // r - 1).clamp(min=0)
+
+        def entry_slots() -> tuple[torch.Tensor, torch.Tensor]:
+            done = (positions + 1) % r == 0  # rows that complete a group
+            if valid is not None:
+                done = done & valid
+            ent = ((positions + 1) // r - 1).clamp(min=0)
+            return ent, torch.where(done, slot_of(ent[:, None])[:, 0], -1)
+
+        ent, sl = once(("put", r), entry_slots)
         dm = a.compressor.state_dim
-        sl = torch.where(done, slot_of(ent[:, None])[:, 0], -1)
         store(ex.kv[lid], a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq), sl, fmt_arg["main"], check=False)
         store(ex.index_keys[lid], a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq), sl,
               fmt_arg["index"], check=False)
     if a.kind in (LAYER_FULL, LAYER_REINDEX):
         qi, wi = a.indexer(x, lat, positions, a.inv_freq)
-        visible = (positions + 1) // r
-        ent = torch.arange(inp.entries[r], device=dev)[None, :].expand(n, -1)
-        ik = gather(ex.index_keys[src], slot_of(ent), fmt_arg["index"], cfg.index_head_dim, ex.dtype)
-        sc = mask_scores(index_scores(qi, wi, ik), ent < visible[:, None])
+
+        def entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            visible = (positions + 1) // r
+            ent = torch.arange(inp.entries[r], device=dev)[None, :].expand(n, -1)
+            return visible, slot_of(ent), ent < visible[:, None]
+
+        visible, ent_slots, seen = once(("entries", r), entries)
+        ik = gather(ex.index_keys[src], ent_slots, fmt_arg["index"], cfg.index_head_dim, ex.dtype)
+        sc = mask_scores(index_scores(qi, wi, ik), seen)
         if cfg.uses_candidates(lid):
             sc = mask_scores(sc, pools["rows"])
         if lid == cfg.candidate_source_layer_id:
@@ -160,7 +184,9 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
     capture: dict[int, torch.Tensor] = dict.fromkeys(capture_ids)  # type: ignore[arg-type]
     # opt-in (``executor.fused_sinkhorn = True``): the mHC Sinkhorn as one TileLang kernel per layer
     # instead of 80 torch launches; off by default until an H200 run has checked it
-    fused = ex.backend.op("mhc_sinkhorn") if getattr(ex, "fused_sinkhorn", False) and ex.backend else None
+    # (the fused glue uses it too: compiled, the 20 iterations would still be 40 kernels)
+    want = getattr(ex, "fused_sinkhorn", False) or getattr(ex, "fuse_glue", False)
+    fused = ex.backend.op("mhc_sinkhorn") if want and ex.backend else None
     # ``executor.fuse_glue``: the model's small functions compiled into fused kernels (model.fusion)
     with static_shapes(row_mask=valid), sinkhorn_impl(fused), cached_angles(), fused_glue(getattr(ex, "fuse_glue", False)):
         hidden, counts = ex.model.run_layers(

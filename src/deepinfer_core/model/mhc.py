@@ -64,12 +64,8 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
-@fusable
-def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
-                      iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [T, S, n], post [T, S, n], res [T, S, n, n]) in the state's dtype for the S sublayers whose
-    ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k] are given; ``sk`` None: :func:`sinkhorn`."""
+def _logits(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # coefficients in >= float32 (a bf16 Sinkhorn drifts); the stream update stays in the model dtype
     cd = torch.float64 if state.dtype == torch.float64 else torch.float32
     x = state.reshape(state.shape[0], -1).to(cd)
@@ -78,10 +74,29 @@ def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tenso
     raw = torch.einsum("tc,skc->tsk", x, phi)  # [T, S, k]
     pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
     post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
-    # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
-    res = (sk or sinkhorn)((a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n), iters)
+    logits = (a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n)
     dt = state.dtype
-    return pre.to(dt), post.to(dt), res.to(dt)
+    return pre.to(dt), post.to(dt), logits
+
+
+@fusable
+def _mhc_logits(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, S, n], post [T, S, n]) in the state's dtype and the Sinkhorn logits [T, S, n, n] in the
+    coefficient dtype, for the S sublayers whose ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k]
+    are given."""
+    return _logits(state, phi, alpha, bias, n, eps)
+
+
+@fusable
+def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
+                      iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_mhc_logits` then the Sinkhorn (``sk``, None: :func:`sinkhorn`): (pre, post, res [T, S, n, n]),
+    all in the state's dtype."""
+    pre, post, logits = _logits(state, phi, alpha, bias, n, eps)
+    # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
+    return pre, post, (sk or sinkhorn)(logits, iters).to(state.dtype)
 
 
 @fusable
@@ -92,8 +107,8 @@ def _mix_in(pre: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 @fusable
 def _mix_out(res: torch.Tensor, state: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """res @ state + post * out: the streams after a sublayer, [T, n, D]."""
-    return torch.einsum("tij,tjd->tid", res, state) + post[:, :, None] * out[:, None, :]
+    """res @ state + post * out: the streams after a sublayer, [T, n, D] (``res`` cast to the state's dtype)."""
+    return torch.einsum("tij,tjd->tid", res.to(state.dtype), state) + post[:, :, None] * out[:, None, :]
 
 
 class MHCResidual(nn.Module):
@@ -124,10 +139,16 @@ class MHCResidual(nn.Module):
         # subs are consecutive ((0, 1) or (s,)): a slice, not a list index (which would copy the index to
         # the device and synchronise, and cannot be captured in a CUDA graph)
         idx = slice(subs[0], subs[-1] + 1)
-        # fused glue: the torch Sinkhorn inside the compiled function (its size-n reductions fuse)
-        sk = None if glue_on() else _SINKHORN.get()
-        pre, post, res = _mhc_coefficients(state, self.phi[layer, idx], self.alpha[layer, idx], self.bias[layer, idx],
-                                           self.n, self.iters, self.eps, sk)
+        phi, alpha, bias = self.phi[layer, idx], self.alpha[layer, idx], self.bias[layer, idx]
+        sk = _SINKHORN.get()
+        if sk is not None and glue_on():
+            # fused glue with a Sinkhorn kernel: compiled maths around it (Inductor would split the 20
+            # iterations into 40 kernels; the kernel keeps the matrix in registers); res stays in the
+            # coefficient dtype and is cast inside the compiled stream mix
+            pre, post, logits = _mhc_logits(state, phi, alpha, bias, self.n, self.eps)
+            res = sk(logits, self.iters)
+        else:
+            pre, post, res = _mhc_coefficients(state, phi, alpha, bias, self.n, self.iters, self.eps, sk)
         for i, sub in enumerate(subs):
             self._pending[(layer, sub)] = (pre[:, i], post[:, i], res[:, i])
 

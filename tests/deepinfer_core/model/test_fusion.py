@@ -83,10 +83,26 @@ def test_sync_free_step_with_fused_glue_equals_plain_path(model64: DeepSeekV41) 
 # ---------------------------------------------------------------- on the GPU
 
 
+def _forced(s: Session, prompts: dict[int, torch.Tensor], toks: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill each prompt alone, then batched decode steps feeding the given tokens (teacher forcing:
+    every variant sees the same inputs); the logits [V] (float64, CPU) of each request at each step."""
+    pos = {i: len(p) for i, p in prompts.items()}
+    for i, p in prompts.items():
+        s.step([(i, p, 0, 1)])
+    out = []
+    for k in range(len(toks[0])):
+        _, per = s.step([(i, torch.tensor([toks[i][k]]), pos[i] + k, 1) for i in prompts])
+        out += [lg[-1].double().cpu() for lg in per]
+    return out
+
+
 @pytest.mark.gpu
 def test_fused_glue_graphs_quantized_v41_head_widths() -> None:
-    """Inductor kernels replayed inside CUDA graphs (bf16, FP4 / FP8 / MXFP4 caches): greedy tokens as
-    the unfused eager steps, logits close."""
+    """Inductor kernels replayed inside CUDA graphs (bf16, FP4 / FP8 / MXFP4 caches): against a float64
+    oracle (the same bf16 weights, the reference path on the CPU, quantised caches), the fused steps are
+    as accurate as the unfused eager steps (Inductor keeps intermediates in float32, so bitwise equality
+    with eager bf16 is not the contract: closeness to the oracle is)."""
+    import copy
 
     cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
                        q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
@@ -95,19 +111,28 @@ def test_fused_glue_graphs_quantized_v41_head_widths() -> None:
                        n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
                        engram_table_sizes=[1009], hc_mult=4, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
                        dspark_noise_token_id=2047)
-    model = DeepSeekV41.from_config(cfg, seed=5, dtype=torch.bfloat16, device="cuda", init_on_device=True)
+    model = DeepSeekV41.from_config(cfg, seed=5, dtype=torch.bfloat16, device="cuda")
+    oracle = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     g = torch.Generator().manual_seed(25)
     prompts = {i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))}
+    toks = [torch.randint(0, 2048, (12,), generator=g).tolist() for _ in prompts]
     kw = dict(slots=8, blocks=128, block_size=64)
-    te, le = _greedy(_cuda_session(model, True, graphs=False, **kw), prompts, 16, drop_at=6)
+    ref = _forced(Session(oracle, quantize=True, num_blocks=128, block_size=64), prompts, toks)
+    eager = _forced(_cuda_session(model, True, graphs=False, **kw), prompts, toks)
     s = _cuda_session(model, True, graphs=True, **kw)
     s.ex.fuse_glue = True
-    tg, lg = _greedy(s, prompts, 16, drop_at=6)
-    assert not s.ex.graphs().disabled and s.ex.graphs().captures >= 2 and fusion.compiled_count() >= 10
-    same = sum(a == b for x, y in zip(te, tg) for a, b in zip(x, y))
-    assert same >= 0.95 * sum(map(len, te)), (te, tg)
-    errs = [((a - b).norm() / a.norm()).item() for a, b in zip(le, lg)]
-    assert float(np.median(errs)) < 2e-2, errs
+    fused = _forced(s, prompts, toks)
+    assert not s.ex.graphs().disabled and s.ex.graphs().captures >= 1 and fusion.compiled_count() >= 10
+
+    def err(got: list[torch.Tensor]) -> float:
+        return float(np.median([((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]))
+
+    def top1(got: list[torch.Tensor]) -> int:
+        return sum(int(a.argmax() == b.argmax()) for a, b in zip(got, ref))
+
+    e_eager, e_fused = err(eager), err(fused)
+    assert e_eager < 5e-2 and e_fused <= 1.25 * e_eager + 1e-3, (e_eager, e_fused)
+    assert top1(fused) >= top1(eager) - 2, (top1(fused), top1(eager), len(ref))
 
 
 @pytest.mark.gpu

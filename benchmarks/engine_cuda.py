@@ -1,0 +1,234 @@
+"""The engine on the GPU (cuda backend): throughput against interactivity, GPU idle, batch invariance.
+
+For each batch size B, B requests (prompt P tokens, G output tokens each, greedy, ``ignore_eos``) are
+added at once and stepped to the end through ``LLMEngine`` in three modes: ``sync`` and ``async``
+scheduling without speculation (pure decode steps: CUDA graphs), and ``spec`` (the model's DSpark drafter,
+up to 5 drafts, synchronous). Reported per (B, mode):
+
+- ``tokens_per_s_per_gpu``: output tokens of all requests over the wall time of the whole run (prefill
+  included); ``tokens_per_s_per_user``: each request's output tokens over the same wall time (every
+  request runs the whole time), averaged. Tokens are those the engine returned (accepted drafts only);
+- ``tokens_per_step``: output tokens over engine steps (above 1 per request only by accepted drafts);
+- ``gpu_idle_pct``: 1 - GPU busy time / wall time over the decode phase (torch.profiler over a second run
+  of the same batch from its first decode step on); with async scheduling the host plans step N + 1 while
+  the GPU runs step N, so idle time is what the host does not hide.
+
+``--invariance``: batch-invariant mode (``EngineConfig(batch_invariant=True)``) with graphs on: one
+request's tokens alone and inside 20 random batch mixes, twice, bit-identical; tokens/s at batch 64 in
+that mode beside the default mode. ``--plot`` writes tokens/s per GPU against tokens/s per user (engine_cuda.png).
+
+    python benchmarks/engine_cuda.py [--model tiny|wide] [--batches 1,4,16,64,256] [--modes sync,async,spec]
+                                     [--gen 32] [--prompt 64] [--glue] [--invariance] [--plot] [--out DIR]
+
+Needs a CUDA device. JSON lines on stdout.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from _common import emit, log, parser
+from deepinfer_core.engine.config import EngineConfig
+from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.envs import Envs
+from deepinfer_core.sampling_params import SamplingParams
+
+BENCH = "engine_cuda"
+MODES = ("sync", "async", "spec")
+
+
+def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
+                prompt: int = 64, gen: int = 32) -> LLMEngine:
+    envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue)
+    per_req = -(-(prompt + gen + 16) // 16) + 1
+    cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
+               async_scheduling=mode == "async", batch_invariant=invariant, max_model_len=prompt + gen + 64)
+    if model_name == "wide":
+        from deepinfer_core.model import DeepSeekV41
+        from model import wide_config
+
+        m = _WIDE.get("m")
+        if m is None:
+            m = _WIDE["m"] = DeepSeekV41.from_config(wide_config(), seed=0, dtype=torch.bfloat16, device="cuda",
+                                                     init_on_device=True)
+        return LLMEngine(EngineConfig(model="tiny-random", dtype="bfloat16", **cfg), envs=envs, model=m)
+    return LLMEngine(EngineConfig(model=model_name, **cfg), envs=envs)
+
+
+_WIDE: dict[str, Any] = {}
+BACKEND = ["cuda"]  # --backend reference runs the same code on the CPU (a smoke test of this script)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, min(vocab, 250)) for _ in range(length)] for _ in range(n)]
+
+
+def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tuple[dict[str, list[int]], float, int]:
+    """({request id: output tokens}, wall seconds, engine steps) of one batch stepped to the end."""
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", p, sp)
+    out: dict[str, list[int]] = {}
+    sync()
+    s0, t0 = eng.stats.steps, time.perf_counter()
+    while eng.has_unfinished():
+        for o in eng.step():  # finished requests
+            if not o.ok:
+                raise RuntimeError(f"{o.request_id} failed: {o.error}")
+            out[o.request_id] = list(o.token_ids)
+    sync()
+    return out, time.perf_counter() - t0, eng.stats.steps - s0
+
+
+def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> float:
+    """Idle share of the decode phase: prefill the batch, then profile the remaining steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", p, sp)
+    start = eng.stats.tokens_sampled
+    while eng.has_unfinished() and eng.stats.tokens_sampled - start < len(prompts) * 2:
+        eng.step()  # prefill and the first decode steps (graph capture) stay out of the window
+    sync()
+    if not torch.cuda.is_available():  # the CPU smoke run: nothing to profile
+        while eng.has_unfinished():
+            eng.step()
+        return float("nan")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        sync()
+        wall = time.perf_counter() - t0
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages()
+                  if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    return max(0.0, 100 - 100 * busy_us / 1e6 / wall)
+
+
+def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
+    for b in args.batches:
+        for mode in args.modes:
+            eng = make_engine(args.model, b, mode, args.glue, prompt=args.prompt, gen=args.gen)
+            prompts = prompts_for(b, args.prompt, eng.vocab_size, b)
+            run(eng, prompts[: min(b, 4)], 4, "warm")  # JIT / graph capture for the first buckets
+            toks, wall, steps = run(eng, prompts, args.gen, "run")
+            n = sum(map(len, toks.values()))
+            p = {"model": args.model, "batch": b, "mode": mode, "glue": args.glue, "prompt": args.prompt,
+                 "gen": args.gen}
+            per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
+            emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
+            emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
+            emit(BENCH, p, "tokens_per_step", n / max(steps, 1), "tokens")
+            idle = gpu_idle(eng, prompts, args.gen, "idle")
+            emit(BENCH, p, "gpu_idle_pct", idle, "%")
+            ex = eng.executor
+            if ex.cuda_graphs:
+                emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
+            rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
+            log(f"B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}%")
+            del eng
+            torch.cuda.empty_cache()
+
+
+def invariance(args: Any) -> None:
+    """One target request alone, then inside 20 random mixes of other requests, twice (fresh engines):
+    its tokens must be bit-identical every time (batch-invariant mode, graphs on)."""
+    target = prompts_for(1, args.prompt, 250, 7)[0]
+    rng = random.Random(11)
+    results = []
+    for rep in range(2):
+        eng = make_engine(args.model, 64, "sync", args.glue, invariant=True, prompt=args.prompt, gen=args.gen)
+        alone, _, _ = run(eng, [target], args.gen, f"alone{rep}")
+        results.append(alone[f"alone{rep}-0"])
+        for k in range(20):
+            others = prompts_for(rng.randrange(1, 48), args.prompt, eng.vocab_size, 100 * rep + k)
+            at = rng.randrange(len(others) + 1)
+            mix = [*others[:at], target, *others[at:]]
+            got, _, _ = run(eng, mix, args.gen, f"mix{rep}-{k}")
+            results.append(got[f"mix{rep}-{k}-{at}"])
+        del eng
+    same = all(r == results[0] for r in results)
+    p = {"model": args.model, "mixes": 20, "runs": 2, "glue": args.glue}
+    emit(BENCH, p, "batch_invariant_identical", float(same), "bool")
+    for inv in (False, True):
+        eng = make_engine(args.model, 64, "sync", args.glue, invariant=inv, prompt=args.prompt, gen=args.gen)
+        prompts = prompts_for(64, args.prompt, eng.vocab_size, 3)
+        run(eng, prompts[:4], 4, "warm")
+        toks, wall, _ = run(eng, prompts, args.gen, "run")
+        emit(BENCH, {**p, "batch": 64, "batch_invariant": inv}, "tokens_per_s_per_gpu",
+             sum(map(len, toks.values())) / wall, "tok/s")
+        del eng
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for mode in sorted({r["mode"] for r in rows}):
+        pts = sorted((r["per_user"], r["per_gpu"], r["batch"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode)
+        for u, g, b in pts:
+            ax.annotate(f"B={b}", (u, g), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("output tokens/s per user")
+    ax.set_ylabel("output tokens/s per GPU")
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    ax.set_title(f"engine on {dev} ({rows[0]['model']}, glue={rows[0]['glue']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = parser(__doc__ or "")
+    ap.add_argument("--model", default="tiny", help="tiny (the shipped checkpoint), tiny-random, or wide")
+    ap.add_argument("--batches", default="1,4,16,64,256")
+    ap.add_argument("--modes", default="sync,async,spec")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
+    ap.add_argument("--invariance", action="store_true")
+    ap.add_argument("--out", default="", help="folder for engine_cuda.png (default benchmarks/out)")
+    ap.add_argument("--backend", default="cuda", help="cuda, or reference (CPU: a smoke test of this script)")
+    args = ap.parse_args()
+    BACKEND[0] = args.backend
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        log("engine_cuda: needs a CUDA device; nothing to measure here")
+        return
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = set(args.modes) - set(MODES)
+    if bad:
+        raise SystemExit(f"--modes: unknown {sorted(bad)} (sync, async, spec)")
+    if args.quick:
+        args.batches, args.gen = args.batches[:2], 8
+    rows: list[dict[str, Any]] = []
+    if args.batches:
+        throughput(args, rows)
+    if args.plot and rows:
+        d = Path(args.out or Path(__file__).parent / "out")
+        d.mkdir(parents=True, exist_ok=True)
+        plot(rows, d / "engine_cuda.png")
+    if args.invariance:
+        invariance(args)
+
+
+if __name__ == "__main__":
+    main()
