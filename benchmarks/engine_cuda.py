@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from _common import emit, log, parser
@@ -45,9 +46,10 @@ MODES = ("sync", "async", "spec")
 def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
                 prompt: int = 64, gen: int = 32) -> LLMEngine:
     envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue)
+    spec = dict(speculative=mode == "spec")
     per_req = -(-(prompt + gen + 16) // 16) + 1
     cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
-               async_scheduling=mode == "async", batch_invariant=invariant, max_model_len=prompt + gen + 64)
+               async_scheduling=mode == "async", batch_invariant=invariant, max_model_len=prompt + gen + 64, **spec)
     if model_name == "wide":
         from deepinfer_core.model import DeepSeekV41
         from model import wide_config
@@ -69,9 +71,24 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+_CODE: list[int] = []  # the tiny model's kind of text (it was trained on Python sources): this package's code
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int, tokenizer: Any = None) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens: slices of this package's Python sources through ``tokenizer``
+    (drafts of a model trained on code get accepted on code), else random token ids."""
     rng = random.Random(seed)
+    if tokenizer is not None:
+        if not _CODE:
+            src = Path(__file__).resolve().parents[1] / "src" / "deepinfer_core"
+            text = "\n".join(p.read_text() for p in sorted(src.rglob("*.py"))[:40])
+            _CODE.extend(tokenizer.encode(text))
+        return [_CODE[(k := rng.randrange(len(_CODE) - length)) : k + length] for _ in range(n)]
     return [[rng.randrange(3, min(vocab, 250)) for _ in range(length)] for _ in range(n)]
+
+
+def code_tokenizer(eng: LLMEngine, model_name: str) -> Any:
+    return eng.tokenizer if model_name == "tiny" else None
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tuple[dict[str, list[int]], float, int]:
@@ -117,20 +134,47 @@ def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> fl
     return max(0.0, 100 - 100 * busy_us / 1e6 / wall)
 
 
+def trace_paths(eng: LLMEngine, n: int) -> None:
+    """Log which executor path the first ``n`` steps take (sync-free / graphs / plain)."""
+    from deepinfer_core.model.decode_step import is_pure_decode
+
+    ex, orig, left = eng.executor, eng.executor.execute, [n]
+
+    def traced(b: Any) -> Any:
+        out = orig(b)
+        if left[0] > 0:
+            left[0] -= 1
+            g = ex._graphs
+            log(f"  execute: device={ex.device} sync_free={ex.sync_free} graphs={ex.cuda_graphs} "
+                f"rows={b.num_requests} tokens={b.num_tokens} pure_decode={is_pure_decode(b)} "
+                f"row_path={ex.row_path and int(b.query_lens.max()) <= ex.backtrack + 1} "
+                f"captures={None if g is None else g.captures} replays={None if g is None else g.replays} "
+                f"disabled={None if g is None else g.disabled}")
+        return out
+
+    ex.execute = traced
+
+
 def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
     for b in args.batches:
         for mode in args.modes:
             eng = make_engine(args.model, b, mode, args.glue, prompt=args.prompt, gen=args.gen)
-            prompts = prompts_for(b, args.prompt, eng.vocab_size, b)
+            if args.trace:
+                trace_paths(eng, args.trace)
+            prompts = prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))
             run(eng, prompts[: min(b, 4)], 4, "warm")  # JIT / graph capture for the first buckets
+            st0 = attrs.asdict(eng.stats)
             toks, wall, steps = run(eng, prompts, args.gen, "run")
             n = sum(map(len, toks.values()))
+            st1 = attrs.asdict(eng.stats)
+            stages = {k: round(1e3 * (st1[k] - st0[k]) / max(steps, 1), 3) for k in st1 if k.endswith("_s")}
             p = {"model": args.model, "batch": b, "mode": mode, "glue": args.glue, "prompt": args.prompt,
                  "gen": args.gen}
             per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
             emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
             emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
             emit(BENCH, p, "tokens_per_step", n / max(steps, 1), "tokens")
+            emit(BENCH, {**p, "stages_ms_per_step": stages}, "ms_per_step", 1e3 * wall / max(steps, 1), "ms")
             idle = gpu_idle(eng, prompts, args.gen, "idle")
             emit(BENCH, p, "gpu_idle_pct", idle, "%")
             ex = eng.executor
@@ -205,6 +249,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
     ap.add_argument("--invariance", action="store_true")
+    ap.add_argument("--trace", type=int, default=0, help="log the executor path of the first N steps of each run")
     ap.add_argument("--out", default="", help="folder for engine_cuda.png (default benchmarks/out)")
     ap.add_argument("--backend", default="cuda", help="cuda, or reference (CPU: a smoke test of this script)")
     args = ap.parse_args()

@@ -15,9 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deepinfer_core.model import fusion
 from deepinfer_core.model.config import flash_config, tiny_config
+from deepinfer_core.model.layers import moe as moe_mod
 from deepinfer_core.model.layers.norm import rms_norm
 from deepinfer_core.model.model import DeepSeekV41
 from deepinfer_kernels import get_backend
@@ -149,3 +152,17 @@ def test_fused_glue_float64_equals_the_cpu_reference() -> None:
     tg, lg = _greedy(s, prompts, 10, drop_at=4)
     assert tg == tr
     assert max((a - b).abs().max().item() for a, b in zip(lr, lg)) < 1e-9
+
+
+@given(st.integers(1, 16), st.integers(0, 400), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_static_dispatch_order_is_the_stable_sort_by_expert(e: int, pairs: int, k: int, seed: int) -> None:
+    """The counting sort of the MoE's static dispatch against torch's stable argsort (brute force), and
+    the counts with masked rows against bincount over the kept rows."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, pairs // k)
+    flat = torch.randint(0, e, (n * k,), generator=g)
+    mask = torch.rand(n, generator=g) < 0.7
+    counts, order, offs = moe_mod._dispatch(flat, e, k, mask)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(counts, torch.bincount(flat.view(n, k)[mask].reshape(-1), minlength=e))
+    assert torch.equal(offs.long(), torch.cumsum(torch.bincount(flat, minlength=e), 0))

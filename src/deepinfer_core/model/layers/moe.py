@@ -152,7 +152,13 @@ def _dispatch(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None)
     else:  # masked rows (a graph's padding) are computed but not counted
         one = row_mask.to(flat.dtype)[:, None].expand(-1, k).reshape(-1)
         counts = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, one)
-    order = torch.argsort(flat, stable=True)
+    # the stable sort by expert as a counting sort (E is small): a pair's place is the pairs of lower
+    # experts plus the earlier pairs of its own; one fused kernel instead of a radix sort launch chain
+    hot = flat[:, None] == torch.arange(e, device=flat.device)[None, :]  # [P, E]
+    before = torch.cumsum(hot.to(torch.int32), 0) - hot.to(torch.int32)  # earlier pairs of each expert
+    start = torch.cumsum(per_expert, 0) - per_expert
+    place = (start[flat] + before.gather(1, flat[:, None])[:, 0]).to(torch.long)
+    order = torch.empty_like(flat).scatter_(0, place, torch.arange(flat.shape[0], device=flat.device))
     return counts, order, torch.cumsum(per_expert, 0).to(torch.int32)
 
 

@@ -75,11 +75,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     """
     if rope_dim == 0:
         return x
-    if glue_on():  # fused: the angles are recomputed inside the one kernel (cheaper than reading a cache)
-        return _rope_fused(x, positions, inv_freq, rope_dim, interleave)
-    if torch.compiler.is_compiling():  # traced inside another fused function: no cache either
-        return _rope_fused.eager(x, positions, inv_freq, rope_dim, interleave)  # type: ignore[attr-defined]
+    if torch.compiler.is_compiling():  # traced inside another fused function: the angles inline
+        return _rope_inline(x, positions, inv_freq, rope_dim, interleave)
     cos, sin = _cos_sin(positions, inv_freq, x.dtype)
+    if glue_on():
+        # fused glue: the rotation is one kernel, the angles stay a per-row table (cached per step):
+        # computed inside the kernel they would be float64 cos / sin once per head and element
+        return _rotate_fused(x, cos, sin, rope_dim, interleave)
     return _rotate(x, cos, sin, rope_dim, interleave)
 
 
@@ -98,8 +100,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int
     return torch.cat((x[..., : d - rope_dim], rot), dim=-1)
 
 
-@fusable
-def _rope_fused(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+_rotate_fused = fusable(_rotate)
+
+
+def _rope_inline(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
                 interleave: bool) -> torch.Tensor:
     ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
     return _rotate(x, torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype), rope_dim, interleave)
