@@ -16,10 +16,13 @@ calling thread (the core releases the GIL but runs on that thread), median and 1
 steps, plus wall time. Also: one prefill step packing waiting prompts under a time budget.
 
 "scaling": per-request CPU cost of a decode step (schedule + update through the Python API) at 1,024,
-4,096 and 16,384 running requests with block sizes 16 and 256 (prompts of 512 tokens: 33 or 3 blocks a
-row), with the ratio to the 1,024 figure in the same run; also reading the plan's arrays as the engine
-does ("read"), building the dense block-table view ("dense") and the per-row request ids for streaming
-("ids", as a fraction of the step).
+4,096 and 16,384 running requests with block sizes 16 and 256 (prompts of 512-527 tokens: 33-34 or 3
+blocks a row), with the ratio to the 1,024 figure in the same run. Same work per request at every N:
+all prompts are prefilled before the first decode step; 20 warm-up steps; each figure is the median
+over rounds of the mean of 80 consecutive steps (periodic work, the core's 10-token output stage flush
+and a new block every block_size steps, falls in every round alike). Also reading the plan's arrays as
+the engine does ("read"), building the dense block-table view ("dense") and the per-row request ids for
+streaming ("ids", as a fraction of the step).
 
 "fixed": the fixed cost of a step, schedule + update through the public API with no requests (0 rows)
 and the intercept of a line fitted through 0-64 decoding rows, beside the core's binding alone.
@@ -191,10 +194,8 @@ def build_scaling(n: int, block: int) -> Scheduler:
 
 
 def scale_one(n: int, block: int, rounds: int) -> dict[str, float]:
-    """CPU us of a decode step (api; read: also reading the plan's arrays), each the median over rounds
-    of the mean of SCALE_ROUND consecutive steps (periodic work, the output stage's flush every 10
-    steps and a new block every block_size steps, is inside every round the same number of times), and
-    of the dense view / request ids of a plan (median over calls)."""
+    """Median CPU us of a decode step (api; read: also reading the plan's arrays) over rounds of
+    SCALE_ROUND steps (see the module docstring), and of the dense view / request ids (over calls)."""
     s = build_scaling(n, block)
     toks = np.full(n, 7, dtype=np.int32)
     box: list[Plan] = []
