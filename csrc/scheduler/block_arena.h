@@ -26,7 +26,17 @@ class BlockArena {
     int32_t cls = -1;
   };
 
-  const int32_t* data(const Ref& r) const { return mem_.data() + r.off; }
+  // `reserve_ids`: capacity allocated up front. Memory is only faulted in where chunks are used (one
+  // page at a time as the arena fills), so a generous reservation costs address space, not memory;
+  // outgrowing it copies the arena into a larger allocation (every page of it fresh at once).
+  explicit BlockArena(size_t reserve_ids) : cap_(std::max<size_t>(reserve_ids, size_t{1} << 16)) {
+    mem_ = static_cast<int32_t*>(huge_alloc(cap_ * sizeof(int32_t)));
+  }
+  ~BlockArena() { huge_free(mem_, cap_ * sizeof(int32_t)); }
+  BlockArena(const BlockArena&) = delete;
+  BlockArena& operator=(const BlockArena&) = delete;
+
+  const int32_t* data(const Ref& r) const { return mem_ + r.off; }
 
   // r's table := src[0, n).
   void assign(Ref& r, const int32_t* src, int32_t n) {
@@ -42,7 +52,7 @@ class BlockArena {
       r.off = off;
       r.cls = cls;
     }
-    std::memcpy(mem_.data() + r.off, src, static_cast<size_t>(n) * sizeof(int32_t));
+    std::memcpy(mem_ + r.off, src, static_cast<size_t>(n) * sizeof(int32_t));
     r.n = n;
   }
 
@@ -62,15 +72,24 @@ class BlockArena {
       return off;
     }
     const size_t len = size_t{1} << cls;
-    if (top_ + len > mem_.size()) mem_.resize(std::max<size_t>({2 * mem_.size(), top_ + len, size_t{1} << 16}));
-    const auto off = static_cast<uint32_t>(top_);
+    if (top_ + len > cap_) grow(std::max(2 * cap_, top_ + len));
+    const auto off = static_cast<uint32_t>(top_);  // (offsets are 32-bit: an arena below 16 GiB)
     top_ += len;
     return off;
   }
 
-  std::vector<int32_t, HugeAllocator<int32_t>> mem_;
-  std::vector<uint32_t> free_[32];
+  void grow(size_t cap) {
+    auto* mem = static_cast<int32_t*>(huge_alloc(cap * sizeof(int32_t)));
+    std::memcpy(mem, mem_, top_ * sizeof(int32_t));
+    huge_free(mem_, cap_ * sizeof(int32_t));
+    mem_ = mem;
+    cap_ = cap;
+  }
+
+  int32_t* mem_ = nullptr;
+  size_t cap_ = 0;
   size_t top_ = 0;
+  std::vector<uint32_t> free_[32];
 };
 
 }  // namespace di::sched

@@ -10,7 +10,22 @@
 
 namespace di::sched {
 
-StepScheduler::StepScheduler(kv::BlockPool& pool, const Config& cfg) : pool_(pool), cfg_(cfg) {
+namespace {
+// Up-front reservations (address space: pages are faulted in only where used), so that growing the
+// block arena or the slot array, which copies them into fresh pages at once, is rare. The arena: every
+// block of the pool in chunks of up to twice a table's size plus the smallest chunk per running
+// request (more only with prefix sharing); the slots: max_num_seqs running and as many waiting. Capped
+// (64 MiB / 32k slots of address space) so a huge pool or max_num_seqs is not refused up front.
+size_t arena_reserve(const kv::BlockPool& pool, const Config& cfg) {
+  const size_t est = 2 * static_cast<size_t>(std::max(pool.num_blocks(), 0)) +
+                     4 * static_cast<size_t>(std::max(cfg.max_num_seqs, 0));
+  return std::min<size_t>(est, size_t{1} << 24);
+}
+}  // namespace
+
+StepScheduler::StepScheduler(kv::BlockPool& pool, const Config& cfg)
+    : pool_(pool), cfg_(cfg), arena_(arena_reserve(pool, cfg)) {
+  slots_.reserve(std::min<size_t>(2 * static_cast<size_t>(std::max(cfg.max_num_seqs, 1)), size_t{1} << 15));
   const std::string p = "SchedulerConfig.";
   if (cfg.max_num_seqs < 1) bad(p + "max_num_seqs=" + s(cfg.max_num_seqs) + ": must be >= 1");
   if (cfg.max_num_batched_tokens < 1 || cfg.max_num_batched_tokens > kMaxStepTokens)
