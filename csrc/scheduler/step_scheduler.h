@@ -91,8 +91,8 @@ inline constexpr int32_t kStage = 10;
 // request (plus its block ids): every per-step counter is in the first line (32-bit counts: a request's
 // token counts are bounded by max_model_len, and its step counters by its lifetime in steps), the
 // block-table mirror's header and the staged output tokens in the second, everything a step does not
-// read in the third. Slots live by value in one array, so the two hot lines of consecutive slots are
-// adjacent and the hardware fetches them as a pair.
+// read in the third. Slots live by value in one (huge-page) array, one indirection less per request
+// per step; both hot lines are prefetched rows ahead.
 // Why the staging: the token buffer is a separate heap allocation per request, so appending each step's
 // token touched one more line on a different page per request; at 16k running requests those lines
 // (and their TLB entries) are past the caches and the append was about half of update's growth
