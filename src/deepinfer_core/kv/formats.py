@@ -26,7 +26,10 @@ in tests/deepinfer_core/kv/test_formats.py against a float64 decoder.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -65,6 +68,22 @@ class CacheFormat(Protocol):
 # ---------------------------------------------------------------- element codecs
 
 
+# the NaN check reads a flag back from the device: a synchronisation, not allowed inside a CUDA graph
+# capture; the executor's sync-free decode stores turn it off (their inputs are the model's own keys)
+_NAN_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("kv_nan_check", default=True)
+
+
+@contextlib.contextmanager
+def nan_check(on: bool) -> Iterator[None]:
+    """``quantize`` refuses NaN input inside this block only when ``on`` (the default outside any block);
+    with it off a NaN is stored as the codec's NaN code (decoding it is unspecified)."""
+    tok = _NAN_CHECK.set(bool(on))
+    try:
+        yield
+    finally:
+        _NAN_CHECK.reset(tok)
+
+
 def _check_input(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}.quantize: x must be a torch.Tensor, got {type(x).__name__}")
@@ -73,7 +92,7 @@ def _check_input(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
     if x.ndim == 0 or x.shape[-1] != dim:
         raise ValueError(f"{name}.quantize: x must have last dim {dim}, got shape {tuple(x.shape)}")
     x = x.to(torch.float32)
-    if torch.isnan(x).any():
+    if _NAN_CHECK.get() and torch.isnan(x).any():
         raise ValueError(f"{name}.quantize: x contains NaN (cannot be saturated)")
     # +-inf and out-of-range values saturate; clamping to the float32 range keeps amax finite.
     return x.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max)

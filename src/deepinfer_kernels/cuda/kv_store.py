@@ -20,6 +20,7 @@ Measurements: docs/performance.md ("CUDA kernels on the H200, third round").
 
 import torch
 
+from deepinfer_core.kv.formats import nan_check
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, compile_kernel, torch_dtype_name
 from deepinfer_kernels.cuda.kv_kernels import (
     _LAYOUT,
@@ -192,7 +193,8 @@ def _store_static(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tenso
     first = torch.argmax(keep.to(torch.int8))
     src = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), first)
     tgt = slots[src].clamp(min=0)
-    val = f.quantize(x).to(pool.device)[src]
+    with nan_check(False):  # the check would synchronise (and fail a graph capture)
+        val = f.quantize(x).to(pool.device)[src]
     flat[tgt] = torch.where(keep.any(), val, flat[tgt])
     return pool
 

@@ -26,3 +26,24 @@ def test_cuda_backend_matches_reference() -> None:
     got = LLM(backend="cuda", **kw).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref], f"seed {seed}"
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", got[3].text)
+
+
+@pytest.mark.gpu
+def test_default_cuda_engine_replays_graphs() -> None:
+    """The engine's default cuda setup (the shipped tiny model, quantised caches, no speculation)
+    captures its decode steps in CUDA graphs instead of falling back to eager steps, and the greedy
+    tokens equal the same engine's with graphs off."""
+    from deepinfer_core.envs import Envs
+
+    prompts = random_prompts(5, 4, 20, 60)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(backend="cuda", num_blocks=128, max_num_seqs=8, envs=Envs(use_nextn_decode=0, cuda_graphs=graphs))
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        ex = llm.engine.executor
+        assert ex.cuda_graphs == graphs
+        if graphs:
+            g = ex.graphs()
+            assert not g.disabled and g.captures >= 1 and g.replays >= 8
+    assert outs[True] == outs[False]

@@ -190,6 +190,12 @@ def test_bad_input_is_rejected_clearly(name: str) -> None:
     x[1, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         f.quantize(x)
+    with F.nan_check(False):  # the sync-free decode stores: no device readback, the NaN is stored
+        assert f.quantize(x).shape[-1] == f.bytes_per_token
+        with F.nan_check(True), pytest.raises(ValueError, match="NaN"):
+            f.quantize(x)
+    with pytest.raises(ValueError, match="NaN"):  # the default is back outside the blocks
+        f.quantize(x)
     with pytest.raises(ValueError, match=f"last dim {f.dim}"):
         f.quantize(torch.randn(2, f.dim + 1))
     with pytest.raises(TypeError, match="float"):
