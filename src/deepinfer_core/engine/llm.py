@@ -132,6 +132,12 @@ class LLM:
                         bar.update(1)
                         dt = time.perf_counter() - t0
                         bar.set_postfix_str(f"{n_tok / dt:.0f} out tok/s" if dt > 0 else "")
+            # async scheduling plans one step ahead: the last request can end while a plan for it is still
+            # in flight; with nothing else live, one more step applies it, so the engine is left idle
+            for _ in range(4):
+                if eng.num_live or not eng.has_unfinished():
+                    break
+                foreign.extend(eng.step())
         except BaseException:  # KeyboardInterrupt, or a bug: leave nothing of this call behind
             for rid in ids:
                 if rid not in done:
