@@ -22,19 +22,27 @@ inline constexpr size_t kHugeMin = size_t{256} << 10;
 void* huge_alloc(size_t bytes);          // throws std::bad_alloc
 void huge_free(void* p, size_t bytes) noexcept;  // `bytes` as given to huge_alloc
 
-template <typename T>
-struct HugeAllocator {
+// A std allocator over a pair of functions (the huge-page and slab allocators below).
+template <typename T, void* (*Alloc)(size_t), void (*Free)(void*, size_t) noexcept>
+struct FnAllocator {
   using value_type = T;
-  HugeAllocator() = default;
   template <typename U>
-  HugeAllocator(const HugeAllocator<U>&) noexcept {}  // NOLINT(google-explicit-constructor)
-  T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
-  void deallocate(T* p, size_t n) noexcept { huge_free(p, n * sizeof(T)); }
+  struct rebind {
+    using other = FnAllocator<U, Alloc, Free>;
+  };
+  FnAllocator() = default;
   template <typename U>
-  bool operator==(const HugeAllocator<U>&) const noexcept { return true; }
+  FnAllocator(const FnAllocator<U, Alloc, Free>&) noexcept {}  // NOLINT(google-explicit-constructor)
+  T* allocate(size_t n) { return static_cast<T*>(Alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) noexcept { Free(p, n * sizeof(T)); }
   template <typename U>
-  bool operator!=(const HugeAllocator<U>&) const noexcept { return false; }
+  bool operator==(const FnAllocator<U, Alloc, Free>&) const noexcept { return true; }
+  template <typename U>
+  bool operator!=(const FnAllocator<U, Alloc, Free>&) const noexcept { return false; }
 };
+
+template <typename T>
+using HugeAllocator = FnAllocator<T, huge_alloc, huge_free>;
 
 // Small per-request buffers (a request's token buffer) carved from 2 MiB huge-page slabs, by power-of-two
 // size class (64 bytes to 64 KiB; larger ones come from operator new). Why: a decoding request's token
@@ -47,18 +55,7 @@ void* slab_alloc(size_t bytes);
 void slab_free(void* p, size_t bytes) noexcept;  // `bytes` as given to slab_alloc
 
 template <typename T>
-struct SlabAllocator {
-  using value_type = T;
-  SlabAllocator() = default;
-  template <typename U>
-  SlabAllocator(const SlabAllocator<U>&) noexcept {}  // NOLINT(google-explicit-constructor)
-  T* allocate(size_t n) { return static_cast<T*>(slab_alloc(n * sizeof(T))); }
-  void deallocate(T* p, size_t n) noexcept { slab_free(p, n * sizeof(T)); }
-  template <typename U>
-  bool operator==(const SlabAllocator<U>&) const noexcept { return true; }
-  template <typename U>
-  bool operator!=(const SlabAllocator<U>&) const noexcept { return false; }
-};
+using SlabAllocator = FnAllocator<T, slab_alloc, slab_free>;
 
 // Flat buffers handed from the planner to Python: a plan is written straight into one and Python's
 // numpy array owns it afterwards (the previous design built the plan in vectors and copied it into a

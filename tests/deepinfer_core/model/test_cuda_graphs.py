@@ -243,6 +243,17 @@ def test_moe_static_mode_matches_grouped_loop(model64: DeepSeekV41) -> None:
 # ---------------------------------------------------------------- on the GPU
 
 
+def v41_heads_config(hc_mult: int) -> Any:
+    """A narrow model of V4.1 head widths (4 layers: SWA, ratio 2, ratio 1 x 2; Engram, MoE, candidates)."""
+    return flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
+                        q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
+                        kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2, 3], num_encoder_layers=2,
+                        index_n_heads=4, candidate_source_layer_id=2, candidate_topk_blocks=8, index_topk=32,
+                        n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
+                        engram_table_sizes=[1009], hc_mult=hc_mult, num_nextn_predict_layers=0,
+                        dspark_target_layer_ids=[], dspark_noise_token_id=2047)
+
+
 def _cuda_session(model: DeepSeekV41, quantize: bool, graphs: bool, slots: int = 8, blocks: int = 256,
                   block_size: int = 16) -> Session:
     s = Session(model, quantize=quantize, num_blocks=blocks, block_size=block_size, slots=slots)
@@ -293,13 +304,7 @@ def test_graph_replay_equals_eager_tiny_exact_caches() -> None:
 @pytest.mark.gpu
 def test_graph_replay_quantized_v41_head_widths() -> None:
     """FP4 / FP8 / MXFP4 caches through the TileLang kernels, bf16: greedy tokens equal, logits close."""
-    cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
-                       q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
-                       kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2, 3], num_encoder_layers=2,
-                       index_n_heads=4, candidate_source_layer_id=2, candidate_topk_blocks=8, index_topk=32,
-                       n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
-                       engram_table_sizes=[1009], hc_mult=2, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
-                       dspark_noise_token_id=2047)
+    cfg = v41_heads_config(hc_mult=2)
     model = DeepSeekV41.from_config(cfg, seed=4, dtype=torch.bfloat16, device="cuda", init_on_device=True)
     g = torch.Generator().manual_seed(22)
     prompts = {i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))}

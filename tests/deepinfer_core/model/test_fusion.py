@@ -19,14 +19,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepinfer_core.model import fusion
-from deepinfer_core.model.config import flash_config, tiny_config
+from deepinfer_core.model.config import tiny_config
 from deepinfer_core.model.layers import moe as moe_mod
 from deepinfer_core.model.layers.norm import rms_norm
 from deepinfer_core.model.model import DeepSeekV41
 from deepinfer_kernels import get_backend
 
 from .session import Session
-from .test_cuda_graphs import _cuda_session, _greedy, _run_steps, _sync_free
+from .test_cuda_graphs import _cuda_session, _greedy, _run_steps, _sync_free, v41_heads_config
 
 
 @pytest.fixture
@@ -107,13 +107,7 @@ def test_fused_glue_graphs_quantized_v41_head_widths() -> None:
     with eager bf16 is not the contract: closeness to the oracle is)."""
     import copy
 
-    cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
-                       q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
-                       kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2, 3], num_encoder_layers=2,
-                       index_n_heads=4, candidate_source_layer_id=2, candidate_topk_blocks=8, index_topk=32,
-                       n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
-                       engram_table_sizes=[1009], hc_mult=4, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
-                       dspark_noise_token_id=2047)
+    cfg = v41_heads_config(hc_mult=4)
     model = DeepSeekV41.from_config(cfg, seed=5, dtype=torch.bfloat16, device="cuda")
     oracle = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     g = torch.Generator().manual_seed(25)
