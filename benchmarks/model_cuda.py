@@ -186,7 +186,10 @@ class Decoder:
         cfg = model.cfg
         slots = batch
         blocks = slots * (-(-(ctx + room) // BLOCK) + 1) + 1
-        self.ex = ModelExecutor(model, blocks, BLOCK, slots, quantize=True, backend=get_backend("cuda"))
+        # a plain decode benchmark: no drafter context (the roofline counts no drafter either; an engine
+        # that does not speculate builds its executor the same way)
+        self.ex = ModelExecutor(model, blocks, BLOCK, slots, quantize=True, backend=get_backend("cuda"),
+                                draft_context=False)
         pool = PagedKVPool(blocks, BLOCK)
         g = torch.Generator().manual_seed(batch)
         self.toks = torch.randint(0, cfg.vocab_size, (batch, ctx + room), generator=g).numpy()

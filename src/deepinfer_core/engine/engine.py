@@ -116,7 +116,8 @@ class LLMEngine(StepRunner, RowSampler):
         self.executor = ModelExecutor(self.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
                                       backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
                                       backend=self.backend if cfg.backend == "cuda" else None,
-                                      cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue)
+                                      cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue,
+                                      draft_context=self.num_speculative_tokens > 0)
         self._build_scheduler()
         self._sample = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")

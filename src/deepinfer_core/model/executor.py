@@ -57,6 +57,8 @@ class ModelExecutor(ReplayMixin):
     :mod:`~deepinfer_core.model.cuda_graphs`); ``cuda_graphs=False`` (DEEPINFER_CUDA_GRAPHS=0) runs them
     eagerly. ``fuse_glue`` compiles the step's small per-token functions into fused kernels
     (:mod:`~deepinfer_core.model.fusion`, torch.compile; the first step of each new shape compiles).
+    ``draft_context=False`` keeps no drafter context (no drafts or verification from this executor,
+    and none of the drafter's per-step work) for a model that has a drafter.
     These attributes may be changed between steps.
     """
 
@@ -64,7 +66,7 @@ class ModelExecutor(ReplayMixin):
                  backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None,
                  engram_placement: str = "local", engram_group: object | None = None, seed: int = 0,
                  cuda_graphs: bool = True, cuda_graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 fuse_glue: bool = False) -> None:
+                 fuse_glue: bool = False, draft_context: bool = True) -> None:
         for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
                             ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
             if not isinstance(v, int) or v < lo:
@@ -130,7 +132,9 @@ class ModelExecutor(ReplayMixin):
         self.engram_placement = engram_placement
         self.tok_ring = max(self.swa_ring, cfg.engram_max_ngram - 1 + backtrack_tokens)
         self._tokens = np.full((num_state_slots, self.tok_ring), -1, np.int64)
-        self.spec = SpecState(self, seed) if model.drafter is not None else None
+        # the drafter's context rings are written every step (eager work after a replayed graph): only
+        # when drafts will be asked for (draft_context; the engine passes whether it speculates)
+        self.spec = SpecState(self, seed) if model.drafter is not None and draft_context else None
 
     def graphs(self) -> DecodeGraphs:
         """This executor's captured decode graphs (made on first use; ``cuda_graphs`` must be on)."""
@@ -173,7 +177,8 @@ class ModelExecutor(ReplayMixin):
             if a is not None and a.shape != (r,):
                 raise BatchError(None, name, f"shape {a.shape}, expected ({r},) (one per request)")
         if self.spec is None and ((b.verify_lens is not None and b.verify_lens.any()) or (b.draft is not None and b.draft.any())):
-            raise BatchError(None, "draft", "this model has no drafter (num_nextn_predict_layers = 0)")
+            raise BatchError(None, "draft", "this executor does not draft: the model has no drafter "
+                             "(num_nextn_predict_layers = 0) or it was built with draft_context=False")
         if b.temperature is not None and not (np.isfinite(b.temperature) & (b.temperature >= 0)).all():
             i = int(np.flatnonzero(~(np.isfinite(b.temperature) & (b.temperature >= 0)))[0])
             raise BatchError(i, "temperature", f"{b.temperature[i]}: must be finite and >= 0 (0 = greedy)")

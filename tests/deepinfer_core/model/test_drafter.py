@@ -189,3 +189,30 @@ def test_bf16_model_drafts_with_float32_probabilities() -> None:
     assert s.ex.spec.probs[s.slot[0]].dtype == torch.float32
     spec, _ = greedy_spec(Session(m), prompts, 6)
     assert spec == greedy_plain(Session(m), prompts, 6)
+
+
+def test_executor_without_draft_context_keeps_plain_outputs_and_refuses_drafts(model64: DeepSeekV41) -> None:
+    """``draft_context=False`` (what a non-speculating engine builds): no drafter state or per-step work,
+    the same logits as an executor that keeps the drafter's context, and a draft request is refused
+    naming the field; the engine builds it exactly when it does not speculate."""
+    from deepinfer_core.engine import LLMEngine
+    from deepinfer_core.engine.config import EngineConfig
+    from deepinfer_core.envs import Envs
+    from deepinfer_core.model.batch import BatchError
+    from deepinfer_core.model.executor import ModelExecutor
+
+    assert model64.drafter is not None
+    g = torch.Generator().manual_seed(31)
+    p = torch.randint(0, 512, (40,), generator=g)
+    keep, plain = Session(model64), Session(model64)
+    plain.ex = ModelExecutor(model64, 128, 16, 8, backtrack_tokens=6, quantize=False, draft_context=False)
+    assert keep.ex.spec is not None and plain.ex.spec is None
+    assert plain.ex.cache_bytes()["drafter_rings"] == 0
+    a, b = keep.run(0, p, [25, 1, 1, 1], 0), plain.run(0, p, [25, 1, 1, 1], 0)
+    assert torch.equal(a, b)
+    with pytest.raises(BatchError, match="draft"):
+        spec_step(plain, [(0, p[28:29], 28, 1, 0, True)])
+    for spec in (False, True):
+        eng = LLMEngine(EngineConfig(model="tiny-random", speculative=spec, num_blocks=64, max_num_seqs=2),
+                        envs=Envs(use_nextn_decode=2 if spec else 0))
+        assert (eng.executor.spec is not None) == spec
