@@ -6,9 +6,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deepinfer_kernels import get_op
-from deepinfer_kernels.ops.sampling import counter_uniform
+from deepinfer_kernels.ops.sampling import counter_uniform, greedy_tokens
 
 sample = get_op("sample")
 
@@ -113,3 +115,25 @@ def test_counter_uniform_is_uniform_and_keyed() -> None:
 def test_bad_shapes_name_the_argument() -> None:
     with pytest.raises(ValueError, match="top_p"):
         sample(torch.randn(3, 5), torch.ones(3), torch.ones(3, dtype=torch.int64), torch.ones(2), torch.zeros(3), torch.zeros(3))
+
+
+@given(st.integers(1, 9), st.integers(1, 70), st.integers(0, 2**31 - 1))
+def test_greedy_tokens_equal_the_sampler_at_temperature_zero(rows: int, vocab: int, seed: int) -> None:
+    """The engine's all-greedy shortcut against ``sample`` with every temperature 0: integer-valued logits
+    (many ties: lowest id wins), masked entries, rows with no finite logit, a NaN or +inf entry."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, vocab), generator=g).float()
+    logits[torch.rand(rows, vocab, generator=g) < 0.3] = float("-inf")
+    special = torch.randint(0, 4, (rows,), generator=g)
+    for r in range(rows):
+        col = int(torch.randint(0, vocab, (1,), generator=g))
+        if special[r] == 1:
+            logits[r] = float("-inf")
+        elif special[r] == 2:
+            logits[r, col] = float("nan")
+        elif special[r] == 3:
+            logits[r, col] = float("inf")
+    z = torch.zeros(rows)
+    want = get_op("sample")(logits, z, torch.zeros(rows, dtype=torch.long), torch.ones(rows),
+                            torch.arange(rows), torch.arange(rows))
+    assert torch.equal(greedy_tokens(logits), want)

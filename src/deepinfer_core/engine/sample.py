@@ -14,6 +14,7 @@ import torch
 
 from deepinfer_core.engine.outputs import ERROR, STOP, VIOLATION
 from deepinfer_core.engine.requests import EngineRequest
+from deepinfer_kernels.ops.sampling import greedy_tokens
 
 log = logging.getLogger("deepinfer_core.engine.engine")
 
@@ -51,10 +52,13 @@ class RowSampler:
         if con.size:
             full, dead_end = self._grammar_masks(seq, con, n, failed)
             self._apply_mask(logits, full, torch.as_tensor(con))
-        tok = self._sample(logits, torch.as_tensor(s.temperature[ix], device=dev),
-                           torch.as_tensor(s.top_k[ix], device=dev), torch.as_tensor(s.top_p[ix], device=dev),
-                           torch.as_tensor(s.seed[ix], device=dev), torch.as_tensor(positions, device=dev))
-        tok = tok.cpu().numpy().astype(np.int64)
+        if (s.temperature[ix] > 0).any():
+            tok_t = self._sample(logits, torch.as_tensor(s.temperature[ix], device=dev),
+                                 torch.as_tensor(s.top_k[ix], device=dev), torch.as_tensor(s.top_p[ix], device=dev),
+                                 torch.as_tensor(s.seed[ix], device=dev), torch.as_tensor(positions, device=dev))
+        else:  # every row greedy (known on the host): the sampler's argmax without its full sort and RNG
+            tok_t = greedy_tokens(logits)
+        tok = tok_t.cpu().numpy().astype(np.int64)
         for r in dead_end.tolist():  # the grammar allows no token: the request ends (FAILED -> reason below)
             req = self._by_seq[int(seq[r])]
             req.reason, req.error = str(self._grammar.finish_reason(req.request_id)), "grammar dead end: no token can continue"

@@ -101,13 +101,19 @@ class ForwardBatch:
         """Position of every row [N]."""
         if self.num_requests == 0:
             return np.zeros(0, np.int64)
-        return np.concatenate([s + np.arange(n, dtype=np.int64) for s, n in zip(self.start_pos, self.query_lens)])
+        # row j of request i sits at start_pos[i] + (j - offset[i]): one repeat, no per-request arrays
+        n = self.query_lens.astype(np.int64)
+        return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(self.start_pos.astype(np.int64) - self.offsets[:-1], n)
 
     def logit_rows(self) -> np.ndarray:
         """Flat row index of every row that gets logits, request by request."""
-        off = self.offsets
-        rows = [np.arange(off[i + 1] - k, off[i + 1]) for i, k in enumerate(self.num_logits)]
-        return np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+        n = self.query_lens.astype(np.int64)
+        if n.size == 0:
+            return np.zeros(0, np.int64)
+        # the last num_logits rows of each request, in row order
+        first = np.repeat(n - self.num_logits.astype(np.int64), n)
+        local = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(self.offsets[:-1], n)
+        return np.flatnonzero(local >= first).astype(np.int64)
 
 
 @attrs.frozen(kw_only=True)

@@ -182,6 +182,59 @@ class ModelExecutor(ReplayMixin):
         if b.temperature is not None and not (np.isfinite(b.temperature) & (b.temperature >= 0)).all():
             i = int(np.flatnonzero(~(np.isfinite(b.temperature) & (b.temperature >= 0)))[0])
             raise BatchError(i, "temperature", f"{b.temperature[i]}: must be finite and >= 0 (0 = greedy)")
+        if self._rows_ok(b):
+            if self.spec is not None:  # drafter checks only concern rows that draft or verify
+                want = np.zeros(r, bool) if b.draft is None else b.draft.astype(bool)
+                if b.verify_lens is not None:
+                    want = want | (b.verify_lens > 0)
+                off = b.offsets
+                for i in np.flatnonzero(want).tolist():
+                    self.spec.validate(b, i, b.token_ids[off[i] : off[i + 1]], int(b.start_pos[i]),
+                                       int(b.state_slots[i]), int(b.num_logits[i]))
+            return
+        self._validate_rows(b)
+
+    def _rows_ok(self, b: ForwardBatch) -> bool:
+        """Every per-request rule of :meth:`_validate_rows` at once (numpy, no per-request loop): True when
+        all hold; False sends the batch to the loop, which names the first bad request and field."""
+        n, s, slot, k = (b.query_lens.astype(np.int64), b.start_pos.astype(np.int64),
+                         b.state_slots.astype(np.int64), b.num_logits.astype(np.int64))
+        if (n < 1).any() or ((k < 0) | (k > n)).any() or ((slot < 0) | (slot >= self.num_slots)).any():
+            return False
+        if np.unique(slot).size != slot.size:
+            return False
+        if b.num_tokens and (int(b.token_ids.min()) < 0 or int(b.token_ids.max()) >= self.cfg.vocab_size):
+            return False
+        end = self._slot_end[slot]
+        if ((s < 0) | ((s > 0) & ((s < end - self.backtrack) | (s > end)))).any():
+            return False
+        f = np.zeros_like(s) if b.decoder_floor is None else b.decoder_floor.astype(np.int64)
+        if ((f < 0) | (f > s)).any():
+            return False
+        if not b.encoder_only and ((s > 0) & self._encoder_only[slot] & (f < s)).any():
+            return False
+        if ((s > 0) & (s < self._min_start[slot])).any():
+            return False
+        if b.snapshot_pos is not None:
+            x = b.snapshot_pos.astype(np.int64)
+            if ((x != 0) & ((x <= s) | (x > s + n))).any():
+                return False
+        if self.min_ratio:
+            total, last = s + n, np.full(s.shape, -1, np.int64)
+            for ratio in self._src_ratios:  # blocks_needed, vectorised
+                last = np.maximum(last, np.where(total >= ratio, (total // ratio - 1) * ratio // self.min_ratio, -1))
+            need = np.where(last >= 0, last // self.block_size + 1, 0)
+            bt = b.block_tables
+            if need.size and int(need.max()) > bt.shape[1]:
+                return False
+            used = np.arange(bt.shape[1])[None, :] < need[:, None]
+            if (used & ((bt <= 0) | (bt >= self.num_blocks))).any():
+                return False
+        return True
+
+    def _validate_rows(self, b: ForwardBatch) -> None:
+        """The per-request rules, request by request: raises for the first bad one."""
+        r = b.num_requests
         slots_seen: dict[int, int] = {}
         off = b.offsets
         v = self.cfg.vocab_size
@@ -321,11 +374,9 @@ class ModelExecutor(ReplayMixin):
         then record the step's tokens in the ring. Runs after validation, before any layer. The n-grams
         are hashed from the host's token ids (``tokens`` is not read back: no device synchronisation)."""
         n_ctx = self.cfg.engram_max_ngram - 1
-        ctx = np.full((b.num_requests, n_ctx), -1, np.int64)
-        for i, (s, slot) in enumerate(zip(b.start_pos.tolist(), b.state_slots.tolist())):
-            back = np.arange(s - 1, s - 1 - n_ctx, -1)
-            ok = back >= 0
-            ctx[i, ok] = self._tokens[slot, back[ok] % self.tok_ring]
+        # each request's n_ctx tokens before its first row (-1 before the sequence start), from its ring
+        back = b.start_pos.astype(np.int64)[:, None] - 1 - np.arange(n_ctx)[None, :]
+        ctx = np.where(back >= 0, self._tokens[b.state_slots.astype(np.int64)[:, None], back % self.tok_ring], -1)
         rows = {}
         if self.cfg.engram_layer_ids:
             rows = self.model.engram_rows(torch.as_tensor(b.token_ids), torch.as_tensor(b.offsets),

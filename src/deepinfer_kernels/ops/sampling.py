@@ -79,6 +79,14 @@ def survivors(
     return greedy, t, vals, idx, keep
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``sample`` of rows that are all greedy, without its sort and random numbers: the argmax (lowest id
+    on ties), -1 where the row's largest value is not finite (no finite logit, or a NaN / +inf, which the
+    sort puts first). The caller decides that every row is greedy (host-side temperatures)."""
+    mx, am = logits.float().max(dim=-1)  # NaN propagates to mx (and its index), as in the sort
+    return torch.where(torch.isfinite(mx), am, torch.full_like(am, -1))
+
+
 @register("sample")
 def sample(
     logits: torch.Tensor,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from deepinfer_core.model.batch import BatchError, ForwardBatch
 from deepinfer_core.model.model import DeepSeekV41
@@ -273,3 +275,59 @@ def test_backend_ops_write_the_same_caches(model64: DeepSeekV41, seq: torch.Tens
     for lid in model64.cfg.kv_source_layer_ids:
         assert torch.equal(plain.ex.kv[lid], via.ex.kv[lid]) and torch.equal(plain.ex.index_keys[lid], via.ex.index_keys[lid])
     assert all(torch.equal(x, y) for x, y in zip(plain.ex.swa, via.ex.swa))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSeekV41, data: st.DataObject) -> None:
+    """The numpy fast path of ``validate`` accepts exactly the batches the request-by-request rules
+    accept (which stay the error reporter): batches drawn valid against an executor with history, then
+    (most of the time) one field pushed to or past a boundary: slots, the rollback window, token ids,
+    logits counts, floors, snapshots, block-table entries, query lengths."""
+    from deepinfer_core.model.executor import ModelExecutor
+
+    ex = ModelExecutor(model64, 64, 16, 6, backtrack_tokens=3, quantize=False)
+    ex._slot_end[:] = data.draw(st.lists(st.integers(0, 90), min_size=6, max_size=6))
+    ex._encoder_only[:] = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
+    ex._min_start[:] = data.draw(st.lists(st.integers(0, 60), min_size=6, max_size=6))
+    v = model64.cfg.vocab_size
+    r = data.draw(st.integers(1, 4))
+    slots = data.draw(st.permutations(range(6)))[:r]
+    q = data.draw(st.lists(st.integers(1, 5), min_size=r, max_size=r))
+    start = [data.draw(st.sampled_from(sorted({0, max(int(ex._slot_end[sl]) - 3, 0), int(ex._slot_end[sl]),
+                                               int(ex._min_start[sl])}))) for sl in slots]
+    floor = [data.draw(st.integers(0, s0)) if data.draw(st.booleans()) else s0 for s0 in start]
+    need = max(ex.blocks_needed(s0 + n0) for s0, n0 in zip(start, q))
+    width = need + data.draw(st.integers(0, 2))
+    b = dict(token_ids=data.draw(st.lists(st.integers(0, v - 1), min_size=sum(q), max_size=sum(q))), query_lens=q,
+             start_pos=start, state_slots=list(slots), num_logits=[data.draw(st.integers(0, n0)) for n0 in q],
+             block_tables=[data.draw(st.lists(st.integers(1, 63), min_size=width, max_size=width)) for _ in q],
+             decoder_floor=floor,
+             snapshot_pos=[data.draw(st.sampled_from([0, s0 + 1, s0 + n0, s0, s0 + n0 + 1])) for s0, n0 in zip(start, q)])
+    bad = data.draw(st.sampled_from([None, None, "slot", "dup", "token", "start", "logits", "floor", "table", "qlen"]))
+    i = data.draw(st.integers(0, r - 1))
+    if bad == "slot":
+        b["state_slots"][i] = data.draw(st.sampled_from([-1, 6]))
+    elif bad == "dup" and r > 1:
+        b["state_slots"][i] = b["state_slots"][(i + 1) % r]
+    elif bad == "token":
+        b["token_ids"][data.draw(st.integers(0, sum(q) - 1))] = data.draw(st.sampled_from([-1, v]))
+    elif bad == "start":
+        b["start_pos"][i] = data.draw(st.sampled_from([-1, int(ex._slot_end[slots[i]]) + 1, max(int(ex._slot_end[slots[i]]) - 4, 1)]))
+    elif bad == "logits":
+        b["num_logits"][i] = data.draw(st.sampled_from([-1, q[i] + 1]))
+    elif bad == "floor":
+        b["decoder_floor"][i] = data.draw(st.sampled_from([-1, start[i] + 1]))
+    elif bad == "table" and width:
+        b["block_tables"][i][data.draw(st.integers(0, width - 1))] = data.draw(st.sampled_from([0, -1, 64]))
+    elif bad == "qlen":
+        b["query_lens"][i] = 0
+        b["token_ids"] = b["token_ids"][: sum(b["query_lens"])]
+    batch = ForwardBatch(**b)
+    try:
+        ex._validate_rows(batch)
+        loop_ok = True
+    except BatchError:
+        loop_ok = False
+    event(f"accepted: {loop_ok}")
+    assert ex._rows_ok(batch) == loop_ok
