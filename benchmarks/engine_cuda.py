@@ -19,6 +19,7 @@ that mode beside the default mode. ``--plot`` writes tokens/s per GPU against to
 
     python benchmarks/engine_cuda.py [--model tiny|wide] [--batches 1,4,16,64,256] [--modes sync,async,spec]
                                      [--gen 32] [--prompt 64] [--glue] [--invariance] [--plot] [--out DIR]
+    python benchmarks/engine_cuda.py --backend reference --host 1,16,64   # host CPU per step, model stubbed
 
 Needs a CUDA device. JSON lines on stdout.
 """
@@ -218,6 +219,44 @@ def invariance(args: Any) -> None:
         del eng
 
 
+def host_cost(args: Any) -> None:
+    """CPU time of an engine decode step with the model's device part stubbed out (the sync-free path's
+    host side forced on, ``decode_body`` returning random logits at once): what the host does per step
+    that a GPU step would have to hide. Runs on any backend; use ``--backend reference`` on the CPU."""
+    import statistics
+
+    from deepinfer_core.model import decode_step
+
+    real = decode_step.decode_body
+    for b in args.host:
+        eng = make_engine(args.model, b, "sync", False, prompt=args.prompt, gen=10_000)
+        eng.executor.sync_free = True
+
+        def stub(ex: Any, inp: Any, capture_ids: tuple = (), logit_rows: Any = None) -> Any:
+            n, c = inp.tokens.shape[0], ex.cfg
+            return (torch.randn(n, c.vocab_size, dtype=ex.dtype, device=ex.device),
+                    torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.long, device=ex.device), {})
+
+        sp = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+        for i, pr in enumerate(prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))):
+            eng.add_request(f"h{i}", pr, sp)
+        decode_step.decode_body = stub
+        try:
+            for _ in range(5):
+                eng.step()
+            per = []
+            for _ in range(7):
+                t0 = time.process_time()
+                for _ in range(40):
+                    eng.step()
+                per.append((time.process_time() - t0) / 40)
+        finally:
+            decode_step.decode_body = real
+        emit(BENCH, {"model": args.model, "batch": b, "backend": BACKEND[0]}, "host_cpu_us_per_decode_step",
+             statistics.median(per) * 1e6, "us")
+        del eng
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -251,6 +290,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
     ap.add_argument("--invariance", action="store_true")
+    ap.add_argument("--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64")
     ap.add_argument("--trace", type=int, default=0, help="log the executor path of the first N steps of each run")
     ap.add_argument("--out", default="", help="folder for engine_cuda.png (default benchmarks/out)")
     ap.add_argument("--backend", default="cuda", help="cuda, or reference (CPU: a smoke test of this script)")
@@ -263,6 +303,7 @@ def main() -> None:
         log("engine_cuda: needs a CUDA device; nothing to measure here")
         return
     args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.host = [int(x) for x in args.host.split(",") if x]
     args.modes = [m for m in args.modes.split(",") if m]
     bad = set(args.modes) - set(MODES)
     if bad:
@@ -270,6 +311,10 @@ def main() -> None:
     if args.quick:
         args.batches, args.gen = args.batches[:2], 8
     rows: list[dict[str, Any]] = []
+    if args.host:
+        host_cost(args)
+        if args.backend != "cuda":
+            return
     if args.batches:
         throughput(args, rows)
     if args.plot and rows:
