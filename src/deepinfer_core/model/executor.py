@@ -378,9 +378,9 @@ class ModelExecutor(ReplayMixin):
         back = b.start_pos.astype(np.int64)[:, None] - 1 - np.arange(n_ctx)[None, :]
         ctx = np.where(back >= 0, self._tokens[b.state_slots.astype(np.int64)[:, None], back % self.tok_ring], -1)
         rows = {}
-        if self.cfg.engram_layer_ids:
-            rows = self.model.engram_rows(torch.as_tensor(b.token_ids), torch.as_tensor(b.offsets),
-                                          torch.as_tensor(ctx), self.engram_tables)
+        if self.cfg.engram_layer_ids:  # hashed in numpy (the batch is validated: ids are in range)
+            ids = self.model.engram_hasher.hash_host(b.token_ids, b.offsets, ctx)
+            rows = self.model.engram_fetch(torch.from_numpy(ids), self.engram_tables)
         keep = self._last_rows_np(b, self.tok_ring)
         pos = b.positions
         self._tokens[np.repeat(b.state_slots, b.query_lens)[keep], pos[keep] % self.tok_ring] = b.token_ids[keep]

@@ -178,12 +178,18 @@ class DeepSeekV41(nn.Module):
         defaults to :attr:`engram_tables` (the executor passes its placement's tables)."""
         if not self.cfg.engram_layer_ids:
             return {}
-        tabs = self.engram_tables if tables is None else tables
         h = self.engram_hasher
         rows = h.hash(token_ids.cpu(), None if cu_seqlens is None else cu_seqlens.cpu(),
                       None if context is None else context.cpu())
+        return self.engram_fetch(rows, tables)
+
+    def engram_fetch(self, rows: torch.Tensor, tables: Mapping[int, Any] | None = None) -> dict[int, torch.Tensor]:
+        """{layer: rows [T, row_dim]} in the model dtype for hashed row ids [L, T, columns] (the output of
+        ``EngramHasher.hash`` / ``hash_host``), from ``tables`` (default :attr:`engram_tables`)."""
+        tabs = self.engram_tables if tables is None else tables
+        h = self.engram_hasher
         dt, dev = self.embed.dtype, self.embed.device
-        return {lid: _to_device(tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(token_ids.shape[0], -1), dev, dt)
+        return {lid: _to_device(tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(rows.shape[1], -1), dev, dt)
                 for lid in self.cfg.engram_layer_ids}
 
     # ------------------------------------------------------------------ expert placement

@@ -89,6 +89,27 @@ def test_chunked_with_context_equals_whole_sequence() -> None:
     assert torch.equal(torch.cat(parts, dim=1), whole)
 
 
+@given(
+    lens=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+    canonical=st.booleans(),
+)
+def test_host_hash_equals_the_oracle_and_the_torch_path(lens: list[int], seed: int, canonical: bool) -> None:
+    """``hash_host`` (numpy, the executor's per-step path) against the per-token oracle and ``hash``:
+    packed sequences (empty ones and ones shorter than max_ngram), context with -1 entries, an identity or
+    a many-to-one canonical map."""
+    cfg = _cfg(seed=seed % 1000, vocab_size=40)
+    rng = np.random.default_rng(seed)
+    tm = CanonicalTokenMap(rng.integers(0, 25, cfg.vocab_size).tolist()) if canonical else None
+    h = EngramHasher(cfg, tm)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    toks = rng.integers(0, cfg.vocab_size, int(cu[-1]))
+    ctx = rng.integers(-1, cfg.vocab_size, (len(lens), cfg.max_ngram - 1))
+    got = h.hash_host(toks, cu, ctx)
+    assert got.dtype == np.int32 and got.tolist() == _oracle_for(h, toks.tolist(), _seqs(cu.tolist()), ctx.tolist())
+    assert np.array_equal(got, h.hash(torch.from_numpy(toks), torch.from_numpy(cu), torch.from_numpy(ctx)).numpy())
+
+
 def test_full_range_multipliers_wrap_like_int64() -> None:
     """The op's arithmetic with arbitrary 64-bit multipliers (products overflow) equals the Python-int oracle."""
     rng = np.random.default_rng(7)
