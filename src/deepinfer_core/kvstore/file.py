@@ -13,7 +13,6 @@ resolution (ns on ext4, xfs, tmpfs). Expired files are misses at once and remove
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import uuid
@@ -22,8 +21,6 @@ from pathlib import Path
 from deepinfer_core.kvstore import record
 from deepinfer_core.kvstore.memory import StoreStats
 from deepinfer_core.kvstore.record import Clock, TTLPolicy, as_payload, check_key, wall_clock_ns
-
-logger = logging.getLogger(__name__)
 
 _SUFFIX = ".kvb"
 _TMP = ".tmp."
@@ -105,11 +102,7 @@ class FileKVStore(record.RecordReads):
                 chunks.append(b)
         finally:
             os.close(fd)
-        rec = record.decode(key, b"".join(chunks))
-        if rec is None:
-            self.stats.corrupt += 1
-            logger.warning("kvstore: corrupt or truncated block %s (treated as a miss)", path.name)
-        return rec
+        return self._decode(key, b"".join(chunks), path.name)
 
     def touch(self, key: bytes, *, traffic_class: str | None = None) -> bool:
         key = check_key(key)

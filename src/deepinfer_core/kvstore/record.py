@@ -10,6 +10,7 @@ field) so that ``touch`` never rewrites the block.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -133,6 +134,9 @@ class TTLPolicy:
             ) from None
 
 
+_log = logging.getLogger(__name__)
+
+
 class RecordReads:
     """``get`` / ``exists`` and ``touch``'s new expiry for a backend that stores checksummed records:
     the backend gives ``_read(key) -> (traffic class, payload) | None`` (a missing, expired, corrupt or
@@ -144,6 +148,15 @@ class RecordReads:
 
     def _read(self, key: bytes) -> tuple[str, bytes] | None:  # pragma: no cover - each backend's own
         raise NotImplementedError
+
+    def _decode(self, key: bytes, data: bytes, where: str) -> tuple[str, bytes] | None:
+        """:func:`decode` of a stored record; a corrupt or truncated one is counted, logged (``where``:
+        which block) and read as a miss."""
+        rec = decode(key, data)
+        if rec is None:
+            self.stats.corrupt += 1  # type: ignore[attr-defined]
+            _log.warning("kvstore: corrupt or truncated block %s (treated as a miss)", where)
+        return rec
 
     def get(self, key: bytes) -> bytes | None:
         rec = self._read(check_key(key))

@@ -10,14 +10,11 @@ is injected (tests) sees the same exact rule.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from deepinfer_core.kvstore import record
 from deepinfer_core.kvstore.memory import StoreStats
 from deepinfer_core.kvstore.record import Clock, TTLPolicy, as_payload, check_key, wall_clock_ns
-
-logger = logging.getLogger(__name__)
 
 
 class RedisKVStore(record.RecordReads):
@@ -71,11 +68,7 @@ class RedisKVStore(record.RecordReads):
         if exp_ms is not None and exp_ms >= 0 and self.clock() >= exp_ms * 1_000_000:
             self.stats.expired += 1
             return None
-        rec = record.decode(key, value)
-        if rec is None:
-            self.stats.corrupt += 1
-            logger.warning("kvstore: corrupt block %s in Redis (treated as a miss)", key.hex())
-        return rec
+        return self._decode(key, value, f"{key.hex()} in Redis")
 
     def touch(self, key: bytes, *, traffic_class: str | None = None) -> bool:
         key = check_key(key)
