@@ -32,7 +32,7 @@ from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
-from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
+from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.layers.moe import static_shapes
 from deepinfer_core.model.layers.rope import cached_angles
 from deepinfer_core.model.mhc import sinkhorn_impl
@@ -163,12 +163,7 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
 
         visible, ent_slots, seen = once(("entries", r), entries)
         ik = gather(ex.index_keys[src], ent_slots, fmt_arg["index"], cfg.index_head_dim, ex.dtype)
-        sc = mask_scores(index_scores(qi, wi, ik), seen)
-        if cfg.uses_candidates(lid):
-            sc = mask_scores(sc, pools["rows"])
-        if lid == cfg.candidate_source_layer_id:
-            pools["rows"] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-        sel[lid] = select_topk(sc, cfg.index_topk)
+        sel[lid] = pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), seen), visible, pools, "rows")
     ids, ok = sel[cfg.index_source_of(lid)]
     kb = gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype)
     return sink_attention(q, k_a, mask_a, kb, ok, a.attn_sink, a.scale)

@@ -28,7 +28,7 @@ from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
 from deepinfer_core.model.decode_step import execute_rows
 from deepinfer_core.model.layers.attention import Attention, sink_attention
-from deepinfer_core.model.layers.indexer import candidate_pool, index_scores, mask_scores, select_topk
+from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.model import DeepSeekV41
 from deepinfer_core.model.replay import ReplayMixin
 from deepinfer_core.model.speculative import SpecState
@@ -337,11 +337,7 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                 ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
                 visible = (qp + 1) // ratio
                 sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
-                if cfg.uses_candidates(lid):
-                    sc = mask_scores(sc, pools[i])
-                if lid == cfg.candidate_source_layer_id:
-                    pools[i] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-                sel[(lid, i)] = select_topk(sc, cfg.index_topk)
+                sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
             ids, valid = sel[(cfg.index_source_of(lid), i)]
             flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
             kb = fmt.main.dequantize(flat[self._slots(table, ids.reshape(-1), ratio)]).to(self.dtype)
@@ -430,11 +426,7 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
             flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
             ik = fmt.index.dequantize(flat[slot_of(ent)]).to(self.dtype)
             sc = mask_scores(index_scores(qi, wi, ik), ent < visible[:, None])
-            if cfg.uses_candidates(lid):
-                sc = mask_scores(sc, pools["rows"])
-            if lid == cfg.candidate_source_layer_id:
-                pools["rows"] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-            sel[lid] = select_topk(sc, cfg.index_topk)
+            sel[lid] = pick_entries(cfg, lid, sc, visible, pools, "rows")
         ids, valid = sel[cfg.index_source_of(lid)]
         flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
         kb = fmt.main.dequantize(flat[slot_of(ids)]).to(self.dtype)

@@ -10,6 +10,7 @@ in which later Reindex layers pick their top-k.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,6 +71,18 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     m = torch.zeros_like(scores, dtype=torch.bool)
     m.scatter_(1, ids, valid)
     return m
+
+
+def pick_entries(cfg: Any, lid: int, scores: torch.Tensor, visible: torch.Tensor, pools: dict,
+                 key: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The executor's choice of compressed entries for layer ``lid`` from its masked scores [N, E]: in
+    layers that use hierarchical candidates, only the pool ``pools[key]`` may be picked; the candidate
+    source layer makes that pool (stored at ``pools[key]``); then :func:`select_topk` (ids, valid)."""
+    if cfg.uses_candidates(lid):
+        scores = mask_scores(scores, pools[key])
+    if lid == cfg.candidate_source_layer_id:
+        pools[key] = candidate_pool(scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+    return select_topk(scores, cfg.index_topk)
 
 
 @fusable
