@@ -76,6 +76,17 @@ def copying_model(seed: int) -> DeepSeekV41:
     return m
 
 
+def drain(eng: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> tuple[int, float, float]:
+    """Add every prompt, step the engine to the end: (output tokens, wall seconds, CPU seconds)."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp)
+    n_out = 0
+    while eng.has_unfinished():
+        n_out += sum(len(o.token_ids) for o in eng.step())
+    return n_out, time.perf_counter() - w0, time.process_time() - c0
+
+
 def run_spec(batch: int, prompt_len: int, gen: int, speculative: bool, copying: bool) -> dict[str, float]:
     kw = dict(dtype="float64", quantize=False) if copying else {}
     cfg = EngineConfig(model="tiny-random", seed=0, num_blocks=1024, max_num_seqs=max(batch, 1), async_scheduling=False,
@@ -83,13 +94,7 @@ def run_spec(batch: int, prompt_len: int, gen: int, speculative: bool, copying: 
     eng = LLMEngine(cfg, envs=Envs(), model=copying_model(0) if copying else None)
     prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    w0, c0 = time.perf_counter(), time.process_time()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, sp)
-    n_out = 0
-    while eng.has_unfinished():
-        n_out += sum(len(o.token_ids) for o in eng.step())
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    n_out, wall, cpu = drain(eng, prompts, sp)
     book = eng.drafts
     return {"out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": eng.stats.steps,
             "drafts_verified": 0 if book is None else book.verified,
@@ -145,13 +150,7 @@ def run_shipped(mode: str, batch: int, prompt_len: int, gen: int) -> tuple[dict[
     rel = _Reliability(eng.drafts, eng.model.drafter.block) if spec else None
     prompts = heldout_prompts(eng.tokenizer, batch, prompt_len)
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    w0, c0 = time.perf_counter(), time.process_time()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, sp)
-    n_out = 0
-    while eng.has_unfinished():
-        n_out += sum(len(o.token_ids) for o in eng.step())
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    n_out, wall, cpu = drain(eng, prompts, sp)
     book, st = eng.drafts, eng.stats
     res = {"out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": st.steps,
            "out_tok_per_step": n_out / max(st.steps, 1)}
