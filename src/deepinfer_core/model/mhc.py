@@ -66,6 +66,9 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 def _logits(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int, eps: float
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, S, n], post [T, S, n]) in the state's dtype and the Sinkhorn logits [T, S, n, n] in the
+    coefficient dtype, for the S sublayers whose ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k]
+    are given."""
     # coefficients in >= float32 (a bf16 Sinkhorn drifts); the stream update stays in the model dtype
     cd = torch.float64 if state.dtype == torch.float64 else torch.float32
     x = state.reshape(state.shape[0], -1).to(cd)
@@ -79,20 +82,14 @@ def _logits(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: t
     return pre.to(dt), post.to(dt), logits
 
 
-@fusable
-def _mhc_logits(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [T, S, n], post [T, S, n]) in the state's dtype and the Sinkhorn logits [T, S, n, n] in the
-    coefficient dtype, for the S sublayers whose ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k]
-    are given."""
-    return _logits(state, phi, alpha, bias, n, eps)
+_mhc_logits = fusable(_logits)  # fused glue around a Sinkhorn kernel
 
 
 @fusable
 def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
                       iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_mhc_logits` then the Sinkhorn (``sk``, None: :func:`sinkhorn`): (pre, post, res [T, S, n, n]),
+    """:func:`_logits` then the Sinkhorn (``sk``, None: :func:`sinkhorn`): (pre, post, res [T, S, n, n]),
     all in the state's dtype."""
     pre, post, logits = _logits(state, phi, alpha, bias, n, eps)
     # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
