@@ -16,6 +16,7 @@ from the tables of the chosen placement.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -27,9 +28,11 @@ from deepinfer_core.model.cache import CacheFormats
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
 from deepinfer_core.model.decode_step import execute_rows
+from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.model.prefill import DEFAULT_BUDGET, DEFAULT_TILE, attend_request, select_entries
 from deepinfer_core.model.replay import ReplayMixin
 from deepinfer_core.model.speculative import SpecState
 from deepinfer_core.model.validation import ValidationMixin
@@ -290,8 +293,25 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         lg = idx * ratio // self.min_ratio
         return table[lg // self.block_size] * self.block_size + lg % self.block_size
 
+    # the prefill path (requests with more rows than the row path takes): "tiled" cuts the window attention
+    # into query tiles and the indexer / attention rows into pieces of at most prefill_budget bytes of
+    # intermediates (model.prefill); "dense" is the plain path, every query against every chunk key
+    # through a dense mask (the oracle of the tiled path's tests and the benchmark's baseline)
+    prefill_path = "tiled"
+    prefill_tile = DEFAULT_TILE
+    prefill_budget = DEFAULT_BUDGET
+
     def _attend(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, reqs: list,
                 sel: dict, pools: dict) -> torch.Tensor:
+        if self.prefill_path not in ("tiled", "dense"):
+            raise ValueError(f"prefill_path={self.prefill_path!r}: must be 'tiled' or 'dense'")
+        tiled = self.prefill_path == "tiled"
+        # the tiled path's small functions run compiled under fuse_glue, as the decode glue does
+        with fused_glue(self.fuse_glue and tiled):
+            return self._attend_requests(lid, a, x, positions, reqs, sel, pools, tiled)
+
+    def _attend_requests(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, reqs: list,
+                         sel: dict, pools: dict, tiled: bool) -> torch.Tensor:
         cfg, fmt = self.cfg, self.fmt
         w = cfg.sliding_window
         q, lat = a.queries(x, positions)
@@ -309,11 +329,13 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
             # ---- sliding window: history from the ring, then this chunk's keys
             ring = self.swa[lid]
             floor = int(self._floor[slot, int(lid >= cfg.encoder_layers)])
-            hist = torch.arange(max(0, s - (w - 1), min(floor, s)), s, device=self.device)
+            h0 = max(0, s - (w - 1), min(floor, s))  # the first history position the ring can serve
+            hist = torch.arange(h0, s, device=self.device)
             k_hist = fmt.swa.dequantize(ring[slot, hist % self.swa_ring]).to(self.dtype)
             keys_a = torch.cat((k_hist, kswa[r0:r1]))
-            kp = torch.cat((hist, qp))
-            mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= floor)
+            if not tiled:
+                kp = torch.cat((hist, qp))
+                mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= floor)
             if i in self._snap_at and lid < cfg.encoder_layers:  # the ring as it is at position X
                 x_at = self._snap_at[i]
                 snap = ring[slot].clone()
@@ -323,8 +345,10 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
             keep = slice(max(0, n - self.swa_ring), n)
             self._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep],
                              torch.full_like(qp[keep], slot), qp[keep])
+            win = (h0, s, w, floor, a.attn_sink, a.scale)  # the tiled path's window arguments
             if a.kind == LAYER_SWA:
-                outs.append(sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
+                outs.append(attend_request(q[r0:r1], keys_a, *win, tile=self.prefill_tile, budget=self.prefill_budget)
+                            if tiled else sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
                 continue
             src = cfg.kv_source_of(lid)
             ratio = a.ratio
@@ -335,15 +359,31 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                 ent = torch.arange(e_total, device=self.device)
                 flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
                 ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
-                visible = (qp + 1) // ratio
-                sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
-                sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
+                if tiled:
+                    sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
+                                                   self.prefill_budget)
+                else:
+                    visible = (qp + 1) // ratio
+                    sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
+                    sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
             ids, valid = sel[(cfg.index_source_of(lid), i)]
             flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
-            kb = fmt.main.dequantize(flat[self._slots(table, ids.reshape(-1), ratio)]).to(self.dtype)
-            kb = kb.view(n, ids.shape[1], kb.shape[-1])
-            outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
+
+            gather = functools.partial(self._gather_compressed, flat, table, ids, valid, ratio)
+            if tiled:
+                outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
+                                           tile=self.prefill_tile, budget=self.prefill_budget))
+            else:
+                kb, _ = gather(0, n)
+                outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
         return torch.cat(outs)
+
+    def _gather_compressed(self, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                           ratio: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed keys [g1 - g0, k, d] of one request's rows g0 .. g1 - 1 (their ``ids`` picked
+        from the paged cache ``flat`` through ``table``) and their validity."""
+        kb = self.fmt.main.dequantize(flat[self._slots(table, ids[g0:g1].reshape(-1), ratio)]).to(self.dtype)
+        return kb.view(g1 - g0, ids.shape[1], kb.shape[-1]), valid[g0:g1]
 
     def _compress(self, lid: int, a: Attention, new_state: torch.Tensor, s: int, n: int, slot: int,
                   table: torch.Tensor) -> None:

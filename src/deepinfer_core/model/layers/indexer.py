@@ -107,3 +107,31 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
     pool = bsel.repeat_interleave(block_size, dim=1)[:, :e]
     return pool & (scores > NEG)
 
+
+
+_KEYED = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@fusable
+def select_topk_keyed(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` through ``torch.topk`` (a partial selection instead of a full sort per row).
+
+    Identical ids and order, by construction: each score (float32 or narrower, widened exactly) becomes
+    one int64 key, its order-preserving 32-bit integer image in the high half and ``2**32 - 1 - index`` in
+    the low half, so keys are distinct and ordered by (score descending, index ascending), which is the
+    order of the stable descending sort. ``-0.0`` is first turned into ``+0.0`` (the sort calls them
+    equal); NaN scores are not supported (the executor's scores never hold NaN). Other dtypes (float64)
+    fall back to :func:`select_topk`.
+    """
+    if scores.dtype not in _KEYED or scores.shape[1] >= 2**31:
+        return select_topk(scores, k)
+    k = min(k, scores.shape[1])
+    s32 = scores.to(torch.float32) + 0.0  # exact widening; -0.0 + 0.0 == +0.0
+    bits = s32.view(torch.int32)
+    # negative floats order backwards as integers: flip their magnitude bits (the sign bit stays)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    idx = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    key = ordered.to(torch.int64) * (1 << 32) + ((1 << 32) - 1 - idx)[None, :]
+    top = torch.topk(key, k, dim=1, largest=True, sorted=True).values
+    ids = (1 << 32) - 1 - (top & 0xFFFFFFFF)
+    return ids, scores.gather(1, ids) > NEG

@@ -1,0 +1,119 @@
+"""The prefill's attention maths in bounded pieces (``ModelExecutor`` with ``prefill_path="tiled"``).
+
+The plain per-request path materialises, for a chunk of n tokens, the window logits of every query
+against every chunk key ([n, H, n]), the indexer's per-head scores of every query against every
+compressed entry ([n, index_heads, E]) and a full sort of [n, E], and gathers the top-k compressed keys of
+all n rows at once ([n, top-k, d]). Here:
+
+- the window attention runs in query tiles (:mod:`~deepinfer_core.model.layers.window_attention`);
+- rows are processed in pieces whose intermediates fit a memory ``budget`` (bytes): indexer scores,
+  masks, the candidate pool and the top-k of one piece of rows at a time, then the attention of one piece
+  at a time with only that piece's compressed keys gathered;
+- a piece of indexer rows scores only the entries its last row can see ((s + c1) // ratio: the causal
+  half of the matrix is never computed), and its selection is padded to the dense width exactly as the
+  stable sort over all E entries orders it (masked entries follow in index order), so ids and validity
+  equal :func:`~deepinfer_core.model.layers.indexer.pick_entries` on the whole matrix;
+- ``keyed`` picks the top-k with ``torch.topk`` over distinct int64 keys
+  (:func:`~deepinfer_core.model.layers.indexer.select_topk_keyed`, identical to the stable sort).
+
+Every row's maths is the dense path's; only the summation order of GEMMs differs (float64 tests hold it to
+1e-9 of the dense path and of ``DeepSeekV41.forward_full``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepinfer_core.model.layers.indexer import (
+    candidate_pool,
+    index_scores,
+    mask_scores,
+    select_topk,
+    select_topk_keyed,
+)
+from deepinfer_core.model.layers.window_attention import window_attention, window_width
+
+DEFAULT_BUDGET = 256 << 20  # bytes of intermediates per piece of rows
+DEFAULT_TILE = 64  # query rows per window tile: window + 63 keys per tile (1.5x the window at w = 128)
+
+
+def rows_per_piece(per_row_bytes: int, budget: int, multiple: int = 1) -> int:
+    """Rows whose intermediates fit ``budget`` (at least ``multiple``, and a multiple of it)."""
+    rows = max(1, budget // max(1, per_row_bytes))
+    return max(multiple, rows // multiple * multiple)
+
+
+def select_entries(cfg: Any, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int,
+                   pools: dict, key: Any, budget: int = DEFAULT_BUDGET,
+                   keyed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``lid``'s top-k compressed entries for one request's rows: (ids [n, k'], valid [n, k']).
+
+    qi [n, heads, d] / wi [n, heads]: the indexer queries and head weights of rows at positions
+    s .. s + n - 1; ik [E, d]: the request's visible index keys (E = (s + n) // ratio). Equal to
+    ``pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), ent < visible), visible, pools, key)``,
+    including the candidate pool it stores at ``pools[key]`` (the candidate source layer) and reads (a
+    layer that uses candidates), with rows scored ``budget`` bytes at a time.
+    """
+    n, heads, _ = qi.shape
+    e_all = ik.shape[0]
+    k_out = min(cfg.index_topk, e_all)
+    dev = qi.device
+    es = qi.element_size()
+    # per row: the [heads, E] products and their relu, then the [E] scores, mask, pool and sort keys
+    rows = rows_per_piece(e_all * (2 * heads * es + 4 * es + 3 * 8), budget)
+    restrict, make_pool = cfg.uses_candidates(lid), lid == cfg.candidate_source_layer_id
+    sel = select_topk_keyed if keyed else select_topk
+    ent = torch.arange(e_all, device=dev)
+    ids_l, valid_l, pool_l = [], [], []
+    for c0 in range(0, n, rows):
+        c1 = min(n, c0 + rows)
+        e_c = min(e_all, (s + c1) // ratio)  # the piece's last row sees the most entries
+        vis = (s + c0 + 1 + torch.arange(c1 - c0, device=dev)) // ratio
+        if e_c == 0:  # no entry visible yet: the dense sort lists the masked entries in index order
+            ids_l.append(ent[:k_out].expand(c1 - c0, -1))
+            valid_l.append(torch.zeros(c1 - c0, k_out, dtype=torch.bool, device=dev))
+            if make_pool:
+                pool_l.append(torch.zeros(c1 - c0, e_all, dtype=torch.bool, device=dev))
+            continue
+        sc = mask_scores(index_scores(qi[c0:c1], wi[c0:c1], ik[:e_c]), ent[None, :e_c] < vis[:, None])
+        if restrict:
+            sc = mask_scores(sc, pools[key][c0:c1, :e_c])
+        if make_pool:
+            pool = candidate_pool(sc, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            pool_l.append(torch.cat((pool, pool.new_zeros(c1 - c0, e_all - e_c)), 1))
+        ids, valid = sel(sc, cfg.index_topk)
+        if ids.shape[1] < k_out:
+            # entries e_c .. E - 1 are masked for these rows; the stable sort puts them after the piece's
+            # own masked entries, in index order
+            tail = ent[e_c: e_c + k_out - ids.shape[1]].expand(c1 - c0, -1)
+            ids = torch.cat((ids, tail), 1)
+            valid = torch.cat((valid, torch.zeros_like(tail, dtype=torch.bool)), 1)
+        ids_l.append(ids)
+        valid_l.append(valid)
+    if make_pool:
+        pools[key] = torch.cat(pool_l)
+    return torch.cat(ids_l), torch.cat(valid_l)
+
+
+def attend_request(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, s: int, window: int, floor: int,
+                   sink: torch.Tensor, scale: float, compressed: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   n_compressed: int = 0, tile: int = DEFAULT_TILE, budget: int = DEFAULT_BUDGET) -> torch.Tensor:
+    """One request's attention, rows at positions s .. s + n - 1: the window over ``keys`` [K, d] (positions
+    key_pos0 + arange(K), visible from ``floor``) and, when ``compressed`` is given, each row's
+    ``n_compressed`` compressed keys, gathered a piece at a time by ``compressed(r0, r1)`` ->
+    (keys [r1 - r0, B, d], valid [r1 - r0, B])."""
+    n, h, d = q.shape
+    es = q.element_size()
+    width = window_width(tile, window)
+    # per row: logits, masked logits, their concatenation with the sink, the softmax; the gathered keys
+    per_row = es * (4 * h * (width + n_compressed + 1) + 2 * n_compressed * d)
+    rows = rows_per_piece(per_row, budget, tile)
+    outs = []
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        kb, vb = compressed(r0, r1) if compressed is not None else (None, None)
+        outs.append(window_attention(q[r0:r1], keys, key_pos0, s + r0, window, floor, sink, scale, kb, vb, tile))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

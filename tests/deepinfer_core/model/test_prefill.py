@@ -1,0 +1,206 @@
+"""The tiled prefill path (model.prefill, layers.window_attention) against the dense path it replaces.
+
+Oracles: ``sink_attention`` over the dense window masks (float64, equal to 1e-9), the stable sort of
+``select_topk`` (ids and validity identical, ties included), ``pick_entries`` over the whole score matrix
+(identical), and for the executor the ``prefill_path="dense"`` executor and ``DeepSeekV41.forward_full``
+(float64, 1e-9) with tiles and row pieces small enough that every request spans several of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer_core.model import fusion
+from deepinfer_core.model.batch import ForwardBatch
+from deepinfer_core.model.config import tiny_config
+from deepinfer_core.model.executor import ModelExecutor
+from deepinfer_core.model.layers.indexer import (
+    index_scores,
+    mask_scores,
+    pick_entries,
+    select_topk,
+    select_topk_keyed,
+)
+from deepinfer_core.model.layers.window_attention import window_attention, window_attention_reference
+from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.model.prefill import select_entries
+
+from .session import Session, chunks_of
+
+TOL = 1e-9
+T = 120
+
+
+@settings(max_examples=150, deadline=None)
+@given(m=st.integers(1, 70), hist=st.integers(0, 40), window=st.integers(1, 40), tile=st.integers(1, 24),
+       floor_off=st.integers(-5, 80), n_b=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_tiled_window_attention_equals_dense_masks(m: int, hist: int, window: int, tile: int, floor_off: int,
+                                                   n_b: int, seed: int) -> None:
+    """Any chunk length (not a multiple of the tile), history shorter / longer than the window, windows
+    wider than the chunk, floors inside the history or the chunk, with and without compressed keys."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, s = 3, 8, 50
+    key_pos0 = s - hist
+    floor = max(0, key_pos0 + floor_off)
+    q = torch.randn(m, h, d, generator=g, dtype=torch.float64)
+    keys = torch.randn(hist + m, d, generator=g, dtype=torch.float64)
+    sink = torch.randn(h, generator=g, dtype=torch.float64)
+    kb = torch.randn(m, n_b, d, generator=g, dtype=torch.float64) if n_b else None
+    vb = torch.rand(m, n_b, generator=g) < 0.6 if n_b else None
+    got = window_attention(q, keys, key_pos0, s, window, floor, sink, 0.35, kb, vb, tile=tile)
+    want = window_attention_reference(q, keys, key_pos0, s, window, floor, sink, 0.35, kb, vb)
+    assert (got - want).abs().max().item() < TOL
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5), e=st.integers(1, 60), k=st.integers(1, 70), levels=st.integers(1, 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_keyed_topk_is_the_stable_sort(n: int, e: int, k: int, levels: int, dtype: torch.dtype, seed: int) -> None:
+    """Few distinct values (many ties), -0.0 beside +0.0, masked (-inf) entries, fully masked rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-levels, levels + 1, (n, e), generator=g).to(torch.float64) * 0.75).to(dtype)
+    x[torch.rand(n, e, generator=g) < 0.25] = float("-inf")
+    x[torch.rand(n, e, generator=g) < 0.15] = -0.0
+    x[0, : e // 2] = float("-inf")
+    if n > 1:
+        x[1] = float("-inf")
+    want_ids, want_valid = select_topk(x, k)
+    got_ids, got_valid = select_topk_keyed(x, k)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_valid, want_valid)
+
+
+@pytest.mark.parametrize("lid", [2, 4, 5, 6])  # ratio-2 Full; the candidate source; a candidate user; Reindex
+@pytest.mark.parametrize("keyed", [False, True])
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 50), s=st.integers(0, 40), budget=st.sampled_from([1, 3000, 20000, 1 << 30]),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_chunked_selection_equals_pick_entries(lid: int, keyed: bool, n: int, s: int, budget: int, ties: bool,
+                                               seed: int) -> None:
+    """Rows scored a piece at a time (budget 1: one row per piece) pick the same ids, validity and
+    candidate pool as pick_entries over the whole [n, E] matrix; ``ties`` draws integer-valued keys so
+    many scores tie (the stable order decides)."""
+    cfg = tiny_config()
+    ratio = cfg.ratio(lid)
+    e = (s + n) // ratio
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if keyed else torch.float64
+    heads, dim = cfg.index_n_heads, cfg.index_head_dim
+    qi = torch.randn(n, heads, dim, generator=g, dtype=torch.float64)
+    ik = torch.randn(e, dim, generator=g, dtype=torch.float64)
+    if ties:
+        qi, ik = qi.sign(), (ik > 1).to(torch.float64)
+    qi, ik = qi.to(dtype), ik.to(dtype)
+    wi = torch.rand(n, heads, generator=g, dtype=torch.float64).to(dtype)
+    pool_key = 0
+    pools_a: dict = {}
+    pools_b: dict = {}
+    if cfg.uses_candidates(lid):  # a pool from the candidate source first (some entries allowed)
+        pools_a[pool_key] = pools_b[pool_key] = torch.rand(n, e, generator=g) < 0.5
+    visible = (s + 1 + torch.arange(n)) // ratio
+    ent = torch.arange(e)
+    sc = mask_scores(index_scores(qi, wi, ik), ent[None, :] < visible[:, None])
+    want = pick_entries(cfg, lid, sc, visible, pools_a, pool_key)
+    got = select_entries(cfg, lid, qi, wi, ik, s, ratio, pools_b, pool_key, budget=budget, keyed=keyed)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert pools_a.keys() == pools_b.keys()
+    for key in pools_a:
+        assert torch.equal(pools_a[key], pools_b[key])
+
+
+@pytest.fixture
+def small_pieces() -> Iterator[None]:
+    """Tiles of 5 queries and pieces of a few rows: every request of the tests spans many of both."""
+    old = ModelExecutor.prefill_tile, ModelExecutor.prefill_budget
+    ModelExecutor.prefill_tile, ModelExecutor.prefill_budget = 5, 40_000
+    yield
+    ModelExecutor.prefill_tile, ModelExecutor.prefill_budget = old
+
+
+@pytest.mark.parametrize("chunk", [7, 45, T])
+def test_tiled_prefill_equals_full_forward(model64: DeepSeekV41, small_pieces: None, chunk: int) -> None:
+    """Chunks shorter than the window (16), longer, one chunk; history (s > 0) from the rings."""
+    seq = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(7))
+    ref = model64.forward_full(seq)[0]
+    s = Session(model64)
+    assert s.ex.prefill_path == "tiled"
+    got = s.run(0, seq, chunks_of(T, chunk))
+    assert (got - ref).abs().max().item() < TOL
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_tiled_executor_equals_dense_executor(model64: DeepSeekV41, data: st.DataObject) -> None:
+    """The same steps (several requests per batch, random chunk lengths, decoder floors, snapshot
+    positions) through a dense-path and a tiled-path executor: logits, snapshots and caches agree."""
+    ModelExecutor.prefill_tile, ModelExecutor.prefill_budget = data.draw(st.integers(1, 9)), data.draw(
+        st.sampled_from([1, 30_000, 1 << 30]))
+    try:
+        exs = [ModelExecutor(model64, 64, 16, 4, quantize=False) for _ in range(2)]
+        exs[0].prefill_path = "dense"
+        # dense: both executors must see identical batches; draw once
+        toks = np.random.default_rng(data.draw(st.integers(0, 999))).integers(0, 512, (3, 110))
+        pos = [0, 0, 0]
+        tables = np.arange(1, 1 + 3 * 7, dtype=np.int64).reshape(3, 7)
+        for _ in range(data.draw(st.integers(1, 4))):
+            reqs = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
+            lens = [data.draw(st.integers(8, 40)) for _ in reqs]
+            floors = [data.draw(st.integers(0, pos[r])) if data.draw(st.booleans()) else 0 for r in reqs]
+            snaps = [data.draw(st.sampled_from([0, pos[r] + 1, pos[r] + n])) for r, n in zip(reqs, lens)]
+            b = ForwardBatch(token_ids=np.concatenate([toks[r, pos[r]: pos[r] + n] for r, n in zip(reqs, lens)]),
+                             query_lens=lens, start_pos=[pos[r] for r in reqs], block_tables=tables[reqs],
+                             state_slots=reqs, num_logits=lens, decoder_floor=floors, snapshot_pos=snaps)
+            outs = [ex.execute(b) for ex in exs]
+            assert (outs[0].logits - outs[1].logits).abs().max().item() < TOL
+            for k in outs[0].snapshots:
+                for x, y in zip(outs[0].snapshots[k], outs[1].snapshots[k]):
+                    # raw (unquantised) ring bytes: float64 keys
+                    assert (x.view(torch.float64) - y.view(torch.float64)).abs().max().item() < TOL
+            for r, n in zip(reqs, lens):
+                pos[r] += n
+        for lid in model64.cfg.kv_source_layer_ids:
+            assert (exs[0].kv[lid].view(torch.float64) - exs[1].kv[lid].view(torch.float64)).abs().max() < TOL
+    finally:
+        ModelExecutor.prefill_tile, ModelExecutor.prefill_budget = 64, 256 << 20
+
+
+def test_tiled_prefill_glue_compiles_and_agrees(model64: DeepSeekV41, small_pieces: None) -> None:
+    """Under ``fuse_glue`` the tiled path's marked functions compile whole (aot_eager on the CPU) and
+    give the plain path's logits; three chunk lengths compile at most twice per function (the second
+    length makes the row dims symbolic)."""
+    seq = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(9))
+    want = Session(model64).run(0, seq, [40, 33, 47])
+    fusion.set_backend("aot_eager")
+    try:
+        s = Session(model64)
+        s.ex.fuse_glue = True
+        got = s.run(0, seq, [40, 33, 47])
+        assert fusion.compiled_count() > 0
+    finally:
+        fusion.set_backend(None)
+    assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.gpu
+def test_cuda_tiled_prefill_matches_dense_path() -> None:
+    """bf16 on the GPU: the tiled path's logits against the dense path's (same executor, same caches),
+    and the keyed top-k against the stable sort on CUDA tensors."""
+    cfg = tiny_config()
+    m = DeepSeekV41.from_config(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
+    seq = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for path in ("dense", "tiled"):
+        s = Session(m, quantize=True)
+        s.ex.prefill_path = path
+        got[path] = s.run(0, seq, [70, 50]).float()
+    rel = ((got["tiled"] - got["dense"]).norm() / got["dense"].norm()).item()
+    assert rel < 2e-2
+    x = torch.randint(-3, 4, (64, 3000), device="cuda").to(torch.bfloat16)
+    x[:, ::7] = float("-inf")
+    a, b = select_topk(x, 512), select_topk_keyed(x, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
