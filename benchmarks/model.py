@@ -4,6 +4,12 @@
     next to the cache-free ``forward_full`` of the same tokens, with KV quantisation on and off.
 (b) Decode: B requests with a fixed context each, one token per request per step, for B in a sweep;
     quantisation on (FP4 / FP8 / MXFP4 caches) and off, row-wise path and per-request path.
+(p) Prefill paths: the executor's dense prefill (every query against every chunk key, [n, n] masks, whole
+    [n, heads, E] indexer scores and a full sort) against the tiled path (window attention in query
+    tiles, indexer / attention rows in bounded pieces, keyed top-k), same model and tokens, interleaved,
+    as a ratio of CPU seconds (dense / tiled) at a config with window 128 and 1,024-4,096 tokens
+    (``prefill_config``: the tiny widths with the V4.1 window, 16 heads, top-k 64); ``--prefill-paths-only``
+    runs only this section.
 (c) Part 2, decode steps at a fixed context: the cost of each feature (mHC streams, Engram layers, the
     drafter's context writes, an EPLB placement with replicas) as variants of one config with that
     feature off, and DSpark steps (decode + draft; verify 5 drafts + draft) against a plain decode step.
@@ -51,6 +57,13 @@ def wide_config() -> ModelConfig:
                         index_source_layer_ids=[1, 3, 5], num_encoder_layers=3, candidate_source_layer_id=3,
                         n_routed_experts=8, engram_layer_ids=[1], engram_table_sizes=[8009],
                         dspark_target_layer_ids=[3, 4, 5], num_nextn_predict_layers=1)
+
+
+def prefill_config() -> ModelConfig:
+    """The tiny config's widths with the released window (128), 16 heads and top-k 64: a CPU-sized model
+    whose prefill has the shapes that make the dense path quadratic (n x n window logits, n x E scores)."""
+    return tiny_config(sliding_window=128, num_attention_heads=16, index_topk=64, candidate_block_size=16,
+                       candidate_topk_blocks=16)
 
 
 class Clock:
@@ -109,6 +122,39 @@ def bench_prefill(model: DeepSeekV41, clock: Clock, base: dict, t: int, repeat: 
         if not clock.cuda:
             emit(BENCH, p, "prefill_tokens_per_wall_s", t / wall, "tok/s")
         emit(BENCH, p, "prefill_time_ratio_vs_forward_full", sec / sec_full, "x")
+
+
+def bench_prefill_paths(dev: torch.device, clock: Clock, base: dict, lengths: list[int], repeat: int) -> None:
+    """Dense vs tiled prefill of one request (``ModelExecutor.prefill_path``), KV quantised, one model;
+    the two paths alternate per round so a shared machine's load falls on both alike."""
+    cfg = prefill_config()
+    model = DeepSeekV41.from_config(cfg, seed=0, dtype=torch.float32, device=dev)
+    for t in lengths:
+        toks = torch.randint(0, cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(t)).numpy()
+        runs = {}
+        for path in ("dense", "tiled"):
+            ex, pool = _executor(model, True, 1, t)
+            ex.prefill_path = path
+            pool.allocate(0, t)
+            b = ForwardBatch(token_ids=toks, query_lens=[t], start_pos=[0], block_tables=pool.block_tables([0]),
+                             state_slots=[0], num_logits=[1])
+            runs[path] = (lambda ex=ex, b=b: ex.execute(b).logits)
+        logits = {k: f().float() for k, f in runs.items()}  # also the warm-up
+        q: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(repeat):
+            for k, f in runs.items():
+                q0, _ = clock.now()
+                f()
+                q1, _ = clock.now()
+                q[k].append(q1 - q0)
+        sec = {k: statistics.median(v) for k, v in q.items()}
+        p = {**base, "config": "prefill", "window": cfg.sliding_window, "heads": cfg.num_attention_heads,
+             "tokens": t, "kv_quant": True}
+        for k in runs:
+            emit(BENCH, {**p, "path": k}, f"prefill_tokens_per_{clock.unit}", t / sec[k], "tok/s")
+        emit(BENCH, p, "prefill_time_ratio_dense_vs_tiled", sec["dense"] / sec["tiled"], "x")
+        d, g = logits["dense"], logits["tiled"]
+        emit(BENCH, p, "prefill_tiled_vs_dense_logits_rel_err", ((g - d).norm() / d.norm()).item(), "ratio")
 
 
 def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: int, steps: int) -> dict[str, float]:
@@ -252,6 +298,7 @@ def main() -> None:
     ap.add_argument("--config", choices=("tiny", "wide"), default="tiny")
     ap.add_argument("--backend", choices=("none", "reference", "cuda"), default="none",
                     help="write caches through this deepinfer_kernels backend's ops (default: plain torch)")
+    ap.add_argument("--prefill-paths-only", action="store_true", help="only section (p): dense vs tiled prefill")
     args = ap.parse_args()
     global BACKEND
     BACKEND = None if args.backend == "none" else get_backend(args.backend)
@@ -275,6 +322,10 @@ def main() -> None:
         ctx = 128
     steps = 3 if args.quick else 16
     repeat = 1 if args.quick else 3
+    lengths = [1024] if args.quick else [1024, 2048, 4096]
+    bench_prefill_paths(dev, clock, base, lengths, repeat)
+    if args.prefill_paths_only:
+        return
     for t in tqdm(prefill, desc="prefill", disable=args.quick):
         bench_prefill(model, clock, base, t, repeat)
     curve = {}

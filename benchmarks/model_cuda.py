@@ -132,10 +132,43 @@ def prefill_flops(model: DeepSeekV41, tokens: int) -> float:
     return f + 2 * cfg.vocab_size * cfg.hidden_size
 
 
-def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path | None) -> None:
-    """One request's prefill (eager; prefill steps are not graphed): wall time, and the weight-product
-    FLOPs over it as a share of the bf16 matmul rate; with the profiler, the same over the GEMM kernels'
-    own time (the GEMM-bound part)."""
+PREFILL_PATHS = ("dense", "tiled", "glue")
+
+
+def gpu_time_split(events: list) -> dict[str, float]:
+    """Device microseconds of a profile's kernels by where they were launched: inside the executor's
+    ``prefill.attention`` / ``prefill.indexer`` ranges (their GEMMs included), else GEMM kernels by name
+    (``weight_gemm``: the weight products, the GEMM-bound part) or ``other`` (norms, RoPE, MoE routing,
+    casts, cache writes...). Walks the CPU events' trees: each kernel belongs to the op that launched it."""
+    from deepinfer_core.model.prefill import ATTENTION_RANGE, INDEXER_RANGE
+
+    names = {ATTENTION_RANGE: "attention", INDEXER_RANGE: "indexer"}
+    out = dict.fromkeys(("weight_gemm", "attention", "indexer", "other"), 0.0)
+    stack = [(e, None) for e in events if str(e.device_type).endswith("CPU") and e.cpu_parent is None]
+    while stack:
+        e, label = stack.pop()
+        label = names.get(e.name, label)
+        for k in e.kernels:
+            is_gemm = any(g in k.name.lower() for g in GEMM_KERNELS)
+            out[label or ("weight_gemm" if is_gemm else "other")] += k.duration
+        stack.extend((c, label) for c in e.cpu_children)
+    return out
+
+
+def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path | None,
+                  paths: tuple[str, ...] = ("dense", "tiled")) -> None:
+    """One request's prefill (eager; prefill steps are not graphed) per path: ``dense`` (the plain path:
+    [n, n] window masks, whole indexer matrices), ``tiled`` (model.prefill: query tiles, bounded row pieces,
+    keyed top-k), ``glue`` (tiled with its small functions compiled, ``fuse_glue``). Reported:
+
+    - ``prefill_pct_of_matmul_rate``: weight-product FLOPs (:func:`prefill_flops`) over the wall time, as a
+      share of the bf16 matmul rate measured in the same run;
+    - ``prefill_gemm_part_pct_of_matmul_rate``: the same FLOPs over the weight-GEMM kernels' own device time
+      (GEMM kernels launched outside the attention / indexer ranges: :func:`gpu_time_split`);
+      ``prefill_all_gemm_pct_of_matmul_rate`` over every GEMM-named kernel (attention GEMMs too);
+    - ``prefill_gpu_split_<part>_pct``: the GPU time split weight GEMM / attention / indexer / other;
+    - ``prefill_speedup_vs_dense`` and ``prefill_vs_dense_logits_rel_err`` for the other paths.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     base = {"config": "wide", "device": torch.cuda.get_device_name()}
@@ -144,37 +177,56 @@ def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path
         ex = ModelExecutor(model, blocks, BLOCK, 1, quantize=True, backend=get_backend("cuda"))
         toks = torch.randint(0, model.cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(t)).numpy()
         table = np.arange(1, blocks, dtype=np.int64)[None, : -(-t // BLOCK)]
-
         batch = ForwardBatch(token_ids=toks, query_lens=[t], start_pos=[0], block_tables=table,
                              state_slots=[0], num_logits=[1])
-        ex.execute(batch)
-        torch.cuda.synchronize()
-        reps = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ex.execute(batch)
-            torch.cuda.synchronize()
-            reps.append(time.perf_counter() - t0)
-        wall = statistics.median(reps)
         flops = prefill_flops(model, t)
-        p = {**base, "tokens": t}
-        emit(BENCH, p, "prefill_ms", wall * 1e3, "ms")
-        emit(BENCH, p, "prefill_tokens_per_s", t / wall, "tok/s")
-        emit(BENCH, p, "prefill_weight_tflops", flops / wall / 1e12, "TFLOP/s")
-        emit(BENCH, p, "prefill_pct_of_matmul_rate", 100 * flops / wall / rate, "%")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            ex.execute(batch)
+        walls: dict[str, float] = {}
+        logits: dict[str, torch.Tensor] = {}
+        for path in paths:
+            if path not in PREFILL_PATHS:
+                raise SystemExit(f"--prefill-paths: unknown path {path!r} ({', '.join(PREFILL_PATHS)})")
+            ex.prefill_path = "dense" if path == "dense" else "tiled"
+            ex.fuse_glue = path == "glue"
+            t0 = time.perf_counter()
+            logits[path] = ex.execute(batch).logits.float()  # warm-up (the glue compiles here)
             torch.cuda.synchronize()
-        ka = prof.key_averages()
-        on_dev = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
-        gemm_us = sum(e.self_device_time_total for e in on_dev if any(k in e.key.lower() for k in GEMM_KERNELS))
-        dev_us = sum(e.self_device_time_total for e in on_dev)
-        emit(BENCH, p, "prefill_gemm_share_of_gpu_time", 100 * gemm_us / max(dev_us, 1e-9), "%")
-        emit(BENCH, p, "prefill_gemm_part_pct_of_matmul_rate", 100 * flops / (gemm_us / 1e6) / rate, "%")
-        if out is not None:
-            with open(out / "profiles.txt", "a") as fh:
-                fh.write(f"\n\n==== prefill {t} tokens\n")
-                fh.write(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
+            p = {**base, "tokens": t, "mode": path}
+            emit(BENCH, p, "prefill_warmup_s", time.perf_counter() - t0, "s")
+            reps = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                ex.execute(batch)
+                torch.cuda.synchronize()
+                reps.append(time.perf_counter() - t0)
+            wall = walls[path] = statistics.median(reps)
+            emit(BENCH, p, "prefill_ms", wall * 1e3, "ms")
+            emit(BENCH, p, "prefill_tokens_per_s", t / wall, "tok/s")
+            emit(BENCH, p, "prefill_weight_tflops", flops / wall / 1e12, "TFLOP/s")
+            emit(BENCH, p, "prefill_pct_of_matmul_rate", 100 * flops / wall / rate, "%")
+            if "dense" in walls and path != "dense":
+                emit(BENCH, p, "prefill_speedup_vs_dense", walls["dense"] / wall, "x")
+                d = logits["dense"]
+                emit(BENCH, p, "prefill_vs_dense_logits_rel_err", ((logits[path] - d).norm() / d.norm()).item(), "ratio")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ex.execute(batch)
+                torch.cuda.synchronize()
+            split = gpu_time_split(prof.events())
+            dev_us = sum(split.values())
+            ka = prof.key_averages()
+            kernels = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.is_user_annotation]
+            all_gemm_us = sum(e.self_device_time_total for e in kernels if any(k in e.key.lower() for k in GEMM_KERNELS))
+            emit(BENCH, p, "prefill_gpu_ms", dev_us / 1e3, "ms")
+            emit(BENCH, p, "prefill_gpu_ms_unattributed", (sum(e.self_device_time_total for e in kernels) - dev_us) / 1e3, "ms")
+            for part, us in split.items():
+                emit(BENCH, p, f"prefill_gpu_split_{part}_pct", 100 * us / max(dev_us, 1e-9), "%")
+            emit(BENCH, p, "prefill_gemm_share_of_gpu_time", 100 * split["weight_gemm"] / max(dev_us, 1e-9), "%")
+            emit(BENCH, p, "prefill_gemm_part_pct_of_matmul_rate",
+                 100 * flops / (max(split["weight_gemm"], 1e-9) / 1e6) / rate, "%")
+            emit(BENCH, p, "prefill_all_gemm_pct_of_matmul_rate", 100 * flops / (max(all_gemm_us, 1e-9) / 1e6) / rate, "%")
+            if out is not None:
+                with open(out / "profiles.txt", "a") as fh:
+                    fh.write(f"\n\n==== prefill {t} tokens, {path}\n")
+                    fh.write(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
         del ex
         torch.cuda.empty_cache()
 
@@ -353,6 +405,8 @@ def main() -> None:
     ap.add_argument("--engine", default="", help="batches for the engine section (tiny model), e.g. 1,8,64")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-config decode section")
     ap.add_argument("--prefill", default="", help="prompt lengths for the wide-config prefill section, e.g. 2048,8192")
+    ap.add_argument("--prefill-paths", default="dense,tiled",
+                    help="prefill paths to time: dense (plain), tiled (model.prefill), glue (tiled + fused glue)")
     ap.add_argument("--host-profile", default="", help="modes whose host side is profiled (cProfile, 5 steps)")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
@@ -371,7 +425,8 @@ def main() -> None:
     if args.prefill:
         rate = matmul_rate()
         emit(BENCH, base, "bf16_matmul_rate", rate / 1e12, "TFLOP/s")
-        bench_prefill(model, [int(x) for x in args.prefill.split(",")], rate, out)
+        bench_prefill(model, [int(x) for x in args.prefill.split(",")], rate, out,
+                      tuple(x for x in args.prefill_paths.split(",") if x))
     modes = [m for m in args.graphs.split(",") if m]
     steps = 3 if args.quick else args.steps
     for b in [int(x) for x in args.batches.split(",")]:

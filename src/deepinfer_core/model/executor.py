@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
@@ -32,7 +33,14 @@ from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.model import DeepSeekV41
-from deepinfer_core.model.prefill import DEFAULT_BUDGET, DEFAULT_TILE, attend_request, select_entries
+from deepinfer_core.model.prefill import (
+    ATTENTION_RANGE,
+    DEFAULT_BUDGET,
+    DEFAULT_TILE,
+    INDEXER_RANGE,
+    attend_request,
+    select_entries,
+)
 from deepinfer_core.model.replay import ReplayMixin
 from deepinfer_core.model.speculative import SpecState
 from deepinfer_core.model.validation import ValidationMixin
@@ -347,8 +355,9 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                              torch.full_like(qp[keep], slot), qp[keep])
             win = (h0, s, w, floor, a.attn_sink, a.scale)  # the tiled path's window arguments
             if a.kind == LAYER_SWA:
-                outs.append(attend_request(q[r0:r1], keys_a, *win, tile=self.prefill_tile, budget=self.prefill_budget)
-                            if tiled else sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
+                with record_function(ATTENTION_RANGE):
+                    outs.append(attend_request(q[r0:r1], keys_a, *win, tile=self.prefill_tile, budget=self.prefill_budget)
+                                if tiled else sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
                 continue
             src = cfg.kv_source_of(lid)
             ratio = a.ratio
@@ -356,26 +365,28 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                 self._compress(lid, a, cstate[r0:r1], s, n, slot, table)
             e_total = (s + n) // ratio
             if a.kind in (LAYER_FULL, LAYER_REINDEX):
-                ent = torch.arange(e_total, device=self.device)
-                flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
-                ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
-                if tiled:
-                    sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
-                                                   self.prefill_budget)
-                else:
-                    visible = (qp + 1) // ratio
-                    sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
-                    sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
+                with record_function(INDEXER_RANGE):
+                    ent = torch.arange(e_total, device=self.device)
+                    flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
+                    ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
+                    if tiled:
+                        sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
+                                                       self.prefill_budget)
+                    else:
+                        visible = (qp + 1) // ratio
+                        sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
+                        sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
             ids, valid = sel[(cfg.index_source_of(lid), i)]
             flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
 
             gather = functools.partial(self._gather_compressed, flat, table, ids, valid, ratio)
-            if tiled:
-                outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
-                                           tile=self.prefill_tile, budget=self.prefill_budget))
-            else:
-                kb, _ = gather(0, n)
-                outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
+            with record_function(ATTENTION_RANGE):
+                if tiled:
+                    outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
+                                               tile=self.prefill_tile, budget=self.prefill_budget))
+                else:
+                    kb, _ = gather(0, n)
+                    outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
         return torch.cat(outs)
 
     def _gather_compressed(self, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,

@@ -36,6 +36,10 @@ from deepinfer_core.model.layers.indexer import (
 )
 from deepinfer_core.model.layers.window_attention import window_attention, window_width
 
+# profiler ranges around the prefill's attention and indexer work (benchmarks/model_cuda.py splits the GPU
+# time by them); a record_function outside a profiler costs about a microsecond
+ATTENTION_RANGE = "prefill.attention"
+INDEXER_RANGE = "prefill.indexer"
 DEFAULT_BUDGET = 256 << 20  # bytes of intermediates per piece of rows
 DEFAULT_TILE = 64  # query rows per window tile: window + 63 keys per tile (1.5x the window at w = 128)
 
