@@ -192,6 +192,53 @@ class MoE(nn.Module):
             self.s_w3 = nn.Parameter(torch.empty(si, d))
             self.s_w2 = nn.Parameter(torch.empty(d, si))
         self.placement: SlotPlacement | None = None  # physical slots (EPLB); None = one slot per expert
+        # gate and up projections packed as the two halves of one tensor (pack_gate_up), or None
+        self._w13: torch.Tensor | None = None
+        self._s_w13: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def pack_gate_up(self) -> None:
+        """Store ``w1`` / ``w3`` (and the shared ``s_w1`` / ``s_w3``) as the two halves of one tensor each,
+        the parameters becoming views of it (no extra memory; state_dict names and values unchanged), so a
+        decode step reads both projections in ONE grouped GEMM of twice the width: at decode the expert
+        GEMMs are weight-bandwidth-bound and a single wider product keeps more of the GPU streaming than
+        two narrow ones (and halves their launches). Idempotent; undone by anything that replaces the
+        parameters (``.to()``, ``load_state_dict`` with assign): :meth:`_packed` then ignores the pack."""
+        if self._packed() is not None:
+            return
+        i = self.w1.shape[1]
+        w13 = torch.cat((self.w1.data, self.w3.data), dim=1)
+        self.w1.data, self.w3.data = w13[:, :i], w13[:, i:]
+        self._w13 = w13
+        if self.shared:
+            si = self.s_w1.shape[0]
+            s13 = torch.cat((self.s_w1.data, self.s_w3.data), dim=0)
+            self.s_w1.data, self.s_w3.data = s13[:si], s13[si:]
+            self._s_w13 = s13
+
+    def _packed(self) -> torch.Tensor | None:
+        """The packed [E, 2I, D] gate-up tensor if ``w1`` / ``w3`` still are its halves, else None (a host-side
+        pointer check: no device work). A stale pack is dropped, so its memory is freed."""
+        w = self._w13
+        if w is not None and (self.w1.data_ptr() != w.data_ptr() or self.w3.data_ptr() != w[:, self.w1.shape[1]:].data_ptr()):
+            w = self._w13 = None
+        return w
+
+    def _shared_packed(self) -> torch.Tensor | None:
+        w = self._s_w13
+        if w is not None and (self.s_w1.data_ptr() != w.data_ptr() or self.s_w3.data_ptr() != w[self.s_w1.shape[0]:].data_ptr()):
+            w = self._s_w13 = None
+        return w
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The always-on shared expert (one product for gate and up when packed)."""
+        # (choice, config shared_expert_clamp) the shared expert uses the routed experts' clamp
+        s13 = self._shared_packed()
+        if s13 is None:
+            g, u = x @ self.s_w1.t(), x @ self.s_w3.t()
+        else:
+            g, u = (x @ s13.t()).split(self.s_w1.shape[0], dim=-1)
+        return clamped_swiglu(g, u, self.shared_limit) @ self.s_w2.t()
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
@@ -250,8 +297,7 @@ class MoE(nn.Module):
             start = end
         out = buf.view(n, self.top_k, -1).sum(1)
         if self.shared:
-            # (choice, config shared_expert_clamp) the shared expert uses the routed experts' clamp
-            out = out + clamped_swiglu(x @ self.s_w1.t(), x @ self.s_w3.t(), self.shared_limit) @ self.s_w2.t()
+            out = out + self._shared(x)
         return out, counts
 
     def _forward_static(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,9 +307,15 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         counts, order, offs = _dispatch(flat, e, k, row_mask)
         if _grouped_ok(x):
+            if self._packed() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.pack_gate_up()  # once, on the first eager static step (a graph's warm-up runs one)
             xs = x[order // k]  # group bounds (offs) over every computed row
-            g = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
-            u = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+            w13 = self._packed()
+            if w13 is None:
+                g = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
+                u = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+            else:
+                g, u = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).split(self.w1.shape[1], dim=-1)
             y = torch._grouped_mm(clamped_swiglu(g, u, self.limit), self.w2.transpose(-2, -1), offs=offs)
             out = _combine(y, w, order, n, k)
         else:
@@ -273,5 +325,5 @@ class MoE(nn.Module):
                 h = clamped_swiglu(x @ self.w1[j].t(), x @ self.w3[j].t(), self.limit)
                 out = out + (h @ self.w2[j].t()) * wd[:, j, None]
         if self.shared:
-            out = out + clamped_swiglu(x @ self.s_w1.t(), x @ self.s_w3.t(), self.shared_limit) @ self.s_w2.t()
+            out = out + self._shared(x)
         return out, counts

@@ -1,0 +1,88 @@
+"""``MoE.pack_gate_up``: the gate and up projections as the two halves of one tensor (issue #24: one
+grouped GEMM of twice the width at decode). Oracles: the same layer unpacked (float64, to rounding) and
+the grouped-GEMM path without the pack (bf16, forced on the CPU); the parameters keep their values and
+names, and a pack that something undid (``.to()``) is ignored, never read stale."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer_core.model.config import tiny_config
+from deepinfer_core.model.layers import moe as moe_mod
+from deepinfer_core.model.layers.moe import MoE
+
+D64 = torch.float64
+
+
+def _layer(seed: int, dtype: torch.dtype = D64) -> MoE:
+    m = MoE(tiny_config()).to(dtype)
+    m.reset_parameters(torch.Generator().manual_seed(seed))
+    return m
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40))
+def test_packed_equals_unpacked_float64(seed: int, n: int) -> None:
+    a = _layer(seed)
+    b = copy.deepcopy(a)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    b.pack_gate_up()
+    b.pack_gate_up()  # idempotent
+    assert b._packed() is not None and b._shared_packed() is not None
+    after = b.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    x = torch.randn(n, a.w1.shape[2], dtype=D64, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    for static in (False, True):
+        with moe_mod.static_shapes(static):
+            (ya, ca), (yb, cb) = a(x), b(x)
+        assert torch.equal(ca, cb)
+        assert (ya - yb).abs().max().item() <= 1e-12 * max(1.0, ya.abs().max().item())
+
+
+def test_writes_through_the_parameters_reach_the_pack() -> None:
+    a = _layer(3)
+    b = copy.deepcopy(a)
+    b.pack_gate_up()
+    with torch.no_grad():  # what load_state_dict / an EPLB weight move do: copy_ into the parameter
+        a.w3[1].mul_(-0.5)
+        b.w3[1].mul_(-0.5)
+        a.s_w1.add_(0.25)
+        b.s_w1.add_(0.25)
+    x = torch.randn(9, a.w1.shape[2], dtype=D64)
+    assert torch.allclose(a(x)[0], b(x)[0], rtol=0, atol=1e-12)
+    assert torch.equal(b._w13[:, b.w1.shape[1]:], b.w3.data)
+
+
+def test_a_replaced_parameter_disables_the_pack() -> None:
+    b = _layer(5)
+    b.pack_gate_up()
+    b.w1.data = b.w1.data.clone()  # as .to() / load_state_dict(assign=True) would: the pack is stale
+    with torch.no_grad():
+        b.w1.mul_(2.0)
+    assert b._packed() is None
+    ref = _layer(5)
+    with torch.no_grad():
+        ref.w1.mul_(2.0)
+    x = torch.randn(7, b.w1.shape[2], dtype=D64)
+    assert torch.allclose(b(x)[0], ref(x)[0], rtol=0, atol=1e-12)
+
+
+def test_grouped_static_path_packs_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped-GEMM static path (bf16; forced on the CPU) packs on its first eager call and gives the
+    unpacked grouped path's outputs (same products, one GEMM instead of two: rounding only)."""
+    monkeypatch.setattr(moe_mod, "_grouped_ok", lambda x: x.dtype == torch.bfloat16)
+    a = _layer(11, torch.bfloat16)
+    b = copy.deepcopy(a)
+    x = torch.randn(21, a.w1.shape[2], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    monkeypatch.setattr(a, "pack_gate_up", lambda: None)  # a stays unpacked
+    with moe_mod.static_shapes():
+        ya, ca = a(x)
+        yb, cb = b(x)
+    assert a._packed() is None and b._packed() is not None
+    assert torch.equal(ca, cb)
+    assert ((yb.float() - ya.float()).norm() / ya.float().norm()).item() < 1e-2
