@@ -156,7 +156,7 @@ def gpu_time_split(events: list) -> dict[str, float]:
 
 
 def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path | None,
-                  paths: tuple[str, ...] = ("dense", "tiled")) -> None:
+                  paths: tuple[str, ...] = ("dense", "tiled"), tile: int | None = None, budget: int | None = None) -> None:
     """One request's prefill (eager; prefill steps are not graphed) per path: ``dense`` (the plain path:
     [n, n] window masks, whole indexer matrices), ``tiled`` (model.prefill: query tiles, bounded row pieces,
     keyed top-k), ``glue`` (tiled with its small functions compiled, ``fuse_glue``). Reported:
@@ -175,6 +175,9 @@ def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path
     for t in lengths:
         blocks = -(-t // BLOCK) + 2
         ex = ModelExecutor(model, blocks, BLOCK, 1, quantize=True, backend=get_backend("cuda"))
+        ex.prefill_tile = tile or ex.prefill_tile
+        ex.prefill_budget = budget or ex.prefill_budget
+        base = {**base, "tile": ex.prefill_tile, "budget_mib": ex.prefill_budget >> 20}
         toks = torch.randint(0, model.cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(t)).numpy()
         table = np.arange(1, blocks, dtype=np.int64)[None, : -(-t // BLOCK)]
         batch = ForwardBatch(token_ids=toks, query_lens=[t], start_pos=[0], block_tables=table,
@@ -407,6 +410,9 @@ def main() -> None:
     ap.add_argument("--prefill", default="", help="prompt lengths for the wide-config prefill section, e.g. 2048,8192")
     ap.add_argument("--prefill-paths", default="dense,tiled",
                     help="prefill paths to time: dense (plain), tiled (model.prefill), glue (tiled + fused glue)")
+    ap.add_argument("--prefill-tile", type=int, default=0, help="query rows per window tile (default: the executor's)")
+    ap.add_argument("--prefill-budget-mib", type=int, default=0,
+                    help="MiB of intermediates per piece of prefill rows (default: the executor's)")
     ap.add_argument("--host-profile", default="", help="modes whose host side is profiled (cProfile, 5 steps)")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
@@ -426,7 +432,8 @@ def main() -> None:
         rate = matmul_rate()
         emit(BENCH, base, "bf16_matmul_rate", rate / 1e12, "TFLOP/s")
         bench_prefill(model, [int(x) for x in args.prefill.split(",")], rate, out,
-                      tuple(x for x in args.prefill_paths.split(",") if x))
+                      tuple(x for x in args.prefill_paths.split(",") if x), args.prefill_tile or None,
+                      (args.prefill_budget_mib << 20) or None)
     modes = [m for m in args.graphs.split(",") if m]
     steps = 3 if args.quick else args.steps
     for b in [int(x) for x in args.batches.split(",")]:

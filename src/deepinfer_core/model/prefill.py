@@ -40,7 +40,7 @@ from deepinfer_core.model.layers.window_attention import window_attention, windo
 # time by them); a record_function outside a profiler costs about a microsecond
 ATTENTION_RANGE = "prefill.attention"
 INDEXER_RANGE = "prefill.indexer"
-DEFAULT_BUDGET = 256 << 20  # bytes of intermediates per piece of rows
+DEFAULT_BUDGET = 512 << 20  # bytes of intermediates per piece of rows (the dense path: ~n^2 * H * 8)
 DEFAULT_TILE = 64  # query rows per window tile: window + 63 keys per tile (1.5x the window at w = 128)
 
 
