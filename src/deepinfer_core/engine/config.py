@@ -36,7 +36,9 @@ class EngineConfig:
     ``num_blocks`` x ``block_size`` is the paged KV pool; ``max_num_seqs`` bounds running requests (and
     sizes the state pool); ``max_num_batched_tokens`` caps one step's tokens (prefill is chunked to it).
     ``async_scheduling`` plans step N+1 before step N's tokens are applied (DeepInfer's one-step-ahead
-    mode; same tokens as synchronous). ``batch_invariant`` (None: ``DEEPINFER_BATCH_INVARIANT``) runs
+    mode; same tokens as synchronous); ``async_overlap`` (with it) launches step N+1 before the host reads
+    step N's tokens, which stay on the device for N+1's inputs (engine/overlap.py; off: the host waits for
+    each step's tokens before planning the next). ``batch_invariant`` (None: ``DEEPINFER_BATCH_INVARIANT``) runs
     each request of a step as its own executor call, so no kernel ever sees another request's rows.
     ``speculative`` turns on DSpark drafts verified inside the step, ``num_speculative_tokens`` drafts at
     most per request and step (None: ``DEEPINFER_USE_NEXTN_DECODE``; 0: off), how many of them each step
@@ -67,6 +69,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     async_scheduling: bool = True
+    async_overlap: bool = True
     batch_invariant: bool | None = None
     structured_backend: str = "auto"
     speculative: bool = False
@@ -115,7 +118,7 @@ class EngineConfig:
             _check(self.prefix_caching is True, "kv_store", "needs prefix_caching=True (the store continues its hits)")
         _check(isinstance(self.kv_store_traffic_class, str) and bool(self.kv_store_traffic_class),
                "kv_store_traffic_class", f"{self.kv_store_traffic_class!r}: must be a non-empty str (a TTL class)")
-        for name in ("quantize", "async_scheduling", "speculative", "prefix_caching"):
+        for name in ("quantize", "async_scheduling", "async_overlap", "speculative", "prefix_caching"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
         _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)
                                                         and 0 <= self.num_speculative_tokens <= 5),

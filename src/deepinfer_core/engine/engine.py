@@ -22,6 +22,7 @@ import torch
 
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
+from deepinfer_core.engine.overlap import PendingStep
 from deepinfer_core.engine.prefix import make_prefix_caching
 from deepinfer_core.engine.requests import (
     EngineRequest,
@@ -75,6 +76,9 @@ class StepStats:
     update_s: float = 0.0
     tokens_sampled: int = 0
     verify_rows: int = 0  # decode rows that verified drafts
+    overlap_steps: int = 0  # launched before the previous step's tokens were read (engine/overlap.py)
+    host_wait_steps: int = 0  # async steps that waited for the previous tokens first (structured rows, host Engram)
+    land_wait_s: float = 0.0  # host time blocked on a step's tokens after the next one was launched
 
 
 class LLMEngine(StepRunner, RowSampler):
@@ -126,6 +130,13 @@ class LLMEngine(StepRunner, RowSampler):
         self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
         self._clear_tables()
         self.stats = StepStats()
+        # the asynchronous overlap (engine/overlap.py): on with async scheduling unless the executor must
+        # read every step's tokens on the host before the next (drafts: synchronous scheduling anyway)
+        self._overlap = self.scheduler.config.async_mode and cfg.async_overlap
+        if self._overlap and not self.executor.token_feed_ok:
+            log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
+                     "placed %r); every step waits for the previous step's tokens", self.executor.engram_placement)
+            self._overlap = False
         if self.drafts is not None:
             log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
                      self.num_speculative_tokens, type(self.drafts.policy).__name__)
@@ -259,6 +270,7 @@ class LLMEngine(StepRunner, RowSampler):
             if self.drafts is not None:
                 self.drafts.clear()
             self._build_scheduler()
+            self.executor.resolve_fed(drop=True)  # an in-flight step's tokens are never read
             self._clear_tables()
             log.warning("engine reset (%s): %d live requests failed", reason, len(out))
             return out
@@ -384,9 +396,15 @@ class LLMEngine(StepRunner, RowSampler):
         ask = self.drafts.ask(self._by_seq) if self.drafts is not None else None
         plan = sched.schedule() if ask is None else sched.schedule(draft_seq_ids=ask[0], draft_counts=ask[1])
         st.schedule_s += time.perf_counter() - t0
-        if self._inflight is not None:  # async: apply the previous step's tokens after planning this one
-            prev, self._inflight = self._inflight, None
-            out += self._update(*prev)
+        prev, self._inflight = self._inflight, None
+        # overlap: this step launches before the in-flight one lands, unless it needs a host token value
+        overlap = self._overlap and plan.num_rows > 0 and not self._needs_host_tokens(plan)
+        if prev is not None and not (overlap and isinstance(prev[1], PendingStep)):
+            # async: apply the previous step's tokens after planning this one (and before running it)
+            if overlap is False and plan.num_rows and isinstance(prev[1], PendingStep):
+                st.host_wait_steps += 1
+            out += self._update(prev[0], self._land_step(*prev))
+            prev = None
         if plan.num_rows == 0:
             out += self._update(plan, np.zeros(0, np.int32))
             self._idle_steps += 1
@@ -394,18 +412,39 @@ class LLMEngine(StepRunner, RowSampler):
                 raise RuntimeError("engine: 1000 idle steps in a row with requests pending (scheduler stuck)")
             return out
         self._idle_steps = 0
+        pend = prev[1] if prev is not None else None
         try:
-            sampled = self._run(plan)
+            sampled = self._run(plan, pend, overlap)
         except Exception as e:  # fail this batch's requests, keep the engine
             log.exception("engine: step %d failed; its batch's requests fail", plan.step_id)
             sampled = self._fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}")
         st.steps += 1
+        st.overlap_steps += isinstance(sampled, PendingStep) and prev is not None
         st.verify_rows += int((plan.num_drafts > 0).sum())
+        if prev is not None:  # this step is queued behind the previous one: now read that one's tokens
+            t0 = time.perf_counter()
+            toks = self._land_step(*prev)
+            st.land_wait_s += time.perf_counter() - t0
+            out += self._update(prev[0], toks)
         if self.scheduler.config.async_mode:
             self._inflight = (plan, sampled)
         else:
             out += self._update(plan, sampled)
         return out
+
+    def _needs_host_tokens(self, plan: Plan) -> bool:
+        """A row of a structured request: its grammar mask needs the previous token on the host."""
+        s = self._seqs
+        return self._grammar is not None and bool(s.structured[s.ix(plan.seq_ids)].any())
+
+    def _land_step(self, plan: Plan, sampled: Any) -> Any:
+        """The in-flight step's tokens on the host (engine/overlap.py); a failure to get them (a device
+        error surfacing at the wait) fails that step's batch alone, as a failed step does."""
+        try:
+            return self._land(plan, sampled)
+        except Exception as e:
+            log.exception("engine: step %d failed when its tokens were read; its batch's requests fail", plan.step_id)
+            return self._fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}")
 
     def _fail_plan(self, plan: Plan, msg: str) -> np.ndarray:
         """End every live request with a row in ``plan`` (error ``msg``); the tokens to ``update`` it with."""

@@ -109,12 +109,17 @@ class PrefixCaching:
         # tokens a hit always leaves to compute (plan_replay's tail; the model has a decoder here)
         self.tail = self.cfg.exact_tail(pending_drafts) if self.cfg.mode == "exact" else max(self.cfg.keep, self.cfg.window + pending_drafts)
         self.link: Any = None  # a kvstore.StoreLink when EngineConfig.kv_store is set
+        # encoder-ring snapshots on their way to the host store (CUDA): copied without a synchronisation,
+        # put in order before the store is next read (begin), so every lookup sees the same store as if
+        # each put had been immediate (a .cpu() here would stall the asynchronous overlap every block)
+        self._puts: list[tuple[Any, int, torch.Tensor, Any]] = []
 
     # ------------------------------------------------------------------ a (re)start
     def begin(self, seq: int, known: np.ndarray, table: np.ndarray, slot: int, shared: int = 0) -> None:
         """Sequence ``seq`` was admitted with ``known`` tokens in ``slot`` / ``table``, its first ``shared``
         tokens on cached blocks the scheduler shared into ``table``: continue the hit in the external
         store, plan the replay, rebuild the encoder rings."""
+        self.flush_puts()
         toks = np.ascontiguousarray(np.asarray(known, dtype=np.int64))
         n = int(toks.shape[0])
         dig = _digests(toks, self.bs)
@@ -210,7 +215,24 @@ class PrefixCaching:
                 self.link.write_back(toks, table, st.published // self.bs, blocks // self.bs)
             st.published = blocks
         if rings is not None and snap:
-            self.store.put(st.digests[snap // self.bs - 1], snap, rings.cpu().numpy())
+            self._put_rings(st.digests[snap // self.bs - 1], snap, rings)
+
+    def _put_rings(self, digest: Any, snap: int, rings: torch.Tensor) -> None:
+        if rings.device.type != "cuda":
+            self.store.put(digest, snap, rings.cpu().numpy())
+            return
+        host = torch.empty(rings.shape, dtype=rings.dtype, pin_memory=True)
+        host.copy_(rings, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._puts.append((digest, snap, host, ev))
+
+    def flush_puts(self) -> None:
+        """Put the snapshots still being copied into the host store (each waits for its own copy only)."""
+        for digest, snap, host, ev in self._puts:
+            ev.synchronize()
+            self.store.put(digest, snap, host.numpy().copy())  # pageable: the pinned block goes back to torch
+        self._puts.clear()
 
     # ------------------------------------------------------------------ one engine step
     def prepare(self, prefill: bool, rows: np.ndarray, seq_ids: np.ndarray, start: np.ndarray, ntok: np.ndarray,

@@ -15,16 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer_core.engine.overlap import Overlap, PendingStep
 from deepinfer_core.engine.prefix import known_tokens
+from deepinfer_core.engine.sample import to_device
 from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.structured_spec import VerifyMasks
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
+from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
 from deepinfer_core.scheduler import Plan, StepType
 
 log = logging.getLogger("deepinfer_core.engine.engine")
 
 
-class StepRunner:
+class StepRunner(Overlap):
     """Batch build, execution and draft collection for one plan (``_run``)."""
 
     # attributes of the engine this mixin reads (set by LLMEngine.__init__)
@@ -41,10 +44,13 @@ class StepRunner:
     prefix: Any
     _snapshots: Any
 
-    def _run(self, plan: Plan) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    def _run(self, plan: Plan, prev: PendingStep | None = None,
+             overlap: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray] | PendingStep:
         """Execute ``plan`` and sample. Returns one token per plan row (0 for rows that sample nothing),
         or with speculation (flat tokens, count per row): a verify row yields its accepted drafts and
-        the executor's next token."""
+        the executor's next token. ``overlap`` (engine/overlap.py): the tokens stay on the device (a
+        :class:`PendingStep`, landed by the caller); placeholders sampled by the in-flight step ``prev``
+        are fed from it on the device."""
         st, seqs, book = self.stats, self._seqs, self.drafts
         t0 = time.perf_counter()
         for rid in plan.preempted:  # its caches restart at position 0 when it is admitted again
@@ -61,9 +67,9 @@ class StepRunner:
         tokens = plan.token_ids.astype(np.int64)
         if book is not None:
             book.fill(plan, tokens, seq_ids)
-        hole = tokens < 0
-        if hole.any():  # one step ahead: the token the previous step sampled for that sequence
-            tokens[hole] = seqs.last_token[np.repeat(ix, ntok)[hole]]
+        # one step ahead: placeholders are the token the previous step sampled for that sequence (on
+        # the host, or with the overlap still on the device: fed_pos / fed_src)
+        fed_pos, fed_src = self._fill_holes(tokens, seq_ids, ix, ntok, prev)
         # only a sequence's first chunk (an admission: new, or recomputed after preemption; it starts
         # after its shared prefix hit) needs a slot; every later row holds one already, so this is no
         # per-row loop in decode steps
@@ -87,6 +93,7 @@ class StepRunner:
         # rows whose token comes from the executor (greedy verify / draft); the rest sample here
         spec_row = (plan.sample > 0) & (DraftBook.eligible(seqs, ix) if book is not None else False)
         got: dict[int, list[int]] = {}
+        pending: PendingStep | None = None
         while rows.size:
             tok_keep = np.repeat(np.isin(np.arange(plan.num_rows), rows), ntok)
             qn, qs = (ntok, plan.start) if pre is None else (pre.ntok, pre.start)
@@ -101,10 +108,11 @@ class StepRunner:
             batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
                                  block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(seq_ids[rows]),
                                  num_logits=plan.sample[rows] + nd[rows], **spec_kw)
+            feed = self._batch_feed(fed_pos, fed_src, tok_keep, prev)
             st.build_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             try:
-                logits, spec_out = self._execute(batch)
+                logits, spec_out = self._execute(batch, feed)
             except BatchError as e:  # one bad request: fail it, rerun the others (nothing was written)
                 self._spec_masks_off()
                 if e.request is None:
@@ -118,16 +126,33 @@ class StepRunner:
             last = np.cumsum(batch.num_logits) - 1  # each request's last logits row
             plain = np.flatnonzero((plan.sample[rows] > 0) & ~spec_row[rows])
             srows = rows[plain]
-            sampled[srows] = self._sample_rows(logits[torch.as_tensor(last[plain], device=logits.device)],
-                                               seq_ids[srows], ix[srows], plan.context_lens[srows].astype(np.int64))
+            lg = logits[to_device(last[plain], logits.device)]
+            pos = plan.context_lens[srows].astype(np.int64)
+            if overlap:  # the tokens stay on the device; engine/overlap.py lands them after the next launch
+                tok_t = self._sample_device(lg, seq_ids[srows], ix[srows], pos)
+                pending = PendingStep(srows.astype(np.int64), seq_ids[srows].astype(np.int64), DeviceTokens(tok_t),
+                                      plan.num_rows)
+            else:
+                sampled[srows] = self._sample_rows(lg, seq_ids[srows], ix[srows], pos)
             if book is not None:
                 got = self._collect(plan, rows, spec_row, spec_out, tokens, ntok, ix)
             if pre is not None:  # publish completed exact blocks and the encoder rings at their end
-                first = tokens[np.concatenate(([0], np.cumsum(ntok)[:-1]))]
+                starts = np.concatenate(([0], np.cumsum(ntok)[:-1])).astype(np.int64)
+                first = tokens[starts]
+                if fed_pos.size and prev is not None:  # fed from the device: its value (waits for prev only)
+                    r_fed = np.searchsorted(starts, fed_pos).clip(max=starts.size - 1)
+                    at_start = starts[r_fed] == fed_pos  # a placeholder is a row's first token
+                    r_fed, src = r_fed[at_start], fed_src[at_start]
+                    need = (pre.snap[r_fed] > 0) if pre.decode else np.ones(r_fed.shape, bool)
+                    need &= np.isin(r_fed, rows)
+                    if need.any():  # after this step's launch: the device is busy meanwhile
+                        first[r_fed[need]] = prev.tokens.host()[src[need]]
                 self.prefix.after(pre, rows, seq_ids, plan.block_tables, self._snapshots,
                                   lambda q: known_tokens(self, q), first)
             st.sample_s += time.perf_counter() - t0
             break
+        if pending is not None:
+            return pending
         if book is None:
             return sampled
         flat: list[int] = []
@@ -206,11 +231,12 @@ class StepRunner:
             self.stats.tokens_sampled += len(row)
         return got
 
-    def _execute(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    def _execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """Logits of the sampled rows, request by request, and the DSpark outputs (numpy; empty when
-        nothing drafts or verifies)."""
+        nothing drafts or verifies). ``feed``: batch tokens still on the device (engine/overlap.py)."""
+        kw = {} if feed is None else {"feed": feed}  # executors without the overlap keep their one-argument call
         if not self.batch_invariant or batch.num_requests == 1:
-            outs = [self.executor.execute(batch)]
+            outs = [self.executor.execute(batch, **kw)]
         else:
             # batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch
             self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
@@ -223,7 +249,8 @@ class StepRunner:
                 one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[sl],
                                    start_pos=batch.start_pos[sl], block_tables=batch.block_tables[sl],
                                    state_slots=batch.state_slots[sl], num_logits=batch.num_logits[sl], **opt)
-                outs.append(self.executor.execute(one))
+                sub = {} if feed is None else {"feed": feed.sub(int(off[i]), int(off[i + 1]))}
+                outs.append(self.executor.execute(one, **sub))
         logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
         self._snapshots = (outs[0].snapshots if len(outs) == 1
                            else {i: o.snapshots[0] for i, o in enumerate(outs) if o.snapshots})

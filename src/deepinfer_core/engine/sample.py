@@ -19,6 +19,13 @@ from deepinfer_kernels.ops.sampling import greedy_tokens
 log = logging.getLogger("deepinfer_core.engine.engine")
 
 
+def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """A host array on ``dev`` without a stream synchronisation (a blocking host-to-device copy waits for
+    the work queued before it: with the asynchronous overlap, the whole step in flight)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
+
+
 class RowSampler:
     """``_sample_rows`` and the grammar / stop-string bookkeeping around it."""
 
@@ -37,28 +44,18 @@ class RowSampler:
     def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars.
         ``seq``: the rows' seq ids; ``ix``: their places in the per-sequence arrays."""
-        s, dev = self._seqs, logits.device
+        s = self._seqs
         n = seq.shape[0]
         if n == 0:
             return np.zeros(0, np.int32)
-        early = np.flatnonzero(s.n_out[ix] < s.min_tokens[ix])
-        for r in early.tolist():  # EOS and stop tokens may not end the text before min_tokens
-            req = self._by_seq[int(seq[r])]
-            ban = [] if req.params.ignore_eos else [self.tokenizer.eos_token_id]
-            logits[r, ban + list(req.params.stop_token_ids)] = float("-inf")
+        self._ban_early(logits, seq, ix)
         con = np.flatnonzero(s.structured[ix])
         failed = np.zeros(n, bool)  # rows whose grammar raised: they fail alone
         dead_end = np.zeros(0, np.int64)
         if con.size:
             full, dead_end = self._grammar_masks(seq, con, n, failed)
             self._apply_mask(logits, full, torch.as_tensor(con))
-        if (s.temperature[ix] > 0).any():
-            tok_t = self._sample(logits, torch.as_tensor(s.temperature[ix], device=dev),
-                                 torch.as_tensor(s.top_k[ix], device=dev), torch.as_tensor(s.top_p[ix], device=dev),
-                                 torch.as_tensor(s.seed[ix], device=dev), torch.as_tensor(positions, device=dev))
-        else:  # every row greedy (known on the host): the sampler's argmax without its full sort and RNG
-            tok_t = greedy_tokens(logits)
-        tok = tok_t.cpu().numpy().astype(np.int64)
+        tok = self._draw(logits, ix, positions).cpu().numpy().astype(np.int64)
         for r in dead_end.tolist():  # the grammar allows no token: the request ends (FAILED -> reason below)
             req = self._by_seq[int(seq[r])]
             req.reason, req.error = str(self._grammar.finish_reason(req.request_id)), "grammar dead end: no token can continue"
@@ -102,6 +99,44 @@ class RowSampler:
                 if tok[r] >= 0:
                     self._feed_stops(self._by_seq[int(seq[r])], int(ix[r]), [int(tok[r])])
         return tok.astype(np.int32)
+
+    def _sample_device(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """``_sample_rows`` for the asynchronous overlap: the tokens stay a device tensor (never read back
+        here). Only for rows that need no host token value before the next step: no grammar (the caller
+        keeps structured steps synchronous). The host side (last token, stop strings) runs when the
+        tokens land (``Overlap._land``); the counts move now, so the next step's min_tokens bans see
+        this token as sampled, exactly as in the synchronous path."""
+        self._ban_early(logits, seq, ix)
+        tok_t = self._draw(logits, ix, positions)
+        self._seqs.n_out[ix] += 1
+        self.stats.tokens_sampled += seq.shape[0]
+        return tok_t
+
+    def _ban_early(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray) -> None:
+        """EOS and stop tokens may not end the text before min_tokens: one indexed write for every such
+        row, its indices copied without a stream synchronisation (the step may still be running)."""
+        s = self._seqs
+        early = np.flatnonzero(s.n_out[ix] < s.min_tokens[ix])
+        if early.size == 0:
+            return
+        rr: list[int] = []
+        cc: list[int] = []
+        for r in early.tolist():
+            req = self._by_seq[int(seq[r])]
+            ban = ([] if req.params.ignore_eos else [self.tokenizer.eos_token_id]) + list(req.params.stop_token_ids)
+            rr += [r] * len(ban)
+            cc += ban
+        if rr:
+            logits[to_device(np.asarray(rr), logits.device), to_device(np.asarray(cc), logits.device)] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """One token per (masked) logits row, on the logits' device: no host synchronisation."""
+        s, dev = self._seqs, logits.device
+        if (s.temperature[ix] > 0).any():
+            return self._sample(logits, to_device(s.temperature[ix], dev), to_device(s.top_k[ix], dev),
+                                to_device(s.top_p[ix], dev), to_device(s.seed[ix], dev), to_device(positions, dev))
+        # every row greedy (known on the host): the sampler's argmax without its full sort and RNG
+        return greedy_tokens(logits)
 
     def _feed_stops(self, req: EngineRequest, ixr: int, toks: list[int]) -> None:
         """Stop strings (engine/stops.py): a match ends the request once these tokens are applied."""

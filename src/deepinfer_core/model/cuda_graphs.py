@@ -168,10 +168,12 @@ class DecodeGraphs:
                         tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
                         bool(getattr(self.ex, "fused_sinkhorn", False)), bool(getattr(self.ex, "fuse_glue", False)))
 
-    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int],
-            engram_rows: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_rows: dict[int, torch.Tensor],
+            tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
         """(logits [R, V], expert counts, target-layer states [R, D] each) of a pure-decode step, or None
-        when no bucket holds the batch (the caller runs it eagerly)."""
+        when no bucket holds the batch (the caller runs it eagerly). ``tokens``: the step's input tokens
+        as a device tensor [R] (some of them sampled by the previous step and never read back), copied
+        into the graph's static token buffer after the host image (same stream: in order)."""
         key = None if self.disabled else self.key(b, entries)
         if key is None:
             return None
@@ -185,6 +187,8 @@ class DecodeGraphs:
         self.graphs.move_to_end(key)
         r = b.num_requests
         g.load(host_inputs(b, floors, key.batch, key.width), engram_rows, r)
+        if tokens is not None:  # padded rows keep request 0's host token (a valid id; outputs dropped)
+            g.inp.tokens[:r].copy_(tokens)
         if g.graph is None:
             try:
                 self._capture(g)

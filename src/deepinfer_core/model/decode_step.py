@@ -59,6 +59,92 @@ class DecodeInputs:
     entries: dict[int, int]
 
 
+class DeviceTokens:
+    """One step's sampled tokens on their way to the host (the engine's asynchronous overlap).
+
+    ``dev`` stays on the device for the next step's input (:class:`TokenFeed`); on a CUDA device a
+    non-blocking copy into pinned host memory is queued behind the step with an event recorded after it,
+    so :meth:`host` waits for this step only (never ``torch.cuda.synchronize``). On the CPU the tensor is
+    already on the host and the event is a no-op: the same code path, testable without a GPU."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.dev = tokens
+        self._event: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+        self._np: np.ndarray | None = None
+
+    @property
+    def ready(self) -> bool:
+        """The host copy is complete (no wait in :meth:`host`)."""
+        return self._np is not None or self._event is None or self._event.query()
+
+    def host(self) -> np.ndarray:
+        """The tokens as int64 numpy; waits for the step's event on the first call."""
+        if self._np is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._np = self._host.numpy().astype(np.int64)
+        return self._np
+
+
+@attrs.define
+class TokenFeed:
+    """Input tokens of a step that the previous step sampled and the host has not read: token ``index[j]``
+    of the batch (its flat ``token_ids``, which hold a placeholder there) is ``src.dev[rows[j]]``.
+
+    The executor writes them on the device after the host image of the inputs is copied
+    (:meth:`apply`), hashes the step's Engram n-grams on the device, and records the values in its host
+    token ring once they are known (``ModelExecutor.resolve_fed``)."""
+
+    index: np.ndarray  # int64 positions in the batch's token_ids
+    rows: np.ndarray  # int64 rows of src
+    src: DeviceTokens
+
+    def apply(self, tokens: torch.Tensor) -> None:
+        """Overwrite the fed entries of the device token tensor (int64 [T]); no host synchronisation."""
+        if self.index.size == 0:
+            return
+        dev = tokens.device
+        idx = torch.from_numpy(self.index).to(dev, non_blocking=True)
+        rows = torch.from_numpy(self.rows).to(dev, non_blocking=True)
+        # a failed row samples -1: feed a valid id (that request fails at its update; its output is dropped)
+        tokens[idx] = self.src.dev[rows].to(tokens.dtype).clamp(min=0)
+
+    def sub(self, lo: int, hi: int) -> TokenFeed:
+        """The part of the feed inside tokens [lo, hi), re-based at lo (one request of a split batch)."""
+        m = (self.index >= lo) & (self.index < hi)
+        return TokenFeed(self.index[m] - lo, self.rows[m], self.src)
+
+
+class _HashedRows:
+    """A one-device Engram table's ``fetch`` without its id range check: that check reads the ids' min /
+    max back (a device synchronisation: with the overlap, a wait for the whole step in flight), and ids
+    hashed by ``EngramHasher.hash`` are in range by construction (each column's modulus and offset)."""
+
+    def __init__(self, table: Any) -> None:
+        self.t = table
+
+    def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
+        t = self.t
+        out = t._gather(t.data, row_ids.reshape(-1).to(torch.int64), t.scales, t.out_dtype)
+        return out.reshape(*row_ids.shape, t.row_dim)
+
+
+def hashed_row_tables(tables: dict[int, Any], device: torch.device) -> dict[int, Any]:
+    """``tables`` for device-hashed row ids: one-device tables on ``device`` skip the id check
+    (:class:`_HashedRows`); any other kind keeps its own ``fetch`` (correct, it may synchronise)."""
+    from deepinfer_core.engram.tables import LocalEngramTable
+
+    return {lid: _HashedRows(t) if type(t) is LocalEngramTable and t.data.device == device else t
+            for lid, t in tables.items()}
+
+
 def is_pure_decode(b: ForwardBatch) -> bool:
     """One new token and one logits row per request, nothing else asked of the step (drafting after it
     is allowed: the drafter runs eagerly on the replay's outputs)."""
@@ -191,9 +277,10 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
     return logits, counts, capture
 
 
-def execute_rows(ex: ExecutorView, b: ForwardBatch) -> ForwardOutput:
+def execute_rows(ex: ExecutorView, b: ForwardBatch, feed: TokenFeed | None = None) -> ForwardOutput:
     """A validated row-path step, sync-free; pure-decode batches replay a CUDA graph when the executor's
-    ``cuda_graphs`` is on and a bucket holds the batch."""
+    ``cuda_graphs`` is on and a bucket holds the batch. ``feed``: input tokens still on the device
+    (the previous step's samples), written into the token input after its host copy."""
     dev = ex.device
 
     def put(arr: np.ndarray) -> torch.Tensor:  # no stream synchronisation (torch syncs blocking copies)
@@ -203,11 +290,15 @@ def execute_rows(ex: ExecutorView, b: ForwardBatch) -> ForwardOutput:
     slots_np = np.repeat(b.state_slots, b.query_lens)
     floors_np = ex._floor[slots_np]
     entries = entries_needed(ex, pos)
-    engram_rows = ex._engram_rows(b, None)  # type: ignore[arg-type]  # host token ids; records the token ring
+    tok_t = None
+    if feed is not None:  # the host ids hold placeholders there: the real ones come from the device
+        tok_t = put(b.token_ids)
+        feed.apply(tok_t)
+    engram_rows = ex._engram_rows(b, tok_t, feed)  # records the token ring (fed entries once known)
     targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
     got = None
     if ex.cuda_graphs and is_pure_decode(b):
-        got = ex.graphs().run(b, floors_np, entries, engram_rows)
+        got = ex.graphs().run(b, floors_np, entries, engram_rows, tok_t)
     rows = b.logit_rows()
     if got is not None:
         logits, counts, tstates = got
@@ -215,7 +306,7 @@ def execute_rows(ex: ExecutorView, b: ForwardBatch) -> ForwardOutput:
         captured: dict[int, torch.Tensor] = {}
     else:
         req_of_row = np.repeat(np.arange(b.num_requests), b.query_lens)
-        inp = DecodeInputs(tokens=put(b.token_ids), positions=put(pos), slots=put(slots_np), floors=put(floors_np),
+        inp = DecodeInputs(tokens=put(b.token_ids) if tok_t is None else tok_t, positions=put(pos), slots=put(slots_np), floors=put(floors_np),
                            valid=None, tables=put(b.block_tables[req_of_row]), engram=engram_rows, entries=entries)  # type: ignore[arg-type]
         want = (*b.capture_layers, *targets)
         rows_t = None if rows.shape[0] == b.num_tokens else put(rows)

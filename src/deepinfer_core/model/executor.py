@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
-from deepinfer_core.model.decode_step import execute_rows
+from deepinfer_core.model.decode_step import TokenFeed, execute_rows, hashed_row_tables
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
@@ -144,6 +144,7 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         self.engram_placement = engram_placement
         self.tok_ring = max(self.swa_ring, cfg.engram_max_ngram - 1 + backtrack_tokens)
         self._tokens = np.full((num_state_slots, self.tok_ring), -1, np.int64)
+        self._fed: list[tuple[np.ndarray, np.ndarray, TokenFeed]] = []  # ring entries whose token is on the device
         # the drafter's context rings are written every step (eager work after a replayed graph): only
         # when drafts will be asked for (draft_context; the engine passes whether it speculates)
         self.spec = SpecState(self, seed) if model.drafter is not None and draft_context else None
@@ -167,9 +168,22 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         }
 
     # ------------------------------------------------------------------ the step
+    @property
+    def token_feed_ok(self) -> bool:
+        """Whether ``execute`` can take input tokens from the device (a :class:`TokenFeed`) without
+        waiting for them: Engram n-grams are then hashed on the device, so the tables must be the
+        model's own (``"local"``); host or sharded tables fetch by host row ids. No drafter context
+        either (the drafter reads its step's tokens on the host)."""
+        return self.spec is None and (not self.cfg.engram_layer_ids or self.engram_placement == "local")
+
     @torch.no_grad()
-    def execute(self, batch: ForwardBatch) -> ForwardOutput:
-        """Run one step; returns logits for the requested rows and per-layer expert counts."""
+    def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> ForwardOutput:
+        """Run one step; returns logits for the requested rows and per-layer expert counts. ``feed``:
+        tokens of the batch that are still on the device (``batch.token_ids`` holds valid placeholders
+        there), the engine's asynchronous overlap; needs :attr:`token_feed_ok`."""
+        if feed is not None and not self.token_feed_ok:
+            raise ValueError("feed: this executor cannot take device tokens (host / sharded Engram tables or a "
+                             "drafter context); read them back first")
         self.validate(batch)
         dev = self.device
         for i, (s, slot) in enumerate(zip(batch.start_pos.tolist(), batch.state_slots.tolist())):
@@ -182,15 +196,18 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
             i: int(x) for i, x in enumerate(batch.snapshot_pos.tolist()) if x > 0}
         self._snaps = {}
         if self.sync_free and self.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= self.backtrack + 1:
-            return execute_rows(self, batch)
+            return execute_rows(self, batch, feed)
         tokens = torch.as_tensor(batch.token_ids, device=dev)
+        if feed is not None:  # a copy: on the CPU as_tensor shares the host array, which must keep its placeholders
+            tokens = tokens.clone()
+            feed.apply(tokens)
         positions = torch.as_tensor(batch.positions, device=dev)
         off = batch.offsets.tolist()
         reqs = [(off[i], off[i + 1], int(batch.start_pos[i]), int(batch.state_slots[i]),
                  torch.as_tensor(batch.block_tables[i], dtype=torch.long, device=dev)) for i in range(batch.num_requests)]
         sel: dict = {}
         pools: dict = {}
-        engram_rows = self._engram_rows(batch, tokens)
+        engram_rows = self._engram_rows(batch, tokens, feed)
         if self.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= self.backtrack + 1:
             # decode / verify steps: every row's window and group are in the rings after this step's
             # writes, so attention runs on all rows at once (no per-request loop)
@@ -250,25 +267,53 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
     def _last_rows_np(b: ForwardBatch, ring: int) -> np.ndarray:
         return np.arange(b.num_tokens) >= np.repeat(b.offsets[1:], b.query_lens) - ring
 
-    def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor | None,
+                     feed: TokenFeed | None = None) -> dict[int, torch.Tensor]:
         """Fetch this step's Engram rows (n-grams continue each sequence from the slot's token ring),
         then record the step's tokens in the ring. Runs after validation, before any layer. The n-grams
-        are hashed from the host's token ids (``tokens`` is not read back: no device synchronisation)."""
+        are hashed from the host's token ids (``tokens`` is not read back: no device synchronisation);
+        with a ``feed`` some ids exist only on the device, so the step hashes ``tokens`` (the device ids,
+        feed applied) there, and the ring gets those entries once the engine has them (:meth:`resolve_fed`)."""
+        self.resolve_fed()  # no-op when the engine resolved them (it does before each next step)
         n_ctx = self.cfg.engram_max_ngram - 1
         # each request's n_ctx tokens before its first row (-1 before the sequence start), from its ring
         back = b.start_pos.astype(np.int64)[:, None] - 1 - np.arange(n_ctx)[None, :]
         ctx = np.where(back >= 0, self._tokens[b.state_slots.astype(np.int64)[:, None], back % self.tok_ring], -1)
         rows = {}
         if self.cfg.engram_layer_ids:  # hashed in numpy (the batch is validated: ids are in range)
-            ids = self.model.engram_hasher.hash_host(b.token_ids, b.offsets, ctx)
-            rows = self.model.engram_fetch(torch.from_numpy(ids), self.engram_tables)
+            if feed is None:
+                ids = torch.from_numpy(self.model.engram_hasher.hash_host(b.token_ids, b.offsets, ctx))
+            else:
+                assert tokens is not None
+                dev = tokens.device
+
+                def up(a: np.ndarray) -> torch.Tensor:  # a blocking copy would wait for the step in flight
+                    return torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(dev, non_blocking=True)
+
+                ids = self.model.engram_hasher.hash(tokens, up(b.offsets), up(ctx), validate=False)
+            tables = self.engram_tables if feed is None else hashed_row_tables(self.engram_tables, self.device)
+            rows = self.model.engram_fetch(ids, tables)
         keep = self._last_rows_np(b, self.tok_ring)
         pos = b.positions
-        self._tokens[np.repeat(b.state_slots, b.query_lens)[keep], pos[keep] % self.tok_ring] = b.token_ids[keep]
+        row_slots = np.repeat(b.state_slots, b.query_lens).astype(np.int64)
+        self._tokens[row_slots[keep], pos[keep] % self.tok_ring] = b.token_ids[keep]
+        if feed is not None and feed.index.size:  # placeholders written above: the real ids when known
+            k = keep[feed.index]
+            fi = feed.index[k]
+            self._fed.append((row_slots[fi], pos[fi] % self.tok_ring, TokenFeed(fi, feed.rows[k], feed.src)))
         if self.spec is not None:
             for i in np.flatnonzero(b.start_pos == 0):
                 self.spec.restart(int(b.state_slots[i]))
         return rows
+
+    def resolve_fed(self, drop: bool = False) -> None:
+        """Write device-fed tokens into the host token ring (waits for their step if the host copy is not
+        done). The engine calls it as soon as the previous step's tokens are on the host, before its next
+        step can restart a slot (so an entry never lands in a slot handed to another sequence).
+        ``drop``: forget them instead (the engine reset: every slot restarts)."""
+        for slots, cols, f in [] if drop else self._fed:
+            self._tokens[slots, cols] = f.src.host()[f.rows]
+        self._fed.clear()
 
     # ------------------------------------------------------------------ cache writes
     def _store(self, pool: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, kind: str) -> None:

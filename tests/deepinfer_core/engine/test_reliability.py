@@ -83,11 +83,11 @@ def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyP
     real = eng.executor.execute
     calls = {"n": 0}
 
-    def flaky(batch):  # the 3rd executor call blows up
+    def flaky(batch, **kw):  # the 3rd executor call blows up (kw: the async overlap's device token feed)
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device fault")
-        return real(batch)
+        return real(batch, **kw)
 
     monkeypatch.setattr(eng.executor, "execute", flaky)
     eng.add_request("a", [5, 6, 7], GREEDY)

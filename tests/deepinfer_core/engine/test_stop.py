@@ -63,11 +63,11 @@ def test_executor_refusal_fails_one_request(llm: LLM, streams: tuple) -> None:
     real = eng.executor.execute
     calls = []
 
-    def refuse_second(batch):  # type: ignore[no-untyped-def]
+    def refuse_second(batch, **kw):  # type: ignore[no-untyped-def]  # kw: the async overlap's token feed
         calls.append(batch.num_requests)
         if len(calls) == 2:  # the first decode step: refuse request 1, as a real BatchError would
             raise BatchError(1, "token_ids", "refused by the test")
-        return real(batch)
+        return real(batch, **kw)
 
     eng.executor.execute = refuse_second
     try:
