@@ -353,6 +353,15 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
     prefill_path = "tiled"
     prefill_tile = DEFAULT_TILE
     prefill_budget = DEFAULT_BUDGET
+    # the tiled path scores the indexer through the backend's indexer_scores op (the cuda backend's
+    # TileLang kernel: fp32 accumulation, no [rows, heads, E] intermediate) for bf16 / fp16 models
+    prefill_index_op = True
+
+    def _index_score_op(self) -> Callable[..., torch.Tensor] | None:
+        """The backend's ``indexer_scores`` for the tiled prefill, or None (``index_scores`` in torch)."""
+        if self.prefill_index_op and self.backend is not None and self.dtype in (torch.bfloat16, torch.float16):
+            return self.backend.op("indexer_scores")
+        return None
 
     def _attend(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, reqs: list,
                 sel: dict, pools: dict) -> torch.Tensor:
@@ -416,7 +425,7 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                     ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
                     if tiled:
                         sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
-                                                       self.prefill_budget)
+                                                       self.prefill_budget, score_op=self._index_score_op())
                     else:
                         visible = (qp + 1) // ratio
                         sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])

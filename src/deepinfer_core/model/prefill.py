@@ -51,8 +51,8 @@ def rows_per_piece(per_row_bytes: int, budget: int, multiple: int = 1) -> int:
 
 
 def select_entries(cfg: Any, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int,
-                   pools: dict, key: Any, budget: int = DEFAULT_BUDGET,
-                   keyed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   pools: dict, key: Any, budget: int = DEFAULT_BUDGET, keyed: bool = True,
+                   score_op: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``lid``'s top-k compressed entries for one request's rows: (ids [n, k'], valid [n, k']).
 
     qi [n, heads, d] / wi [n, heads]: the indexer queries and head weights of rows at positions
@@ -60,12 +60,17 @@ def select_entries(cfg: Any, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: t
     ``pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), ent < visible), visible, pools, key)``,
     including the candidate pool it stores at ``pools[key]`` (the candidate source layer) and reads (a
     layer that uses candidates), with rows scored ``budget`` bytes at a time.
+
+    ``score_op``: a backend's ``indexer_scores`` (q, weights, keys, key_start, key_end) -> float32 masked
+    scores, e.g. the cuda backend's TileLang kernel (one GEMM per query and key block, relu and the head
+    sum in registers: no [rows, heads, E] intermediate, fp32 accumulation); None: ``index_scores`` in the
+    model's dtype. The selection rules after the scores are the same either way.
     """
     n, heads, _ = qi.shape
     e_all = ik.shape[0]
     k_out = min(cfg.index_topk, e_all)
     dev = qi.device
-    es = qi.element_size()
+    es = 4 if score_op is not None else qi.element_size()  # the op's scores (and its torch fallback) are fp32
     # per row: the [heads, E] products and their relu, then the [E] scores, mask, pool and sort keys
     rows = rows_per_piece(e_all * (2 * heads * es + 4 * es + 3 * 8), budget)
     restrict, make_pool = cfg.uses_candidates(lid), lid == cfg.candidate_source_layer_id
@@ -82,7 +87,10 @@ def select_entries(cfg: Any, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: t
             if make_pool:
                 pool_l.append(torch.zeros(c1 - c0, e_all, dtype=torch.bool, device=dev))
             continue
-        sc = mask_scores(index_scores(qi[c0:c1], wi[c0:c1], ik[:e_c]), ent[None, :e_c] < vis[:, None])
+        if score_op is None:
+            sc = mask_scores(index_scores(qi[c0:c1], wi[c0:c1], ik[:e_c]), ent[None, :e_c] < vis[:, None])
+        else:
+            sc = score_op(qi[c0:c1], wi[c0:c1], ik[:e_c], torch.zeros_like(vis), vis)
         if restrict:
             sc = mask_scores(sc, pools[key][c0:c1, :e_c])
         if make_pool:

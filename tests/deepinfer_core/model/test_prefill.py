@@ -9,6 +9,7 @@ Oracles: ``sink_attention`` over the dense window masks (float64, equal to 1e-9)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,6 +114,39 @@ def test_chunked_selection_equals_pick_entries(lid: int, keyed: bool, n: int, s:
         assert torch.equal(pools_a[key], pools_b[key])
 
 
+def _op_scores(op: Any, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int,
+               ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole [n, E] matrix through a backend's indexer_scores (the oracle side of the op tests)."""
+    vis = (s + 1 + torch.arange(qi.shape[0], device=qi.device)) // ratio
+    return op(qi, wi, ik, torch.zeros_like(vis), vis), vis
+
+
+@pytest.mark.parametrize("lid", [2, 4, 5])
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), s=st.integers(0, 30), budget=st.sampled_from([1, 5000, 1 << 30]), seed=st.integers(0, 2**16))
+def test_chunked_selection_through_a_score_op(lid: int, n: int, s: int, budget: int, seed: int) -> None:
+    """With a backend's ``indexer_scores`` (the reference op here: float32 scores) the pieces pick what
+    pick_entries picks from the op's whole matrix; integer-valued inputs keep every score exact, so the
+    comparison is exact whatever the summation order, and ties abound."""
+    from deepinfer_kernels import get_op
+
+    cfg = tiny_config()
+    ratio, op = cfg.ratio(lid), get_op("indexer_scores", "reference")
+    g = torch.Generator().manual_seed(seed)
+    qi = torch.randint(-1, 2, (n, cfg.index_n_heads, cfg.index_head_dim), generator=g).float()
+    ik = torch.randint(0, 2, ((s + n) // ratio, cfg.index_head_dim), generator=g).float()
+    wi = torch.randint(0, 3, (n, cfg.index_n_heads), generator=g).float()
+    pools_a: dict = {}
+    pools_b: dict = {}
+    if cfg.uses_candidates(lid):
+        pools_a[0] = pools_b[0] = torch.rand(n, ik.shape[0], generator=g) < 0.5
+    sc, vis = _op_scores(op, qi, wi, ik, s, ratio)
+    want = pick_entries(cfg, lid, sc, vis, pools_a, 0)
+    got = select_entries(cfg, lid, qi, wi, ik, s, ratio, pools_b, 0, budget=budget, score_op=op)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(pools_a[k], pools_b[k]) for k in pools_a)
+
+
 @pytest.fixture
 def small_pieces() -> Iterator[None]:
     """Tiles of 5 queries and pieces of a few rows: every request of the tests spans many of both."""
@@ -204,3 +238,59 @@ def test_cuda_tiled_prefill_matches_dense_path() -> None:
     x[:, ::7] = float("-inf")
     a, b = select_topk(x, 512), select_topk_keyed(x, 512)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_cuda_chunked_selection_through_the_indexer_kernel() -> None:
+    """The cuda backend's TileLang indexer_scores (16 heads: the kernel path) in row pieces picks exactly
+    what pick_entries picks from the kernel's whole matrix (each query row is computed on its own, so
+    pieces change nothing), with the keyed top-k."""
+    from deepinfer_kernels import get_op
+
+    cfg = tiny_config(index_n_heads=16, index_head_dim=64, index_topk=32)
+    op = get_op("indexer_scores", "cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for lid, s, n in ((2, 0, 300), (4, 100, 257), (5, 37, 190)):
+        ratio = cfg.ratio(lid)
+        qi = torch.randn(n, 16, 64, device="cuda", generator=g).to(torch.bfloat16)
+        ik = torch.randn((s + n) // ratio, 64, device="cuda", generator=g).to(torch.bfloat16)
+        wi = torch.rand(n, 16, device="cuda", generator=g)
+        pools_a: dict = {}
+        pools_b: dict = {}
+        if cfg.uses_candidates(lid):
+            pools_a[0] = pools_b[0] = torch.rand(n, ik.shape[0], device="cuda", generator=g) < 0.5
+        sc, vis = _op_scores(op, qi, wi, ik, s, ratio)
+        want = pick_entries(cfg, lid, sc, vis, pools_a, 0)
+        got = select_entries(cfg, lid, qi, wi, ik, s, ratio, pools_b, 0, budget=200_000, score_op=op)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), lid
+        assert all(torch.equal(pools_a[k], pools_b[k]) for k in pools_a)
+
+
+def test_bf16_executor_scores_through_the_backend_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 executor with a backend scores the tiled prefill's indexer through the backend's
+    ``indexer_scores`` (counted), and its logits stay near the dense path's (bf16: the op's fp32 scores
+    may pick other entries at near-ties, so a loose bound; the exact checks are the selection tests)."""
+    from deepinfer_kernels import get_backend
+
+    m = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.bfloat16)
+    backend = get_backend("reference")
+    calls: list[int] = []
+    real = backend.op
+
+    def op(name: str) -> Any:
+        f = real(name)
+        if name != "indexer_scores":
+            return f
+        return lambda *a: calls.append(1) or f(*a)
+
+    monkeypatch.setattr(backend, "op", op)
+    seq = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for path in ("dense", "tiled"):
+        s = Session(m)
+        s.ex = ModelExecutor(m, 128, 16, 8, quantize=False, backend=backend)
+        s.ex.prefill_path = path
+        got[path] = s.run(0, seq, [70, 50]).float()
+    assert calls  # only the tiled path asks for the op
+    rel = ((got["tiled"] - got["dense"]).norm() / got["dense"].norm()).item()
+    assert rel < 0.1, rel
