@@ -1,25 +1,29 @@
 """The engine on the GPU (cuda backend): throughput against interactivity, GPU idle, batch invariance.
 
 For each batch size B, B requests (prompt P tokens, G output tokens each, greedy, ``ignore_eos``) are
-added at once and stepped to the end through ``LLMEngine`` in three modes: ``sync`` and ``async``
-scheduling without speculation (pure decode steps: CUDA graphs), and ``spec`` (the model's DSpark drafter,
-up to 5 drafts, synchronous). Reported per (B, mode):
+added at once and stepped to the end through ``LLMEngine`` in these modes: ``sync`` and ``async``
+scheduling without speculation (pure decode steps: CUDA graphs; ``async`` is the asynchronous overlap, step
+N+1 launched before step N's tokens are read, engine/overlap.py), ``async-plain`` (async scheduling with
+the overlap off: the host reads each step's tokens before planning the next), and ``spec`` (the model's
+DSpark drafter, up to 5 drafts, synchronous). Reported per (B, mode):
 
 - ``tokens_per_s_per_gpu``: output tokens of all requests over the wall time of the whole run (prefill
   included); ``tokens_per_s_per_user``: each request's output tokens over the same wall time (every
   request runs the whole time), averaged. Tokens are those the engine returned (accepted drafts only);
 - ``tokens_per_step``: output tokens over engine steps (above 1 per request only by accepted drafts);
 - ``gpu_idle_pct``: 1 - GPU busy time / wall time over the decode phase (torch.profiler over a second run
-  of the same batch from its first decode step on); with async scheduling the host plans step N + 1 while
-  the GPU runs step N, so idle time is what the host does not hide.
+  of the same batch from its first decode step on; busy = the union of the kernel and copy intervals, so
+  nothing is counted twice); with the overlap the host plans and builds step N + 1 while the GPU runs
+  step N, so idle time is what the host does not hide. Beside it ``overlap_share`` (steps launched
+  before the previous step's tokens were read) and ``land_wait_ms_per_step`` (host time blocked on them).
 
 ``--invariance``: batch-invariant mode (``EngineConfig(batch_invariant=True)``) with graphs on: one
 request's tokens alone and inside 20 random batch mixes, twice, bit-identical; tokens/s at batch 64 in
 that mode beside the default mode. ``--plot`` writes tokens/s per GPU against tokens/s per user (engine_cuda.png).
 
-    python benchmarks/engine_cuda.py [--model tiny|wide] [--batches 1,4,16,64,256] [--modes sync,async,spec]
+    python benchmarks/engine_cuda.py [--model tiny|wide] [--batches 1,4,16,64,256] [--modes sync,async,async-plain,spec]
                                      [--gen 32] [--prompt 64] [--glue] [--invariance] [--plot] [--out DIR]
-    python benchmarks/engine_cuda.py --backend reference --host 1,16,64   # host CPU per step, model stubbed
+    python benchmarks/engine_cuda.py --backend reference --host 1,16,64 [--host-modes sync,async]  # host CPU per step, model stubbed
 
 Needs a CUDA device. JSON lines on stdout.
 """
@@ -42,7 +46,7 @@ from deepinfer_core.envs import Envs
 from deepinfer_core.sampling_params import SamplingParams
 
 BENCH = "engine_cuda"
-MODES = ("sync", "async", "spec")
+MODES = ("sync", "async", "async-plain", "spec")
 
 
 def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
@@ -51,15 +55,17 @@ def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: b
     spec = dict(speculative=mode == "spec")
     per_req = -(-(prompt + gen + 16) // 16) + 1
     cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
-               async_scheduling=mode == "async", batch_invariant=invariant, max_model_len=prompt + gen + 64, **spec)
+               async_scheduling=mode.startswith("async"), async_overlap=mode == "async", batch_invariant=invariant,
+               max_model_len=prompt + gen + 64, **spec)
     if model_name == "wide":
         from deepinfer_core.model import DeepSeekV41
         from model import wide_config
 
         m = _WIDE.get("m")
         if m is None:
-            m = _WIDE["m"] = DeepSeekV41.from_config(wide_config(), seed=0, dtype=torch.bfloat16, device="cuda",
-                                                     init_on_device=True)
+            dev = "cuda" if BACKEND[0] == "cuda" else "cpu"  # the CPU: a smoke run of this path (small config)
+            m = _WIDE["m"] = DeepSeekV41.from_config(wide_config(), seed=0, dtype=torch.bfloat16, device=dev,
+                                                     init_on_device=dev == "cuda")
         return LLMEngine(EngineConfig(model="tiny-random", dtype="bfloat16", **cfg), envs=envs, model=m)
     return LLMEngine(EngineConfig(model=model_name, **cfg), envs=envs)
 
@@ -110,8 +116,9 @@ def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tuple[d
     return out, time.perf_counter() - t0, eng.stats.steps - s0
 
 
-def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> float:
-    """Idle share of the decode phase: prefill the batch, then profile the remaining steps."""
+def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tuple[float, dict[str, float]]:
+    """Idle share of the decode phase (prefill the batch, then profile the remaining steps) and the
+    engine's overlap counters over the same steps."""
     from torch.profiler import ProfilerActivity, profile
 
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
@@ -121,19 +128,46 @@ def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> fl
     while eng.has_unfinished() and eng.stats.tokens_sampled - start < len(prompts) * 2:
         eng.step()  # prefill and the first decode steps (graph capture) stay out of the window
     sync()
+    st0 = attrs.asdict(eng.stats)
     if not torch.cuda.is_available():  # the CPU smoke run: nothing to profile
         while eng.has_unfinished():
             eng.step()
-        return float("nan")
+        return float("nan"), overlap_stats(st0, attrs.asdict(eng.stats))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         while eng.has_unfinished():
             eng.step()
         sync()
         wall = time.perf_counter() - t0
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages()
-                  if str(getattr(e, "device_type", "")).endswith("CUDA"))
-    return max(0.0, 100 - 100 * busy_us / 1e6 / wall)
+    return max(0.0, 100 - 100 * busy_seconds(prof) / wall), overlap_stats(st0, attrs.asdict(eng.stats))
+
+
+def overlap_stats(st0: dict[str, Any], st1: dict[str, Any]) -> dict[str, float]:
+    steps = max(st1["steps"] - st0["steps"], 1)
+    return {"overlap_share": (st1["overlap_steps"] - st0["overlap_steps"]) / steps,
+            "host_wait_share": (st1["host_wait_steps"] - st0["host_wait_steps"]) / steps,
+            "land_wait_ms_per_step": 1e3 * (st1["land_wait_s"] - st0["land_wait_s"]) / steps}
+
+
+def busy_seconds(prof: Any) -> float:
+    """GPU busy time of a profile: the union of its device intervals (kernels, copies, memsets), so two
+    streams' overlapping work counts once; the sum of device self times if the events carry no ranges."""
+    spans = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "time_range", None) is not None:
+            spans.append((e.time_range.start, e.time_range.end))
+    if not spans:
+        return sum(e.self_device_time_total for e in prof.key_averages()
+                   if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e6
+    spans.sort()
+    busy, (a, b) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > b:
+            busy += b - a
+            a, b = s, e
+        else:
+            b = max(b, e)
+    return (busy + b - a) / 1e6
 
 
 def trace_paths(eng: LLMEngine, n: int) -> None:
@@ -142,8 +176,8 @@ def trace_paths(eng: LLMEngine, n: int) -> None:
 
     ex, orig, left = eng.executor, eng.executor.execute, [n]
 
-    def traced(b: Any) -> Any:
-        out = orig(b)
+    def traced(b: Any, **kw: Any) -> Any:  # kw: the overlap's device token feed
+        out = orig(b, **kw)
         if left[0] > 0:
             left[0] -= 1
             g = ex._graphs
@@ -151,7 +185,7 @@ def trace_paths(eng: LLMEngine, n: int) -> None:
                 f"rows={b.num_requests} tokens={b.num_tokens} pure_decode={is_pure_decode(b)} "
                 f"row_path={ex.row_path and int(b.query_lens.max()) <= ex.backtrack + 1} "
                 f"captures={None if g is None else g.captures} replays={None if g is None else g.replays} "
-                f"disabled={None if g is None else g.disabled}")
+                f"disabled={None if g is None else g.disabled} fed={len(kw['feed'].index) if kw.get('feed') else 0}")
         return out
 
     ex.execute = traced
@@ -177,13 +211,14 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
             emit(BENCH, p, "tokens_per_step", n / max(steps, 1), "tokens")
             emit(BENCH, {**p, "stages_ms_per_step": stages}, "ms_per_step", 1e3 * wall / max(steps, 1), "ms")
-            idle = gpu_idle(eng, prompts, args.gen, "idle")
-            emit(BENCH, p, "gpu_idle_pct", idle, "%")
+            idle, ov = gpu_idle(eng, prompts, args.gen, "idle")
+            emit(BENCH, {**p, **ov}, "gpu_idle_pct", idle, "%")
             ex = eng.executor
             if ex.cuda_graphs:
                 emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
             rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
-            log(f"B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}%")
+            log(f"{args.model} B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
+                f"(overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)")
             del eng
             torch.cuda.empty_cache()
 
@@ -228,8 +263,8 @@ def host_cost(args: Any) -> None:
     from deepinfer_core.model import decode_step
 
     real = decode_step.decode_body
-    for b in args.host:
-        eng = make_engine(args.model, b, "sync", False, prompt=args.prompt, gen=10_000)
+    for b, mode in [(b, m) for b in args.host for m in args.host_modes]:
+        eng = make_engine(args.model, b, mode, False, prompt=args.prompt, gen=10_000)
         eng.executor.sync_free = True
 
         def stub(ex: Any, inp: Any, capture_ids: tuple = (), logit_rows: Any = None) -> Any:
@@ -252,8 +287,8 @@ def host_cost(args: Any) -> None:
                 per.append((time.process_time() - t0) / 40)
         finally:
             decode_step.decode_body = real
-        emit(BENCH, {"model": args.model, "batch": b, "backend": BACKEND[0]}, "host_cpu_us_per_decode_step",
-             statistics.median(per) * 1e6, "us")
+        emit(BENCH, {"model": args.model, "batch": b, "backend": BACKEND[0], "mode": mode},
+             "host_cpu_us_per_decode_step", statistics.median(per) * 1e6, "us")
         del eng
 
 
@@ -264,9 +299,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for mode in sorted({r["mode"] for r in rows}):
-        pts = sorted((r["per_user"], r["per_gpu"], r["batch"]) for r in rows if r["mode"] == mode)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode)
+    models = sorted({r["model"] for r in rows})
+    for model_name, mode in sorted({(r["model"], r["mode"]) for r in rows}):
+        pts = sorted((r["per_user"], r["per_gpu"], r["batch"]) for r in rows if r["mode"] == mode and r["model"] == model_name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode if len(models) == 1 else f"{model_name} {mode}")
         for u, g, b in pts:
             ax.annotate(f"B={b}", (u, g), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
@@ -274,7 +310,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("output tokens/s per user")
     ax.set_ylabel("output tokens/s per GPU")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    ax.set_title(f"engine on {dev} ({rows[0]['model']}, glue={rows[0]['glue']})")
+    ax.set_title(f"engine on {dev} ({', '.join(models)}, glue={rows[0]['glue']})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -283,7 +319,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     ap = parser(__doc__ or "")
-    ap.add_argument("--model", default="tiny", help="tiny (the shipped checkpoint), tiny-random, or wide")
+    ap.add_argument("--model", default="tiny", help="tiny (the shipped checkpoint), tiny-random, or wide; "
+                                                    "a comma list runs each in turn (e.g. tiny,wide)")
     ap.add_argument("--batches", default="1,4,16,64,256")
     ap.add_argument("--modes", default="sync,async,spec")
     ap.add_argument("--gen", type=int, default=32)
@@ -291,6 +328,7 @@ def main() -> None:
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64")
+    ap.add_argument("--host-modes", default="sync,async", help="engine modes of the host-cost section")
     ap.add_argument("--trace", type=int, default=0, help="log the executor path of the first N steps of each run")
     ap.add_argument("--out", default="", help="folder for engine_cuda.png (default benchmarks/out)")
     ap.add_argument("--backend", default="cuda", help="cuda, or reference (CPU: a smoke test of this script)")
@@ -305,24 +343,27 @@ def main() -> None:
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.host = [int(x) for x in args.host.split(",") if x]
     args.modes = [m for m in args.modes.split(",") if m]
-    bad = set(args.modes) - set(MODES)
+    args.host_modes = [m for m in args.host_modes.split(",") if m]
+    bad = (set(args.modes) | set(args.host_modes)) - set(MODES)
     if bad:
-        raise SystemExit(f"--modes: unknown {sorted(bad)} (sync, async, spec)")
+        raise SystemExit(f"--modes / --host-modes: unknown {sorted(bad)} ({', '.join(MODES)})")
     if args.quick:
         args.batches, args.gen = args.batches[:2], 8
     rows: list[dict[str, Any]] = []
-    if args.host:
-        host_cost(args)
-        if args.backend != "cuda":
-            return
-    if args.batches:
-        throughput(args, rows)
+    for model_name in [m for m in args.model.split(",") if m]:  # e.g. tiny,wide in one device call
+        args.model = model_name
+        if args.host:
+            host_cost(args)
+            if args.backend != "cuda":
+                continue
+        if args.batches:
+            throughput(args, rows)
+        if args.invariance:
+            invariance(args)
     if args.plot and rows:
         d = Path(args.out or Path(__file__).parent / "out")
         d.mkdir(parents=True, exist_ok=True)
         plot(rows, d / "engine_cuda.png")
-    if args.invariance:
-        invariance(args)
 
 
 if __name__ == "__main__":
