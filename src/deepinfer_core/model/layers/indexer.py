@@ -112,7 +112,9 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
 _KEYED = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@fusable
+# not @fusable: Inductor (torch 2.11 on the H200) emits the 2**32 - 1 / 0x7FFFFFFF key arithmetic as int32
+# constants and the Triton compile fails ("Scalar 4294967295 is out of range for type int32"); eagerly it
+# is a handful of elementwise kernels beside one topk
 def select_topk_keyed(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`select_topk` through ``torch.topk`` (a partial selection instead of a full sort per row).
 
