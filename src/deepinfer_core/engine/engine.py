@@ -10,6 +10,7 @@ are applied (one step ahead), exactly as the scheduler's contract allows.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -133,6 +134,7 @@ class LLMEngine(StepRunner, RowSampler):
         # the asynchronous overlap (engine/overlap.py): on with async scheduling unless the executor must
         # read every step's tokens on the host before the next (drafts: synchronous scheduling anyway)
         self._overlap = self.scheduler.config.async_mode and cfg.async_overlap
+        self._feed_ok: dict[Any, bool] = {}  # execute function -> takes a feed (_takes_feed)
         if self._overlap and not self.executor.token_feed_ok:
             log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
                      "placed %r); every step waits for the previous step's tokens", self.executor.engram_placement)
@@ -398,7 +400,7 @@ class LLMEngine(StepRunner, RowSampler):
         st.schedule_s += time.perf_counter() - t0
         prev, self._inflight = self._inflight, None
         # overlap: this step launches before the in-flight one lands, unless it needs a host token value
-        overlap = self._overlap and plan.num_rows > 0 and not self._needs_host_tokens(plan)
+        overlap = self._overlap and plan.num_rows > 0 and self._takes_feed() and not self._needs_host_tokens(plan)
         if prev is not None and not (overlap and isinstance(prev[1], PendingStep)):
             # async: apply the previous step's tokens after planning this one (and before running it)
             if overlap is False and plan.num_rows and isinstance(prev[1], PendingStep):
@@ -431,6 +433,23 @@ class LLMEngine(StepRunner, RowSampler):
         else:
             out += self._update(plan, sampled)
         return out
+
+    def _takes_feed(self) -> bool:
+        """Whether the executor's ``execute`` takes ``feed``: a wrapper installed over it later (the
+        distributed engines' lock-step executors) that does not keeps the plain async order (logged once)."""
+        fn = self.executor.execute
+        key = getattr(fn, "__func__", fn)
+        ok = self._feed_ok.get(key)
+        if ok is None:
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                params = {}
+            ok = self._feed_ok[key] = "feed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+            if not ok:
+                log.info("engine: async overlap off: the executor's execute (%s) takes no device token feed",
+                         getattr(key, "__qualname__", key))
+        return ok
 
     def _needs_host_tokens(self, plan: Plan) -> bool:
         """A row of a structured request: its grammar mask needs the previous token on the host."""
