@@ -5,7 +5,9 @@ from each sequence's last sampled token, state slots from the ``StatePool``) -> 
 -> grammar bitmask (``StructuredOutputManager`` + ``apply_token_bitmask``) -> ``sample`` (counter-based
 RNG keyed by request seed and position) -> ``Scheduler.update`` -> finished requests become
 ``RequestOutput`` s. With ``async_scheduling`` the next plan is made before the previous step's tokens
-are applied (one step ahead), exactly as the scheduler's contract allows.
+are applied (one step ahead), exactly as the scheduler's contract allows; with ``async_overlap`` (the
+default) the next step is also launched before the previous step's tokens are read, its placeholder
+inputs fed from them on the device (engine/overlap.py).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_
 from deepinfer_core.model.layers.moe import static_shapes
 from deepinfer_core.model.layers.rope import cached_angles
 from deepinfer_core.model.mhc import sinkhorn_impl
+from deepinfer_kernels.ops.engram import dequantize_fp8
 
 
 class ExecutorView(Protocol):
@@ -123,26 +124,50 @@ class TokenFeed:
 
 
 class _HashedRows:
-    """A one-device Engram table's ``fetch`` without its id range check: that check reads the ids' min /
-    max back (a device synchronisation: with the overlap, a wait for the whole step in flight), and ids
-    hashed by ``EngramHasher.hash`` are in range by construction (each column's modulus and offset)."""
+    """A one-device Engram table's ``fetch`` without the id range checks: the ``engram_gather`` ops read
+    the ids' min / max back (a device synchronisation every decode step; with the overlap, a wait for the
+    whole step in flight), and ids from the hasher are in range by construction (each column's modulus
+    and offset). The same rows as the op: ``index_select``, fp8 tables through ``dequantize_fp8``."""
 
     def __init__(self, table: Any) -> None:
         self.t = table
 
     def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
         t = self.t
-        out = t._gather(t.data, row_ids.reshape(-1).to(torch.int64), t.scales, t.out_dtype)
-        return out.reshape(*row_ids.shape, t.row_dim)
+        data = t.data
+        flat = row_ids.reshape(-1).to(torch.int64)
+        if flat.device != data.device:  # host-hashed ids: pinned, non-blocking (a blocking copy would sync)
+            flat = (flat.pin_memory() if data.device.type == "cuda" else flat).to(data.device, non_blocking=True)
+        if data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            vals = data.view(torch.uint8).index_select(0, flat).view(data.dtype)
+            out = dequantize_fp8(vals, t.scales.index_select(0, flat), t.out_dtype)
+        else:
+            out = data.index_select(0, flat).to(t.out_dtype)
+        return out.reshape(*row_ids.shape, data.shape[1])
 
 
-def hashed_row_tables(tables: dict[int, Any], device: torch.device) -> dict[int, Any]:
-    """``tables`` for device-hashed row ids: one-device tables on ``device`` skip the id check
-    (:class:`_HashedRows`); any other kind keeps its own ``fetch`` (correct, it may synchronise)."""
+def hashed_row_tables(tables: dict[int, Any]) -> dict[int, Any]:
+    """``tables`` for row ids from the hasher: one-device tables skip the id checks (:class:`_HashedRows`);
+    any other kind (host, sharded, a user's) keeps its own ``fetch``."""
     from deepinfer_core.engram.tables import LocalEngramTable
 
-    return {lid: _HashedRows(t) if type(t) is LocalEngramTable and t.data.device == device else t
-            for lid, t in tables.items()}
+    return {lid: _HashedRows(t) if type(t) is LocalEngramTable else t for lid, t in tables.items()}
+
+
+def hash_on_device(hasher: Any, tokens: torch.Tensor, cu_seqlens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """``EngramHasher.hash`` of device tensors (int32 row ids [L, T, orders * heads], the same as
+    ``hash_host``; tested) without a host synchronisation: the ``engram_hash`` ops check their table sizes
+    by reading them back, so the reference op's maths are written here over the hasher's cached device
+    parameters (int64 products wrap, as in the op and in numpy)."""
+    grams = hasher.ngram_token_ids(tokens, cu_seqlens, context, validate=False)  # [T, N]
+    mult, primes, offsets = hasher.device_params(tokens.device)
+    prod = grams.unsqueeze(0) * mult.to(torch.int64).unsqueeze(1)  # [L, T, N]
+    sizes = primes.to(torch.int64)
+    h, cols = prod[:, :, 0], []
+    for k in range(1, grams.shape[1]):
+        h = torch.bitwise_xor(h, prod[:, :, k])
+        cols.append(torch.remainder(h.unsqueeze(-1), sizes[:, k - 1, :].unsqueeze(1)))  # [L, T, H]
+    return (torch.cat(cols, dim=-1) + offsets.to(torch.int64).unsqueeze(1)).to(torch.int32)
 
 
 def is_pure_decode(b: ForwardBatch) -> bool:

@@ -409,3 +409,44 @@ def test_cuda_overlap_steady_state_never_synchronises() -> None:
     assert not syncs, syncs[:3]
     eng.abort_all()
     drain(eng)
+
+
+@functools.cache
+def _hasher_model():
+    model, _ = load_model("tiny-random", seed=11, dtype=torch.float64, device="cpu")
+    return model
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 2**31))
+def test_hash_on_device_equals_the_hasher(lens: list, seed: int) -> None:
+    """decode_step.hash_on_device (the overlap's sync-free hash) gives hash_host's and EngramHasher.hash's
+    row ids: packed sequences, context ids and -1 (before the sequence start)."""
+    from deepinfer_core.model.decode_step import hash_on_device
+
+    h = _hasher_model().engram_hasher
+    rng = np.random.default_rng(seed)
+    vocab = _hasher_model().cfg.vocab_size
+    toks = rng.integers(0, vocab, size=sum(lens))
+    cu = np.concatenate(([0], np.cumsum(lens)))
+    ctx = rng.integers(-1, vocab, size=(len(lens), h.config.max_ngram - 1))
+    want = h.hash_host(toks, cu, ctx)
+    got = hash_on_device(h, torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx))
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(h.hash(torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx)).numpy(), want)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_unchecked_row_fetch_equals_the_table(fmt: str) -> None:
+    """The overlap's check-free Engram fetch returns the table's own rows (bf16 and fp8 storage)."""
+    from deepinfer_core.engram.tables import LocalEngramTable
+    from deepinfer_core.model.decode_step import hashed_row_tables
+
+    g = torch.Generator().manual_seed(3)
+    t = LocalEngramTable.from_values(torch.randn(97, 64, generator=g), fmt)
+    ids = torch.randint(0, 97, (3, 11, 4), generator=g)
+    (wrapped,) = hashed_row_tables({0: t}).values()
+    assert wrapped is not t
+    torch.testing.assert_close(wrapped.fetch(ids), t.fetch(ids), rtol=0, atol=0)
+    other = object()
+    assert hashed_row_tables({1: other})[1] is other  # a table of another kind keeps its own fetch
