@@ -16,13 +16,11 @@ from the tables of the chosen placement.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
@@ -33,14 +31,7 @@ from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.model import DeepSeekV41
-from deepinfer_core.model.prefill import (
-    ATTENTION_RANGE,
-    DEFAULT_BUDGET,
-    DEFAULT_TILE,
-    INDEXER_RANGE,
-    attend_request,
-    select_entries,
-)
+from deepinfer_core.model.prefill import DEFAULT_BUDGET, DEFAULT_TILE, attend_requests
 from deepinfer_core.model.replay import ReplayMixin
 from deepinfer_core.model.speculative import SpecState
 from deepinfer_core.model.validation import ValidationMixin
@@ -370,92 +361,7 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         tiled = self.prefill_path == "tiled"
         # the tiled path's small functions run compiled under fuse_glue, as the decode glue does
         with fused_glue(self.fuse_glue and tiled):
-            return self._attend_requests(lid, a, x, positions, reqs, sel, pools, tiled)
-
-    def _attend_requests(self, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor, reqs: list,
-                         sel: dict, pools: dict, tiled: bool) -> torch.Tensor:
-        cfg, fmt = self.cfg, self.fmt
-        w = cfg.sliding_window
-        q, lat = a.queries(x, positions)
-        raw_swa = a.swa_kv(x, positions)
-        swa_bytes = fmt.swa.quantize(raw_swa)
-        kswa = fmt.swa.dequantize(swa_bytes).to(self.dtype)  # attend to exactly what the ring will hold
-        if a.kind == LAYER_FULL:
-            cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
-        if a.kind in (LAYER_FULL, LAYER_REINDEX):
-            qi, wi = a.indexer(x, lat, positions, a.inv_freq)
-        outs = []
-        for i, (r0, r1, s, slot, table) in enumerate(reqs):
-            n = r1 - r0
-            qp = positions[r0:r1]
-            # ---- sliding window: history from the ring, then this chunk's keys
-            ring = self.swa[lid]
-            floor = int(self._floor[slot, int(lid >= cfg.encoder_layers)])
-            h0 = max(0, s - (w - 1), min(floor, s))  # the first history position the ring can serve
-            hist = torch.arange(h0, s, device=self.device)
-            k_hist = fmt.swa.dequantize(ring[slot, hist % self.swa_ring]).to(self.dtype)
-            keys_a = torch.cat((k_hist, kswa[r0:r1]))
-            if not tiled:
-                kp = torch.cat((hist, qp))
-                mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= floor)
-            if i in self._snap_at and lid < cfg.encoder_layers:  # the ring as it is at position X
-                x_at = self._snap_at[i]
-                snap = ring[slot].clone()
-                sp = torch.arange(max(s, x_at - self.swa_ring), x_at, device=self.device)
-                snap[sp % self.swa_ring] = swa_bytes[r0:r1][sp - s]
-                self._snaps.setdefault(i, []).append(snap)
-            keep = slice(max(0, n - self.swa_ring), n)
-            self._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep],
-                             torch.full_like(qp[keep], slot), qp[keep])
-            win = (h0, s, w, floor, a.attn_sink, a.scale)  # the tiled path's window arguments
-            if a.kind == LAYER_SWA:
-                with record_function(ATTENTION_RANGE):
-                    outs.append(attend_request(q[r0:r1], keys_a, *win, tile=self.prefill_tile, budget=self.prefill_budget)
-                                if tiled else sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
-                continue
-            src = cfg.kv_source_of(lid)
-            ratio = a.ratio
-            if a.kind == LAYER_FULL:
-                self._compress(lid, a, cstate[r0:r1], s, n, slot, table)
-            e_total = (s + n) // ratio
-            if a.kind in (LAYER_FULL, LAYER_REINDEX):
-                with record_function(INDEXER_RANGE):
-                    ent = torch.arange(e_total, device=self.device)
-                    flat = self.index_keys[src].view(-1, fmt.index.bytes_per_token)
-                    ik = fmt.index.dequantize(flat[self._slots(table, ent, ratio)]).to(self.dtype)
-                    if tiled:
-                        sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
-                                                       self.prefill_budget, score_op=self._index_score_op())
-                    else:
-                        visible = (qp + 1) // ratio
-                        sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
-                        sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
-            ids, valid = sel[(cfg.index_source_of(lid), i)]
-            flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
-
-            gather = functools.partial(self._gather_compressed, flat, table, ids, valid, ratio)
-            with record_function(ATTENTION_RANGE):
-                if tiled and cfg.ratio(cfg.index_source_of(lid)) == ratio:  # ids index this layer's entries
-                    # dequantise the request's e_total entries once, then gather rows of bf16 keys: the
-                    # same values as dequantising each gathered row (the codec is per entry), ~512x fewer
-                    # codec passes at top-k 512
-                    table_keys = fmt.main.dequantize(flat[self._slots(table, torch.arange(e_total, device=self.device),
-                                                                      ratio)]).to(self.dtype)
-                    gather = functools.partial(_pick_keys, table_keys, ids, valid)
-                if tiled:
-                    outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
-                                               tile=self.prefill_tile, budget=self.prefill_budget))
-                else:
-                    kb, _ = gather(0, n)
-                    outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
-        return torch.cat(outs)
-
-    def _gather_compressed(self, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
-                           ratio: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed keys [g1 - g0, k, d] of one request's rows g0 .. g1 - 1 (their ``ids`` picked
-        from the paged cache ``flat`` through ``table``) and their validity."""
-        kb = self.fmt.main.dequantize(flat[self._slots(table, ids[g0:g1].reshape(-1), ratio)]).to(self.dtype)
-        return kb.view(g1 - g0, ids.shape[1], kb.shape[-1]), valid[g0:g1]
+            return attend_requests(self, lid, a, x, positions, reqs, sel, pools, tiled)
 
     def _compress(self, lid: int, a: Attention, new_state: torch.Tensor, s: int, n: int, slot: int,
                   table: torch.Tensor) -> None:
@@ -543,13 +449,6 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         flat = self.kv[src].view(-1, fmt.main.bytes_per_token)
         kb = fmt.main.dequantize(flat[slot_of(ids)]).to(self.dtype)
         return sink_attention(q, k_a, mask_a, kb, valid, a.attn_sink, a.scale)
-
-
-def _pick_keys(keys: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, g0: int,
-               g1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows g0 .. g1 - 1 of a request's top-k compressed keys [g1 - g0, k, d] from its dequantised
-    entries ``keys`` [E, d], and their validity."""
-    return keys[ids[g0:g1]], valid[g0:g1]
 
 
 def make_engram_tables(model: DeepSeekV41, placement: str, group: object | None) -> dict[int, object]:

@@ -22,15 +22,20 @@ Every row's maths is the dense path's; only the summation order of GEMMs differs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
+from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
+from deepinfer_core.model.layers.attention import sink_attention
 from deepinfer_core.model.layers.indexer import (
     candidate_pool,
     index_scores,
     mask_scores,
+    pick_entries,
     select_topk,
     select_topk_keyed,
 )
@@ -129,3 +134,101 @@ def attend_request(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, s: int, w
         kb, vb = compressed(r0, r1) if compressed is not None else (None, None)
         outs.append(window_attention(q[r0:r1], keys, key_pos0, s + r0, window, floor, sink, scale, kb, vb, tile))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attend_requests(ex: Any, lid: int, a: Any, x: torch.Tensor, positions: torch.Tensor, reqs: list, sel: dict,
+                    pools: dict, tiled: bool) -> torch.Tensor:
+    """Layer ``lid``'s attention for the prefill requests ``reqs`` of a step (``ModelExecutor._attend``):
+    queries, window keys from the ring history + the chunk, ring writes and snapshots, compression,
+    the indexer's selection and the attention, per request; ``tiled`` picks the tiled maths (this
+    module) or the dense path's (``sink_attention`` over dense masks, ``pick_entries`` on whole
+    matrices). ``ex`` is the ModelExecutor (its caches, rings, floors and settings)."""
+    cfg, fmt = ex.cfg, ex.fmt
+    w = cfg.sliding_window
+    q, lat = a.queries(x, positions)
+    raw_swa = a.swa_kv(x, positions)
+    swa_bytes = fmt.swa.quantize(raw_swa)
+    kswa = fmt.swa.dequantize(swa_bytes).to(ex.dtype)  # attend to exactly what the ring will hold
+    if a.kind == LAYER_FULL:
+        cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+    if a.kind in (LAYER_FULL, LAYER_REINDEX):
+        qi, wi = a.indexer(x, lat, positions, a.inv_freq)
+    outs = []
+    for i, (r0, r1, s, slot, table) in enumerate(reqs):
+        n = r1 - r0
+        qp = positions[r0:r1]
+        # ---- sliding window: history from the ring, then this chunk's keys
+        ring = ex.swa[lid]
+        floor = int(ex._floor[slot, int(lid >= cfg.encoder_layers)])
+        h0 = max(0, s - (w - 1), min(floor, s))  # the first history position the ring can serve
+        hist = torch.arange(h0, s, device=ex.device)
+        k_hist = fmt.swa.dequantize(ring[slot, hist % ex.swa_ring]).to(ex.dtype)
+        keys_a = torch.cat((k_hist, kswa[r0:r1]))
+        if not tiled:
+            kp = torch.cat((hist, qp))
+            mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= floor)
+        if i in ex._snap_at and lid < cfg.encoder_layers:  # the ring as it is at position X
+            x_at = ex._snap_at[i]
+            snap = ring[slot].clone()
+            sp = torch.arange(max(s, x_at - ex.swa_ring), x_at, device=ex.device)
+            snap[sp % ex.swa_ring] = swa_bytes[r0:r1][sp - s]
+            ex._snaps.setdefault(i, []).append(snap)
+        keep = slice(max(0, n - ex.swa_ring), n)
+        ex._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep],
+                         torch.full_like(qp[keep], slot), qp[keep])
+        win = (h0, s, w, floor, a.attn_sink, a.scale)  # the tiled path's window arguments
+        if a.kind == LAYER_SWA:
+            with record_function(ATTENTION_RANGE):
+                outs.append(attend_request(q[r0:r1], keys_a, *win, tile=ex.prefill_tile, budget=ex.prefill_budget)
+                            if tiled else sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
+            continue
+        src = cfg.kv_source_of(lid)
+        ratio = a.ratio
+        if a.kind == LAYER_FULL:
+            ex._compress(lid, a, cstate[r0:r1], s, n, slot, table)
+        e_total = (s + n) // ratio
+        if a.kind in (LAYER_FULL, LAYER_REINDEX):
+            with record_function(INDEXER_RANGE):
+                ent = torch.arange(e_total, device=ex.device)
+                flat = ex.index_keys[src].view(-1, fmt.index.bytes_per_token)
+                ik = fmt.index.dequantize(flat[ex._slots(table, ent, ratio)]).to(ex.dtype)
+                if tiled:
+                    sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
+                                                   ex.prefill_budget, score_op=ex._index_score_op())
+                else:
+                    visible = (qp + 1) // ratio
+                    sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
+                    sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
+        ids, valid = sel[(cfg.index_source_of(lid), i)]
+        flat = ex.kv[src].view(-1, fmt.main.bytes_per_token)
+
+        gather = functools.partial(_gather_compressed, ex, flat, table, ids, valid, ratio)
+        with record_function(ATTENTION_RANGE):
+            if tiled and cfg.ratio(cfg.index_source_of(lid)) == ratio:  # ids index this layer's entries
+                # dequantise the request's e_total entries once, then gather rows of bf16 keys: the
+                # same values as dequantising each gathered row (the codec is per entry), ~512x fewer
+                # codec passes at top-k 512
+                table_keys = fmt.main.dequantize(flat[ex._slots(table, torch.arange(e_total, device=ex.device),
+                                                                  ratio)]).to(ex.dtype)
+                gather = functools.partial(_pick_keys, table_keys, ids, valid)
+            if tiled:
+                outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
+                                           tile=ex.prefill_tile, budget=ex.prefill_budget))
+            else:
+                kb, _ = gather(0, n)
+                outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
+    return torch.cat(outs)
+
+def _gather_compressed(ex: Any, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                       ratio: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed keys [g1 - g0, k, d] of one request's rows g0 .. g1 - 1 (their ``ids`` picked
+    from the paged cache ``flat`` through ``table``) and their validity."""
+    kb = ex.fmt.main.dequantize(flat[ex._slots(table, ids[g0:g1].reshape(-1), ratio)]).to(ex.dtype)
+    return kb.view(g1 - g0, ids.shape[1], kb.shape[-1]), valid[g0:g1]
+
+
+def _pick_keys(keys: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, g0: int,
+               g1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows g0 .. g1 - 1 of a request's top-k compressed keys [g1 - g0, k, d] from its dequantised
+    entries ``keys`` [E, d], and their validity."""
+    return keys[ids[g0:g1]], valid[g0:g1]

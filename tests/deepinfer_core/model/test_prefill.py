@@ -191,9 +191,10 @@ def test_tiled_executor_equals_dense_executor(model64: DeepSeekV41, data: st.Dat
     try:
         exs = [ModelExecutor(model64, 64, 16, 4, quantize=False) for _ in range(2)]
         exs[0].prefill_path = "dense"
-        toks = np.random.default_rng(data.draw(st.integers(0, 999))).integers(0, 512, (3, 110))
+        # up to 4 steps of <= 40 tokens per request: 160 tokens, 10 blocks of 16 each
+        toks = np.random.default_rng(data.draw(st.integers(0, 999))).integers(0, 512, (3, 160))
         pos = [0, 0, 0]
-        tables = np.arange(1, 1 + 3 * 7, dtype=np.int64).reshape(3, 7)
+        tables = np.arange(1, 1 + 3 * 10, dtype=np.int64).reshape(3, 10)
         for _ in range(data.draw(st.integers(1, 4))):
             reqs = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
             lens = [data.draw(st.integers(8, 40)) for _ in reqs]
