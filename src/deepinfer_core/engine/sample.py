@@ -14,6 +14,7 @@ import torch
 
 from deepinfer_core.engine.outputs import ERROR, STOP, VIOLATION
 from deepinfer_core.engine.requests import EngineRequest
+from deepinfer_core.model.decode_step import h2d
 from deepinfer_kernels.ops.sampling import greedy_tokens
 
 log = logging.getLogger("deepinfer_core.engine.engine")
@@ -21,9 +22,8 @@ log = logging.getLogger("deepinfer_core.engine.engine")
 
 def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
     """A host array on ``dev`` without a stream synchronisation (a blocking host-to-device copy waits for
-    the work queued before it: with the asynchronous overlap, the whole step in flight)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
+    the work queued before it: with the asynchronous overlap, the whole step in flight); decode_step.h2d."""
+    return h2d(a, dev)
 
 
 class RowSampler:

@@ -60,6 +60,17 @@ class DecodeInputs:
     entries: dict[int, int]
 
 
+def h2d(arr: np.ndarray, dev: torch.device, dtype: Any = None) -> torch.Tensor:
+    """A host array on ``dev`` without a synchronisation: through pinned memory, non-blocking. A blocking
+    copy waits for the work queued before it (with the asynchronous overlap, a whole step), and an
+    asynchronous copy from pageable memory lets the driver synchronise with the stream to stage it; torch
+    keeps the pinned block until the copy is done. On the CPU: the array as a tensor (no copy)."""
+    t = torch.from_numpy(np.ascontiguousarray(arr, dtype=dtype))
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 class DeviceTokens:
     """One step's sampled tokens on their way to the host (the engine's asynchronous overlap).
 
@@ -112,8 +123,7 @@ class TokenFeed:
         if self.index.size == 0:
             return
         dev = tokens.device
-        idx = torch.from_numpy(self.index).to(dev, non_blocking=True)
-        rows = torch.from_numpy(self.rows).to(dev, non_blocking=True)
+        idx, rows = h2d(self.index, dev, np.int64), h2d(self.rows, dev, np.int64)
         # a failed row samples -1: feed a valid id (that request fails at its update; its output is dropped)
         tokens[idx] = self.src.dev[rows].to(tokens.dtype).clamp(min=0)
 
@@ -309,7 +319,7 @@ def execute_rows(ex: ExecutorView, b: ForwardBatch, feed: TokenFeed | None = Non
     dev = ex.device
 
     def put(arr: np.ndarray) -> torch.Tensor:  # no stream synchronisation (torch syncs blocking copies)
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).to(dev, non_blocking=True)
+        return h2d(arr, dev, np.int64)
 
     pos = b.positions
     slots_np = np.repeat(b.state_slots, b.query_lens)

@@ -26,7 +26,7 @@ from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
-from deepinfer_core.model.decode_step import TokenFeed, execute_rows, hash_on_device, hashed_row_tables
+from deepinfer_core.model.decode_step import TokenFeed, execute_rows, h2d, hash_on_device, hashed_row_tables
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
@@ -278,10 +278,8 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                 assert tokens is not None
                 dev = tokens.device
 
-                def up(a: np.ndarray) -> torch.Tensor:  # a blocking copy would wait for the step in flight
-                    return torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(dev, non_blocking=True)
-
-                ids = hash_on_device(self.model.engram_hasher, tokens, up(b.offsets), up(ctx))
+                ids = hash_on_device(self.model.engram_hasher, tokens, h2d(b.offsets, dev, np.int64),
+                                     h2d(ctx, dev, np.int64))
             # ids from the hasher are in range: one-device tables fetch them without the checks that sync
             rows = self.model.engram_fetch(ids, hashed_row_tables(self.engram_tables))
         keep = self._last_rows_np(b, self.tok_ring)
