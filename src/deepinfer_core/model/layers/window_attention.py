@@ -90,12 +90,12 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, q_pos0:
     n_t = -(-m // tile)
     pad = n_t * tile - m
     kw, mw = window_keys(keys, key_pos0, q_pos0, m, window, floor, tile)
-    qt = _pad_rows(q, pad).view(n_t, tile, h, d)
+    qt = _pad_rows(q, pad).reshape(n_t, tile, h, d)
     kbt = mbt = None
     if k_b is not None and k_b.shape[-2] > 0:
         nb = k_b.shape[1]
-        kbt = _pad_rows(k_b, pad).view(n_t, tile, nb, d)
-        mbt = _pad_rows(mask_b, pad).view(n_t, tile, nb)  # type: ignore[arg-type]
+        kbt = _pad_rows(k_b, pad).reshape(n_t, tile, nb, d)
+        mbt = _pad_rows(mask_b, pad).reshape(n_t, tile, nb)  # type: ignore[arg-type]
     out = window_sink_attention(qt, kw, mw, kbt, mbt, sink, scale)
     return out.reshape(n_t * tile, h, d)[:m]
 
