@@ -164,6 +164,24 @@ def hashed_row_tables(tables: dict[int, Any]) -> dict[int, Any]:
     return {lid: _HashedRows(t) if type(t) is LocalEngramTable else t for lid, t in tables.items()}
 
 
+def hash_decode_on_device(hasher: Any, tokens: torch.Tensor, context: np.ndarray) -> torch.Tensor:
+    """:func:`hash_on_device` of a batch of one-token rows (a decode step): row i's n-gram of order k + 1
+    is (token i, context[i, :k]), the context known on the host. Its part of each order's XOR (the
+    wrapping products of the context's canonical ids and their multipliers) is reduced in numpy, so the
+    device runs ~8 small kernels (token map, product, XOR, modulus, offset) instead of ~40 for the general
+    n-gram build: the fewer launches, the less host time a step costs next to the step in flight."""
+    lut, mult = hasher.token_map.lookup, hasher.multipliers  # [V], [L, N] int64
+    ctx = np.asarray(context, np.int64)
+    c = np.where(ctx < 0, hasher.pad_canonical, lut[np.maximum(ctx, 0)])  # [T, N-1] canonical
+    known = np.bitwise_xor.accumulate(c[None, :, :] * mult[:, None, 1:], axis=2)  # [L, T, N-1], wraps like the op
+    dev = tokens.device
+    m, primes, offsets = hasher.device_params(dev)
+    canon = hasher.token_map(tokens, validate=False)  # [T]
+    h = torch.bitwise_xor((canon[None, :] * m[:, :1]).unsqueeze(-1), h2d(known, dev, np.int64))  # [L, T, N-1]
+    cols = torch.remainder(h.unsqueeze(-1), primes.to(torch.int64).unsqueeze(1))  # [L, T, N-1, H]
+    return (cols.flatten(2) + offsets.to(torch.int64).unsqueeze(1)).to(torch.int32)
+
+
 def hash_on_device(hasher: Any, tokens: torch.Tensor, cu_seqlens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     """``EngramHasher.hash`` of device tensors (int32 row ids [L, T, orders * heads], the same as
     ``hash_host``; tested) without a host synchronisation: the ``engram_hash`` ops check their table sizes

@@ -26,7 +26,14 @@ from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
-from deepinfer_core.model.decode_step import TokenFeed, execute_rows, h2d, hash_on_device, hashed_row_tables
+from deepinfer_core.model.decode_step import (
+    TokenFeed,
+    execute_rows,
+    h2d,
+    hash_decode_on_device,
+    hash_on_device,
+    hashed_row_tables,
+)
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
@@ -278,8 +285,11 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                 assert tokens is not None
                 dev = tokens.device
 
-                ids = hash_on_device(self.model.engram_hasher, tokens, h2d(b.offsets, dev, np.int64),
-                                     h2d(ctx, dev, np.int64))
+                if bool((b.query_lens == 1).all()):  # a decode step: the context's part reduced on the host
+                    ids = hash_decode_on_device(self.model.engram_hasher, tokens, ctx)
+                else:
+                    ids = hash_on_device(self.model.engram_hasher, tokens, h2d(b.offsets, dev, np.int64),
+                                         h2d(ctx, dev, np.int64))
             # ids from the hasher are in range: one-device tables fetch them without the checks that sync
             rows = self.model.engram_fetch(ids, hashed_row_tables(self.engram_tables))
         keep = self._last_rows_np(b, self.tok_ring)

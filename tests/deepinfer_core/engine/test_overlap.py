@@ -418,11 +418,11 @@ def _hasher_model():
 
 
 @settings(max_examples=40, deadline=None)
-@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 2**31))
+@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=40), seed=st.integers(0, 2**31))
 def test_hash_on_device_equals_the_hasher(lens: list, seed: int) -> None:
     """decode_step.hash_on_device (the overlap's sync-free hash) gives hash_host's and EngramHasher.hash's
     row ids: packed sequences, context ids and -1 (before the sequence start)."""
-    from deepinfer_core.model.decode_step import hash_on_device
+    from deepinfer_core.model.decode_step import hash_decode_on_device, hash_on_device
 
     h = _hasher_model().engram_hasher
     rng = np.random.default_rng(seed)
@@ -434,6 +434,10 @@ def test_hash_on_device_equals_the_hasher(lens: list, seed: int) -> None:
     got = hash_on_device(h, torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx))
     np.testing.assert_array_equal(got.numpy(), want)
     np.testing.assert_array_equal(h.hash(torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx)).numpy(), want)
+    # a decode step (one token per row): the host-reduced context path
+    ones = np.arange(len(lens) + 1)
+    want1 = h.hash_host(toks[: len(lens)], ones, ctx)
+    np.testing.assert_array_equal(hash_decode_on_device(h, torch.as_tensor(toks[: len(lens)]), ctx).numpy(), want1)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
