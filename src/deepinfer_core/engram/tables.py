@@ -143,6 +143,14 @@ class LocalEngramTable:
     def device(self) -> torch.device:
         return self.data.device
 
+    def to(self, device: torch.device | str) -> LocalEngramTable:
+        """The same table (rows, scales, output dtype, gather op) on ``device``."""
+        t = LocalEngramTable.__new__(LocalEngramTable)
+        t.fmt, t.out_dtype, t._gather = self.fmt, self.out_dtype, self._gather
+        t.data = self.data.to(device)
+        t.scales = self.scales.to(device) if self.scales is not None else None
+        return t
+
 
 def _pin_if_cuda(t: torch.Tensor) -> torch.Tensor:
     # Pinned (page-locked) memory makes host->device copies asynchronous and full-bandwidth; it only

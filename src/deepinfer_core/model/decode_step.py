@@ -146,8 +146,10 @@ class _HashedRows:
         t = self.t
         data = t.data
         flat = row_ids.reshape(-1).to(torch.int64)
-        if flat.device != data.device:  # host-hashed ids: pinned, non-blocking (a blocking copy would sync)
-            flat = (flat.pin_memory() if data.device.type == "cuda" else flat).to(data.device, non_blocking=True)
+        if flat.device.type == "cpu" and data.device.type == "cuda":  # host-hashed ids: pinned, non-blocking
+            flat = flat.pin_memory().to(data.device, non_blocking=True)  # (a blocking copy would sync)
+        elif flat.device != data.device:  # device ids, host table: a blocking copy (they must have landed
+            flat = flat.to(data.device)  # before the gather reads them; a non-blocking one would race)
         if data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             vals = data.view(torch.uint8).index_select(0, flat).view(data.dtype)
             out = dequantize_fp8(vals, t.scales.index_select(0, flat), t.out_dtype)

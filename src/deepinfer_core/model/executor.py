@@ -463,8 +463,18 @@ def make_engram_tables(model: DeepSeekV41, placement: str, group: object | None)
     """The model's Engram tables in the chosen placement (same rows, same values)."""
     if placement not in ("local", "host", "sharded"):
         raise ValueError(f"engram_placement={placement!r}: must be 'local', 'host' or 'sharded'")
-    if not model.cfg.engram_layer_ids or placement == "local":
-        return dict(model.engram_tables) if model.cfg.engram_layer_ids else {}
+    if not model.cfg.engram_layer_ids:
+        return {}
+    if placement == "local":
+        from deepinfer_core.engram import LocalEngramTable
+
+        # "local" = one device, the model's: the default tables are built on the host (seeded CPU draws),
+        # so a one-device table elsewhere is copied to the model's device once. Then every step's fetch is
+        # a device gather (no host round trip of the rows), and the asynchronous overlap can fetch rows for
+        # ids hashed on the device from the previous step's tokens without reading them back
+        dev = model.embed.device
+        return {lid: t.to(dev) if type(t) is LocalEngramTable and t.device != dev else t
+                for lid, t in model.engram_tables.items()}
     from deepinfer_core.engram import HostEngramTable, ShardedEngramTable, shard_range
 
     out: dict[int, object] = {}
