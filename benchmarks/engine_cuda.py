@@ -217,6 +217,8 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             if ex.cuda_graphs:
                 emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
             rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
+            if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
+                write_plot(args, rows)
             log(f"{args.model} B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
                 f"(overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)")
             del eng
@@ -361,9 +363,13 @@ def main() -> None:
         if args.invariance:
             invariance(args)
     if args.plot and rows:
-        d = Path(args.out or Path(__file__).parent / "out")
-        d.mkdir(parents=True, exist_ok=True)
-        plot(rows, d / "engine_cuda.png")
+        write_plot(args, rows)
+
+
+def write_plot(args: Any, rows: list[dict[str, Any]]) -> None:
+    d = Path(args.out or Path(__file__).parent / "out")
+    d.mkdir(parents=True, exist_ok=True)
+    plot(rows, d / "engine_cuda.png")
 
 
 if __name__ == "__main__":
