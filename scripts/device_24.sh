@@ -4,7 +4,8 @@
 # (the site archive from ../shared/tools/gpu-site.sh):
 #   PYTEST_S=200 BENCH_S=240 ENGINE_S=150 bash scripts/device_24.sh
 # Knobs: TESTS (pytest paths), MODES / BATCHES / STEPS / PROFILE / BENCH_ARGS (benchmarks/model_cuda.py),
-# ENGINE_ARGS (benchmarks/engine_cuda.py). At most 8 files under $OUT (a device call returns no more):
+# ENGINE_ARGS (benchmarks/engine_cuda.py), INV_S (seconds for the tiny model's batch-invariance section, a
+# second engine_cuda.py run appended to engine.jsonl). At most 8 files under $OUT (a call returns no more):
 # pytest.log, bench.jsonl, bench.err, profiles.txt, host_profile.txt, engine.jsonl, engine.err, engine_cuda.png.
 set +e
 OUT=${OUT:-$PWD/gpu_out}
@@ -31,6 +32,12 @@ if [ "${ENGINE_S:-0}" -gt 0 ]; then
     >"$OUT/engine.jsonl" 2>"$OUT/engine.err"
   echo "engine rc=$? at $((SECONDS - T0)) s"
   grep -v TileLang "$OUT/engine.err" | grep -E "tok/s|Error|error" | tail -20
+fi
+if [ "${INV_S:-0}" -gt 0 ]; then
+  timeout -s INT -k 10 "$INV_S" python3 -u benchmarks/engine_cuda.py --model tiny --batches "" --invariance --gen 12 \
+    >>"$OUT/engine.jsonl" 2>>"$OUT/engine.err"
+  echo "invariance rc=$? at $((SECONDS - T0)) s"
+  grep -E "batch_invariant" "$OUT/engine.jsonl" | tail -4
 fi
 python3 - "$OUT/bench.jsonl" <<'PY'
 import json, sys
