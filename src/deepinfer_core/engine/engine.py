@@ -12,7 +12,6 @@ inputs fed from them on the device (engine/overlap.py).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -435,37 +434,6 @@ class LLMEngine(StepRunner, RowSampler):
         else:
             out += self._update(plan, sampled)
         return out
-
-    def _takes_feed(self) -> bool:
-        """Whether the executor's ``execute`` takes ``feed``: a wrapper installed over it later (the
-        distributed engines' lock-step executors) that does not keeps the plain async order (logged once)."""
-        fn = self.executor.execute
-        key = getattr(fn, "__func__", fn)
-        ok = self._feed_ok.get(key)
-        if ok is None:
-            try:
-                params = inspect.signature(fn).parameters
-            except (TypeError, ValueError):
-                params = {}
-            ok = self._feed_ok[key] = "feed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-            if not ok:
-                log.info("engine: async overlap off: the executor's execute (%s) takes no device token feed",
-                         getattr(key, "__qualname__", key))
-        return ok
-
-    def _needs_host_tokens(self, plan: Plan) -> bool:
-        """A row of a structured request: its grammar mask needs the previous token on the host."""
-        s = self._seqs
-        return self._grammar is not None and bool(s.structured[s.ix(plan.seq_ids)].any())
-
-    def _land_step(self, plan: Plan, sampled: Any) -> Any:
-        """The in-flight step's tokens on the host (engine/overlap.py); a failure to get them (a device
-        error surfacing at the wait) fails that step's batch alone, as a failed step does."""
-        try:
-            return self._land(plan, sampled)
-        except Exception as e:
-            log.exception("engine: step %d failed when its tokens were read; its batch's requests fail", plan.step_id)
-            return self._fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}")
 
     def _fail_plan(self, plan: Plan, msg: str) -> np.ndarray:
         """End every live request with a row in ``plan`` (error ``msg``); the tokens to ``update`` it with."""
