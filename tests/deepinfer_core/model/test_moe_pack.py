@@ -38,7 +38,7 @@ def test_packed_equals_unpacked_float64(seed: int, n: int) -> None:
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     x = torch.randn(n, a.w1.shape[2], dtype=D64, generator=torch.Generator().manual_seed(seed + 1)) * 2
     for static in (False, True):
-        with moe_mod.static_shapes(static):
+        with moe_mod.static_shapes(static), torch.no_grad():  # inference: the packed products are used
             (ya, ca), (yb, cb) = a(x), b(x)
         assert torch.equal(ca, cb)
         assert (ya - yb).abs().max().item() <= 1e-12 * max(1.0, ya.abs().max().item())
@@ -54,7 +54,8 @@ def test_writes_through_the_parameters_reach_the_pack() -> None:
         a.s_w1.add_(0.25)
         b.s_w1.add_(0.25)
     x = torch.randn(9, a.w1.shape[2], dtype=D64)
-    assert torch.allclose(a(x)[0], b(x)[0], rtol=0, atol=1e-12)
+    with torch.no_grad():
+        assert torch.allclose(a(x)[0], b(x)[0], rtol=0, atol=1e-12)
     assert torch.equal(b._w13[:, b.w1.shape[1]:], b.w3.data)
 
 
@@ -69,7 +70,8 @@ def test_a_replaced_parameter_disables_the_pack() -> None:
     with torch.no_grad():
         ref.w1.mul_(2.0)
     x = torch.randn(7, b.w1.shape[2], dtype=D64)
-    assert torch.allclose(b(x)[0], ref(x)[0], rtol=0, atol=1e-12)
+    with torch.no_grad():
+        assert torch.allclose(b(x)[0], ref(x)[0], rtol=0, atol=1e-12)
 
 
 def test_grouped_static_path_packs_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,9 +82,44 @@ def test_grouped_static_path_packs_and_matches(monkeypatch: pytest.MonkeyPatch) 
     b = copy.deepcopy(a)
     x = torch.randn(21, a.w1.shape[2], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     monkeypatch.setattr(a, "pack_gate_up", lambda: None)  # a stays unpacked
-    with moe_mod.static_shapes():
+    with moe_mod.static_shapes(), torch.no_grad():
         ya, ca = a(x)
         yb, cb = b(x)
     assert a._packed() is None and b._packed() is not None
     assert torch.equal(ca, cb)
     assert ((yb.float() - ya.float()).norm() / ya.float().norm()).item() < 1e-2
+
+
+def test_under_autograd_the_parameters_get_their_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack is a plain tensor: with autograd on, every path computes from the parameters, so a packed
+    layer's gradients equal an unpacked one's (and the grouped path does not pack)."""
+    a = _layer(13)
+    b = copy.deepcopy(a)
+    b.pack_gate_up()
+    x = torch.randn(11, a.w1.shape[2], dtype=D64, generator=torch.Generator().manual_seed(2))
+    for m in (a, b):
+        with moe_mod.static_shapes():
+            m(x)[0].square().sum().backward()
+    for name in ("w1", "w3", "w2", "s_w1", "s_w3", "s_w2"):
+        ga, gb = getattr(a, name).grad, getattr(b, name).grad
+        assert ga is not None and gb is not None and torch.allclose(ga, gb, rtol=0, atol=1e-10), name
+    monkeypatch.setattr(moe_mod, "_grouped_ok", lambda x: x.dtype == torch.bfloat16)
+    c = _layer(14, torch.bfloat16)
+    c(torch.randn(5, c.w1.shape[2]).to(torch.bfloat16))[0].float().sum().backward()
+    assert c._packed() is None and c.w1.grad is not None and c.w3.grad is not None
+
+
+def test_grouped_path_serves_plain_calls_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where grouped GEMMs apply, a call outside static mode (a prefill) takes them too (no bincount /
+    .tolist() host synchronisation): its outputs match the grouped loop's and its counts are the same."""
+    monkeypatch.setattr(moe_mod, "_grouped_ok", lambda x: x.dtype == torch.bfloat16)
+    m = _layer(15, torch.bfloat16)
+    x = torch.randn(40, m.w1.shape[2], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    calls: list[int] = []
+    real = m._forward_static
+    monkeypatch.setattr(m, "_forward_static", lambda x, mask: calls.append(1) or real(x, mask))
+    with torch.no_grad():
+        y, c = m(x)
+        ref, rc = m._forward_loop(x)
+    assert calls and torch.equal(c, rc)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -233,7 +233,7 @@ class MoE(nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The always-on shared expert (one product for gate and up when packed)."""
         # (choice, config shared_expert_clamp) the shared expert uses the routed experts' clamp
-        s13 = self._shared_packed()
+        s13 = self._shared_packed() if not torch.is_grad_enabled() else None
         if s13 is None:
             g, u = x @ self.s_w1.t(), x @ self.s_w3.t()
         else:
@@ -270,8 +270,17 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [N, D], tokens per routed (logical) expert [E] int64)."""
-        if _STATIC.get()[0]:
-            return self._forward_static(x, _STATIC.get()[1])
+        on, mask = _STATIC.get()
+        # where grouped GEMMs apply (CUDA bf16, sm_90+) every call takes them, prefill included: the
+        # grouped loop's bincount + .tolist() of the bounds are two host synchronisations per layer and
+        # ~7 launches per expert; the grouped products keep the offsets on the device (same outputs up to
+        # summation order, the static mode's contract)
+        if on or _grouped_ok(x):
+            return self._forward_static(x, mask)
+        return self._forward_loop(x)
+
+    def _forward_loop(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grouped loop: expert by expert over its sorted tokens (the ground truth of the other paths)."""
         n = x.shape[0]
         ids, w = self.route(x)
         counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
@@ -307,10 +316,12 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         counts, order, offs = _dispatch(flat, e, k, row_mask)
         if _grouped_ok(x):
-            if self._packed() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # the pack is a plain tensor: under autograd (training) the parameters themselves are used
+            infer = not torch.is_grad_enabled()
+            if infer and self._packed() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.pack_gate_up()  # once, on the first eager static step (a graph's warm-up runs one)
             xs = x[order // k]  # group bounds (offs) over every computed row
-            w13 = self._packed()
+            w13 = self._packed() if infer else None
             if w13 is None:
                 g = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
                 u = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
