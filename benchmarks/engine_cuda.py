@@ -30,6 +30,7 @@ Needs a CUDA device. JSON lines on stdout.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -294,7 +295,7 @@ def host_cost(args: Any) -> None:
         del eng
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, device: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,7 +312,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("output tokens/s per user")
     ax.set_ylabel("output tokens/s per GPU")
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    dev = device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU")
     ax.set_title(f"engine on {dev} ({', '.join(models)}, glue={rows[0]['glue']})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -334,7 +335,16 @@ def main() -> None:
     ap.add_argument("--trace", type=int, default=0, help="log the executor path of the first N steps of each run")
     ap.add_argument("--out", default="", help="folder for engine_cuda.png (default benchmarks/out)")
     ap.add_argument("--backend", default="cuda", help="cuda, or reference (CPU: a smoke test of this script)")
+    ap.add_argument("--replot", default="", help="re-draw the plot from a recorded run's JSON lines (no engine runs)")
+    ap.add_argument("--device-name", default="", help="with --replot: the device named in the title")
     args = ap.parse_args()
+    if args.replot:
+        rows = rows_from_jsonl(Path(args.replot))
+        d = Path(args.out or Path(__file__).parent / "out")
+        d.mkdir(parents=True, exist_ok=True)
+        plot(rows, d / "engine_cuda.png", args.device_name or None)
+        log(f"engine_cuda: {len(rows)} points from {args.replot} -> {d / 'engine_cuda.png'}")
+        return
     BACKEND[0] = args.backend
     h = logging.StreamHandler()  # the engine's warnings (e.g. a failed graph capture) on stderr
     h.setLevel(logging.WARNING)
@@ -364,6 +374,23 @@ def main() -> None:
             invariance(args)
     if args.plot and rows:
         write_plot(args, rows)
+
+
+def rows_from_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The plot's points of a recorded run: per (model, batch, mode), its tokens/s per GPU and per user."""
+    pts: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        p = r.get("params", {})
+        key_of = {"tokens_per_s_per_gpu": "per_gpu", "tokens_per_s_per_user": "per_user", "gpu_idle_pct": "idle"}
+        if r.get("bench") != "engine_cuda" or r.get("metric") not in key_of or "batch" not in p or "mode" not in p:
+            continue
+        row = pts.setdefault((p["model"], int(p["batch"]), p["mode"]),
+                             {"model": p["model"], "batch": int(p["batch"]), "mode": p["mode"], "glue": p.get("glue", False)})
+        row[key_of[r["metric"]]] = r["value"]
+    return [r for r in pts.values() if "per_gpu" in r and "per_user" in r]
 
 
 def write_plot(args: Any, rows: list[dict[str, Any]]) -> None:
