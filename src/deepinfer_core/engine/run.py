@@ -95,7 +95,9 @@ class StepRunner(Overlap):
         got: dict[int, list[int]] = {}
         pending: PendingStep | None = None
         while rows.size:
-            tok_keep = np.repeat(np.isin(np.arange(plan.num_rows), rows), ntok)
+            keep_row = np.zeros(plan.num_rows, bool)  # a mask of ``rows`` (np.isin's sort: not needed)
+            keep_row[rows] = True
+            tok_keep = np.repeat(keep_row, ntok)
             qn, qs = (ntok, plan.start) if pre is None else (pre.ntok, pre.start)
             spec_kw: dict[str, Any] = {}
             if pre is not None:

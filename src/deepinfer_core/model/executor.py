@@ -184,14 +184,20 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                              "drafter context); read them back first")
         self.validate(batch)
         dev = self.device
-        for i, (s, slot) in enumerate(zip(batch.start_pos.tolist(), batch.state_slots.tolist())):
-            if s == 0:
-                self._floor[slot] = 0
-                self._min_start[slot] = 0
-            if batch.decoder_floor is not None and batch.decoder_floor[i] > 0:
-                self._floor[slot, 1] = max(int(self._floor[slot, 1]), int(batch.decoder_floor[i]))
-        self._snap_at = {} if batch.snapshot_pos is None else {
-            i: int(x) for i, x in enumerate(batch.snapshot_pos.tolist()) if x > 0}
+        # per-slot resets as indexed writes (no per-request loop): validation refused repeated slots,
+        # so the writes of different requests never touch the same slot and their order is immaterial
+        restart = batch.state_slots[batch.start_pos == 0]
+        if restart.size:
+            self._floor[restart] = 0
+            self._min_start[restart] = 0
+        if batch.decoder_floor is not None:
+            up = batch.decoder_floor > 0
+            if up.any():
+                fs = batch.state_slots[up]
+                self._floor[fs, 1] = np.maximum(self._floor[fs, 1], batch.decoder_floor[up])
+        sp = batch.snapshot_pos
+        self._snap_at = {} if sp is None or not sp.any() else {
+            i: int(x) for i, x in enumerate(sp.tolist()) if x > 0}
         self._snaps = {}
         if self.sync_free and self.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= self.backtrack + 1:
             return execute_rows(self, batch, feed)
