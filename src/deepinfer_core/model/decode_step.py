@@ -213,12 +213,15 @@ def entries_needed(ex: ExecutorView, positions: np.ndarray) -> dict[int, int]:
     """Compressed entries the indexer scores, per compress ratio of an indexing layer: the most any row
     sees, max((position + 1) // ratio) (computed on the host: no device readback)."""
     cfg = ex.cfg
-    out: dict[int, int] = {}
-    for lid in range(cfg.num_hidden_layers):
-        if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX):
-            r = cfg.ratio(lid)
-            out[r] = int(((positions + 1) // r).max()) if positions.size else 0
-    return out
+    memo = getattr(ex, "_entry_ratios", None)  # the layer walk once per config, not every step
+    if memo is None or memo[0] is not cfg:
+        memo = (cfg, tuple(dict.fromkeys(cfg.ratio(lid) for lid in range(cfg.num_hidden_layers)
+                                          if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX))))
+        ex._entry_ratios = memo
+    if not positions.size:
+        return dict.fromkeys(memo[1], 0)
+    top = int(positions.max()) + 1  # max((p + 1) // r) == (max(p) + 1) // r: floor division is monotone
+    return {r: top // r for r in memo[1]}
 
 
 def _masked(slots: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
