@@ -79,7 +79,9 @@ class ValidationMixin:
                          b.state_slots.astype(np.int64), b.num_logits.astype(np.int64))
         if (n < 1).any() or ((k < 0) | (k > n)).any() or ((slot < 0) | (slot >= self.num_slots)).any():
             return False
-        if np.unique(slot).size != slot.size:
+        seen = np.zeros(self.num_slots, bool)  # slots are in range here: a mark per slot, no sort (np.unique)
+        seen[slot] = True
+        if int(np.count_nonzero(seen)) != slot.size:
             return False
         if b.num_tokens and (int(b.token_ids.min()) < 0 or int(b.token_ids.max()) >= self.cfg.vocab_size):
             return False
