@@ -146,7 +146,7 @@ class StepRunner(Overlap):
                     at_start = starts[r_fed] == fed_pos  # a placeholder is a row's first token
                     r_fed, src = r_fed[at_start], fed_src[at_start]
                     need = (pre.snap[r_fed] > 0) if pre.decode else np.ones(r_fed.shape, bool)
-                    need &= np.isin(r_fed, rows)
+                    need &= keep_row[r_fed]  # == np.isin(r_fed, rows): r_fed are plan rows
                     if need.any():  # after this step's launch: the device is busy meanwhile
                         first[r_fed[need]] = prev.tokens.host()[src[need]]
                 self.prefix.after(pre, rows, seq_ids, plan.block_tables, self._snapshots,
