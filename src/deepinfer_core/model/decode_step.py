@@ -352,7 +352,7 @@ def execute_rows(ex: ExecutorView, b: ForwardBatch, feed: TokenFeed | None = Non
     if feed is not None:  # the host ids hold placeholders there: the real ones come from the device
         tok_t = put(b.token_ids)
         feed.apply(tok_t)
-    engram_rows = ex._engram_rows(b, tok_t, feed)  # records the token ring (fed entries once known)
+    engram_rows = ex._engram_rows(b, tok_t, feed, pos=pos, row_slots=slots_np)  # records the token ring (fed entries once known)
     targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
     got = None
     if ex.cuda_graphs and is_pure_decode(b):

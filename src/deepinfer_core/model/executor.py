@@ -271,8 +271,8 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
     def _last_rows_np(b: ForwardBatch, ring: int) -> np.ndarray:
         return np.arange(b.num_tokens) >= np.repeat(b.offsets[1:], b.query_lens) - ring
 
-    def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor | None,
-                     feed: TokenFeed | None = None) -> dict[int, torch.Tensor]:
+    def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None = None,
+                     pos: np.ndarray | None = None, row_slots: np.ndarray | None = None) -> dict[int, torch.Tensor]:
         """Fetch this step's Engram rows (n-grams continue each sequence from the slot's token ring),
         then record the step's tokens in the ring. Runs after validation, before any layer. The n-grams
         are hashed from the host's token ids (``tokens`` is not read back: no device synchronisation);
@@ -299,8 +299,9 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
             # ids from the hasher are in range: one-device tables fetch them without the checks that sync
             rows = self.model.engram_fetch(ids, hashed_row_tables(self.engram_tables))
         keep = self._last_rows_np(b, self.tok_ring)
-        pos = b.positions
-        row_slots = np.repeat(b.state_slots, b.query_lens).astype(np.int64)
+        # ``pos`` / ``row_slots``: b.positions and each row's slot when the caller has them already
+        pos = b.positions if pos is None else pos
+        row_slots = np.repeat(b.state_slots, b.query_lens).astype(np.int64) if row_slots is None else row_slots
         self._tokens[row_slots[keep], pos[keep] % self.tok_ring] = b.token_ids[keep]
         if feed is not None and feed.index.size:  # placeholders written above: the real ids when known
             k = keep[feed.index]
