@@ -21,6 +21,7 @@ same cache bytes. Used when the executor has a backend and a CUDA device (``Mode
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -177,11 +178,27 @@ def hash_decode_on_device(hasher: Any, tokens: torch.Tensor, context: np.ndarray
     c = np.where(ctx < 0, hasher.pad_canonical, lut[np.maximum(ctx, 0)])  # [T, N-1] canonical
     known = np.bitwise_xor.accumulate(c[None, :, :] * mult[:, None, 1:], axis=2)  # [L, T, N-1], wraps like the op
     dev = tokens.device
-    m, primes, offsets = hasher.device_params(dev)
+    m0, primes, offsets = _decode_params(hasher, dev)
     canon = hasher.token_map(tokens, validate=False)  # [T]
-    h = torch.bitwise_xor((canon[None, :] * m[:, :1]).unsqueeze(-1), h2d(known, dev, np.int64))  # [L, T, N-1]
-    cols = torch.remainder(h.unsqueeze(-1), primes.to(torch.int64).unsqueeze(1))  # [L, T, N-1, H]
-    return (cols.flatten(2) + offsets.to(torch.int64).unsqueeze(1)).to(torch.int32)
+    h = torch.bitwise_xor((canon[None, :] * m0).unsqueeze(-1), h2d(known, dev, np.int64))  # [L, T, N-1]
+    cols = torch.remainder(h.unsqueeze(-1), primes)  # [L, T, N-1, H]
+    return (cols.flatten(2) + offsets).to(torch.int32)
+
+
+# per hasher and device: its parameters as the decode hash broadcasts them (int64, unsqueezed)
+_DECODE_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decode_params(hasher: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(multipliers [L, 1], primes int64 [L, 1, N-1, H], offsets int64 [L, 1, (N-1)*H]) of
+    ``hasher.device_params(dev)`` (which it caches for good), converted once instead of in every decode
+    step: three fewer small kernels per step. Only called outside graph capture (before the replay)."""
+    per = _DECODE_PARAMS.setdefault(hasher, {})
+    p = per.get(dev)
+    if p is None:
+        m, primes, offsets = hasher.device_params(dev)
+        p = per[dev] = (m[:, :1], primes.to(torch.int64).unsqueeze(1), offsets.to(torch.int64).unsqueeze(1))
+    return p
 
 
 def hash_on_device(hasher: Any, tokens: torch.Tensor, cu_seqlens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
