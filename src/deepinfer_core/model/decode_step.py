@@ -146,7 +146,7 @@ class _HashedRows:
     def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
         t = self.t
         data = t.data
-        flat = row_ids.reshape(-1).to(torch.int64)
+        flat = row_ids.reshape(-1)  # int32 ids index directly (index_select takes int32 or int64)
         if flat.device.type == "cpu" and data.device.type == "cuda":  # host-hashed ids: pinned, non-blocking
             flat = flat.pin_memory().to(data.device, non_blocking=True)  # (a blocking copy would sync)
         elif flat.device != data.device:  # device ids, host table: a blocking copy (they must have landed
