@@ -1,8 +1,9 @@
-"""Shared helpers of the engine tests: the independent greedy oracle and small prompt sets."""
+"""Shared helpers of the engine tests: the independent greedy oracle, small prompt sets, stepping to the end."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -31,3 +32,17 @@ def teacher_forced_argmax(model: DeepSeekV41, prompt_ids: list[int] | tuple[int,
     seq = list(prompt_ids) + list(output_ids)
     logits = model.forward_full(torch.tensor(seq[:-1]))[0]
     return torch.argmax(logits[len(prompt_ids) - 1:], dim=-1).tolist()
+
+
+def drain(eng: Any, limit: int = 2000) -> dict:
+    """Step ``eng`` until nothing is left (at most ``limit`` steps); {request id: output}. Fails if a request
+    is reported twice or work remains after ``limit`` steps."""
+    done: dict = {}
+    for _ in range(limit):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            assert o.request_id not in done, f"{o.request_id} reported twice"
+            done[o.request_id] = o
+    assert not eng.has_unfinished()
+    return done

@@ -25,6 +25,7 @@ from deepinfer_core.model.checkpoint import load_model
 from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_kernels import get_backend
+from tests.deepinfer_core.engine.helpers import drain
 
 EXACT = {"model": "tiny-random", "seed": 11, "dtype": "float64", "quantize": False}
 
@@ -37,18 +38,6 @@ def engine(**kw) -> LLMEngine:
 @functools.cache
 def sync_engine() -> LLMEngine:
     return engine(async_scheduling=False, num_blocks=512, max_num_seqs=16)
-
-
-def drain(eng: LLMEngine, limit: int = 2000) -> dict:
-    done: dict = {}
-    for _ in range(limit):
-        if not eng.has_unfinished():
-            break
-        for o in eng.step():
-            assert o.request_id not in done, f"{o.request_id} reported twice"
-            done[o.request_id] = o
-    assert not eng.has_unfinished()
-    return done
 
 
 def reference(reqs: list[tuple[str, list[int], SamplingParams]]) -> dict:

@@ -11,22 +11,11 @@ import pytest
 
 from deepinfer_core.engine import LLM, LLMEngine
 from deepinfer_core.sampling_params import SamplingParams
+from tests.deepinfer_core.engine.helpers import drain
 
 MODES = {"sync": dict(async_scheduling=False), "async": dict(async_scheduling=True),
          "spec": dict(speculative=True, num_speculative_tokens=2)}
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
-
-
-def _drain(eng: LLMEngine, limit: int = 500) -> dict:
-    done: dict = {}
-    for _ in range(limit):
-        if not eng.has_unfinished():
-            break
-        for o in eng.step():
-            assert o.request_id not in done
-            done[o.request_id] = o
-    assert not eng.has_unfinished()
-    return done
 
 
 def _all_free(eng: LLMEngine) -> None:
@@ -51,7 +40,7 @@ def test_abort_at_full_occupancy_admits_waiting(mode: str) -> None:
         assert eng.scheduler.num_running == 2 or i >= 6
         eng.abort(f"r{i}")
         done.update({o.request_id: o for o in eng.step()})  # admits a waiting one into r{i}'s seat
-    done.update(_drain(eng))
+    done.update(drain(eng, 500))
     assert len(done) == 8 and all(o.ok for o in done.values()), [o.error for o in done.values()]
     assert {r for r, o in done.items() if o.finish_reason == "abort"} >= {"r0", "r2", "r4"}
     _all_free(eng)
@@ -65,7 +54,7 @@ def test_grammar_end_under_ignore_eos_at_full_occupancy(mode: str) -> None:
         eng.add_request(f"g{i}", [5, 6, 7 + i], {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
                                                  "so_args": {"choice": ["ab"]}})
         eng.add_request(f"p{i}", [9, 10 + i], GREEDY)
-    done = _drain(eng)
+    done = drain(eng, 500)
     assert len(done) == 12
     for i in range(6):
         g, p = done[f"g{i}"], done[f"p{i}"]
@@ -92,12 +81,12 @@ def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(eng.executor, "execute", flaky)
     eng.add_request("a", [5, 6, 7], GREEDY)
     eng.add_request("b", [8, 9], GREEDY)
-    done = _drain(eng)
+    done = drain(eng, 500)
     assert {o.finish_reason for o in done.values()} == {"error"}
     assert all("injected device fault" in (o.error or "") for o in done.values())
     _all_free(eng)
     eng.add_request("c", [5, 6, 7], GREEDY)
-    (c,) = _drain(eng).values()
+    (c,) = drain(eng, 500).values()
     (want,) = LLM(model="tiny-random", seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True,
                   **MODES[mode]).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert c.ok and c.token_ids == want.token_ids
@@ -117,7 +106,7 @@ def test_failing_update_resets_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(o.finish_reason == "error" and "boom" in o.error for o in outs)
     _all_free(eng)
     eng.add_request("again", [5, 6], GREEDY)
-    assert _drain(eng)["again"].ok
+    assert drain(eng, 500)["again"].ok
 
 
 def test_abort_all_and_reset_return_everything() -> None:
@@ -127,7 +116,7 @@ def test_abort_all_and_reset_return_everything() -> None:
     eng.step()
     eng.step()
     assert eng.abort_all() == 5
-    done = _drain(eng)
+    done = drain(eng, 500)
     assert len(done) == 5 and {o.finish_reason for o in done.values()} == {"abort"}
     _all_free(eng)
     for i in range(3):
