@@ -17,11 +17,10 @@ import torch
 
 from deepinfer_core.engine.overlap import Overlap, PendingStep
 from deepinfer_core.engine.prefix import known_tokens
-from deepinfer_core.engine.sample import to_device
 from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.structured_spec import VerifyMasks
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
+from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed, h2d
 from deepinfer_core.scheduler import Plan, StepType
 
 log = logging.getLogger("deepinfer_core.engine.engine")
@@ -128,7 +127,7 @@ class StepRunner(Overlap):
             last = np.cumsum(batch.num_logits) - 1  # each request's last logits row
             plain = np.flatnonzero((plan.sample[rows] > 0) & ~spec_row[rows])
             srows = rows[plain]
-            lg = logits[to_device(last[plain], logits.device)]
+            lg = logits[h2d(last[plain], logits.device)]
             pos = plan.context_lens[srows].astype(np.int64)
             if overlap:  # the tokens stay on the device; engine/overlap.py lands them after the next launch
                 tok_t = self._sample_device(lg, seq_ids[srows], ix[srows], pos)

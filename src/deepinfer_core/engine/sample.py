@@ -20,12 +20,6 @@ from deepinfer_kernels.ops.sampling import greedy_tokens
 log = logging.getLogger("deepinfer_core.engine.engine")
 
 
-def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """A host array on ``dev`` without a stream synchronisation (a blocking host-to-device copy waits for
-    the work queued before it: with the asynchronous overlap, the whole step in flight); decode_step.h2d."""
-    return h2d(a, dev)
-
-
 class RowSampler:
     """``_sample_rows`` and the grammar / stop-string bookkeeping around it."""
 
@@ -127,14 +121,14 @@ class RowSampler:
             rr += [r] * len(ban)
             cc += ban
         if rr:
-            logits[to_device(np.asarray(rr), logits.device), to_device(np.asarray(cc), logits.device)] = float("-inf")
+            logits[h2d(np.asarray(rr), logits.device), h2d(np.asarray(cc), logits.device)] = float("-inf")
 
     def _draw(self, logits: torch.Tensor, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """One token per (masked) logits row, on the logits' device: no host synchronisation."""
         s, dev = self._seqs, logits.device
         if (s.temperature[ix] > 0).any():
-            return self._sample(logits, to_device(s.temperature[ix], dev), to_device(s.top_k[ix], dev),
-                                to_device(s.top_p[ix], dev), to_device(s.seed[ix], dev), to_device(positions, dev))
+            return self._sample(logits, h2d(s.temperature[ix], dev), h2d(s.top_k[ix], dev),
+                                h2d(s.top_p[ix], dev), h2d(s.seed[ix], dev), h2d(positions, dev))
         # every row greedy (known on the host): the sampler's argmax without its full sort and RNG
         return greedy_tokens(logits)
 
