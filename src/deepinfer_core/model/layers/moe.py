@@ -169,6 +169,19 @@ def _combine(y: torch.Tensor, w: torch.Tensor, order: torch.Tensor, n: int, k: i
     return torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1).sum(1)
 
 
+def _pack_halves(a: nn.Parameter, b: nn.Parameter, dim: int) -> torch.Tensor:
+    """``a`` and ``b`` concatenated along ``dim`` into one tensor, the parameters re-pointed at its halves."""
+    both = torch.cat((a.data, b.data), dim=dim)
+    n = a.shape[dim]
+    a.data, b.data = both.narrow(dim, 0, n), both.narrow(dim, n, both.shape[dim] - n)
+    return both
+
+
+def _are_halves(both: torch.Tensor, a: nn.Parameter, b: nn.Parameter, dim: int) -> bool:
+    """``a`` / ``b`` still are the halves of ``both`` along ``dim`` (nothing replaced their storage)."""
+    return a.data_ptr() == both.data_ptr() and b.data_ptr() == both.narrow(dim, a.shape[dim], b.shape[dim]).data_ptr()
+
+
 class MoE(nn.Module):
     """Routed experts (stacked weights [E, ...]) plus ``n_shared_experts`` always-on experts."""
 
@@ -204,31 +217,23 @@ class MoE(nn.Module):
         GEMMs are weight-bandwidth-bound and a single wider product keeps more of the GPU streaming than
         two narrow ones (and halves their launches). Idempotent; undone by anything that replaces the
         parameters (``.to()``, ``load_state_dict`` with assign): :meth:`_packed` then ignores the pack."""
-        if self._packed() is not None:
-            return
-        i = self.w1.shape[1]
-        w13 = torch.cat((self.w1.data, self.w3.data), dim=1)
-        self.w1.data, self.w3.data = w13[:, :i], w13[:, i:]
-        self._w13 = w13
-        if self.shared:
-            si = self.s_w1.shape[0]
-            s13 = torch.cat((self.s_w1.data, self.s_w3.data), dim=0)
-            self.s_w1.data, self.s_w3.data = s13[:si], s13[si:]
-            self._s_w13 = s13
+        if self._packed() is None:
+            self._w13 = _pack_halves(self.w1, self.w3, 1)
+        if self.shared and self._shared_packed() is None:
+            self._s_w13 = _pack_halves(self.s_w1, self.s_w3, 0)
 
     def _packed(self) -> torch.Tensor | None:
         """The packed [E, 2I, D] gate-up tensor if ``w1`` / ``w3`` still are its halves, else None (a host-side
         pointer check: no device work). A stale pack is dropped, so its memory is freed."""
-        w = self._w13
-        if w is not None and (self.w1.data_ptr() != w.data_ptr() or self.w3.data_ptr() != w[:, self.w1.shape[1]:].data_ptr()):
-            w = self._w13 = None
-        return w
+        if self._w13 is not None and not _are_halves(self._w13, self.w1, self.w3, 1):
+            self._w13 = None
+        return self._w13
 
     def _shared_packed(self) -> torch.Tensor | None:
-        w = self._s_w13
-        if w is not None and (self.s_w1.data_ptr() != w.data_ptr() or self.s_w3.data_ptr() != w[self.s_w1.shape[0]:].data_ptr()):
-            w = self._s_w13 = None
-        return w
+        """:meth:`_packed` of the shared expert's [2 * si, D] gate-up tensor."""
+        if self._s_w13 is not None and not _are_halves(self._s_w13, self.s_w1, self.s_w3, 0):
+            self._s_w13 = None
+        return self._s_w13
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The always-on shared expert (one product for gate and up when packed)."""
