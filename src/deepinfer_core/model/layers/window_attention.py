@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.model.fusion import fusable
-from deepinfer_core.model.layers.attention import sink_attention
+from deepinfer_core.model.layers.attention import sink_attention, sink_softmax
 
 NEG = float("-inf")
 
@@ -68,12 +68,11 @@ def window_sink_attention(q: torch.Tensor, k_win: torch.Tensor, mask_win: torch.
     if k_b is not None and k_b.shape[-2] > 0:
         lb = torch.einsum("sthd,stbd->sthb", q, k_b) * scale
         parts.append(lb.masked_fill(~mask_b[:, :, None, :], NEG))  # type: ignore[index]
-    sink_col = sink.to(q.dtype)[None, None, :, None].expand(n_t, t, h, 1)
-    p = torch.softmax(torch.cat([*parts, sink_col], dim=-1), dim=-1)
-    out = torch.matmul(p[..., :width].reshape(n_t, t * h, width), k_win).view(n_t, t, h, d)
-    if len(parts) == 2:
-        out = out + torch.einsum("sthb,stbd->sthd", p[..., width:-1], k_b)
-    return out
+    ws, den = sink_softmax(parts, sink.to(q.dtype)[None, None, :, None])
+    out = torch.matmul(ws[0].reshape(n_t, t * h, width), k_win).view(n_t, t, h, d)
+    if len(ws) == 2:
+        out = out + torch.einsum("sthb,stbd->sthd", ws[1], k_b)
+    return (out.to(den.dtype) / den).to(q.dtype)
 
 
 def window_attention(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, q_pos0: int, window: int, floor: int,
