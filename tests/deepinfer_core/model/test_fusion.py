@@ -163,3 +163,31 @@ def test_static_dispatch_order_is_the_stable_sort_by_expert(e: int, pairs: int, 
     assert torch.equal(order, torch.argsort(flat, stable=True))
     assert torch.equal(counts, torch.bincount(flat.view(n, k)[mask].reshape(-1), minlength=e))
     assert torch.equal(offs.long(), torch.cumsum(torch.bincount(flat, minlength=e), 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mhc_stream_mixes_compiled_form_equals_oracle(dtype: torch.dtype) -> None:
+    """The mHC stream mixes traced for the glue (broadcast products over the n streams) and run plain
+    (einsums) against a loop oracle over the streams, fresh random inputs."""
+    from deepinfer_core.model import mhc
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    t, n, d = 7, 4, 48
+    state = torch.randn(t, n, d, generator=g, dtype=torch.float64)
+    pre, post, out = torch.rand(t, n, generator=g, dtype=torch.float64), torch.rand(t, n, generator=g, dtype=torch.float64), \
+        torch.randn(t, d, generator=g, dtype=torch.float64)
+    res = torch.rand(t, n, n, generator=g, dtype=torch.float64)
+    want_in = sum(pre[:, j, None] * state[:, j] for j in range(n))
+    want_out = torch.stack([sum(res[:, i, j, None] * state[:, j] for j in range(n)) + post[:, i, None] * out
+                            for i in range(n)], 1)
+    args_in, args_out = (pre.to(dtype), state.to(dtype)), (res.to(dtype), state.to(dtype), post.to(dtype), out.to(dtype))
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    fusion.set_backend("aot_eager")
+    try:
+        for glue in (False, True):
+            with fusion.fused_glue(glue):
+                torch.testing.assert_close(mhc._mix_in(*args_in).double(), want_in, **tol)
+                torch.testing.assert_close(mhc._mix_out(*args_out).double(), want_out, **tol)
+        assert fusion.compiled_count() == 2
+    finally:
+        fusion.set_backend(None)
