@@ -19,7 +19,8 @@ DSpark drafter, up to 5 drafts, synchronous). Reported per (B, mode):
   and ``idle_between_steps_pct``: the share of the same window the stream sat empty *between* steps
   (timing events around each step's launches, :class:`StepMarks`), which leaves out the gaps between
   kernels inside a step that the kernel-union figure counts (a graph of ~800-2,300 small kernels has ~1 us
-  between each);
+  between each); ``idle_starved_pct``: the device gaps of >= 10 us (the GPU had nothing queued: the
+  host was late, between steps or inside one), the same window, from the same profile;
 
 ``--invariance``: batch-invariant mode (``EngineConfig(batch_invariant=True)``) with graphs on: one
 request's tokens alone and inside 20 random batch mixes, twice, bit-identical; tokens/s at batch 64 in
@@ -147,35 +148,68 @@ def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tu
         sync()
         wall = time.perf_counter() - t0
     marks.remove()
-    ov = {**overlap_stats(st0, attrs.asdict(eng.stats)), "idle_between_steps_pct": marks.idle_between_pct()}
+    ov = {**overlap_stats(st0, attrs.asdict(eng.stats)), "idle_between_steps_pct": marks.idle_between_pct(),
+          "idle_starved_pct": 100 * starved_seconds(prof, STARVED_GAP_US) / wall}
     return max(0.0, 100 - 100 * busy_seconds(prof) / wall), ov
 
 
+STARVED_GAP_US = 10.0  # a device gap this long is the host being late; shorter ones are launch latency
+
+
+def device_spans(prof: Any) -> list[tuple[float, float]]:
+    """Sorted (start, end) microseconds of a profile's device activities (kernels, copies, memsets)."""
+    return sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                  if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "time_range", None) is not None)
+
+
+def starved_seconds(prof: Any, min_gap_us: float) -> float:
+    """Total length of the gaps of at least ``min_gap_us`` between device activities: time the GPU had
+    nothing queued (between steps or inside one), leaving out the ~1-3 us launch latency between queued
+    kernels (a CUDA graph of ~800-2,300 kernels has one such gap per kernel) that the union figure counts."""
+    spans, gap, end = device_spans(prof), 0.0, None
+    for s, e in spans:
+        if end is not None and s - end >= min_gap_us:
+            gap += s - end
+        end = e if end is None else max(end, e)
+    return gap / 1e6
+
+
 class StepMarks:
-    """Timing events on the stream around each step's device work (``LLMEngine._run``: the executor's
-    launches and the sampler's). The GPU reaches a step's start event only once it is done with everything
+    """Timing events on the stream around each step's device work (from the executor's ``execute`` to the
+    end of ``LLMEngine._run``: the executor's launches and the sampler's). The GPU reaches a step's start event only once it is done with everything
     queued before it, so ``start[k + 1] - end[k]`` is the time the stream sat empty between step k's last
     queued work and step k + 1's first (zero when the host had queued step k + 1 in time). Gaps between
-    kernels inside a step (a graph's own launch gaps, the eager Engram fetch) are not counted here: those
-    are in the kernel-union figure (``gpu_idle_pct``)."""
+    kernels inside a step (a graph's own launch gaps, the eager Engram fetch) and host work inside
+    ``execute`` before its first launch are not counted here: the kernel-union figure (``gpu_idle_pct``)
+    counts everything, ``idle_starved_pct`` every device gap of >= 10 us, wherever it falls."""
 
     def __init__(self, eng: LLMEngine) -> None:
-        self.eng, self.orig = eng, eng._run
+        self.eng, self.orig, self.orig_ex = eng, eng._run, eng.executor.execute
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        start: list[torch.cuda.Event | None] = [None]
+
+        def executed(*a: Any, **kw: Any) -> Any:  # the step's device work starts here, not at _run's entry
+            if start[0] is None:
+                start[0] = torch.cuda.Event(enable_timing=True)
+                start[0].record()
+            return self.orig_ex(*a, **kw)
 
         def marked(*a: Any, **kw: Any) -> Any:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
+            start[0] = None
             try:
                 return self.orig(*a, **kw)
             finally:
-                e.record()
-                self.spans.append((s, e))
+                if start[0] is not None:
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    self.spans.append((start[0], e))
 
         eng._run = marked  # type: ignore[method-assign]
+        eng.executor.execute = executed  # type: ignore[method-assign]
 
     def remove(self) -> None:
         self.eng._run = self.orig  # type: ignore[method-assign]
+        self.eng.executor.execute = self.orig_ex  # type: ignore[method-assign]
 
     def idle_between_pct(self) -> float:
         """Share of the marked window (first start to last end) that the stream sat empty between steps."""
@@ -198,14 +232,10 @@ def overlap_stats(st0: dict[str, Any], st1: dict[str, Any]) -> dict[str, float]:
 def busy_seconds(prof: Any) -> float:
     """GPU busy time of a profile: the union of its device intervals (kernels, copies, memsets), so two
     streams' overlapping work counts once; the sum of device self times if the events carry no ranges."""
-    spans = []
-    for e in prof.events():
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "time_range", None) is not None:
-            spans.append((e.time_range.start, e.time_range.end))
+    spans = device_spans(prof)
     if not spans:
         return sum(e.self_device_time_total for e in prof.key_averages()
                    if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e6
-    spans.sort()
     busy, (a, b) = 0.0, spans[0]
     for s, e in spans[1:]:
         if s > b:
@@ -260,6 +290,7 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             idle, ov = gpu_idle(eng, prompts, args.gen, "idle")
             emit(BENCH, {**p, **ov}, "gpu_idle_pct", idle, "%")
             emit(BENCH, p, "gpu_idle_between_steps_pct", ov.get("idle_between_steps_pct", float("nan")), "%")
+            emit(BENCH, p, "gpu_idle_starved_pct", ov.get("idle_starved_pct", float("nan")), "%")
             ex = eng.executor
             if ex.cuda_graphs:
                 emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
@@ -267,7 +298,8 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
                 write_plot(args, rows)
             log(f"{args.model} B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
-                f"(between steps {ov.get('idle_between_steps_pct', float('nan')):.1f}%; overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)")
+                f"(between steps {ov.get('idle_between_steps_pct', float('nan')):.1f}%, gaps >= 10 us "
+                f"{ov.get('idle_starved_pct', float('nan')):.1f}%; overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)")
             del eng
             torch.cuda.empty_cache()
 
