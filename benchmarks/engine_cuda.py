@@ -22,8 +22,9 @@ DSpark drafter, up to 5 drafts, synchronous). Reported per (B, mode):
   between each); ``idle_starved_pct``: the device gaps of >= 10 us (the GPU had nothing queued: the
   host was late, between steps or inside one), the same window, from the same profile;
 
-``--invariance``: batch-invariant mode (``EngineConfig(batch_invariant=True)``) with graphs on: one
-request's tokens alone and inside 20 random batch mixes, twice, bit-identical; tokens/s at batch 64 in
+``--invariance``: batch-invariant mode (``EngineConfig(batch_invariant=True)``) with graphs on: a greedy
+and a seeded sampled request's tokens alone and inside 20 random batch mixes of greedy and seeded
+requests, twice, bit-identical (``seeded_target_differs_from_greedy`` checks that the seeded one samples); tokens/s at batch 64 in
 that mode beside the default mode. ``--plot`` writes tokens/s per GPU against tokens/s per user (engine_cuda.png).
 
     python benchmarks/engine_cuda.py [--model tiny|wide] [--batches 1,4,16,64,256] [--modes sync,async,async-plain,spec]
@@ -106,11 +107,13 @@ def code_tokenizer(eng: LLMEngine, model_name: str) -> Any:
     return eng.tokenizer if model_name == "tiny" else None
 
 
-def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tuple[dict[str, list[int]], float, int]:
-    """({request id: output tokens}, wall seconds, engine steps) of one batch stepped to the end."""
+def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str,
+        params: list[SamplingParams] | None = None) -> tuple[dict[str, list[int]], float, int]:
+    """({request id: output tokens}, wall seconds, engine steps) of one batch stepped to the end; greedy
+    unless ``params`` gives each prompt its own."""
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", p, sp)
+        eng.add_request(f"{tag}-{i}", p, sp if params is None else params[i])
     out: dict[str, list[int]] = {}
     sync()
     s0, t0 = eng.stats.steps, time.perf_counter()
@@ -305,13 +308,17 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def invariance(args: Any) -> None:
-    """One target request alone, then inside 20 random mixes of other requests, twice (fresh engines):
-    its tokens must be bit-identical every time (batch-invariant mode, graphs on)."""
-    target = prompts_for(1, args.prompt, 250, 7)[0]
-    rng = random.Random(11)
-    results = []
+    """Two target requests, one greedy and one sampled with a seed (temperature 0.8, top-p 0.95, top-k 50),
+    alone, then inside 20 random mixes of other greedy and seeded requests (random places, random seeds),
+    twice (fresh engines): each target's tokens must be bit-identical every time (batch-invariant mode and
+    the seeded sampler, graphs on)."""
+    targets = prompts_for(2, args.prompt, 250, 7)
     gen = min(args.gen, 12)  # batch-invariant mode runs each request alone: keep the 42 batches short
-    p = {"model": args.model, "mixes": 20, "runs": 2, "glue": args.glue}
+    greedy = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    t_params = [greedy, SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=4242, max_tokens=gen, ignore_eos=True)]
+    rng = random.Random(11)
+    results: list[list[list[int]]] = [[], []]
+    p = {"model": args.model, "mixes": 20, "runs": 2, "glue": args.glue, "targets": "greedy,seeded"}
     for inv in (False, True):  # the cost first: a run cut at its time limit still has it
         eng = make_engine(args.model, 64, "sync", args.glue, invariant=inv, prompt=args.prompt, gen=args.gen)
         prompts = prompts_for(64, args.prompt, eng.vocab_size, 3)
@@ -322,17 +329,26 @@ def invariance(args: Any) -> None:
         del eng
     for rep in range(2):
         eng = make_engine(args.model, 64, "sync", args.glue, invariant=True, prompt=args.prompt, gen=args.gen)
-        alone, _, _ = run(eng, [target], gen, f"alone{rep}")
-        results.append(alone[f"alone{rep}-0"])
+        alone, _, _ = run(eng, [*targets, targets[1]], gen, f"alone{rep}", [*t_params, greedy])
+        for j in range(2):
+            results[j].append(alone[f"alone{rep}-{j}"])
+        if rep == 0:  # the seeded target really samples: its tokens are not its greedy ones
+            emit(BENCH, p, "seeded_target_differs_from_greedy", float(alone["alone0-1"] != alone["alone0-2"]), "bool")
         for k in tqdm(range(20), desc=f"invariance run {rep + 1} of 2", mininterval=5):
-            others = prompts_for(rng.randrange(1, 24), args.prompt, eng.vocab_size, 100 * rep + k)
-            at = rng.randrange(len(others) + 1)
-            mix = [*others[:at], target, *others[at:]]
-            got, _, _ = run(eng, mix, gen, f"mix{rep}-{k}")
-            results.append(got[f"mix{rep}-{k}-{at}"])
+            n = rng.randrange(1, 23)
+            mix = [(q, greedy if rng.random() < 0.5 else SamplingParams(
+                temperature=rng.choice([0.6, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30),
+                max_tokens=gen, ignore_eos=True)) for q in prompts_for(n, args.prompt, eng.vocab_size, 100 * rep + k)]
+            for j in (0, 1):
+                mix.insert(rng.randrange(len(mix) + 1), (targets[j], t_params[j]))
+            where = [next(i for i, (q, sp) in enumerate(mix) if q is targets[j] and sp is t_params[j]) for j in (0, 1)]
+            got, _, _ = run(eng, [q for q, _ in mix], gen, f"mix{rep}-{k}", [sp for _, sp in mix])
+            for j in (0, 1):
+                results[j].append(got[f"mix{rep}-{k}-{where[j]}"])
         del eng
-        emit(BENCH, {**p, "runs_done": rep + 1, "compared": len(results)}, "batch_invariant_identical",
-             float(all(r == results[0] for r in results)), "bool")
+        same = all(r == rs[0] for rs in results for r in rs)
+        emit(BENCH, {**p, "runs_done": rep + 1, "compared": sum(map(len, results))}, "batch_invariant_identical",
+             float(same), "bool")
 
 
 def host_cost(args: Any) -> None:
