@@ -115,7 +115,8 @@ class EngramHasher:
                 f"table_sizes={config.table_sizes}: a layer's table has {int(self.layer_rows.max())} rows; "
                 "int32 row ids allow < 2**31 per layer"
             )
-        self._dev_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._dev_cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._decode_cache: dict[tuple[torch.device, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         log.debug("EngramHasher: layers %s, rows per layer %s", config.layer_ids, self.layer_rows.tolist())
 
     def layer_index(self, layer_id: int) -> int:
@@ -129,18 +130,34 @@ class EngramHasher:
         """Rows of layer ``layer_id``'s concatenated table."""
         return int(self.layer_rows[self.layer_index(layer_id)])
 
-    def device_params(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(multipliers int64 [L, N], primes int32 [L, N-1, H], offsets int32 [L, (N-1)*H]) on ``device``,
-        in the dtypes tile_kernels' engram_hash takes."""
-        dev = torch.device(device)
-        p = self._dev_cache.get(dev)
+    def device_params(
+        self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.int32
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(multipliers int64 [L, N], primes [L, N-1, H], offsets [L, (N-1)*H]) on ``device``, cached per
+        (device, dtype): primes and offsets in ``dtype``, int32 as tile_kernels' engram_hash takes them, or
+        int64, the dtype the reference op computes in (its casts are then no-ops: no cast kernels per hash,
+        which the per-step device hashes of the executor would otherwise launch every step)."""
+        key = (torch.device(device), dtype)
+        p = self._dev_cache.get(key)
         if p is None:
+            dev = key[0]
             p = (
                 torch.from_numpy(self.multipliers).to(dev),
-                torch.from_numpy(self.primes.astype(np.int32)).to(dev),
-                torch.from_numpy(self.offsets.astype(np.int32)).to(dev),
+                torch.from_numpy(self.primes).to(dev, dtype),  # every row id < 2**31 (checked in __init__)
+                torch.from_numpy(self.offsets).to(dev, dtype),
             )
-            self._dev_cache[dev] = p
+            self._dev_cache[key] = p
+        return p
+
+    def decode_params(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`device_params` in int64, laid out to broadcast over a decode step's tokens: (the first
+        multiplier of each layer [L, 1], primes [L, 1, N-1, H], offsets [L, 1, (N-1)*H]), cached per device
+        (the executor's decode hash takes them every step: no cast kernel, no per-step views)."""
+        key = (torch.device(device), "decode")
+        p = self._decode_cache.get(key)
+        if p is None:
+            m, primes, offsets = self.device_params(key[0], torch.int64)
+            p = self._decode_cache[key] = (m[:, :1], primes.unsqueeze(1), offsets.unsqueeze(1))
         return p
 
     def ngram_token_ids(
@@ -161,7 +178,8 @@ class EngramHasher:
         t = token_ids.shape[0]
         canon = self.token_map(token_ids, validate)
         if cu_seqlens is None:
-            cu = torch.tensor([0, t], dtype=torch.int64, device=dev)
+            # [0, t] made on the device: torch.tensor(..., device=cuda) would be a blocking (syncing) copy
+            cu = torch.arange(2, dtype=torch.int64, device=dev) * t
         else:
             cu = (_check_cu_seqlens(cu_seqlens, t) if validate else _shape_cu_seqlens(cu_seqlens)).to(dev)
         num_seqs = cu.shape[0] - 1
@@ -226,7 +244,9 @@ class EngramHasher:
         validate: bool = True,
     ) -> torch.Tensor:
         """Row ids int32 [L, T, orders*heads] (or [L, B, T, orders*heads] for 2-D input); see class doc.
-        ``validate=False``: see :meth:`ngram_token_ids`."""
+        ``validate=False``: see :meth:`ngram_token_ids`; the op's table-size check (``check=False``) is
+        skipped too (the sizes are this hasher's primes), so on device tensors the hash reads nothing
+        back: no host synchronisation."""
         if token_ids.dim() == 2:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: not used with 2-D token_ids (each row is one sequence)")
@@ -235,8 +255,9 @@ class EngramHasher:
             flat = self.hash(token_ids.reshape(-1), cu, context, backend, validate)
             return flat.reshape(flat.shape[0], b, t, flat.shape[-1])
         grams = self.ngram_token_ids(token_ids, cu_seqlens, context, validate)
-        mult, primes, offsets = self.device_params(grams.device)
-        return get_op("engram_hash", backend)(grams, mult, primes, offsets)
+        # the reference op computes in int64; tile_kernels (the cuda op's first choice) takes int32
+        mult, primes, offsets = self.device_params(grams.device, torch.int64 if backend == "reference" else torch.int32)
+        return get_op("engram_hash", backend)(grams, mult, primes, offsets, check=validate)
 
 
 def _shape_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:

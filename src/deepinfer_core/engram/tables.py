@@ -8,7 +8,9 @@ Storage formats (``fmt``):
   what makes its two ~384M-row tables 202.76 GB. Power-of-two scales make dequantisation exact in bf16.
 
 ``fetch`` returns dequantised rows (bf16 by default) in the caller's order and shape; ids outside
-[0, num_rows) raise ``IndexError`` naming the id and the range.
+[0, num_rows) raise ``IndexError`` naming the id and the range. ``LocalEngramTable.fetch(ids, check=False)``
+skips that range check, which reads the ids' min / max back (on a GPU a device synchronisation, and
+impossible under CUDA-graph capture), for ids in range by construction (the hasher's).
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ def bytes_per_row(row_dim: int, fmt: str, block: int = SCALE_BLOCK) -> int:
     raise ValueError(f"fmt={fmt!r}: must be one of {FORMATS}")
 
 
+def _check_int_ids(row_ids: torch.Tensor) -> None:
+    dt = row_ids.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        raise TypeError(f"row_ids: must be an integer tensor, got {row_ids.dtype}")
+
+
 def check_row_ids(row_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Flattened int64 ids, or ``IndexError``/``TypeError`` naming the bad id or dtype."""
-    if row_ids.dtype.is_floating_point or row_ids.dtype == torch.bool or row_ids.is_complex():
-        raise TypeError(f"row_ids: must be an integer tensor, got {row_ids.dtype}")
+    _check_int_ids(row_ids)
     flat = row_ids.reshape(-1).to(torch.int64)
     if flat.numel():
         lo, hi = int(flat.min()), int(flat.max())
@@ -131,13 +138,27 @@ class LocalEngramTable:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + (self.scales.numel() if self.scales is not None else 0)
 
-    def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
-        flat = check_row_ids(row_ids, self.num_rows)
-        if flat.device.type == "cpu" and self.data.device.type == "cuda":
-            # pinned + non-blocking: a blocking copy would wait for the device's queued work
-            flat = flat.pin_memory().to(self.data.device, non_blocking=True)
-        out = self._gather(self.data, flat.to(self.data.device), self.scales, self.out_dtype)
-        return out.reshape(*row_ids.shape, self.row_dim)
+    def fetch(self, row_ids: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Rows [*row_ids.shape, row_dim] in ``out_dtype``. ``check=False``: no id range check and no host
+        synchronisation (see the module docstring); the ids keep their dtype (int32 ids index directly)."""
+        if check:
+            ids = check_row_ids(row_ids, self.num_rows)
+        else:
+            _check_int_ids(row_ids)
+            # int32 / int64 ids index as they are (no cast kernel); the op flattens and reshapes back
+            ids = row_ids if row_ids.dtype in (torch.int32, torch.int64) else row_ids.to(torch.int64)
+        dev = self.data.device
+        if ids.device != dev:
+            if ids.device.type == "cpu" and dev.type == "cuda":
+                # pinned + non-blocking: a blocking copy would wait for the device's queued work
+                ids = ids.pin_memory().to(dev, non_blocking=True)
+            else:
+                # device ids, host table: a blocking copy (the ids must have landed before the gather
+                # reads them; a non-blocking one would race)
+                ids = ids.to(dev)
+        # the ids are checked above (or vouched for): the op's own range check would only repeat it
+        out = self._gather(self.data, ids, self.scales, self.out_dtype, check=False)
+        return out.reshape(*row_ids.shape, self.row_dim) if check else out
 
     @property
     def device(self) -> torch.device:

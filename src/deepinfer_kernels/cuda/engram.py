@@ -58,18 +58,21 @@ def _build_hash(n: int, heads: int, layers: int):
 
 @register("engram_hash", "cuda")
 def engram_hash(
-    ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor
+    ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Same contract as the reference (int32 [L, T, (N-1)*H]); tile_kernels when importable, else TileLang."""
+    """Same contract as the reference (int32 [L, T, (N-1)*H], ``check`` included); tile_kernels when
+    importable, else TileLang."""
     if not HAVE_TILELANG or ngram_token_ids.device.type != "cuda":
-        return ref.engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets)
+        return ref.engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, check=check)
     if _HAVE_TILE_KERNELS and ngram_token_ids.shape[0] > 0:
-        return engram_hash_tile_kernels(ngram_token_ids, multipliers, vocab_sizes, offsets)
-    return engram_hash_tilelang(ngram_token_ids, multipliers, vocab_sizes, offsets)
+        return engram_hash_tile_kernels(ngram_token_ids, multipliers, vocab_sizes, offsets, check=check)
+    return engram_hash_tilelang(ngram_token_ids, multipliers, vocab_sizes, offsets, check=check)
 
 
-def _validate(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int, int, int]:
-    # The reference's checks on shapes and dtypes, without its device-syncing value checks on ids.
+def _validate(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
+              check: bool = True) -> tuple[int, int, int, int]:
+    # The reference's checks on shapes and dtypes; its table-size check (a read back) only with ``check``.
     ref._check_int("ngram_token_ids", ids, 2)
     ref._check_int("multipliers", mult, 2)
     ref._check_int("vocab_sizes", sizes, 3)
@@ -80,14 +83,15 @@ def _validate(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offset
         raise ValueError(f"engram_hash: inconsistent shapes ids {tuple(ids.shape)}, multipliers {tuple(mult.shape)}, vocab_sizes {tuple(sizes.shape)}")
     if tuple(offsets.shape) != (layers, (n - 1) * heads):
         raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]")
-    if sizes.numel() and int(sizes.min()) <= 0:
+    if check and sizes.numel() and int(sizes.min()) <= 0:
         raise ValueError("vocab_sizes: table sizes must be positive")
     return t, n, layers, heads
 
 
-def engram_hash_tilelang(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def engram_hash_tilelang(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
+                         check: bool = True) -> torch.Tensor:
     """The TileLang hash kernel (always; used when tile_kernels is absent, and tested on its own)."""
-    t, n, layers, heads = _validate(ids, mult, sizes, offsets)
+    t, n, layers, heads = _validate(ids, mult, sizes, offsets, check)
     dev = ids.device
     out = torch.empty(layers, t, (n - 1) * heads, dtype=torch.int32, device=dev)
     if t == 0 or layers == 0 or heads == 0:
@@ -103,9 +107,10 @@ def engram_hash_tilelang(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Ten
     return out
 
 
-def engram_hash_tile_kernels(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def engram_hash_tile_kernels(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
+                             check: bool = True) -> torch.Tensor:
     """Adapter to ``tile_kernels.engram_hash`` (int32 ids / sizes / offsets, int64 multipliers, same layout)."""
-    _validate(ids, mult, sizes, offsets)
+    _validate(ids, mult, sizes, offsets, check)
     from tile_kernels.engram.engram_hash_kernel import engram_hash as tk_hash  # type: ignore[import-not-found]
 
     dev = ids.device
@@ -218,19 +223,21 @@ def gather_rows(table: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, ou
 
 @register("engram_gather", "cuda")
 def engram_gather(
-    table: torch.Tensor, row_ids: torch.Tensor, scales: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+    table: torch.Tensor, row_ids: torch.Tensor, scales: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Same contract as the reference ``engram_gather``; one TileLang gather (+ fp8 dequantisation) kernel."""
+    """Same contract as the reference ``engram_gather`` (``check`` included); one TileLang gather (+ fp8
+    dequantisation) kernel."""
     fp8 = table.dtype == torch.float8_e4m3fn
     if not HAVE_TILELANG or table.device.type != "cuda" or not (fp8 or table.dtype in (torch.bfloat16, torch.float32, torch.float16)):
-        return ref.engram_gather(table, row_ids, scales, out_dtype)
+        return ref.engram_gather(table, row_ids, scales, out_dtype, check=check)
     if table.dim() != 2:
         raise ValueError(f"table: must be 2-D [rows, dim], got shape {tuple(table.shape)}")
     if row_ids.dtype not in ref._INT_DTYPES:
         raise TypeError(f"row_ids: must be an integer tensor, got {row_ids.dtype}")
     rows, dim = table.shape
     flat = row_ids.reshape(-1).to(table.device, torch.int64)
-    if flat.numel():
+    if check and flat.numel():
         lo, hi = torch.aminmax(flat)
         if int(lo) < 0 or int(hi) >= rows:
             raise IndexError(f"row_ids: id {int(lo) if int(lo) < 0 else int(hi)} is outside [0, num_rows={rows})")

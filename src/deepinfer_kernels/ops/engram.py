@@ -14,6 +14,12 @@ for bit on the GPU:
 ``engram_gather`` reads rows of a bf16 / fp32 table, or of an fp8 e4m3 table with one power-of-two scale
 per ``block`` values stored as its biased exponent byte (ue8m0: scale = 2**(code - 127)), and returns
 them dequantised.
+
+Both take ``check`` (default True): ``check=False`` skips the value checks (table sizes positive, ids in
+range), which read a tensor's min back to the host: a device synchronisation, and no value check can run
+under CUDA-graph capture. For callers whose inputs are in range by construction (the hasher's own
+parameters, ids it hashed); dtype and shape checks stay (they read no tensor). Out-of-range ids are then
+an index error at best, unchecked memory reads in a kernel at worst.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ def engram_hash(
     multipliers: torch.Tensor,
     vocab_sizes: torch.Tensor,
     offsets: torch.Tensor,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Row ids int32 [L, T, (N-1)*H] of every token's n-grams (orders 2..N) in every layer."""
+    """Row ids int32 [L, T, (N-1)*H] of every token's n-grams (orders 2..N) in every layer.
+    ``check=False``: no table-size check (see the module docstring)."""
     _check_int("ngram_token_ids", ngram_token_ids, 2)
     _check_int("multipliers", multipliers, 2)
     _check_int("vocab_sizes", vocab_sizes, 3)
@@ -54,7 +62,7 @@ def engram_hash(
         raise ValueError(f"vocab_sizes: shape {tuple(vocab_sizes.shape)}, expected [L, N-1={n - 1}, H]")
     if tuple(offsets.shape) != (layers, (n - 1) * heads):
         raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]")
-    if vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
+    if check and vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
         raise ValueError("vocab_sizes: table sizes must be positive")
     dev = ngram_token_ids.device
     # int64 products wrap on overflow (two's complement) on every torch backend, like the CUDA kernel.
@@ -80,25 +88,32 @@ def dequantize_fp8(data: torch.Tensor, scale_codes: torch.Tensor, out_dtype: tor
     return (vals * scale).flatten(-2).to(out_dtype)
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)  # what index_select takes: the hasher's int32 ids need no cast
+
+
 @register("engram_gather")
 def engram_gather(
     table: torch.Tensor,
     row_ids: torch.Tensor,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    check: bool = True,
 ) -> torch.Tensor:
     """Rows ``table[row_ids]`` as [*row_ids.shape, D] in ``out_dtype``; fp8 tables need ``scales``
-    (uint8 exponent codes [R, D // block]). Ids outside [0, R) raise ``IndexError``."""
+    (uint8 exponent codes [R, D // block]). Ids outside [0, R) raise ``IndexError`` (``check=False``:
+    not checked, see the module docstring)."""
     if table.dim() != 2:
         raise ValueError(f"table: must be 2-D [rows, dim], got shape {tuple(table.shape)}")
     if row_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"row_ids: must be an integer tensor, got {row_ids.dtype}")
     rows = table.shape[0]
-    if row_ids.numel():
+    if check and row_ids.numel():
         lo, hi = int(row_ids.min()), int(row_ids.max())
         if lo < 0 or hi >= rows:
             raise IndexError(f"row_ids: id {lo if lo < 0 else hi} is outside [0, num_rows={rows})")
-    flat = row_ids.reshape(-1).to(table.device, torch.int64)
+    flat = row_ids.reshape(-1)
+    if flat.device != table.device or flat.dtype not in _INDEX_DTYPES:  # (a no-op .to still costs host time)
+        flat = flat.to(table.device, flat.dtype if flat.dtype in _INDEX_DTYPES else torch.int64)
     is_fp8 = table.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if is_fp8:
         if scales is None:
@@ -108,7 +123,8 @@ def engram_gather(
         # Gather the fp8 bytes through a uint8 view: index kernels cover uint8 on every device and torch
         # version, fp8 dtypes not everywhere.
         vals = table.view(torch.uint8).index_select(0, flat).view(table.dtype)
-        out = dequantize_fp8(vals, scales.index_select(0, flat.to(scales.device)), out_dtype)
+        sc_ids = flat if scales.device == flat.device else flat.to(scales.device)
+        out = dequantize_fp8(vals, scales.index_select(0, sc_ids), out_dtype)
     else:
         if scales is not None:
             raise ValueError(f"scales: only fp8 tables take scales, table is {table.dtype}")
