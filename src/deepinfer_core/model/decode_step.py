@@ -21,7 +21,6 @@ same cache bytes. Used when the executor has a backend and a CUDA device (``Mode
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -37,7 +36,6 @@ from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_
 from deepinfer_core.model.layers.moe import static_shapes
 from deepinfer_core.model.layers.rope import cached_angles
 from deepinfer_core.model.mhc import sinkhorn_impl
-from deepinfer_kernels.ops.engram import dequantize_fp8
 
 
 class ExecutorView(Protocol):
@@ -134,87 +132,45 @@ class TokenFeed:
         return TokenFeed(self.index[m] - lo, self.rows[m], self.src)
 
 
-class _HashedRows:
-    """A one-device Engram table's ``fetch`` without the id range checks: the ``engram_gather`` ops read
-    the ids' min / max back (a device synchronisation every decode step; with the overlap, a wait for the
-    whole step in flight), and ids from the hasher are in range by construction (each column's modulus
-    and offset). The same rows as the op: ``index_select``, fp8 tables through ``dequantize_fp8``."""
+class _UncheckedRows:
+    """A one-device table whose ``fetch`` skips the id range check (``LocalEngramTable.fetch(check=False)``):
+    the check reads the ids' min / max back, a device synchronisation every decode step (with the overlap,
+    a wait for the whole step in flight), and ids from the hasher are in range by construction (each
+    column's modulus and offset)."""
 
     def __init__(self, table: Any) -> None:
-        self.t = table
+        self.table = table
 
     def fetch(self, row_ids: torch.Tensor) -> torch.Tensor:
-        t = self.t
-        data = t.data
-        flat = row_ids.reshape(-1)  # int32 ids index directly (index_select takes int32 or int64)
-        if flat.device.type == "cpu" and data.device.type == "cuda":  # host-hashed ids: pinned, non-blocking
-            flat = flat.pin_memory().to(data.device, non_blocking=True)  # (a blocking copy would sync)
-        elif flat.device != data.device:  # device ids, host table: a blocking copy (they must have landed
-            flat = flat.to(data.device)  # before the gather reads them; a non-blocking one would race)
-        if data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            vals = data.view(torch.uint8).index_select(0, flat).view(data.dtype)
-            out = dequantize_fp8(vals, t.scales.index_select(0, flat), t.out_dtype)
-        else:
-            out = data.index_select(0, flat).to(t.out_dtype)
-        return out.reshape(*row_ids.shape, data.shape[1])
+        return self.table.fetch(row_ids, check=False)
 
 
 def hashed_row_tables(tables: dict[int, Any]) -> dict[int, Any]:
-    """``tables`` for row ids from the hasher: one-device tables skip the id checks (:class:`_HashedRows`);
+    """``tables`` for row ids from the hasher: one-device tables skip the id checks (:class:`_UncheckedRows`);
     any other kind (host, sharded, a user's) keeps its own ``fetch``."""
     from deepinfer_core.engram.tables import LocalEngramTable
 
-    return {lid: _HashedRows(t) if type(t) is LocalEngramTable else t for lid, t in tables.items()}
+    return {lid: _UncheckedRows(t) if type(t) is LocalEngramTable else t for lid, t in tables.items()}
 
 
 def hash_decode_on_device(hasher: Any, tokens: torch.Tensor, context: np.ndarray) -> torch.Tensor:
-    """:func:`hash_on_device` of a batch of one-token rows (a decode step): row i's n-gram of order k + 1
-    is (token i, context[i, :k]), the context known on the host. Its part of each order's XOR (the
-    wrapping products of the context's canonical ids and their multipliers) is reduced in numpy, so the
-    device runs ~8 small kernels (token map, product, XOR, modulus, offset) instead of ~40 for the general
-    n-gram build: the fewer launches, the less host time a step costs next to the step in flight."""
+    """``EngramHasher.hash`` of a batch of one-token rows (a decode step) whose tokens are on the device,
+    without a host synchronisation: row i's n-gram of order k + 1 is (token i, context[i, :k]), the context
+    known on the host. Its part of each order's XOR (the wrapping products of the context's canonical ids
+    and their multipliers) is reduced in numpy, so the device runs ~8 small kernels (token map, product,
+    XOR, modulus, offset) instead of ~40 for the general n-gram build (``hash(..., validate=False)``): the
+    fewer launches, the less host time a step costs next to the step in flight. Int32 [L, T, orders * heads],
+    the same row ids as ``hash_host`` (tested)."""
     lut, mult = hasher.token_map.lookup, hasher.multipliers  # [V], [L, N] int64
     ctx = np.asarray(context, np.int64)
     c = np.where(ctx < 0, hasher.pad_canonical, lut[np.maximum(ctx, 0)])  # [T, N-1] canonical
     known = np.bitwise_xor.accumulate(c[None, :, :] * mult[:, None, 1:], axis=2)  # [L, T, N-1], wraps like the op
     dev = tokens.device
-    m0, primes, offsets = _decode_params(hasher, dev)
+    m0, primes, offsets = hasher.decode_params(dev)  # cached: [L, 1], [L, 1, N-1, H], [L, 1, (N-1)*H] int64
     canon = hasher.token_map(tokens, validate=False)  # [T]
     h = torch.bitwise_xor((canon[None, :] * m0).unsqueeze(-1), h2d(known, dev, np.int64))  # [L, T, N-1]
     cols = torch.remainder(h.unsqueeze(-1), primes)  # [L, T, N-1, H]
     return (cols.flatten(2) + offsets).to(torch.int32)
-
-
-# per hasher and device: its parameters as the decode hash broadcasts them (int64, unsqueezed)
-_DECODE_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _decode_params(hasher: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(multipliers [L, 1], primes int64 [L, 1, N-1, H], offsets int64 [L, 1, (N-1)*H]) of
-    ``hasher.device_params(dev)`` (which it caches for good), converted once instead of in every decode
-    step: three fewer small kernels per step. Only called outside graph capture (before the replay)."""
-    per = _DECODE_PARAMS.setdefault(hasher, {})
-    p = per.get(dev)
-    if p is None:
-        m, primes, offsets = hasher.device_params(dev)
-        p = per[dev] = (m[:, :1], primes.to(torch.int64).unsqueeze(1), offsets.to(torch.int64).unsqueeze(1))
-    return p
-
-
-def hash_on_device(hasher: Any, tokens: torch.Tensor, cu_seqlens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-    """``EngramHasher.hash`` of device tensors (int32 row ids [L, T, orders * heads], the same as
-    ``hash_host``; tested) without a host synchronisation: the ``engram_hash`` ops check their table sizes
-    by reading them back, so the reference op's maths are written here over the hasher's cached device
-    parameters (int64 products wrap, as in the op and in numpy)."""
-    grams = hasher.ngram_token_ids(tokens, cu_seqlens, context, validate=False)  # [T, N]
-    mult, primes, offsets = hasher.device_params(tokens.device)
-    prod = grams.unsqueeze(0) * mult.to(torch.int64).unsqueeze(1)  # [L, T, N]
-    sizes = primes.to(torch.int64)
-    h, cols = prod[:, :, 0], []
-    for k in range(1, grams.shape[1]):
-        h = torch.bitwise_xor(h, prod[:, :, k])
-        cols.append(torch.remainder(h.unsqueeze(-1), sizes[:, k - 1, :].unsqueeze(1)))  # [L, T, H]
-    return (torch.cat(cols, dim=-1) + offsets.to(torch.int64).unsqueeze(1)).to(torch.int32)
 
 
 def is_pure_decode(b: ForwardBatch) -> bool:

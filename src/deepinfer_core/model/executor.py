@@ -31,7 +31,6 @@ from deepinfer_core.model.decode_step import (
     execute_rows,
     h2d,
     hash_decode_on_device,
-    hash_on_device,
     hashed_row_tables,
 )
 from deepinfer_core.model.fusion import fused_glue
@@ -294,8 +293,9 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                 if bool((b.query_lens == 1).all()):  # a decode step: the context's part reduced on the host
                     ids = hash_decode_on_device(self.model.engram_hasher, tokens, ctx)
                 else:
-                    ids = hash_on_device(self.model.engram_hasher, tokens, h2d(b.offsets, dev, np.int64),
-                                         h2d(ctx, dev, np.int64))
+                    # the batch was validated on the host: the hash's checks would read device tensors back
+                    ids = self.model.engram_hasher.hash(tokens, h2d(b.offsets, dev, np.int64), h2d(ctx, dev, np.int64),
+                                                        validate=False)
             # ids from the hasher are in range: one-device tables fetch them without the checks that sync
             rows = self.model.engram_fetch(ids, hashed_row_tables(self.engram_tables))
         keep = self._last_rows_np(b, self.tok_ring)

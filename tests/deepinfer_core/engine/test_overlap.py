@@ -406,12 +406,24 @@ def _hasher_model():
     return model
 
 
+def _oracle_ids(h, toks: np.ndarray, cu: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    """The per-token Python-int hash (tests/deepinfer_core/engram/_oracle.py) as int32 [L, T, columns]."""
+    from tests.deepinfer_core.engram._oracle import oracle_hash
+
+    seqs = [(int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
+    tm = None if h.token_map.is_identity() else h.token_map.lookup
+    got = oracle_hash(toks.tolist(), seqs, h.multipliers.tolist(), h.primes.tolist(), h.offsets.tolist(),
+                      h.pad_canonical, tm, ctx.tolist())
+    return np.asarray(got, np.int32).reshape(len(h.config.layer_ids), len(toks), h.config.num_columns)
+
+
 @settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=40), seed=st.integers(0, 2**31))
-def test_hash_on_device_equals_the_hasher(lens: list, seed: int) -> None:
-    """decode_step.hash_on_device (the overlap's sync-free hash) gives hash_host's and EngramHasher.hash's
-    row ids: packed sequences, context ids and -1 (before the sequence start)."""
-    from deepinfer_core.model.decode_step import hash_decode_on_device, hash_on_device
+def test_device_hash_equals_the_hasher(lens: list, seed: int) -> None:
+    """The overlap's sync-free hashes (``EngramHasher.hash(validate=False)`` for fed prefill / verify steps,
+    ``decode_step.hash_decode_on_device`` for decode steps) give the oracle's, hash_host's and the
+    validated hash's row ids: packed sequences, context ids and -1 (before the sequence start)."""
+    from deepinfer_core.model.decode_step import hash_decode_on_device
 
     h = _hasher_model().engram_hasher
     rng = np.random.default_rng(seed)
@@ -419,27 +431,71 @@ def test_hash_on_device_equals_the_hasher(lens: list, seed: int) -> None:
     toks = rng.integers(0, vocab, size=sum(lens))
     cu = np.concatenate(([0], np.cumsum(lens)))
     ctx = rng.integers(-1, vocab, size=(len(lens), h.config.max_ngram - 1))
-    want = h.hash_host(toks, cu, ctx)
-    got = hash_on_device(h, torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx))
-    np.testing.assert_array_equal(got.numpy(), want)
-    np.testing.assert_array_equal(h.hash(torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx)).numpy(), want)
+    want = _oracle_ids(h, toks, cu, ctx)
+    np.testing.assert_array_equal(h.hash_host(toks, cu, ctx), want)
+    args = (torch.as_tensor(toks), torch.as_tensor(cu), torch.as_tensor(ctx))
+    np.testing.assert_array_equal(h.hash(*args, validate=False).numpy(), want)
+    np.testing.assert_array_equal(h.hash(*args).numpy(), want)
     # a decode step (one token per row): the host-reduced context path
     ones = np.arange(len(lens) + 1)
-    want1 = h.hash_host(toks[: len(lens)], ones, ctx)
+    want1 = _oracle_ids(h, toks[: len(lens)], ones, ctx)
+    np.testing.assert_array_equal(h.hash_host(toks[: len(lens)], ones, ctx), want1)
     np.testing.assert_array_equal(hash_decode_on_device(h, torch.as_tensor(toks[: len(lens)]), ctx).numpy(), want1)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_unchecked_row_fetch_equals_the_table(fmt: str) -> None:
-    """The overlap's check-free Engram fetch returns the table's own rows (bf16 and fp8 storage)."""
-    from deepinfer_core.engram.tables import LocalEngramTable
+    """The overlap's check-free Engram fetch (``hashed_row_tables``: ``LocalEngramTable.fetch(check=False)``)
+    returns the table's own rows and the rows read one by one (bf16 and fp8 storage)."""
+    from deepinfer_core.engram.tables import LocalEngramTable, quantize_fp8
     from deepinfer_core.model.decode_step import hashed_row_tables
 
     g = torch.Generator().manual_seed(3)
-    t = LocalEngramTable.from_values(torch.randn(97, 64, generator=g), fmt)
+    vals = torch.randn(97, 64, generator=g)
+    t = LocalEngramTable.from_values(vals, fmt)
     ids = torch.randint(0, 97, (3, 11, 4), generator=g)
     (wrapped,) = hashed_row_tables({0: t}).values()
     assert wrapped is not t
-    torch.testing.assert_close(wrapped.fetch(ids), t.fetch(ids), rtol=0, atol=0)
+    got = wrapped.fetch(ids)
+    torch.testing.assert_close(got, t.fetch(ids), rtol=0, atol=0)
+    if fmt == "bf16":
+        rows = [vals[i].to(torch.bfloat16) for i in ids.reshape(-1).tolist()]
+    else:
+        data, codes = quantize_fp8(vals)
+        rows = [torch.cat([data[i, b * 32:(b + 1) * 32].double() * 2.0 ** (int(codes[i, b]) - 127) for b in range(2)])
+                .to(torch.bfloat16) for i in ids.reshape(-1).tolist()]
+    assert torch.equal(got, torch.stack(rows).reshape(3, 11, 4, 64))
+    with pytest.raises(IndexError, match="row_ids: id 97"):  # the table itself still checks
+        t.fetch(torch.tensor([97]))
     other = object()
     assert hashed_row_tables({1: other})[1] is other  # a table of another kind keeps its own fetch
+
+
+def test_device_hash_and_fetch_dispatch_no_syncing_op() -> None:
+    """The executor's Engram path of a fed step (device hash, check-free fetch) dispatches no op that
+    synchronises on CUDA (``.item()`` / ``bool()`` -> ``_local_scalar_dense``, ``nonzero``...): counted by
+    a dispatch mode on the CPU; the validated hash and the checked fetch have some (the counter can fail)."""
+    from deepinfer_core.model.decode_step import hash_decode_on_device, hashed_row_tables
+    from tests.deepinfer_core.model.test_cuda_graphs import SyncOps
+
+    model = _hasher_model()
+    h = model.engram_hasher
+    rng = np.random.default_rng(5)
+    toks = torch.as_tensor(rng.integers(0, model.cfg.vocab_size, 9))
+    cu, ctx = torch.tensor([0, 4, 9]), torch.as_tensor(rng.integers(-1, model.cfg.vocab_size, (2, h.config.max_ngram - 1)))
+    ctx1 = rng.integers(-1, model.cfg.vocab_size, (9, h.config.max_ngram - 1))
+    tables = hashed_row_tables(model.engram_tables)
+    h.device_params("cpu", torch.int64)  # the once-per-device parameter copies, outside the count
+    with SyncOps() as counter:
+        ids = h.hash(toks, cu, ctx, validate=False)
+        rows = model.engram_fetch(ids, tables)
+        rows1 = model.engram_fetch(hash_decode_on_device(h, toks, ctx1), tables)
+    assert not counter.hits, counter.hits
+    want = model.engram_fetch(h.hash(toks, cu, ctx))
+    assert rows.keys() == want.keys() and all(torch.equal(rows[k], want[k]) for k in want)
+    want1 = model.engram_fetch(torch.from_numpy(h.hash_host(toks.numpy(), np.arange(10), ctx1)))
+    assert all(torch.equal(rows1[k], want1[k]) for k in want1)
+    for checked in (lambda: h.hash(toks, cu, ctx), lambda: model.engram_fetch(ids)):
+        with SyncOps() as c:
+            checked()
+        assert c.hits
