@@ -233,7 +233,7 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
     mask_a = once(("swa_mask", enc), lambda: (kp >= 0) & (kp >= inp.floors[:, enc, None]))
     k_a = gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype)
     if a.kind == LAYER_SWA:
-        return sink_attention(q, k_a, mask_a, None, None, a.attn_sink, a.scale)
+        return _attention(ex, a, q, k_a, mask_a, None, None)
     r, src, m = a.ratio, cfg.kv_source_of(lid), ex.min_ratio
     wmax = tables.shape[1] - 1
 
@@ -283,6 +283,15 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
         sel[lid] = pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), seen), visible, pools, "rows")
     ids, ok = sel[cfg.index_source_of(lid)]
     kb = gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype)
+    return _attention(ex, a, q, k_a, mask_a, kb, ok)
+
+
+def _attention(ex: ExecutorView, a: Attention, q: torch.Tensor, k_a: torch.Tensor, mask_a: torch.Tensor,
+               kb: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor:
+    """The layer's attention over the gathered window (and top-k) keys: :func:`sink_attention`, or with
+    ``executor.fused_attention`` the backend's ``sink_attention_rows`` (one kernel; same contract)."""
+    if getattr(ex, "fused_attention", False) and ex.backend is not None:
+        return ex.backend.op("sink_attention_rows")(q, k_a, mask_a, kb, ok, a.attn_sink, a.scale)
     return sink_attention(q, k_a, mask_a, kb, ok, a.attn_sink, a.scale)
 
 

@@ -100,6 +100,10 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         self._graph_buckets = check_buckets(cuda_graph_buckets)
         # the sync-free step's small functions compiled into fused kernels (model.fusion; torch.compile)
         self.fuse_glue = bool(fuse_glue) and self.sync_free
+        # opt-in: each decode layer's attention as the backend's one-kernel ``sink_attention_rows``
+        # (TileLang on the cuda backend) instead of two batched GEMMs and the softmax between them; off
+        # until an H200 run has checked it (set between steps, as the other switches)
+        self.fused_attention = False
         self._graphs: DecodeGraphs | None = None
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers
