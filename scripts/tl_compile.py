@@ -1,0 +1,86 @@
+"""Compile TileLang kernels for the H200 (sm_90a) on a machine without a GPU, and report ptxas's register and
+spill counts: a check that a kernel lowers (layout inference, fragment partitioning, shared memory) and
+fits before any device time is spent on it. Needs tilelang (0.1.15, as the device site archive) and nvcc
+in a Python environment where ``torch.cuda`` is absent; the cuda op package refuses to import without a
+device, so its modules are loaded here without that guard.
+
+    python -m venv /tmp/tlvenv && /tmp/tlvenv/bin/pip install torch==2.13.0 tilelang==0.1.15 \\
+        apache-tvm-ffi==0.1.12 z3-solver==4.15.4.0 torch-c-dlpack-ext numpy
+    DEEPINFER_TL_ARCH=sm_90 PYTHONPATH=src /tmp/tlvenv/bin/python scripts/tl_compile.py [--only NAME]
+
+Prints one JSON line per kernel: name, key, compile seconds, registers, spill bytes (ptxas -v on the
+generated source, sm_90a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+log = logging.getLogger("tl_compile")
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, module, builder arguments): representative shapes of the wide / Flash config
+KERNELS = [
+    ("sink_attention_rows", "sink_attention", (128, 512, 512 ** -0.5, "bfloat16")),
+    ("sink_attention_rows", "sink_attention", (128, 0, 512 ** -0.5, "bfloat16")),
+    ("mhc_sinkhorn", "mhc_sinkhorn", (4, 20)),
+    ("indexer", "indexer", (32, 128, "bfloat16")),
+]
+
+
+def ptxas_usage(source: str) -> dict[str, int]:
+    """(registers, spill store bytes) of the kernel source compiled for sm_90a by nvcc / ptxas."""
+    import tilelang
+
+    tl = Path(tilelang.__file__).parent
+    with tempfile.TemporaryDirectory() as d:
+        cu = Path(d) / "k.cu"
+        cu.write_text(source)
+        r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-c", str(cu), "-o",
+                            str(Path(d) / "k.o"), f"-I{tl / 'src'}", f"-I{tl / '3rdparty/cutlass/include'}",
+                            "-DENABLE_BF16", "-w"], capture_output=True, text=True, timeout=600)
+    text = r.stdout + r.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spill = re.findall(r"(\d+) bytes spill stores", text)
+    if r.returncode:
+        log.error("nvcc failed:\n%s", text[-2000:])
+    return {"registers": int(regs[-1]) if regs else -1, "spill_store_bytes": int(spill[-1]) if spill else -1}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="compile only the kernels of this op name")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    os.environ.setdefault("DEEPINFER_TL_ARCH", "sm_90")
+    pkg = types.ModuleType("deepinfer_kernels.cuda")  # the op modules without the package's device guard
+    pkg.__path__ = [str(ROOT / "src/deepinfer_kernels/cuda")]
+    sys.modules["deepinfer_kernels.cuda"] = pkg
+    import importlib
+
+    for name, mod, args in KERNELS:
+        if a.only and name != a.only:
+            continue
+        m = importlib.import_module(f"deepinfer_kernels.cuda.{mod}")
+        from deepinfer_kernels.cuda._tl import compile_kernel, kernel_source
+
+        key = (f"check-{name}", *args)
+        t0 = time.perf_counter()
+        compile_kernel(key, lambda m=m, args=args: m._build(*args))
+        secs = time.perf_counter() - t0
+        print(json.dumps({"kernel": name, "args": list(args), "compile_s": round(secs, 1),
+                          **ptxas_usage(kernel_source(key))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
