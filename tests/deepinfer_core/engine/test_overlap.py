@@ -410,10 +410,9 @@ def _oracle_ids(h, toks: np.ndarray, cu: np.ndarray, ctx: np.ndarray) -> np.ndar
     """The per-token Python-int hash (tests/deepinfer_core/engram/_oracle.py) as int32 [L, T, columns]."""
     from tests.deepinfer_core.engram._oracle import oracle_hash
 
-    seqs = [(int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
-    tm = None if h.token_map.is_identity() else h.token_map.lookup
+    seqs = [(int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]  # (the model's map is the identity)
     got = oracle_hash(toks.tolist(), seqs, h.multipliers.tolist(), h.primes.tolist(), h.offsets.tolist(),
-                      h.pad_canonical, tm, ctx.tolist())
+                      h.pad_canonical, None, ctx.tolist())
     return np.asarray(got, np.int32).reshape(len(h.config.layer_ids), len(toks), h.config.num_columns)
 
 
@@ -481,9 +480,9 @@ def test_device_hash_and_fetch_dispatch_no_syncing_op() -> None:
     model = _hasher_model()
     h = model.engram_hasher
     rng = np.random.default_rng(5)
-    toks = torch.as_tensor(rng.integers(0, model.cfg.vocab_size, 9))
-    cu, ctx = torch.tensor([0, 4, 9]), torch.as_tensor(rng.integers(-1, model.cfg.vocab_size, (2, h.config.max_ngram - 1)))
-    ctx1 = rng.integers(-1, model.cfg.vocab_size, (9, h.config.max_ngram - 1))
+    v, n1 = model.cfg.vocab_size, h.config.max_ngram - 1
+    toks, cu, ctx = torch.as_tensor(rng.integers(0, v, 9)), torch.tensor([0, 4, 9]), torch.as_tensor(rng.integers(-1, v, (2, n1)))
+    ctx1 = rng.integers(-1, v, (9, n1))
     tables = hashed_row_tables(model.engram_tables)
     h.device_params("cpu", torch.int64)  # the once-per-device parameter copies, outside the count
     with SyncOps() as counter:
