@@ -108,8 +108,10 @@ class InMemoryKVStore:
             ent = self._live(key, now)
             if ent is None:
                 return False
-            cls = ent[0] if traffic_class is None else traffic_class
-            self._blocks[key] = (cls, ent[1], now + self.ttl.ttl_ns(cls))
+            # the block keeps the class it was put with (as the file and Redis records do: a touch never
+            # rewrites a record); ``traffic_class`` sets only this TTL
+            ttl_cls = ent[0] if traffic_class is None else traffic_class
+            self._blocks[key] = (ent[0], ent[1], now + self.ttl.ttl_ns(ttl_cls))
             self._blocks.move_to_end(key)
             return True
 

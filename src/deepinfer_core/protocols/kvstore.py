@@ -36,7 +36,8 @@ class KVBlockStore(Protocol):
         ...
 
     def touch(self, key: bytes, *, traffic_class: str | None = None) -> bool:
-        """Restart the block's TTL (its own class, or ``traffic_class``); False on a miss."""
+        """Restart the block's TTL (its own class's, or ``traffic_class``'s); False on a miss. The block
+        keeps the class it was put with: a later touch without a class uses that one again."""
         ...
 
     def delete(self, key: bytes) -> bool:

@@ -64,9 +64,8 @@ def test_random_ops_match_model(backend, request, ops, keys):
             elif kind == "touch":
                 ent = live(k)
                 assert store.touch(k, traffic_class=o[2]) == (ent is not None)
-                if ent is not None:
-                    cls = ent[0] if o[2] is None else o[2]
-                    model[k] = (cls, ent[1], clock() + TTL.ttl_ns(cls))
+                if ent is not None:  # the block keeps its put class; the touch's class sets this TTL only
+                    model[k] = (ent[0], ent[1], clock() + TTL.ttl_ns(ent[0] if o[2] is None else o[2]))
             elif kind == "delete":
                 had = k in model  # an expired, not yet removed block may still be deleted: accept either
                 got = store.delete(k)
@@ -165,3 +164,18 @@ def test_memory_capacity_is_lru(sizes, cap, reads):
                 order.append(r)
     assert store.used_bytes == sum(sizes[j] for j in order) <= cap
     assert {k for k in keys if store.exists(k)} == {keys[j] for j in order}
+
+
+def test_touch_with_a_class_does_not_reclass_the_block(backend, request):
+    """Found by the model test (its saved example): put as agent, touch as chatbot, touch without a class
+    -> the agent TTL again on every backend (the in-memory store used to keep the chatbot class)."""
+    clock = FakeClock()
+    store = make_store(backend, clock, TTL, request)
+    k = os.urandom(16)
+    store.put(k, b"", traffic_class="agent")
+    assert store.touch(k, traffic_class="chatbot")
+    clock.advance(10 * MS)  # inside chatbot's 12 ms, past agent's 5
+    assert store.get(k) == b""
+    assert store.touch(k)  # its own class: agent, 5 ms from now
+    clock.advance(5 * MS)
+    assert store.get(k) is None and not store.exists(k)
