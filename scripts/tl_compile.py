@@ -6,7 +6,7 @@ device, so its modules are loaded here without that guard.
 
     python -m venv /tmp/tlvenv && /tmp/tlvenv/bin/pip install torch==2.13.0 tilelang==0.1.15 \\
         apache-tvm-ffi==0.1.12 z3-solver==4.15.4.0 torch-c-dlpack-ext numpy
-    DEEPINFER_TL_ARCH=sm_90 PYTHONPATH=src /tmp/tlvenv/bin/python scripts/tl_compile.py [--only NAME]
+    DEEPINFER_TL_ARCH=sm_90a PYTHONPATH=src /tmp/tlvenv/bin/python scripts/tl_compile.py [--only NAME]
 
 Prints one JSON line per kernel: name, key, compile seconds, registers, spill bytes (ptxas -v on the
 generated source, sm_90a).
@@ -46,7 +46,7 @@ def ptxas_usage(source: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as d:
         cu = Path(d) / "k.cu"
         cu.write_text(source)
-        r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-c", str(cu), "-o",
+        r = subprocess.run(["nvcc", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(cu), "-o",
                             str(Path(d) / "k.o"), f"-I{tl / 'src'}", f"-I{tl / '3rdparty/cutlass/include'}",
                             "-DENABLE_BF16", "-w"], capture_output=True, text=True, timeout=600)
     text = r.stdout + r.stderr
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="compile only the kernels of this op name")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
-    os.environ.setdefault("DEEPINFER_TL_ARCH", "sm_90")
+    os.environ.setdefault("DEEPINFER_TL_ARCH", "sm_90a")  # sm_90a: warp-specialised kernels need it
     pkg = types.ModuleType("deepinfer_kernels.cuda")  # the op modules without the package's device guard
     pkg.__path__ = [str(ROOT / "src/deepinfer_kernels/cuda")]
     sys.modules["deepinfer_kernels.cuda"] = pkg

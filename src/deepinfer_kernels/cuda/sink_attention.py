@@ -21,9 +21,9 @@ of row n for all H = 64 heads:
 Both CTAs of a row compute the same logits (the q.k work is done twice; the keys are read twice, the
 second time mostly from L2); in exchange the grid has 2N CTAs (128 at B = 64, the H200 has 132 SMs) and the
 fp32 output fragment is 64 x 256 (64 registers a thread) instead of 64 x 512. Key blocks are loaded
-synchronously (``T.serial``): a 2-stage ``T.Pipelined`` over the two key sets' loops failed TileLang
-0.1.15's layout inference (the shared key buffers versioned by both loops); compiled for sm_90a here,
-ptxas: 255 registers, 72 bytes of spill.
+synchronously (``T.serial``): TileLang 0.1.15 does not pipeline this loop (a 2-stage ``T.Pipelined`` over
+one loop with the two sources lowers to the same synchronous copies; over two loops it fails layout
+inference). Compiled for sm_90a here (scripts/tl_compile.py): 236 registers, no spill.
 
 Shapes the kernel takes: bf16 / fp16, H = 64, D = 512, A and B multiples of 64 (B may be 0: no k_b).
 Anything else takes the reference (same contract). Masks are bool; passed to the kernel as uint8 views.
@@ -42,31 +42,9 @@ _H, _D, _HALF, _BS, _THREADS = 64, 512, 256, 64, 256
 def _build(a_len: int, b_len: int, scale: float, dtype: str):
     n_dyn = T.dynamic("n")
     acc = "float32"
-    # b_len == 0: a one-key dummy for k_b (never read: the loop over its blocks runs 0 times)
+    na = a_len // _BS
+    # b_len == 0: a one-key dummy for k_b (never read: the loop runs over the window blocks only)
     b_keys = max(b_len, 1)
-
-    @T.macro
-    def block(keys, mask, kb, bx, c, q_own, q_oth, k_own, k_oth, s, p_sh, o, m, m_prev, alpha, rsum, den):
-        T.copy(keys[bx, kb * _BS : kb * _BS + _BS, c * _HALF : c * _HALF + _HALF], k_own)
-        T.copy(keys[bx, kb * _BS : kb * _BS + _BS, (1 - c) * _HALF : (1 - c) * _HALF + _HALF], k_oth)
-        T.clear(s)
-        T.gemm(q_own, k_own, s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        T.gemm(q_oth, k_oth, s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-        for i, j in T.Parallel(_H, _BS):
-            s[i, j] = T.if_then_else(mask[bx, kb * _BS + j] != 0, s[i, j] * scale, -T.infinity(acc))
-        T.copy(m, m_prev)
-        T.reduce_max(s, m, dim=1, clear=False)
-        for i in T.Parallel(_H):
-            alpha[i] = T.exp(m_prev[i] - m[i])
-        for i, j in T.Parallel(_H, _BS):
-            s[i, j] = T.exp(s[i, j] - m[i])
-        T.reduce_sum(s, rsum, dim=1)
-        for i in T.Parallel(_H):
-            den[i] = den[i] * alpha[i] + rsum[i]
-        for i, j in T.Parallel(_H, _HALF):
-            o[i, j] = o[i, j] * alpha[i]
-        T.copy(s, p_sh)
-        T.gemm(p_sh, k_own, o, policy=T.GemmWarpPolicy.FullCol)
 
     @T.prim_func
     def attn(
@@ -84,8 +62,8 @@ def _build(a_len: int, b_len: int, scale: float, dtype: str):
             k_own = T.alloc_shared((_BS, _HALF), dtype)
             k_oth = T.alloc_shared((_BS, _HALF), dtype)
             o_sh = T.alloc_shared((_H, _HALF), dtype)
-            s = T.alloc_fragment((_H, _BS), acc)
             p_sh = T.alloc_shared((_H, _BS), dtype)
+            s = T.alloc_fragment((_H, _BS), acc)
             o = T.alloc_fragment((_H, _HALF), acc)
             m = T.alloc_fragment((_H,), acc)
             m_prev = T.alloc_fragment((_H,), acc)
@@ -98,10 +76,36 @@ def _build(a_len: int, b_len: int, scale: float, dtype: str):
             for i in T.Parallel(_H):
                 m[i] = sink[i]
                 den[i] = T.float32(1)
-            for kb in T.serial(a_len // _BS):
-                block(ka, ma, kb, bx, c, q_own, q_oth, k_own, k_oth, s, p_sh, o, m, m_prev, alpha, rsum, den)
-            for kb in T.serial(b_len // _BS):
-                block(kbk, mb, kb, bx, c, q_own, q_oth, k_own, k_oth, s, p_sh, o, m, m_prev, alpha, rsum, den)
+            # one loop over the window's blocks then the top-k's: one copy of the body (two loops, one per
+            # key set, spilled 72 bytes: 255 registers; this is 236, no spill, ptxas sm_90a)
+            for kb in T.serial(na + b_len // _BS):
+                if kb < na:
+                    T.copy(ka[bx, kb * _BS : kb * _BS + _BS, c * _HALF : c * _HALF + _HALF], k_own)
+                    T.copy(ka[bx, kb * _BS : kb * _BS + _BS, (1 - c) * _HALF : (1 - c) * _HALF + _HALF], k_oth)
+                else:
+                    T.copy(kbk[bx, (kb - na) * _BS : (kb - na) * _BS + _BS, c * _HALF : c * _HALF + _HALF], k_own)
+                    T.copy(kbk[bx, (kb - na) * _BS : (kb - na) * _BS + _BS, (1 - c) * _HALF : (1 - c) * _HALF + _HALF],
+                           k_oth)
+                T.clear(s)
+                T.gemm(q_own, k_own, s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(q_oth, k_oth, s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                for i, j in T.Parallel(_H, _BS):
+                    ok = T.if_then_else(kb < na, ma[bx, T.min(kb, na - 1) * _BS + j],
+                                        mb[bx, T.min(T.max(kb - na, 0) * _BS + j, b_keys - 1)])
+                    s[i, j] = T.if_then_else(ok != 0, s[i, j] * scale, -T.infinity(acc))
+                T.copy(m, m_prev)
+                T.reduce_max(s, m, dim=1, clear=False)
+                for i in T.Parallel(_H):
+                    alpha[i] = T.exp(m_prev[i] - m[i])
+                for i, j in T.Parallel(_H, _BS):
+                    s[i, j] = T.exp(s[i, j] - m[i])
+                T.reduce_sum(s, rsum, dim=1)
+                for i in T.Parallel(_H):
+                    den[i] = den[i] * alpha[i] + rsum[i]
+                for i, j in T.Parallel(_H, _HALF):
+                    o[i, j] = o[i, j] * alpha[i]
+                T.copy(s, p_sh)
+                T.gemm(p_sh, k_own, o, policy=T.GemmWarpPolicy.FullCol)
             for i, j in T.Parallel(_H, _HALF):
                 o[i, j] = o[i, j] / den[i]
             T.copy(o, o_sh)
