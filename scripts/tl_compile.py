@@ -31,11 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (name, module, builder arguments): representative shapes of the wide / Flash config
 KERNELS = [
-    ("sink_attention_rows", "sink_attention", (128, 512, 512 ** -0.5, "bfloat16")),
-    ("sink_attention_rows", "sink_attention", (128, 0, 512 ** -0.5, "bfloat16")),
+    ("sink_attention_rows", "sink_attention", (640, 512 ** -0.5, "bfloat16")),  # window 128 + top-k 512
+    ("sink_attention_rows", "sink_attention", (128, 512 ** -0.5, "bfloat16")),  # an SWA-only layer
     ("mhc_sinkhorn", "mhc_sinkhorn", (4, 20)),
     ("indexer", "indexer", (32, 128, "bfloat16")),
+    # the decode gathers filling one [rows, 640, 512] key buffer: the window (fp8 ring) then the top-k (fp4)
+    ("kv_gather_lanes", "kv_kernels", ("fp8", 512, "bfloat16", 8, (128, 640, 0))),
+    ("kv_gather", "kv_kernels", ("fp4", 512, "bfloat16", False, 1, True, (512, 640, 128))),
 ]
+BUILDERS = {"kv_gather_lanes": "_build_gather_lanes", "kv_gather": "_build_gather"}
 
 
 def ptxas_usage(source: str) -> dict[str, int]:
@@ -64,7 +68,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     os.environ.setdefault("DEEPINFER_TL_ARCH", "sm_90a")  # sm_90a: warp-specialised kernels need it
     pkg = types.ModuleType("deepinfer_kernels.cuda")  # the op modules without the package's device guard
-    pkg.__path__ = [str(ROOT / "src/deepinfer_kernels/cuda")]
+    pkg.__path__ = [str(Path(__import__("deepinfer_kernels").__file__).parent / "cuda")]
     sys.modules["deepinfer_kernels.cuda"] = pkg
     import importlib
 
@@ -76,7 +80,8 @@ def main() -> None:
 
         key = (f"check-{name}", *args)
         t0 = time.perf_counter()
-        compile_kernel(key, lambda m=m, args=args: m._build(*args))
+        build = getattr(m, BUILDERS.get(name, "_build"))
+        compile_kernel(key, lambda build=build, args=args: build(*args))
         secs = time.perf_counter() - t0
         print(json.dumps({"kernel": name, "args": list(args), "compile_s": round(secs, 1),
                           **ptxas_usage(kernel_source(key))}), flush=True)

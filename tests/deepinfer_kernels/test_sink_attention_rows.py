@@ -133,8 +133,9 @@ def test_executor_fused_attention_keeps_the_step() -> None:
 
 
 def test_executor_fused_attention_wiring_on_the_reference_backend() -> None:
-    """``executor.fused_attention`` routes each decode layer's attention through the backend op: on the
-    reference backend (its torch reference) the greedy decode equals the default path's (float32)."""
+    """``executor.fused_attention`` routes each decode layer's attention through the backend op, with the
+    window and top-k keys in one buffer: on the reference backend (its torch reference) the greedy decode
+    equals the default path's (float32)."""
     from deepinfer_core.model.model import DeepSeekV41
     from tests.deepinfer_core.model.session import Session
     from tests.deepinfer_core.model.test_cuda_graphs import _greedy, v41_heads_config
@@ -149,7 +150,7 @@ def test_executor_fused_attention_wiring_on_the_reference_backend() -> None:
         def op(self, name: str):
             if name != "sink_attention_rows":
                 return get_backend("reference").op(name)
-            return lambda *a: (calls.append(1), op(*a))[1]
+            return lambda *a: (calls.append(a[1].shape[1] if a[3] is None else -1), op(*a))[1]
 
     runs, per_run = [], []
     for fused in (False, True):
@@ -157,7 +158,10 @@ def test_executor_fused_attention_wiring_on_the_reference_backend() -> None:
         s.ex.backend, s.ex.sync_free, s.ex.fused_attention = Counting(), True, fused
         runs.append(_greedy(s, prompts, 4, drop_at=2))
         per_run.append(len(calls))
-    # off: never called; on: once per layer of each of the 4 decode steps
+    # off: never called; on: once per layer of each of the 4 decode steps, always one key set: the window
+    # alone (SWA layers) or window and top-k gathered into one buffer (kv_gather(out=))
     assert per_run[0] == 0 and per_run[1] == 4 * model.cfg.num_hidden_layers
+    w = model.cfg.sliding_window
+    assert -1 not in calls and w in calls and max(calls) > w
     assert runs[0][0] == runs[1][0]
     assert max(((a - b).norm() / a.norm()).item() for a, b in zip(runs[0][1], runs[1][1])) < 1e-5

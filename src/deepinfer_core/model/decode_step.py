@@ -231,8 +231,11 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
 
     ring_slots, kp = once(("swa_get",), window)
     mask_a = once(("swa_mask", enc), lambda: (kp >= 0) & (kp >= inp.floors[:, enc, None]))
-    k_a = gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype)
+    # the fused attention reads one key buffer: window and top-k keys gathered into it (no concatenation)
+    one_buffer = getattr(ex, "fused_attention", False) and a.kind != LAYER_SWA
+    k_a = None if one_buffer else gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype)
     if a.kind == LAYER_SWA:
+        assert k_a is not None
         return _attention(ex, a, q, k_a, mask_a, None, None)
     r, src, m = a.ratio, cfg.kv_source_of(lid), ex.min_ratio
     wmax = tables.shape[1] - 1
@@ -282,6 +285,11 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
         ik = gather(ex.index_keys[src], ent_slots, fmt_arg["index"], cfg.index_head_dim, ex.dtype)
         sel[lid] = pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), seen), visible, pools, "rows")
     ids, ok = sel[cfg.index_source_of(lid)]
+    if one_buffer:
+        keys = torch.empty(n, w + ids.shape[1], cfg.head_dim, dtype=ex.dtype, device=dev)
+        gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype, out=keys, col=0)
+        gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype, out=keys, col=w)
+        return _attention(ex, a, q, keys, torch.cat([mask_a, ok], 1), None, None)
     kb = gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype)
     return _attention(ex, a, q, k_a, mask_a, kb, ok)
 

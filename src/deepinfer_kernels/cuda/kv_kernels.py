@@ -256,7 +256,17 @@ def _build_store_fp4_bf16x2_interleaved(dim: int, gpt: int = 4):
     return store
 
 
-def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int = 1, fast_e2m1: bool = True):
+def _out_row(t, place):
+    """Output row of slot t: t itself, or with ``place = (k, total, col)`` (slots [rows, k] written into
+    columns col .. col + k of an [rows, total, dim] output) row (t // k) * total + col + t % k."""
+    if place is None:
+        return t
+    k, total, col = place
+    return (t // k) * total + col + t % k
+
+
+def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int = 1, fast_e2m1: bool = True,
+                  place: tuple[int, int, int] | None = None):
     group, groups, value_bytes, bpt = _sizes(fmt, dim)
     vb = _LAYOUT[fmt][1]
     vw = vb // 4
@@ -265,13 +275,14 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
     wloop = _word_loop(bpt, gpt, vw)
     n = T.dynamic("n")
     ns = T.dynamic("num_slots")
+    n_out = n if place is None else T.dynamic("n_out")
 
     @T.prim_func
     def gather(
         pool8: T.Tensor((ns, bpt), "uint8"),
         pool32: T.Tensor((ns, bpt // 4), "int32"),
         slots: T.Tensor((n,), "int64"),
-        out: T.Tensor((n, dim), out_dtype),
+        out: T.Tensor((n_out, dim), out_dtype),
     ):
         with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
@@ -286,12 +297,13 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
                 t = tid // tpt
                 g0 = (tid % tpt) * gpt
                 s = slots[t]
+                r = _out_row(t, place)
                 if s < 0:
                     for j in T.unroll(group):
                         res[j] = T.Cast(out_dtype, 0)
                     for gg in T.unroll(gpt):
                         for j in T.vectorized(group):
-                            out[t, (g0 + gg) * group + j] = res[j]
+                            out[r, (g0 + gg) * group + j] = res[j]
                 else:
                     for w in wloop(gpt * vw):  # every load first: the codes and scales of gpt groups
                         words[w] = pool32[s, g0 * vw + w]
@@ -337,12 +349,12 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
                                 v = T.Cast("float64", C.e2m1_value(nib)) * sc
                                 res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
                         for j in T.vectorized(group):  # 16-byte stores of the group's outputs
-                            out[t, (g0 + gg) * group + j] = res[j]
+                            out[r, (g0 + gg) * group + j] = res[j]
 
     return gather
 
 
-def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8):
+def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8, place: tuple[int, int, int] | None = None):
     """Gather with ``vpt`` values a thread (a slice of one scale group): a warp reads the codes of 256
     values contiguously and writes their 512 bytes of bf16 with one 16-byte store per thread, where the
     group layout's stores land 64 bytes apart. fp8 (hardware decode) and fp4 (float16-bit decode) only."""
@@ -353,13 +365,14 @@ def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8):
     nw = vpt * bits // 32  # code words per thread (2 for fp8, 1 for fp4)
     n = T.dynamic("n")
     ns = T.dynamic("num_slots")
+    n_out = n if place is None else T.dynamic("n_out")
 
     @T.prim_func
     def gather(
         pool8: T.Tensor((ns, bpt), "uint8"),
         pool32: T.Tensor((ns, bpt // 4), "int32"),
         slots: T.Tensor((n,), "int64"),
-        out: T.Tensor((n, dim), out_dtype),
+        out: T.Tensor((n_out, dim), out_dtype),
     ):
         with T.Kernel(T.ceildiv(n * tpt, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
@@ -393,6 +406,6 @@ def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8):
                             nib = (words[j // 8] >> (4 * (j % 8))) & 0xF
                             res[j] = T.Cast(out_dtype, T.Cast("float32", C.e2m1_as_half(nib)) * sv)
                 for j in T.vectorized(vpt):
-                    out[t, k * vpt + j] = res[j]
+                    out[_out_row(t, place), k * vpt + j] = res[j]
 
     return gather

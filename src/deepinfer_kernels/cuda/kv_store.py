@@ -132,21 +132,31 @@ def gather_slots(
     hw: bool | None = None,
     variant: str | None = None,
     fast_e2m1: bool | None = None,
+    into: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the gather kernel: rows ``slots`` (int64 [N], < 0 gives zeros) dequantised to [N, dim]."""
+    """Launch the gather kernel: rows ``slots`` (int64 [N], < 0 gives zeros) dequantised to [N, dim]; with
+    ``into = (out, k, col)`` (``out`` contiguous [rows, total, dim], N = rows * k) slot i of row r lands in
+    ``out[r, col + i]`` instead, and ``out`` is returned (two gathers filling one key buffer)."""
     layout, gpt = _variant(variant, LOAD_VARIANT, name)
-    out = torch.empty(slots.shape[0], dim, dtype=out_dtype, device=pool.device)
+    place = None
+    if into is None:
+        out = torch.empty(slots.shape[0], dim, dtype=out_dtype, device=pool.device)
+    else:
+        full, k, col = into
+        place = (k, full.shape[1], col)
+        out = full.view(-1, dim)
     if slots.shape[0] == 0:
-        return out
+        return out if into is None else into[0]
     dt = torch_dtype_name(out_dtype)
     hw = (HW_FP8_DECODE if hw is None else hw) and name == "fp8"
     fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name == "fp4"
     if layout == "lanes" and ((name == "fp8" and hw) or (name == "fp4" and fast)):
-        kern = compile_kernel(("kv_gather_lanes", name, dim, dt), lambda: _build_gather_lanes(name, dim, dt))
+        kern = compile_kernel(("kv_gather_lanes", name, dim, dt, place), lambda: _build_gather_lanes(name, dim, dt, place=place))
     else:
-        kern = compile_kernel(("kv_gather", gpt, name, dim, dt, hw, fast), lambda: _build_gather(name, dim, dt, hw, gpt, fast))
+        kern = compile_kernel(("kv_gather", gpt, name, dim, dt, hw, fast, place),
+                              lambda: _build_gather(name, dim, dt, hw, gpt, fast, place))
     kern(pool, pool.view(torch.int32), slots.contiguous(), out)
-    return out
+    return out if into is None else into[0]
 
 
 @register("kv_store", "cuda")
@@ -269,13 +279,17 @@ def swa_ring_read(
 
 @register("kv_gather", "cuda")
 def kv_gather(pool: torch.Tensor, slots: torch.Tensor, fmt: str = "fp8", dim: int = 512,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Same contract as the reference ``kv_gather``: one TileLang gather + dequantise, no checks (fixed
-    shapes, no host synchronisation: capturable in a CUDA graph)."""
+              out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, col: int = 0) -> torch.Tensor:
+    """Same contract as the reference ``kv_gather`` (``out`` / ``col`` included): one TileLang gather +
+    dequantise, no checks (fixed shapes, no host synchronisation: capturable in a CUDA graph)."""
     name = _usable(fmt, dim, pool)
-    if name is None or out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return ref.kv_gather(pool, slots, fmt, dim, out_dtype)
+    if name is None or out_dtype not in (torch.float32, torch.bfloat16, torch.float16) or (
+            out is not None and not (out.is_contiguous() and out.dtype == out_dtype and out.device == pool.device)):
+        return ref.kv_gather(pool, slots, fmt, dim, out_dtype, out, col)
     f = ref.resolve_format(fmt, dim)
     flat = ref.flat_pool(pool, f.bytes_per_token)
     s = slots.reshape(-1).to(pool.device, torch.int64)
+    if out is not None:
+        ref.check_gather_out(out, slots, dim, col)
+        return gather_slots(flat, s, name, dim, out_dtype, into=(out, slots.shape[1], col))
     return gather_slots(flat, s, name, dim, out_dtype).view(*slots.shape, dim)

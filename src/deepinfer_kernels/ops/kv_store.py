@@ -181,15 +181,32 @@ def swa_ring_read(
     return torch.where(valid[..., None], out, torch.zeros((), device=ring.device)).to(out_dtype)
 
 
+def check_gather_out(out: torch.Tensor, slots: torch.Tensor, dim: int, col: int) -> None:
+    """``out`` of ``kv_gather``: [rows, total, dim] with slots [rows, k] and col + k <= total (shapes only)."""
+    if slots.dim() != 2:
+        raise ValueError(f"slots: with out, must be [rows, k], got shape {tuple(slots.shape)}")
+    rows, k = slots.shape
+    if out.dim() != 3 or out.shape[0] != rows or out.shape[2] != dim:
+        raise ValueError(f"out: must be [{rows}, total, {dim}], got {tuple(out.shape)}")
+    if not (isinstance(col, int) and col >= 0 and col + k <= out.shape[1]):
+        raise ValueError(f"col={col!r}: must be an int with 0 <= col and col + {k} <= {out.shape[1]}")
+
+
 @register("kv_gather")
 def kv_gather(pool: torch.Tensor, slots: torch.Tensor, fmt: str | CacheFormat = "fp8", dim: int = 512,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, col: int = 0) -> torch.Tensor:
     """Rows ``slots`` (int64, any shape; < 0 gives zeros) of a paged pool or ring, dequantised to
     ``[*slots.shape, dim]``. No value checks: the executor's decode gathers, whose slots come from its
-    validated tables (a device-side range check would synchronise)."""
+    validated tables (a device-side range check would synchronise). With ``out`` ([rows, total, dim],
+    slots [rows, k]) the rows land in ``out[:, col : col + k]`` and ``out`` is returned: two gathers
+    (say a window and a top-k set, from different pools) fill one key buffer without a concatenation."""
     f = resolve_format(fmt, dim)
     flat = flat_pool(pool, f.bytes_per_token)
     s = slots.reshape(-1).to(pool.device, torch.int64)
-    out = f.dequantize(flat[s.clamp(min=0)]).to(out_dtype)
-    out = torch.where((s >= 0)[:, None], out, torch.zeros((), dtype=out_dtype, device=out.device))
-    return out.view(*slots.shape, dim)
+    got = f.dequantize(flat[s.clamp(min=0)]).to(out_dtype)
+    got = torch.where((s >= 0)[:, None], got, torch.zeros((), dtype=out_dtype, device=got.device))
+    if out is not None:
+        check_gather_out(out, slots, dim, col)
+        out[:, col : col + slots.shape[1]] = got.view(*slots.shape, dim)
+        return out
+    return got.view(*slots.shape, dim)
