@@ -14,6 +14,7 @@ variable                               default    meaning
 ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` 140        suffix recomputed by SWA bounded replay after a prefix hit
 ``DEEPINFER_CUDA_GRAPHS``              1          replay CUDA graphs for decode steps (cuda backend); 0 = eager
 ``DEEPINFER_FUSE_GLUE``                0          compile the decode step's small functions into fused kernels (cuda)
+``DEEPINFER_FUSED_ATTENTION``          0          each decode layer's attention as one kernel (cuda, 64 x 512 heads)
 =====================================  =========  ============================================================
 """
 
@@ -68,6 +69,7 @@ class Envs:
     yoco_prefill_keep_tokens: int = 140
     cuda_graphs: bool = True
     fuse_glue: bool = False
+    fused_attention: bool = False
 
     @max_backtracking_tokens.default
     def _default_backtracking(self) -> int:
@@ -109,6 +111,8 @@ class Envs:
             kw["cuda_graphs"] = _parse_bool("DEEPINFER_CUDA_GRAPHS", raw)
         if (raw := env.get("DEEPINFER_FUSE_GLUE")) is not None:
             kw["fuse_glue"] = _parse_bool("DEEPINFER_FUSE_GLUE", raw)
+        if (raw := env.get("DEEPINFER_FUSED_ATTENTION")) is not None:
+            kw["fused_attention"] = _parse_bool("DEEPINFER_FUSED_ATTENTION", raw)
         return cls(**kw)  # type: ignore[arg-type]
 
 

@@ -12,6 +12,7 @@ def test_defaults() -> None:
     assert e.max_backtracking_tokens == 6  # drafts + 1: the SWA ring is 128 + 6 = 134 tokens
     assert e.batch_invariant is False
     assert e.yoco_prefill_keep_tokens == 140
+    assert e.cuda_graphs is True and e.fuse_glue is False and e.fused_attention is False
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,9 @@ def test_defaults() -> None:
         ({"DEEPINFER_MAX_BACKTRACKING_TOKENS": "9"}, "max_backtracking_tokens", 9),
         ({"DEEPINFER_BATCH_INVARIANT": "yes"}, "batch_invariant", True),
         ({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "128"}, "yoco_prefill_keep_tokens", 128),
+        ({"DEEPINFER_CUDA_GRAPHS": "0"}, "cuda_graphs", False),
+        ({"DEEPINFER_FUSE_GLUE": "1"}, "fuse_glue", True),
+        ({"DEEPINFER_FUSED_ATTENTION": "on"}, "fused_attention", True),
     ],
 )
 def test_good_values(env: dict[str, str], field: str, value: object) -> None:
@@ -42,6 +46,7 @@ def test_good_values(env: dict[str, str], field: str, value: object) -> None:
         ({"DEEPINFER_MAX_BACKTRACKING_TOKENS": "1.5"}, "DEEPINFER_MAX_BACKTRACKING_TOKENS"),
         ({"DEEPINFER_BATCH_INVARIANT": "2"}, "DEEPINFER_BATCH_INVARIANT"),
         ({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "0"}, "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"),
+        ({"DEEPINFER_FUSED_ATTENTION": "sometimes"}, "DEEPINFER_FUSED_ATTENTION"),
     ],
 )
 def test_bad_values_name_the_variable(env: dict[str, str], name: str) -> None:
