@@ -74,14 +74,11 @@ def test_kernel_replays_in_a_cuda_graph() -> None:
 
 @pytest.mark.gpu
 def test_executor_fused_sinkhorn_keeps_greedy_tokens() -> None:
-    from tests.deepinfer_core.model.test_cuda_graphs import _cuda_session, _greedy
+    from tests.deepinfer_core.model.test_cuda_graphs import greedy_plain_and_flagged
 
     model = DeepSeekV41.from_config(tiny_config(), seed=8, dtype=torch.float32, device="cuda")
     g = torch.Generator().manual_seed(31)
     prompts = {i: torch.randint(0, 512, (30 + 9 * i,), generator=g) for i in range(3)}
-    plain, fused = _cuda_session(model, False, graphs=True), _cuda_session(model, False, graphs=True)
-    fused.ex.fused_sinkhorn = True
-    tp, lp = _greedy(plain, prompts, 12, drop_at=5)
-    tf, lf = _greedy(fused, prompts, 12, drop_at=5)
+    (tp, lp), (tf, lf), fused = greedy_plain_and_flagged(model, False, prompts, 12, 5, fused_sinkhorn=True)
     assert not fused.ex.graphs().disabled and tp == tf
     assert max(((a - b).norm() / a.norm()).item() for a, b in zip(lp, lf)) < 1e-4

@@ -108,7 +108,7 @@ def test_executor_fused_attention_keeps_the_step() -> None:
     from deepinfer_core.model.config import flash_config
     from deepinfer_core.model.model import DeepSeekV41
     from deepinfer_kernels.cuda import _tl
-    from tests.deepinfer_core.model.test_cuda_graphs import _cuda_session, _greedy
+    from tests.deepinfer_core.model.test_cuda_graphs import greedy_plain_and_flagged
 
     # test_cuda_graphs.v41_heads_config's layers with V4.1's 64 heads and a top-k of 64 (a kernel block)
     cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=64,
@@ -121,10 +121,7 @@ def test_executor_fused_attention_keeps_the_step() -> None:
     model = DeepSeekV41.from_config(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(9)
     prompts = {i: torch.randint(0, 2048, (150 + 40 * i,), generator=g) for i in range(3)}
-    plain, fused = _cuda_session(model, True, graphs=True), _cuda_session(model, True, graphs=True)
-    fused.ex.fused_attention = True
-    tp, lp = _greedy(plain, prompts, 6, drop_at=3)
-    tf, lf = _greedy(fused, prompts, 6, drop_at=3)
+    (tp, lp), (tf, lf), fused = greedy_plain_and_flagged(model, True, prompts, 6, 3, fused_attention=True)
     assert any(k[0] == "sink_attention_rows" for k in _tl._CACHE)
     assert not fused.ex.graphs().disabled
     assert ((lp[0] - lf[0]).norm() / lp[0].norm()).item() < 3e-2  # the first decode step, same inputs

@@ -262,6 +262,16 @@ def _cuda_session(model: DeepSeekV41, quantize: bool, graphs: bool, slots: int =
     return s
 
 
+def greedy_plain_and_flagged(model: DeepSeekV41, quantize: bool, prompts: dict[int, torch.Tensor], steps: int,
+                             drop_at: int, **flags: bool) -> tuple[tuple[list, list], tuple[list, list], Session]:
+    """:func:`_greedy` on two cuda sessions with graphs, the second with executor ``flags`` set (an opt-in
+    kernel): ((tokens, logits) plain, (tokens, logits) flagged, the flagged session)."""
+    plain, flagged = _cuda_session(model, quantize, graphs=True), _cuda_session(model, quantize, graphs=True)
+    for name, v in flags.items():
+        setattr(flagged.ex, name, v)
+    return _greedy(plain, prompts, steps, drop_at), _greedy(flagged, prompts, steps, drop_at), flagged
+
+
 def _greedy(s: Session, prompts: dict[int, torch.Tensor], steps: int, drop_at: int) -> tuple[list, list]:
     """Prefill each prompt alone, then batched greedy decode; request 0 leaves after ``drop_at`` steps."""
     last, pos, toks, logits = {}, {}, {i: [] for i in prompts}, []
