@@ -59,7 +59,8 @@ MODES = ("sync", "async", "async-plain", "spec")
 
 def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
                 prompt: int = 64, gen: int = 32) -> LLMEngine:
-    envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue, fused_attention=FUSED_ATTENTION[0])
+    envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue, fused_attention=FUSED_ATTENTION[0],
+                fused_moe=FUSED_MOE[0])
     spec = dict(speculative=mode == "spec")
     per_req = -(-(prompt + gen + 16) // 16) + 1
     cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
@@ -81,6 +82,7 @@ def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: b
 _WIDE: dict[str, Any] = {}
 BACKEND = ["cuda"]  # --backend reference runs the same code on the CPU (a smoke test of this script)
 FUSED_ATTENTION = [False]  # --fused-attention: DEEPINFER_FUSED_ATTENTION for every engine of the run
+FUSED_MOE = [False]  # --fused-moe: DEEPINFER_FUSED_MOE likewise
 
 
 def sync() -> None:
@@ -285,7 +287,8 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             st1 = attrs.asdict(eng.stats)
             stages = {k: round(1e3 * (st1[k] - st0[k]) / max(steps, 1), 3) for k in st1 if k.endswith("_s")}
             p = {"model": args.model, "batch": b, "mode": mode, "glue": args.glue,
-                 "fused_attention": args.fused_attention, "prompt": args.prompt, "gen": args.gen}
+                 "fused_attention": args.fused_attention, "fused_moe": args.fused_moe, "prompt": args.prompt,
+                 "gen": args.gen}
             per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
             emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
             emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
@@ -426,6 +429,7 @@ def main() -> None:
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
     ap.add_argument("--fused-attention", action="store_true",
                     help="each decode layer's attention as one kernel (DEEPINFER_FUSED_ATTENTION)")
+    ap.add_argument("--fused-moe", action="store_true", help="the TileLang grouped expert GEMM (DEEPINFER_FUSED_MOE)")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64")
     ap.add_argument("--host-modes", default="sync,async", help="engine modes of the host-cost section")
@@ -444,6 +448,7 @@ def main() -> None:
         return
     BACKEND[0] = args.backend
     FUSED_ATTENTION[0] = args.fused_attention
+    FUSED_MOE[0] = args.fused_moe
     h = logging.StreamHandler()  # the engine's warnings (e.g. a failed graph capture) on stderr
     h.setLevel(logging.WARNING)
     logging.getLogger("deepinfer_core").addHandler(h)

@@ -266,22 +266,24 @@ class Decoder:
         return out.logits
 
 
-MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager", "glue-attn")
+MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager", "glue-attn", "glue-moe", "glue-all")
 
 
 def set_mode(ex: ModelExecutor, mode: str) -> None:
     """legacy: the plain row path (host syncs); off: sync-free eager; on: sync-free + CUDA graphs;
     fused: graphs with the opt-in fused kernels (mhc_sinkhorn); glue: graphs with the fused glue
     (model.fusion: torch.compile of the small per-token functions); glue-eager: the same without graphs;
-    glue-attn: glue with the one-kernel decode attention (``executor.fused_attention``)."""
+    glue-attn: glue with the one-kernel decode attention (``executor.fused_attention``); glue-moe: glue with
+    the TileLang grouped expert GEMM (``executor.fused_moe``); glue-all: glue with both."""
     if mode not in MODES:
         raise SystemExit(f"--graphs: unknown mode {mode!r} ({', '.join(MODES)})")
     if hasattr(ex, "sync_free"):
         ex.sync_free = mode != "legacy"
-        ex.cuda_graphs = mode in ("on", "fused", "glue", "glue-attn")
+        ex.cuda_graphs = mode in ("on", "fused", "glue", "glue-attn", "glue-moe", "glue-all")
         ex.fused_sinkhorn = mode == "fused"
-        ex.fuse_glue = mode in ("glue", "glue-eager", "glue-attn")
-        ex.fused_attention = mode == "glue-attn"
+        ex.fuse_glue = mode.startswith("glue")
+        ex.fused_attention = mode in ("glue-attn", "glue-all")
+        ex.fused_moe = mode in ("glue-moe", "glue-all")
     elif mode != "legacy":
         raise SystemExit("this executor has no sync-free path")
 
@@ -474,7 +476,7 @@ def main() -> None:
                 emit(BENCH, pm, "fused_functions_compiled", compiled_count(), "count")
             if out and mode in args.host_profile.split(","):
                 host_profile(dec, 5, out / "host_profile.txt", f"B={b} {mode}")
-        for m in (x for x in ("on", "fused", "glue", "glue-attn") if x in modes and "off" in modes):
+        for m in (x for x in ("on", "fused", "glue", "glue-attn", "glue-moe", "glue-all") if x in modes and "off" in modes):
             # the same step eagerly (sync-free, no fusion) and in mode m (rolled back one token)
             set_mode(dec.ex, "off")
             ref = dec.step().float()

@@ -38,6 +38,9 @@ KERNELS = [
     # the decode gathers filling one [rows, 640, 512] key buffer: the window (fp8 ring) then the top-k (fp4)
     ("kv_gather_lanes", "kv_kernels", ("fp8", 512, "bfloat16", 8, (128, 640, 0))),
     ("kv_gather", "kv_kernels", ("fp4", 512, "bfloat16", False, 1, True, (512, 640, 128))),
+    # the wide config's expert products: gate / up packed (N = 2 x 2304, K = 5120), down (N = 5120, K = 2304)
+    ("moe_grouped_gemm", "grouped_gemm", (8, 4608, 5120, "bfloat16")),
+    ("moe_grouped_gemm", "grouped_gemm", (8, 5120, 2304, "bfloat16")),
 ]
 BUILDERS = {"kv_gather_lanes": "_build_gather_lanes", "kv_gather": "_build_gather"}
 

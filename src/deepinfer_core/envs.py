@@ -15,6 +15,7 @@ variable                               default    meaning
 ``DEEPINFER_CUDA_GRAPHS``              1          replay CUDA graphs for decode steps (cuda backend); 0 = eager
 ``DEEPINFER_FUSE_GLUE``                0          compile the decode step's small functions into fused kernels (cuda)
 ``DEEPINFER_FUSED_ATTENTION``          0          each decode layer's attention as one kernel (cuda, 64 x 512 heads)
+``DEEPINFER_FUSED_MOE``                0          the decode step's expert products as one TileLang grouped GEMM (cuda)
 =====================================  =========  ============================================================
 """
 
@@ -70,6 +71,7 @@ class Envs:
     cuda_graphs: bool = True
     fuse_glue: bool = False
     fused_attention: bool = False
+    fused_moe: bool = False
 
     @max_backtracking_tokens.default
     def _default_backtracking(self) -> int:
@@ -113,6 +115,8 @@ class Envs:
             kw["fuse_glue"] = _parse_bool("DEEPINFER_FUSE_GLUE", raw)
         if (raw := env.get("DEEPINFER_FUSED_ATTENTION")) is not None:
             kw["fused_attention"] = _parse_bool("DEEPINFER_FUSED_ATTENTION", raw)
+        if (raw := env.get("DEEPINFER_FUSED_MOE")) is not None:
+            kw["fused_moe"] = _parse_bool("DEEPINFER_FUSED_MOE", raw)
         return cls(**kw)  # type: ignore[arg-type]
 
 

@@ -12,7 +12,7 @@ def test_defaults() -> None:
     assert e.max_backtracking_tokens == 6  # drafts + 1: the SWA ring is 128 + 6 = 134 tokens
     assert e.batch_invariant is False
     assert e.yoco_prefill_keep_tokens == 140
-    assert e.cuda_graphs is True and e.fuse_glue is False and e.fused_attention is False
+    assert e.cuda_graphs is True and e.fuse_glue is False and e.fused_attention is False and e.fused_moe is False
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,7 @@ def test_defaults() -> None:
         ({"DEEPINFER_CUDA_GRAPHS": "0"}, "cuda_graphs", False),
         ({"DEEPINFER_FUSE_GLUE": "1"}, "fuse_glue", True),
         ({"DEEPINFER_FUSED_ATTENTION": "on"}, "fused_attention", True),
+        ({"DEEPINFER_FUSED_MOE": "1"}, "fused_moe", True),
     ],
 )
 def test_good_values(env: dict[str, str], field: str, value: object) -> None:

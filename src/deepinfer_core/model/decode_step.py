@@ -33,7 +33,7 @@ from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
-from deepinfer_core.model.layers.moe import static_shapes
+from deepinfer_core.model.layers.moe import grouped_gemm_impl, static_shapes
 from deepinfer_core.model.layers.rope import cached_angles
 from deepinfer_core.model.mhc import sinkhorn_impl
 
@@ -317,7 +317,10 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
     want = getattr(ex, "fused_sinkhorn", False) or getattr(ex, "fuse_glue", False)
     fused = ex.backend.op("mhc_sinkhorn") if want and ex.backend else None
     # ``executor.fuse_glue``: the model's small functions compiled into fused kernels (model.fusion)
-    with static_shapes(row_mask=valid), sinkhorn_impl(fused), cached_angles(), fused_glue(getattr(ex, "fuse_glue", False)):
+    # opt-in (``executor.fused_moe``): the MoE's expert products as the backend's grouped GEMM kernel
+    grouped = ex.backend.op("moe_grouped_gemm") if getattr(ex, "fused_moe", False) and ex.backend else None
+    with static_shapes(row_mask=valid), sinkhorn_impl(fused), grouped_gemm_impl(grouped), cached_angles(), \
+            fused_glue(getattr(ex, "fuse_glue", False)):
         hidden, counts = ex.model.run_layers(
             inp.tokens, lambda lid, a, x: attend_rows(ex, lid, a, x, inp, sel, pools, valid),
             capture=capture, engram_rows=inp.engram)

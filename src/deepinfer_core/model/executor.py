@@ -104,6 +104,8 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         # (TileLang on the cuda backend) instead of two batched GEMMs and the softmax between them; off
         # until an H200 run has checked it (set between steps, as the other switches)
         self.fused_attention = False
+        # opt-in likewise: the MoE's expert products as the backend's ``moe_grouped_gemm`` (TileLang)
+        self.fused_moe = False
         self._graphs: DecodeGraphs | None = None
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers

@@ -45,6 +45,23 @@ _STATIC: contextvars.ContextVar[tuple[bool, torch.Tensor | None]] = contextvars.
 GROUPED_MM = True
 
 
+# the grouped product of static mode in this context: None = torch._grouped_mm where it applies; an
+# executor's opt-in kernel (the ``moe_grouped_gemm`` op: x [R, K], w [E, N, K], end offsets [E]) otherwise,
+# on any device
+_GROUPED: contextvars.ContextVar[Any] = contextvars.ContextVar("moe_grouped_gemm", default=None)
+
+
+@contextlib.contextmanager
+def grouped_gemm_impl(fn: Any) -> Iterator[None]:
+    """Static-mode MoE layers run their expert products through ``fn`` (the ``moe_grouped_gemm`` op's
+    contract) inside this block; None: ``torch._grouped_mm`` (or the dense fallback)."""
+    tok = _GROUPED.set(fn)
+    try:
+        yield
+    finally:
+        _GROUPED.reset(tok)
+
+
 @contextlib.contextmanager
 def static_shapes(on: bool = True, row_mask: torch.Tensor | None = None) -> Iterator[None]:
     """MoE layers run in static mode (fixed shapes, no host sync) inside this block; ``row_mask`` [N]
@@ -54,6 +71,11 @@ def static_shapes(on: bool = True, row_mask: torch.Tensor | None = None) -> Iter
         yield
     finally:
         _STATIC.reset(tok)
+
+
+def _torch_grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The ``moe_grouped_gemm`` contract through ``torch._grouped_mm`` (w [E, N, K] as the layer keeps it)."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
 def _grouped_ok(x: torch.Tensor) -> bool:
@@ -320,7 +342,9 @@ class MoE(nn.Module):
         ids, w = self.route(x)
         flat = ids.reshape(-1)
         counts, order, offs = _dispatch(flat, e, k, row_mask)
-        if _grouped_ok(x):
+        # the executor's grouped kernel if one is set, else torch._grouped_mm where it applies
+        gg = _GROUPED.get() or (_torch_grouped if _grouped_ok(x) else None)
+        if gg is not None:
             # the pack is a plain tensor: under autograd (training) the parameters themselves are used
             infer = not torch.is_grad_enabled()
             if infer and self._packed() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -328,12 +352,10 @@ class MoE(nn.Module):
             xs = x[order // k]  # group bounds (offs) over every computed row
             w13 = self._packed() if infer else None
             if w13 is None:
-                g = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)
-                u = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+                g, u = gg(xs, self.w1, offs), gg(xs, self.w3, offs)
             else:
-                g, u = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).split(self.w1.shape[1], dim=-1)
-            y = torch._grouped_mm(clamped_swiglu(g, u, self.limit), self.w2.transpose(-2, -1), offs=offs)
-            out = _combine(y, w, order, n, k)
+                g, u = gg(xs, w13, offs).split(self.w1.shape[1], dim=-1)
+            out = _combine(gg(clamped_swiglu(g, u, self.limit), self.w2, offs), w, order, n, k)
         else:
             wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
             out = torch.zeros_like(x)

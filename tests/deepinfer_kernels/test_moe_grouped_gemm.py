@@ -1,0 +1,128 @@
+"""``moe_grouped_gemm``: the reference against a per-row float64 oracle; the MoE layer's static mode through
+it equals its plain loop (CPU); the TileLang kernel against the reference, in a CUDA graph, and in the
+executor's decode step (GPU, skipped here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer_kernels import get_backend
+
+
+def routed(rows: int, e: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """End offsets int32 [E] of ``rows`` rows split at random among E experts (some empty)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (rows,), generator=g)
+    ids[ids == (seed % e)] = (seed + 1) % e  # one expert gets no row
+    return torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32).to(device)
+
+
+def oracle(x, w, offs):
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for j, end in enumerate(offs.tolist()):
+        for r in range(start, end):
+            out[r] = w[j].double() @ x[r].double()
+        start = end
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 30), e=st.integers(1, 6), k=st.integers(1, 9), n=st.integers(1, 7),
+       short=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_reference_matches_oracle(rows, e, k, n, short, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g, dtype=torch.float64), torch.randn(e, n, k, generator=g, dtype=torch.float64)
+    offs = routed(rows, e, seed)
+    offs = torch.clamp(offs, max=max(rows - short, 0))  # rows past the last end: 0
+    got = get_backend("reference").op("moe_grouped_gemm")(x, w, offs)
+    torch.testing.assert_close(got, oracle(x, w, offs), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_inputs_name_the_field():
+    op = get_backend("reference").op("moe_grouped_gemm")
+    x, w, offs = torch.randn(4, 8), torch.randn(2, 3, 8), torch.tensor([1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="w"):
+        op(x, torch.randn(2, 3, 7), offs)
+    with pytest.raises(ValueError, match="offs"):
+        op(x, w, offs.float())
+    with pytest.raises(ValueError, match="x"):
+        op(x[None], w, offs)
+
+
+def test_moe_static_mode_through_the_op_equals_the_plain_layer():
+    """The layer's static mode with ``grouped_gemm_impl`` (the reference op) against its grouped loop
+    (``_forward_loop``, the ground truth of the other paths), float64, packed gate / up included."""
+    from deepinfer_core.model.config import tiny_config
+    from deepinfer_core.model.layers.moe import MoE, grouped_gemm_impl, static_shapes
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    moe = MoE(cfg).double()
+    moe.reset_parameters(torch.Generator().manual_seed(3))
+    x = torch.randn(37, cfg.hidden_size, dtype=torch.float64)
+    want, want_counts = moe._forward_loop(x)
+    calls = []
+    op = get_backend("reference").op("moe_grouped_gemm")
+    with torch.no_grad(), static_shapes(), grouped_gemm_impl(lambda *a: (calls.append(1), op(*a))[1]):
+        got, counts = moe(x)
+    assert len(calls) == 2  # gate / up packed into one product, then down
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert torch.equal(counts, want_counts)
+
+
+def _cuda_ops():
+    return get_backend("cuda").op("moe_grouped_gemm"), get_backend("reference").op("moe_grouped_gemm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(4608, 5120), (5120, 2304), (512, 256)])
+def test_kernel_matches_reference(n: int, k: int) -> None:
+    from deepinfer_kernels.cuda.grouped_gemm import kernel_takes
+
+    cuda, ref = _cuda_ops()
+    for rows in (1, 48, 384, 700):
+        g = torch.Generator().manual_seed(rows + n)
+        x = (torch.randn(rows, k, generator=g) / k ** 0.5).bfloat16().cuda()
+        w = torch.randn(8, n, k, generator=g).bfloat16().cuda()
+        offs = routed(rows, 8, rows, "cuda")
+        assert kernel_takes(x, w)
+        got = cuda(x, w, offs)
+        want = ref(x.double(), w.double(), offs)
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert got.dtype == torch.bfloat16 and rel < 1e-2, (rows, n, k, rel)
+
+
+@pytest.mark.gpu
+def test_kernel_replays_in_a_cuda_graph() -> None:
+    cuda, _ = _cuda_ops()
+    x = torch.randn(64, 512, device="cuda").bfloat16()
+    w = torch.randn(8, 512, 512, device="cuda").bfloat16()
+    offs = routed(64, 8, 5, "cuda")
+    cuda(x, w, offs)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = cuda(x, w, offs)
+    offs.copy_(routed(64, 8, 6, "cuda"))  # new routing, same shapes
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, cuda(x, w, offs))
+
+
+@pytest.mark.gpu
+def test_executor_fused_moe_keeps_the_step() -> None:
+    from deepinfer_core.model.model import DeepSeekV41
+    from deepinfer_kernels.cuda import _tl
+    from tests.deepinfer_core.model.test_cuda_graphs import greedy_plain_and_flagged, v41_heads_config
+
+    model = DeepSeekV41.from_config(v41_heads_config(4), seed=6, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(12)
+    prompts = {i: torch.randint(0, 2048, (40 + 13 * i,), generator=g) for i in range(3)}
+    (tp, lp), (tf, lf), fused = greedy_plain_and_flagged(model, True, prompts, 6, 3, fused_moe=True)
+    assert any(k[0] == "moe_grouped_gemm" for k in _tl._CACHE) and not fused.ex.graphs().disabled
+    assert ((lp[0] - lf[0]).norm() / lp[0].norm()).item() < 3e-2
+    same = sum(a == b for x, y in zip(tp, tf) for a, b in zip(x, y))
+    assert same >= 0.8 * sum(map(len, tp))
