@@ -35,7 +35,11 @@ KERNELS = [
     ("sink_attention_rows", "sink_attention", (128, 512 ** -0.5, "bfloat16")),  # an SWA-only layer
     ("mhc_sinkhorn", "mhc_sinkhorn", (4, 20)),
     ("indexer", "indexer", (32, 128, "bfloat16")),
-    # the decode gathers filling one [rows, 640, 512] key buffer: the window (fp8 ring) then the top-k (fp4)
+    # the decode gathers as the default path launches them, then filling one [rows, 640, 512] key buffer:
+    # the window (fp8 ring) then the top-k (fp4)
+    ("kv_gather_lanes", "kv_kernels", ("fp8", 512, "bfloat16", 8, None)),
+    ("kv_gather", "kv_kernels", ("fp4", 512, "bfloat16", False, 1, True, None)),
+    ("kv_gather", "kv_kernels", ("mxfp4", 128, "bfloat16", False, 1, True, None)),
     ("kv_gather_lanes", "kv_kernels", ("fp8", 512, "bfloat16", 8, (128, 640, 0))),
     ("kv_gather", "kv_kernels", ("fp4", 512, "bfloat16", False, 1, True, (512, 640, 128))),
     # the wide config's expert products: gate / up packed (N = 2 x 2304, K = 5120), down (N = 5120, K = 2304)
