@@ -60,7 +60,7 @@ MODES = ("sync", "async", "async-plain", "spec")
 def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
                 prompt: int = 64, gen: int = 32) -> LLMEngine:
     envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue, fused_attention=FUSED_ATTENTION[0],
-                fused_moe=FUSED_MOE[0])
+                fused_moe=FUSED_MOE[0], fused_head=FUSED_MOE[0])
     spec = dict(speculative=mode == "spec")
     per_req = -(-(prompt + gen + 16) // 16) + 1
     cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
@@ -429,7 +429,8 @@ def main() -> None:
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
     ap.add_argument("--fused-attention", action="store_true",
                     help="each decode layer's attention as one kernel (DEEPINFER_FUSED_ATTENTION)")
-    ap.add_argument("--fused-moe", action="store_true", help="the TileLang grouped expert GEMM (DEEPINFER_FUSED_MOE)")
+    ap.add_argument("--fused-moe", action="store_true",
+                    help="the TileLang grouped GEMM for the experts and the LM head (DEEPINFER_FUSED_MOE, _HEAD)")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64")
     ap.add_argument("--host-modes", default="sync,async", help="engine modes of the host-cost section")

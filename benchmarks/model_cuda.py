@@ -266,7 +266,7 @@ class Decoder:
         return out.logits
 
 
-MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager", "glue-attn", "glue-moe", "glue-all")
+MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager", "glue-attn", "glue-moe", "glue-head", "glue-all")
 
 
 def set_mode(ex: ModelExecutor, mode: str) -> None:
@@ -274,16 +274,18 @@ def set_mode(ex: ModelExecutor, mode: str) -> None:
     fused: graphs with the opt-in fused kernels (mhc_sinkhorn); glue: graphs with the fused glue
     (model.fusion: torch.compile of the small per-token functions); glue-eager: the same without graphs;
     glue-attn: glue with the one-kernel decode attention (``executor.fused_attention``); glue-moe: glue with
-    the TileLang grouped expert GEMM (``executor.fused_moe``); glue-all: glue with both."""
+    the TileLang grouped expert GEMM (``executor.fused_moe``); glue-head: glue with the LM head through that
+    kernel (``executor.fused_head``); glue-all: glue with all three."""
     if mode not in MODES:
         raise SystemExit(f"--graphs: unknown mode {mode!r} ({', '.join(MODES)})")
     if hasattr(ex, "sync_free"):
         ex.sync_free = mode != "legacy"
-        ex.cuda_graphs = mode in ("on", "fused", "glue", "glue-attn", "glue-moe", "glue-all")
+        ex.cuda_graphs = mode in ("on", "fused", "glue", "glue-attn", "glue-moe", "glue-head", "glue-all")
         ex.fused_sinkhorn = mode == "fused"
         ex.fuse_glue = mode.startswith("glue")
         ex.fused_attention = mode in ("glue-attn", "glue-all")
         ex.fused_moe = mode in ("glue-moe", "glue-all")
+        ex.fused_head = mode in ("glue-head", "glue-all")
     elif mode != "legacy":
         raise SystemExit("this executor has no sync-free path")
 
@@ -476,7 +478,7 @@ def main() -> None:
                 emit(BENCH, pm, "fused_functions_compiled", compiled_count(), "count")
             if out and mode in args.host_profile.split(","):
                 host_profile(dec, 5, out / "host_profile.txt", f"B={b} {mode}")
-        for m in (x for x in ("on", "fused", "glue", "glue-attn", "glue-moe", "glue-all") if x in modes and "off" in modes):
+        for m in (x for x in MODES[2:] if x != "glue-eager" and x in modes and "off" in modes):
             # the same step eagerly (sync-free, no fusion) and in mode m (rolled back one token)
             set_mode(dec.ex, "off")
             ref = dec.step().float()

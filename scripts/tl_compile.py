@@ -45,6 +45,7 @@ KERNELS = [
     # the wide config's expert products: gate / up packed (N = 2 x 2304, K = 5120), down (N = 5120, K = 2304)
     ("moe_grouped_gemm", "grouped_gemm", (8, 4608, 5120, "bfloat16")),
     ("moe_grouped_gemm", "grouped_gemm", (8, 5120, 2304, "bfloat16")),
+    ("moe_grouped_gemm", "grouped_gemm", (1, 129280, 5120, "bfloat16")),  # the LM head, one group
 ]
 BUILDERS = {"kv_gather_lanes": "_build_gather_lanes", "kv_gather": "_build_gather"}
 

@@ -16,6 +16,7 @@ variable                               default    meaning
 ``DEEPINFER_FUSE_GLUE``                0          compile the decode step's small functions into fused kernels (cuda)
 ``DEEPINFER_FUSED_ATTENTION``          0          each decode layer's attention as one kernel (cuda, 64 x 512 heads)
 ``DEEPINFER_FUSED_MOE``                0          the decode step's expert products as one TileLang grouped GEMM (cuda)
+``DEEPINFER_FUSED_HEAD``               0          the decode step's LM head through that kernel (cuda)
 =====================================  =========  ============================================================
 """
 
@@ -72,6 +73,7 @@ class Envs:
     fuse_glue: bool = False
     fused_attention: bool = False
     fused_moe: bool = False
+    fused_head: bool = False
 
     @max_backtracking_tokens.default
     def _default_backtracking(self) -> int:
@@ -117,6 +119,8 @@ class Envs:
             kw["fused_attention"] = _parse_bool("DEEPINFER_FUSED_ATTENTION", raw)
         if (raw := env.get("DEEPINFER_FUSED_MOE")) is not None:
             kw["fused_moe"] = _parse_bool("DEEPINFER_FUSED_MOE", raw)
+        if (raw := env.get("DEEPINFER_FUSED_HEAD")) is not None:
+            kw["fused_head"] = _parse_bool("DEEPINFER_FUSED_HEAD", raw)
         return cls(**kw)  # type: ignore[arg-type]
 
 

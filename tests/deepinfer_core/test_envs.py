@@ -13,6 +13,7 @@ def test_defaults() -> None:
     assert e.batch_invariant is False
     assert e.yoco_prefill_keep_tokens == 140
     assert e.cuda_graphs is True and e.fuse_glue is False and e.fused_attention is False and e.fused_moe is False
+    assert e.fused_head is False
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,7 @@ def test_defaults() -> None:
         ({"DEEPINFER_FUSE_GLUE": "1"}, "fuse_glue", True),
         ({"DEEPINFER_FUSED_ATTENTION": "on"}, "fused_attention", True),
         ({"DEEPINFER_FUSED_MOE": "1"}, "fused_moe", True),
+        ({"DEEPINFER_FUSED_HEAD": "true"}, "fused_head", True),
     ],
 )
 def test_good_values(env: dict[str, str], field: str, value: object) -> None:

@@ -126,3 +126,53 @@ def test_executor_fused_moe_keeps_the_step() -> None:
     assert ((lp[0] - lf[0]).norm() / lp[0].norm()).item() < 3e-2
     same = sum(a == b for x, y in zip(tp, tf) for a, b in zip(x, y))
     assert same >= 0.8 * sum(map(len, tp))
+
+
+def test_executor_fused_moe_and_head_wiring_on_the_reference_backend() -> None:
+    """``executor.fused_moe`` / ``fused_head`` route the decode step's expert products and LM head through
+    the backend's ``moe_grouped_gemm``: on the reference backend (its torch reference) the greedy decode
+    equals the default path's (float32)."""
+    from deepinfer_core.model.model import DeepSeekV41
+    from tests.deepinfer_core.model.session import Session
+    from tests.deepinfer_core.model.test_cuda_graphs import _greedy, v41_heads_config
+
+    model = DeepSeekV41.from_config(v41_heads_config(4), seed=2, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(8)
+    prompts = {i: torch.randint(0, 2048, (35 + 9 * i,), generator=g) for i in range(3)}
+    calls: list[int] = []
+    op = get_backend("reference").op("moe_grouped_gemm")
+
+    class Counting:  # the reference backend with the grouped product counted (by its number of groups)
+        def op(self, name: str):
+            if name != "moe_grouped_gemm":
+                return get_backend("reference").op(name)
+            return lambda x, w, offs: (calls.append(w.shape[0]), op(x, w, offs))[1]
+
+    runs, seen = [], []
+    for flags in ({}, {"fused_moe": True}, {"fused_head": True}, {"fused_moe": True, "fused_head": True}):
+        calls.clear()
+        s = Session(model, quantize=True, num_blocks=128, block_size=16, slots=4)
+        s.ex.backend, s.ex.sync_free = Counting(), True
+        for k, v in flags.items():
+            setattr(s.ex, k, v)
+        runs.append(_greedy(s, prompts, 3, drop_at=2))
+        seen.append(sorted(set(calls)))
+    e = model.cfg.n_routed_experts
+    assert seen == [[], [e], [1], [1, e]], seen  # experts: E groups; the head: one
+    for toks, logits in runs[1:]:
+        assert toks == runs[0][0]
+        assert max(((a - b).norm() / a.norm()).item() for a, b in zip(runs[0][1], logits)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_kernel_as_the_lm_head() -> None:
+    cuda, _ = _cuda_ops()
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(1, 32768, 5120, generator=g) / 5120 ** 0.5).bfloat16().cuda()
+    for rows in (1, 64, 100):
+        h = torch.randn(rows, 5120, generator=g).bfloat16().cuda()
+        end = torch.full((1,), rows, dtype=torch.int32, device="cuda")
+        got = cuda(h, w, end)
+        want = (h.double() @ w[0].double().t())
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+        assert (got.float().argmax(-1) == want.argmax(-1)).float().mean().item() > 0.95

@@ -126,6 +126,7 @@ class LLMEngine(StepRunner, RowSampler):
                                       draft_context=self.num_speculative_tokens > 0)
         self.executor.fused_attention = self.envs.fused_attention and self.executor.sync_free
         self.executor.fused_moe = self.envs.fused_moe and self.executor.sync_free
+        self.executor.fused_head = self.envs.fused_head and self.executor.sync_free
         self._build_scheduler()
         self._sample = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")

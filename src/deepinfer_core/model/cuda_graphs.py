@@ -92,6 +92,7 @@ class GraphKey:
     glue: bool = False  # the executor's fused glue (model.fusion; a different body too)
     attention: bool = False  # the executor's fused attention kernel (another body)
     moe: bool = False  # the executor's grouped MoE kernel (another body)
+    head: bool = False  # the LM head through that kernel (another body)
 
 
 def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) -> np.ndarray:
@@ -169,7 +170,8 @@ class DecodeGraphs:
         return GraphKey(n, width_bucket(b.block_tables.shape[1]),
                         tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
                         bool(getattr(self.ex, "fused_sinkhorn", False)), bool(getattr(self.ex, "fuse_glue", False)),
-                        bool(getattr(self.ex, "fused_attention", False)), bool(getattr(self.ex, "fused_moe", False)))
+                        bool(getattr(self.ex, "fused_attention", False)), bool(getattr(self.ex, "fused_moe", False)),
+                        bool(getattr(self.ex, "fused_head", False)))
 
     def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_rows: dict[int, torch.Tensor],
             tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:

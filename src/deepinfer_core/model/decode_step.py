@@ -324,8 +324,14 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
         hidden, counts = ex.model.run_layers(
             inp.tokens, lambda lid, a, x: attend_rows(ex, lid, a, x, inp, sel, pools, valid),
             capture=capture, engram_rows=inp.engram)
-    logits = ex.model.logits(hidden if logit_rows is None else hidden[logit_rows])
-    return logits, counts, capture
+    h = hidden if logit_rows is None else hidden[logit_rows]
+    if getattr(ex, "fused_head", False) and ex.backend is not None:
+        # opt-in: the LM head as the grouped GEMM kernel with one group (the offsets on the device: a fill,
+        # no host copy); the same product as ``model.logits``
+        w = ex.model.embed if ex.model.head is None else ex.model.head
+        end = torch.full((1,), h.shape[0], dtype=torch.int32, device=h.device)
+        return ex.backend.op("moe_grouped_gemm")(h, w[None], end), counts, capture
+    return ex.model.logits(h), counts, capture
 
 
 def execute_rows(ex: ExecutorView, b: ForwardBatch, feed: TokenFeed | None = None) -> ForwardOutput:

@@ -106,6 +106,8 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         self.fused_attention = False
         # opt-in likewise: the MoE's expert products as the backend's ``moe_grouped_gemm`` (TileLang)
         self.fused_moe = False
+        # and the LM head as the same kernel with one group (a [V, D] weight stream)
+        self.fused_head = False
         self._graphs: DecodeGraphs | None = None
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers
