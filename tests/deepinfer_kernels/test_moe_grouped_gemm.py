@@ -133,29 +133,18 @@ def test_executor_fused_moe_and_head_wiring_on_the_reference_backend() -> None:
     the backend's ``moe_grouped_gemm``: on the reference backend (its torch reference) the greedy decode
     equals the default path's (float32)."""
     from deepinfer_core.model.model import DeepSeekV41
-    from tests.deepinfer_core.model.session import Session
-    from tests.deepinfer_core.model.test_cuda_graphs import _greedy, v41_heads_config
+    from tests.deepinfer_core.model.test_cuda_graphs import v41_heads_config
+    from tests.deepinfer_kernels.wiring import SpyBackend, reference_decode
 
     model = DeepSeekV41.from_config(v41_heads_config(4), seed=2, dtype=torch.float32, device="cpu")
     g = torch.Generator().manual_seed(8)
     prompts = {i: torch.randint(0, 2048, (35 + 9 * i,), generator=g) for i in range(3)}
     calls: list[int] = []
-    op = get_backend("reference").op("moe_grouped_gemm")
-
-    class Counting:  # the reference backend with the grouped product counted (by its number of groups)
-        def op(self, name: str):
-            if name != "moe_grouped_gemm":
-                return get_backend("reference").op(name)
-            return lambda x, w, offs: (calls.append(w.shape[0]), op(x, w, offs))[1]
-
+    spy = SpyBackend("moe_grouped_gemm", lambda x, w, offs: calls.append(w.shape[0]))  # by its groups
     runs, seen = [], []
     for flags in ({}, {"fused_moe": True}, {"fused_head": True}, {"fused_moe": True, "fused_head": True}):
         calls.clear()
-        s = Session(model, quantize=True, num_blocks=128, block_size=16, slots=4)
-        s.ex.backend, s.ex.sync_free = Counting(), True
-        for k, v in flags.items():
-            setattr(s.ex, k, v)
-        runs.append(_greedy(s, prompts, 3, drop_at=2))
+        runs.append(reference_decode(model, prompts, 3, 2, spy, **flags))
         seen.append(sorted(set(calls)))
     e = model.cfg.n_routed_experts
     assert seen == [[], [e], [1], [1, e]], seen  # experts: E groups; the head: one

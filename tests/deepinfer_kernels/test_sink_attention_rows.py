@@ -134,26 +134,17 @@ def test_executor_fused_attention_wiring_on_the_reference_backend() -> None:
     window and top-k keys in one buffer: on the reference backend (its torch reference) the greedy decode
     equals the default path's (float32)."""
     from deepinfer_core.model.model import DeepSeekV41
-    from tests.deepinfer_core.model.session import Session
-    from tests.deepinfer_core.model.test_cuda_graphs import _greedy, v41_heads_config
+    from tests.deepinfer_core.model.test_cuda_graphs import v41_heads_config
+    from tests.deepinfer_kernels.wiring import SpyBackend, reference_decode
 
     model = DeepSeekV41.from_config(v41_heads_config(4), seed=2, dtype=torch.float32, device="cpu")
     g = torch.Generator().manual_seed(5)
     prompts = {i: torch.randint(0, 2048, (40 + 11 * i,), generator=g) for i in range(3)}
-    calls: list[int] = []
-    op = get_backend("reference").op("sink_attention_rows")
-
-    class Counting:  # the reference backend with the attention op counted
-        def op(self, name: str):
-            if name != "sink_attention_rows":
-                return get_backend("reference").op(name)
-            return lambda *a: (calls.append(a[1].shape[1] if a[3] is None else -1), op(*a))[1]
-
+    calls: list[int] = []  # the keys of each call's one set (-1: two sets)
+    spy = SpyBackend("sink_attention_rows", lambda *a: calls.append(a[1].shape[1] if a[3] is None else -1))
     runs, per_run = [], []
     for fused in (False, True):
-        s = Session(model, quantize=True, num_blocks=128, block_size=16, slots=4)
-        s.ex.backend, s.ex.sync_free, s.ex.fused_attention = Counting(), True, fused
-        runs.append(_greedy(s, prompts, 4, drop_at=2))
+        runs.append(reference_decode(model, prompts, 4, 2, spy, fused_attention=fused))
         per_run.append(len(calls))
     # off: never called; on: once per layer of each of the 4 decode steps, always one key set: the window
     # alone (SWA layers) or window and top-k gathered into one buffer (kv_gather(out=))
