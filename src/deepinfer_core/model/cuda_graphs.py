@@ -83,16 +83,17 @@ def pad_rows(a: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate((a, np.repeat(a[:1], n - r, axis=0)))
 
 
+# executor switches that change what a decode step launches (the fused Sinkhorn, the fused glue, the fused
+# attention, the grouped MoE GEMM, the LM head through it): part of every graph's key
+BODY_FLAGS = ("fused_sinkhorn", "fuse_glue", "fused_attention", "fused_moe", "fused_head")
+
+
 @attrs.frozen
 class GraphKey:
     batch: int
     width: int
     entries: tuple[tuple[int, int], ...]  # (ratio, padded entry count), by ratio
-    fused: bool = False  # the executor's opt-in fused kernels (a different body: its own graph)
-    glue: bool = False  # the executor's fused glue (model.fusion; a different body too)
-    attention: bool = False  # the executor's fused attention kernel (another body)
-    moe: bool = False  # the executor's grouped MoE kernel (another body)
-    head: bool = False  # the LM head through that kernel (another body)
+    body: tuple[bool, ...] = ()  # the executor's BODY_FLAGS: each opt-in kernel is another body, its own graph
 
 
 def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) -> np.ndarray:
@@ -169,9 +170,7 @@ class DecodeGraphs:
             return None
         return GraphKey(n, width_bucket(b.block_tables.shape[1]),
                         tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
-                        bool(getattr(self.ex, "fused_sinkhorn", False)), bool(getattr(self.ex, "fuse_glue", False)),
-                        bool(getattr(self.ex, "fused_attention", False)), bool(getattr(self.ex, "fused_moe", False)),
-                        bool(getattr(self.ex, "fused_head", False)))
+                        tuple(bool(getattr(self.ex, f, False)) for f in BODY_FLAGS))
 
     def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_rows: dict[int, torch.Tensor],
             tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
