@@ -328,9 +328,8 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
     if getattr(ex, "fused_head", False) and ex.backend is not None:
         # opt-in: the LM head as the grouped GEMM kernel with one group (the offsets on the device: a fill,
         # no host copy); the same product as ``model.logits``
-        w = ex.model.embed if ex.model.head is None else ex.model.head
         end = torch.full((1,), h.shape[0], dtype=torch.int32, device=h.device)
-        return ex.backend.op("moe_grouped_gemm")(h, w[None], end), counts, capture
+        return ex.backend.op("moe_grouped_gemm")(h, ex.model.head_weight[None], end), counts, capture
     return ex.model.logits(h), counts, capture
 
 

@@ -243,9 +243,13 @@ class DeepSeekV41(nn.Module):
                 capture[lid] = self.residual.collapse(state)
         return self.norm(self.residual.end(state)), torch.stack(counts)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's [V, D] weight (the embedding when tied)."""
+        return self.embed if self.head is None else self.head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed if self.head is None else self.head
-        return hidden @ w.t()
+        return hidden @ self.head_weight.t()
 
     # ------------------------------------------------------------------ the ground truth
     @torch.no_grad()
