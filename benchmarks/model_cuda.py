@@ -267,6 +267,7 @@ class Decoder:
 
 
 MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager", "glue-attn", "glue-moe", "glue-head", "glue-all")
+EAGER_MODES = ("legacy", "off", "glue-eager")  # every other mode replays CUDA graphs
 
 
 def set_mode(ex: ModelExecutor, mode: str) -> None:
@@ -280,7 +281,7 @@ def set_mode(ex: ModelExecutor, mode: str) -> None:
         raise SystemExit(f"--graphs: unknown mode {mode!r} ({', '.join(MODES)})")
     if hasattr(ex, "sync_free"):
         ex.sync_free = mode != "legacy"
-        ex.cuda_graphs = mode in ("on", "fused", "glue", "glue-attn", "glue-moe", "glue-head", "glue-all")
+        ex.cuda_graphs = mode not in EAGER_MODES
         ex.fused_sinkhorn = mode == "fused"
         ex.fuse_glue = mode.startswith("glue")
         ex.fused_attention = mode in ("glue-attn", "glue-all")
@@ -478,7 +479,7 @@ def main() -> None:
                 emit(BENCH, pm, "fused_functions_compiled", compiled_count(), "count")
             if out and mode in args.host_profile.split(","):
                 host_profile(dec, 5, out / "host_profile.txt", f"B={b} {mode}")
-        for m in (x for x in MODES[2:] if x != "glue-eager" and x in modes and "off" in modes):
+        for m in (x for x in modes if x not in EAGER_MODES and "off" in modes):
             # the same step eagerly (sync-free, no fusion) and in mode m (rolled back one token)
             set_mode(dec.ex, "off")
             ref = dec.step().float()
