@@ -116,7 +116,7 @@ class EngramHasher:
                 "int32 row ids allow < 2**31 per layer"
             )
         self._dev_cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._decode_cache: dict[tuple[torch.device, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._decode_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         log.debug("EngramHasher: layers %s, rows per layer %s", config.layer_ids, self.layer_rows.tolist())
 
     def layer_index(self, layer_id: int) -> int:
@@ -153,11 +153,11 @@ class EngramHasher:
         """:meth:`device_params` in int64, laid out to broadcast over a decode step's tokens: (the first
         multiplier of each layer [L, 1], primes [L, 1, N-1, H], offsets [L, 1, (N-1)*H]), cached per device
         (the executor's decode hash takes them every step: no cast kernel, no per-step views)."""
-        key = (torch.device(device), "decode")
-        p = self._decode_cache.get(key)
+        dev = torch.device(device)
+        p = self._decode_cache.get(dev)
         if p is None:
-            m, primes, offsets = self.device_params(key[0], torch.int64)
-            p = self._decode_cache[key] = (m[:, :1], primes.unsqueeze(1), offsets.unsqueeze(1))
+            m, primes, offsets = self.device_params(dev, torch.int64)
+            p = self._decode_cache[dev] = (m[:, :1], primes.unsqueeze(1), offsets.unsqueeze(1))
         return p
 
     def ngram_token_ids(
