@@ -174,8 +174,7 @@ def attend_requests(ex: Any, lid: int, a: Any, x: torch.Tensor, positions: torch
             snap[sp % ex.swa_ring] = swa_bytes[r0:r1][sp - s]
             ex._snaps.setdefault(i, []).append(snap)
         keep = slice(max(0, n - ex.swa_ring), n)
-        ex._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep],
-                         torch.full_like(qp[keep], slot), qp[keep])
+        ex._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep], torch.full_like(qp[keep], slot), qp[keep])
         win = (h0, s, w, floor, a.attn_sink, a.scale)  # the tiled path's window arguments
         if a.kind == LAYER_SWA:
             with record_function(ATTENTION_RANGE):
@@ -201,8 +200,6 @@ def attend_requests(ex: Any, lid: int, a: Any, x: torch.Tensor, positions: torch
                     sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
         ids, valid = sel[(cfg.index_source_of(lid), i)]
         flat = ex.kv[src].view(-1, fmt.main.bytes_per_token)
-
-        gather = functools.partial(_gather_compressed, ex, flat, table, ids, valid, ratio)
         with record_function(ATTENTION_RANGE):
             if tiled and cfg.ratio(cfg.index_source_of(lid)) == ratio:  # ids index this layer's entries
                 # dequantise the request's e_total entries once, then gather rows of bf16 keys: the
@@ -211,6 +208,8 @@ def attend_requests(ex: Any, lid: int, a: Any, x: torch.Tensor, positions: torch
                 table_keys = fmt.main.dequantize(flat[ex._slots(table, torch.arange(e_total, device=ex.device),
                                                                   ratio)]).to(ex.dtype)
                 gather = functools.partial(_pick_keys, table_keys, ids, valid)
+            else:
+                gather = functools.partial(_gather_compressed, ex, flat, table, ids, valid, ratio)
             if tiled:
                 outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
                                            tile=ex.prefill_tile, budget=ex.prefill_budget))
@@ -218,6 +217,7 @@ def attend_requests(ex: Any, lid: int, a: Any, x: torch.Tensor, positions: torch
                 kb, _ = gather(0, n)
                 outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
     return torch.cat(outs)
+
 
 def _gather_compressed(ex: Any, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
                        ratio: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
