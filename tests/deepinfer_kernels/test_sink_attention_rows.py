@@ -81,8 +81,10 @@ def test_kernel_matches_reference(b: int) -> None:
         got = cuda(q, k_a, m_a, k_b, m_b, sink, 512 ** -0.5)
         want = ref(q.double(), k_a.double(), m_a, None if k_b is None else k_b.double(), m_b, sink.double(), 512 ** -0.5)
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-        rel = ((got.double() - want).norm() / want.norm()).item()
-        assert rel < 1e-2, (n, b, rel)  # bf16 weights and output against float64
+        # bf16 weights and output against float64: relative to the output's norm; absolute when every row
+        # sees no key (n = 1 without top-k keys: the one row is all-masked, its output 0)
+        err, size = (got.double() - want).norm().item(), want.norm().item()
+        assert err <= 1e-2 * size + 1e-6, (n, b, err, size)
         if n > 1 and b:
             assert got[1].abs().max().item() == 0  # every key masked: only the sink, output 0
 
