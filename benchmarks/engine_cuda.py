@@ -59,8 +59,8 @@ MODES = ("sync", "async", "async-plain", "spec")
 
 def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
                 prompt: int = 64, gen: int = 32) -> LLMEngine:
-    envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue, fused_attention=FUSED_ATTENTION[0],
-                fused_moe=FUSED_MOE[0], fused_head=FUSED_MOE[0])
+    envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue, fused_attention=FUSED[0],
+                fused_moe=FUSED[0], fused_head=FUSED[0])
     spec = dict(speculative=mode == "spec")
     per_req = -(-(prompt + gen + 16) // 16) + 1
     cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
@@ -81,8 +81,7 @@ def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: b
 
 _WIDE: dict[str, Any] = {}
 BACKEND = ["cuda"]  # --backend reference runs the same code on the CPU (a smoke test of this script)
-FUSED_ATTENTION = [False]  # --fused-attention: DEEPINFER_FUSED_ATTENTION for every engine of the run
-FUSED_MOE = [False]  # --fused-moe: DEEPINFER_FUSED_MOE likewise
+FUSED: list[bool | None] = [None]  # --fused: DEEPINFER_FUSED_ATTENTION / _MOE / _HEAD for every engine of the run
 
 
 def sync() -> None:
@@ -427,10 +426,9 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
-    ap.add_argument("--fused-attention", action="store_true",
-                    help="each decode layer's attention as one kernel (DEEPINFER_FUSED_ATTENTION)")
-    ap.add_argument("--fused-moe", action="store_true",
-                    help="the TileLang grouped GEMM for the experts and the LM head (DEEPINFER_FUSED_MOE, _HEAD)")
+    ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
+                    help="the one-kernel decode attention, expert GEMM and LM head (DEEPINFER_FUSED_ATTENTION / "
+                         "_MOE / _HEAD): auto = the executor's default (on where the model's shapes run them)")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64")
     ap.add_argument("--host-modes", default="sync,async", help="engine modes of the host-cost section")
@@ -448,8 +446,7 @@ def main() -> None:
         log(f"engine_cuda: {len(rows)} points from {args.replot} -> {d / 'engine_cuda.png'}")
         return
     BACKEND[0] = args.backend
-    FUSED_ATTENTION[0] = args.fused_attention
-    FUSED_MOE[0] = args.fused_moe
+    FUSED[0] = {"auto": None, "on": True, "off": False}[args.fused]
     h = logging.StreamHandler()  # the engine's warnings (e.g. a failed graph capture) on stderr
     h.setLevel(logging.WARNING)
     logging.getLogger("deepinfer_core").addHandler(h)

@@ -71,9 +71,11 @@ class Envs:
     yoco_prefill_keep_tokens: int = 140
     cuda_graphs: bool = True
     fuse_glue: bool = False
-    fused_attention: bool = False
-    fused_moe: bool = False
-    fused_head: bool = False
+    # the one-kernel decode paths: None = the executor's default (on where the model's shapes run the
+    # cuda backend's kernels, model.fused_kernels); True / False force them on / off
+    fused_attention: bool | None = None
+    fused_moe: bool | None = None
+    fused_head: bool | None = None
 
     @max_backtracking_tokens.default
     def _default_backtracking(self) -> int:

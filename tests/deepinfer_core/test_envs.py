@@ -12,8 +12,9 @@ def test_defaults() -> None:
     assert e.max_backtracking_tokens == 6  # drafts + 1: the SWA ring is 128 + 6 = 134 tokens
     assert e.batch_invariant is False
     assert e.yoco_prefill_keep_tokens == 140
-    assert e.cuda_graphs is True and e.fuse_glue is False and e.fused_attention is False and e.fused_moe is False
-    assert e.fused_head is False
+    assert e.cuda_graphs is True and e.fuse_glue is False
+    # unset: the executor's default (model.fused_kernels), neither forced on nor off
+    assert e.fused_attention is None and e.fused_moe is None and e.fused_head is None
 
 
 @pytest.mark.parametrize(
@@ -32,6 +33,7 @@ def test_defaults() -> None:
         ({"DEEPINFER_FUSED_ATTENTION": "on"}, "fused_attention", True),
         ({"DEEPINFER_FUSED_MOE": "1"}, "fused_moe", True),
         ({"DEEPINFER_FUSED_HEAD": "true"}, "fused_head", True),
+        ({"DEEPINFER_FUSED_MOE": "0"}, "fused_moe", False),
     ],
 )
 def test_good_values(env: dict[str, str], field: str, value: object) -> None:

@@ -124,9 +124,9 @@ class LLMEngine(StepRunner, RowSampler):
                                       backend=self.backend if cfg.backend == "cuda" else None,
                                       cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue,
                                       draft_context=self.num_speculative_tokens > 0)
-        self.executor.fused_attention = self.envs.fused_attention and self.executor.sync_free
-        self.executor.fused_moe = self.envs.fused_moe and self.executor.sync_free
-        self.executor.fused_head = self.envs.fused_head and self.executor.sync_free
+        for switch in ("fused_attention", "fused_moe", "fused_head"):  # unset: the executor's default
+            if (on := getattr(self.envs, switch)) is not None:
+                setattr(self.executor, switch, on and self.executor.sync_free)
         self._build_scheduler()
         self._sample = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")

@@ -33,6 +33,7 @@ from deepinfer_core.model.decode_step import (
     hash_decode_on_device,
     hashed_row_tables,
 )
+from deepinfer_core.model.fused_kernels import kernel_defaults
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
@@ -100,14 +101,13 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         self._graph_buckets = check_buckets(cuda_graph_buckets)
         # the sync-free step's small functions compiled into fused kernels (model.fusion; torch.compile)
         self.fuse_glue = bool(fuse_glue) and self.sync_free
-        # opt-in: each decode layer's attention as the backend's one-kernel ``sink_attention_rows``
-        # (TileLang on the cuda backend) instead of two batched GEMMs and the softmax between them; off
-        # until an H200 run has checked it (set between steps, as the other switches)
-        self.fused_attention = False
-        # opt-in likewise: the MoE's expert products as the backend's ``moe_grouped_gemm`` (TileLang)
-        self.fused_moe = False
-        # and the LM head as the same kernel with one group (a [V, D] weight stream)
-        self.fused_head = False
+        # each decode layer's attention as the backend's one-kernel ``sink_attention_rows`` (TileLang on the
+        # cuda backend) instead of two batched GEMMs and the softmax between them; the MoE's expert products
+        # as its ``moe_grouped_gemm``; the LM head as that kernel with one group (a [V, D] weight stream).
+        # On by default where the model's shapes run the kernels (model.fused_kernels); set between steps,
+        # as the other switches
+        for name, on in kernel_defaults(model, backend, self.sync_free).items():
+            setattr(self, name, on)
         self._graphs: DecodeGraphs | None = None
         dev, u8 = self.device, torch.uint8
         n_layers = cfg.num_hidden_layers

@@ -265,9 +265,11 @@ def _cuda_session(model: DeepSeekV41, quantize: bool, graphs: bool, slots: int =
 def greedy_plain_and_flagged(model: DeepSeekV41, quantize: bool, prompts: dict[int, torch.Tensor], steps: int,
                              drop_at: int, **flags: bool) -> tuple[tuple[list, list], tuple[list, list], Session]:
     """:func:`_greedy` on two cuda sessions with graphs, the second with executor ``flags`` set (an opt-in
-    kernel): ((tokens, logits) plain, (tokens, logits) flagged, the flagged session)."""
+    kernel; the plain session has those switches off, whatever the executor's default):
+    ((tokens, logits) plain, (tokens, logits) flagged, the flagged session)."""
     plain, flagged = _cuda_session(model, quantize, graphs=True), _cuda_session(model, quantize, graphs=True)
     for name, v in flags.items():
+        setattr(plain.ex, name, False)
         setattr(flagged.ex, name, v)
     return _greedy(plain, prompts, steps, drop_at), _greedy(flagged, prompts, steps, drop_at), flagged
 
