@@ -29,7 +29,18 @@ from torch import nn
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable, glue_on
 
-__all__ = ["MHCResidual", "sinkhorn", "sinkhorn_impl"]
+__all__ = ["MHCResidual", "sinkhorn", "sinkhorn_impl", "split_bf16"]
+
+# The fused glue's coefficient GEMM for a bfloat16 state (a switch for the tests): the bf16 state times phi
+# as bf16 parts (:func:`split_bf16`, cached per layer: phi itself in a bf16 model, exact; hi + lo for a
+# float32 phi), on bf16 tensor cores with float32 accumulation, the norm applied after. The reference form normalises the state into a float32 copy and
+# multiplies by the float32 phi: cuBLAS has no tensor-core kernel for that (no TF32 here), and the wide
+# B = 64 decode step's H200 profile shows it as a SIMT sgemm plus a split-K reduce, 18 us per layer
+# ([64, 20480] x [20480, 48], reading ~14 MB); the split form reads the bf16 state and the parts (2 MB per
+# part). Its error against the exact product is float32 accumulation only for a bf16 phi (bf16 products are
+# exact in float32), plus <= 2**-16 of sum |x_c phi_c| for a float32 phi: the order of the float32 GEMM's
+# own (tested against float64). The reference path (no glue) is unchanged.
+SPLIT_GEMM = True
 
 # the Sinkhorn used by MHCResidual in this context: None = :func:`sinkhorn`; the executor's sync-free
 # decode path may set a fused kernel (the ``mhc_sinkhorn`` op, same contract) with :func:`sinkhorn_impl`
@@ -64,17 +75,55 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
-def _logits(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int, eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_bf16(phi: torch.Tensor) -> torch.Tensor:
+    """``phi`` as [h, *phi.shape] bfloat16 parts summing to it: h = 1 (phi itself, exact) for a bfloat16
+    ``phi`` (a bf16 model's), else h = 2 (hi, lo) with ``hi + lo`` = ``phi`` to 2**-16 relative.
+
+    hi = bf16(phi) is within 2**-8 |phi| (bf16 keeps 8 significant bits, round to nearest); ``phi - hi``
+    is exact in float32 and lo = bf16(phi - hi) is within 2**-8 of it, so |phi - hi - lo| <= 2**-16 |phi|
+    (float32's own rounding is 2**-24; TF32, what DeepSeek's mHC kernels feed their GEMM, is 2**-11).
+    """
+    if phi.dtype == torch.bfloat16:
+        return phi[None].contiguous()
+    p = phi.to(torch.float32)
+    hi = p.to(torch.bfloat16)
+    return torch.stack((hi, (p - hi.to(torch.float32)).to(torch.bfloat16)))
+
+
+def _raw(state: torch.Tensor, phi: torch.Tensor | None, split: torch.Tensor | None, cd: torch.dtype, eps: float
+         ) -> torch.Tensor:
+    """``RMSNorm(state.flatten()) @ phi^T`` per sublayer, [T, S, k] in ``cd``: from ``phi`` [S, k, C] (the
+    reference form: normalise, then a ``cd`` product), or, for a bfloat16 ``state``, from ``split`` =
+    :func:`split_bf16` (phi) [h, S, k, C] (the decode graph's form, see :data:`SPLIT_GEMM`)."""
+    t = state.shape[0]
+    if split is None:
+        x = state.reshape(t, -1).to(cd)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return torch.einsum("tc,skc->tsk", x, phi.to(cd))  # type: ignore[union-attr]
+    # the norm is one factor per token, so it is applied after the product: the product's left operand is
+    # the bf16 state itself (no float32 copy of it is written), products of bf16 values are exact in float32
+    # and accumulate in float32; one GEMM of N = h S k (the parts side by side; S k = 48 for n = 4, S = 2)
+    h, sub, k, c = split.shape
+    s = state.reshape(t, c)
+    w = split.reshape(h * sub * k, c)
+    if s.is_cuda:
+        y = torch.mm(s, w.t(), out_dtype=torch.float32)  # cuBLAS bf16 tensor cores, float32 accumulate and out
+    else:  # the same products (exact in float32) through a float32 GEMM: how the CPU tests run this form
+        y = s.to(torch.float32) @ w.to(torch.float32).t()
+    y = y.view(t, h, sub, k)
+    r = torch.rsqrt(s.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    return (y[:, 0] if h == 1 else y[:, 0] + y[:, 1]) * r[:, :, None]
+
+
+def _logits(state: torch.Tensor, phi: torch.Tensor | None, alpha: torch.Tensor, bias: torch.Tensor, n: int,
+            eps: float, split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, S, n], post [T, S, n]) in the state's dtype and the Sinkhorn logits [T, S, n, n] in the
     coefficient dtype, for the S sublayers whose ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k]
-    are given."""
+    are given (``split``: phi as :func:`split_bf16`, used instead of ``phi`` for a bfloat16 state)."""
     # coefficients in >= float32 (a bf16 Sinkhorn drifts); the stream update stays in the model dtype
     cd = torch.float64 if state.dtype == torch.float64 else torch.float32
-    x = state.reshape(state.shape[0], -1).to(cd)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    phi, a, b = phi.to(cd), alpha.to(cd), bias.to(cd)
-    raw = torch.einsum("tc,skc->tsk", x, phi)  # [T, S, k]
+    a, b = alpha.to(cd), bias.to(cd)
+    raw = _raw(state, phi, split, cd, eps)  # [T, S, k]
     pre = torch.sigmoid(a[None, :, 0:1] * raw[..., :n] + b[None, :, :n])
     post = 2 * torch.sigmoid(a[None, :, 1:2] * raw[..., n : 2 * n] + b[None, :, n : 2 * n])
     logits = (a[None, :, 2:3] * raw[..., 2 * n :] + b[None, :, 2 * n :]).view(*raw.shape[:2], n, n)
@@ -87,11 +136,11 @@ _mhc_logits = fusable(_logits)  # fused glue around a Sinkhorn kernel
 
 @fusable
 def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
-                      iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None,
+                      split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_logits` then the Sinkhorn (``sk``, None: :func:`sinkhorn`): (pre, post, res [T, S, n, n]),
     all in the state's dtype."""
-    pre, post, logits = _logits(state, phi, alpha, bias, n, eps)
+    pre, post, logits = _logits(state, phi, alpha, bias, n, eps, split)
     # one Sinkhorn over every sublayer at once: the loop is op-count bound on small n
     return pre, post, (sk or sinkhorn)(logits, iters).to(state.dtype)
 
@@ -136,6 +185,26 @@ class MHCResidual(nn.Module):
         self.bias = nn.Parameter(torch.empty(layers, 2, k))
         # coefficients computed by sublayer_input, consumed by the matching sublayer_output
         self._pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # split_bf16 of phi[layer, subs] for the glue's GEMM, keyed by (layer, first, last sublayer), valid
+        # while phi's storage and version are those recorded (a load or a move makes a new split)
+        self._splits: dict[tuple[int, int, int], tuple[tuple[int, int], torch.Tensor]] = {}
+
+    def _split(self, state: torch.Tensor, layer: int, idx: slice) -> torch.Tensor | None:
+        """:func:`split_bf16` of ``phi[layer, idx]`` where the glue's split GEMM applies (a bfloat16 state
+        under the fused glue, inference, :data:`SPLIT_GEMM`), else None (the float32 product)."""
+        if not (SPLIT_GEMM and state.dtype == torch.bfloat16 and glue_on() and not torch.is_grad_enabled()):
+            return None
+        key = (layer, idx.start, idx.stop)
+        stamp = (self.phi.data_ptr(), self.phi._version)
+        got = self._splits.get(key)
+        if got is not None and got[0] == stamp:
+            return got[1]
+        split = split_bf16(self.phi[layer, idx].detach())
+        # made on the eager warm-up step before a CUDA graph capture; a split made inside a capture is
+        # recomputed by each replay (correct, slower) and not kept, its memory being the graph's
+        if not (state.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._splits[key] = (stamp, split)
+        return split
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
@@ -150,15 +219,16 @@ class MHCResidual(nn.Module):
         # the device and synchronise, and cannot be captured in a CUDA graph)
         idx = slice(subs[0], subs[-1] + 1)
         phi, alpha, bias = self.phi[layer, idx], self.alpha[layer, idx], self.bias[layer, idx]
+        split = self._split(state, layer, idx)
         sk = _SINKHORN.get()
         if sk is not None and glue_on():
             # fused glue with a Sinkhorn kernel: compiled maths around it (Inductor would split the 20
             # iterations into 40 kernels; the kernel keeps the matrix in registers); res stays in the
             # coefficient dtype and is cast inside the compiled stream mix
-            pre, post, logits = _mhc_logits(state, phi, alpha, bias, self.n, self.eps)
+            pre, post, logits = _mhc_logits(state, phi, alpha, bias, self.n, self.eps, split)
             res = sk(logits, self.iters)
         else:
-            pre, post, res = _mhc_coefficients(state, phi, alpha, bias, self.n, self.iters, self.eps, sk)
+            pre, post, res = _mhc_coefficients(state, phi, alpha, bias, self.n, self.iters, self.eps, sk, split)
         for i, sub in enumerate(subs):
             self._pending[(layer, sub)] = (pre[:, i], post[:, i], res[:, i])
 
