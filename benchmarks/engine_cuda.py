@@ -286,7 +286,7 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             st1 = attrs.asdict(eng.stats)
             stages = {k: round(1e3 * (st1[k] - st0[k]) / max(steps, 1), 3) for k in st1 if k.endswith("_s")}
             p = {"model": args.model, "batch": b, "mode": mode, "glue": args.glue,
-                 "fused_attention": args.fused_attention, "fused_moe": args.fused_moe, "prompt": args.prompt,
+                 "fused": args.fused, "prompt": args.prompt,
                  "gen": args.gen}
             per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
             emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
