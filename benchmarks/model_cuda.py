@@ -6,7 +6,8 @@ MXFP4 indexer keys) one executor is prefilled, then S decode steps run eagerly a
 (modes: ``legacy`` the plain row path with its host syncs, ``off`` the sync-free eager path, ``on`` CUDA graphs). Reported per mode:
 
 - ``ms_per_step``: synchronised wall clock over S steps through ``ModelExecutor.execute`` (host work included:
-  that is what the engine waits for);
+  that is what the engine waits for); ``replay_ms_per_step`` (graph modes): the last step's graph replayed
+  back to back, the device's own time for a step with the gaps between its kernels and no host work;
 - ``roofline_pct``: the bytes a step must read (weights it uses + KV it attends to + indexer keys it scores,
   :func:`step_bytes`) over the device-to-device copy bandwidth measured in the same run, as a share of
   ``ms_per_step``;
@@ -291,6 +292,21 @@ def set_mode(ex: ModelExecutor, mode: str) -> None:
         raise SystemExit("this executor has no sync-free path")
 
 
+def replay_ms(dec: Decoder, reps: int = 20) -> float:
+    """The last step's CUDA graph replayed back to back (same inputs: its cache writes repeat the same
+    bytes at the same slots), synchronised wall ms a replay: the device's own time for the step, the gaps
+    between the graph's kernels included and no host work. ``ms_per_step`` minus this is the host's
+    exposed share; this minus ``gpu_ms_per_step`` (the kernels' own time) the gaps inside the graph."""
+    g = next(reversed(dec.ex.graphs().graphs.values()))
+    g.graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -471,6 +487,8 @@ def main() -> None:
             emit(BENCH, pm, "ms_per_step", ms, "ms")
             emit(BENCH, pm, "roofline_pct", 100 * floor_ms / ms, "%")
             emit(BENCH, pm, "tokens_per_s", b / ms * 1e3, "tok/s")
+            if mode not in EAGER_MODES:
+                emit(BENCH, pm, "replay_ms_per_step", replay_ms(dec), "ms")
             keep = out and (not args.profile_batches or str(b) in args.profile_batches.split(","))
             prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if keep else None)
             for k, v in prof.items():
