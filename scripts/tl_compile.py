@@ -9,7 +9,8 @@ device, so its modules are loaded here without that guard.
     DEEPINFER_TL_ARCH=sm_90a PYTHONPATH=src /tmp/tlvenv/bin/python scripts/tl_compile.py [--only NAME]
 
 Prints one JSON line per kernel: name, key, compile seconds, registers, spill bytes (ptxas -v on the
-generated source, sm_90a).
+generated source, sm_90a). ``--grouped-sweep``: instead, every candidate configuration of the grouped
+expert GEMM (``grouped_gemm.CANDIDATES``) for the wide config's three shapes (``grouped_gemm.SWEEP_SHAPES``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def ptxas_usage(source: str) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="compile only the kernels of this op name")
+    ap.add_argument("--grouped-sweep", action="store_true", help="every moe_grouped_gemm candidate config instead")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     os.environ.setdefault("DEEPINFER_TL_ARCH", "sm_90a")  # sm_90a: warp-specialised kernels need it
@@ -80,6 +82,9 @@ def main() -> None:
     sys.modules["deepinfer_kernels.cuda"] = pkg
     import importlib
 
+    if a.grouped_sweep:
+        grouped_sweep(importlib.import_module("deepinfer_kernels.cuda.grouped_gemm"))
+        return
     for name, mod, args in KERNELS:
         if a.only and name != a.only:
             continue
@@ -93,6 +98,23 @@ def main() -> None:
         secs = time.perf_counter() - t0
         print(json.dumps({"kernel": name, "args": list(args), "compile_s": round(secs, 1),
                           **ptxas_usage(kernel_source(key))}), flush=True)
+
+
+def grouped_sweep(m: types.ModuleType) -> None:
+    """One JSON line per (shape, candidate config) of the grouped GEMM: registers and spills, or the error."""
+    for shape in m.SWEEP_SHAPES:
+        for cfg in m.CANDIDATES:
+            if not (cfg.valid() and cfg.takes(shape[1], shape[2])):
+                continue
+            t0 = time.perf_counter()
+            row = {"kernel": "moe_grouped_gemm", "args": list(shape), "config": cfg.name()}
+            try:
+                kern = m._compile((*shape, "bfloat16", cfg))
+            except Exception as e:  # report and go on: a config that does not lower is dropped from the sweep
+                print(json.dumps({**row, "error": str(e)[-400:]}), flush=True)
+                continue
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            print(json.dumps({**row, **ptxas_usage(kern.get_kernel_source())}), flush=True)
 
 
 if __name__ == "__main__":

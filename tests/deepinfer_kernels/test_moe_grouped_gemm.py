@@ -1,6 +1,7 @@
 """``moe_grouped_gemm``: the reference against a per-row float64 oracle; the MoE layer's static mode through
-it equals its plain loop (CPU); the TileLang kernel against the reference, in a CUDA graph, and in the
-executor's decode step (GPU, skipped here)."""
+it equals its plain loop; the kernel's launch configurations (table, candidates, the sweep's pick) (CPU);
+the TileLang kernel against the reference in every configuration, rows past the last expert zeroed, in a
+CUDA graph, and in the executor's decode step (GPU, skipped here)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer_kernels import get_backend
+from deepinfer_kernels.ops.grouped_gemm import (
+    CANDIDATES,
+    CONFIGS,
+    DEFAULT,
+    GG_BM,
+    SWEEP_SHAPES,
+    GGConfig,
+    config_for,
+)
 
 
 def routed(rows: int, e: int, seed: int, device: str = "cpu") -> torch.Tensor:
@@ -74,6 +84,78 @@ def test_moe_static_mode_through_the_op_equals_the_plain_layer():
     assert torch.equal(counts, want_counts)
 
 
+def test_config_table_covers_the_sweep_shapes_and_falls_back_to_the_default():
+    for shape in SWEEP_SHAPES:
+        cfg = config_for(*shape)
+        assert cfg == CONFIGS[shape] and cfg.valid() and cfg.takes(shape[1], shape[2])
+    assert config_for(8, 1024, 512) == DEFAULT  # not in the table
+    assert config_for(8, 1000, 512) is None  # N not a multiple of the default's 128: the reference
+    assert config_for(8, 1024, 100) is None
+    # a table entry that does not tile the shape gives way to the default, if that does
+    odd = (3, 192, 256)
+    CONFIGS[odd] = GGConfig(bn=256)
+    try:
+        assert config_for(*odd) is None  # 192 % 256 and 192 % 128 both nonzero
+        CONFIGS[odd] = GGConfig(bn=64)
+        assert config_for(*odd) == GGConfig(bn=64)
+        CONFIGS[(3, 384, 256)] = GGConfig(bn=256)
+        assert config_for(3, 384, 256) == DEFAULT  # 384 % 256 nonzero, 384 % 128 zero
+    finally:
+        del CONFIGS[odd], CONFIGS[(3, 384, 256)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(bn=st.sampled_from([32, 64, 96, 128, 192, 256, 512]), bk=st.sampled_from([16, 24, 32, 64, 128, 256]),
+       stages=st.integers(0, 8), threads=st.sampled_from([64, 128, 192, 256, 384]), min_blocks=st.integers(1, 6),
+       ws=st.booleans())
+def test_config_validity_is_the_hardware_budget(bn, bk, stages, threads, min_blocks, ws):
+    """``valid`` against the budgets written out: wgmma tiles, shared memory a CTA and an SM (1 KB a CTA
+    reserved), the registers a thread at that occupancy (the accumulator's share + 26)."""
+    c = GGConfig(bn, bk, stages, threads, min_blocks, ws)
+    smem = stages * (GG_BM * bk + bn * bk) * 2
+    assert c.smem_bytes() == smem
+    wg = threads // 128
+    want = (threads % 128 == 0 and bn % (8 * wg) == 0 and bn // wg <= 256 and bk % 16 == 0 and stages >= 1
+            and smem <= 227 * 1024 and (smem + 1024) * min_blocks <= 228 * 1024
+            and 65536 / (min_blocks * (threads + 128 * ws)) >= bn / wg / 2 + 26) if wg else False
+    assert c.valid() == want
+    assert c.takes(bn * 3, bk * 5) and not c.takes(bn * 3 + 8, bk) and not c.takes(bn, bk + 8)
+
+
+def test_candidates_are_valid_distinct_and_hold_the_default():
+    assert GGConfig(128, 64, 3, 128, 1, True) == DEFAULT  # the configuration of 2026-12-01
+    assert DEFAULT in CANDIDATES and len(CANDIDATES) <= 12
+    assert len({c.name() for c in CANDIDATES}) == len(CANDIDATES) == len(set(CANDIDATES))
+    for c in CANDIDATES:
+        assert c.valid(), c
+        assert all(c.takes(n, k) for _, n, k in SWEEP_SHAPES), c
+    # warp-specialised bn 128 at 3 CTAs an SM: ptxas refused (80 registers, its wgmma needs 90)
+    assert not GGConfig(128, 64, 3, 128, 3, True).valid()
+
+
+def test_sweep_picks_the_fastest_passing_config():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("_bench_grouped_gemm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a, b, c = CANDIDATES[1], CANDIDATES[2], CANDIDATES[3]
+    res = {DEFAULT: {"rel_err": 3e-3, "tail_ok": 1.0, "us": 100.0}, a: {"rel_err": 3e-3, "tail_ok": 1.0, "us": 90.0},
+           b: {"rel_err": 0.5, "tail_ok": 1.0, "us": 50.0}, c: {"rel_err": 3e-3, "tail_ok": 0.0, "us": 60.0}}
+    assert bench.pick_best(res) == a  # b is wrong, c leaves the tail unzeroed
+    res[a]["us"] = 100.0
+    assert bench.pick_best(res) == DEFAULT  # a tie keeps the default
+    assert bench.pick_best({b: res[b]}) is None
+    assert bench.pick_best({a: {"rel_err": float("inf")}}) is None  # failed before timing
+    # the routing: 64 tokens, 6 distinct experts each
+    offs = bench.rows_for(8)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert offs.dtype == torch.int32 and int(offs[-1]) == 384 and int(counts.max()) <= 64
+    assert bench.rows_for(1).tolist() == [64]
+
+
 def _cuda_ops():
     return get_backend("cuda").op("moe_grouped_gemm"), get_backend("reference").op("moe_grouped_gemm")
 
@@ -94,6 +176,51 @@ def test_kernel_matches_reference(n: int, k: int) -> None:
         want = ref(x.double(), w.double(), offs)
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert got.dtype == torch.bfloat16 and rel < 1e-2, (rows, n, k, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SWEEP_SHAPES)
+def test_table_config_matches_reference_at_its_shape(shape) -> None:
+    """The table's configuration at its own (wide) shape, B = 64 routing, 16 rows past the last expert."""
+    from deepinfer_kernels.cuda.grouped_gemm import kernel_takes
+
+    e, n, k = shape
+    cuda, ref = _cuda_ops()
+    g = torch.Generator().manual_seed(n)
+    if e == 1:
+        offs = torch.tensor([64], dtype=torch.int32)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(64)]).reshape(-1)
+        offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+    rows = int(offs[-1]) + 16
+    x = (torch.randn(rows, k, generator=g) / k ** 0.5).bfloat16().cuda()
+    w = torch.randn(e, n, k, generator=g).bfloat16().cuda()
+    assert kernel_takes(x, w)
+    got = cuda(x, w, offs.cuda())
+    want = ref(x.double(), w.double(), offs.cuda())
+    assert got.dtype == torch.bfloat16 and torch.equal(got[-16:], torch.zeros_like(got[-16:]))
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2, CONFIGS[shape]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CANDIDATES, ids=lambda c: c.name())
+def test_every_candidate_config_matches_reference(cfg: GGConfig) -> None:
+    """Each sweep candidate on small shapes: empty experts, an expert past 64 rows (a second row tile),
+    rows past the last expert's end (zeroed by the kernel: the output is not pre-filled), one group."""
+    from deepinfer_kernels.cuda.grouped_gemm import moe_grouped_gemm
+
+    _, ref = _cuda_ops()
+    n, k = 2 * 256, 4 * 128
+    for rows, e, short in ((1, 8, 0), (150, 8, 0), (200, 4, 37), (64, 1, 5)):
+        g = torch.Generator().manual_seed(rows + e)
+        x = (torch.randn(rows, k, generator=g) / k ** 0.5).bfloat16().cuda()
+        w = torch.randn(e, n, k, generator=g).bfloat16().cuda()
+        offs = torch.clamp(routed(rows, e, rows) if e > 1 else torch.tensor([rows], dtype=torch.int32), max=rows - short)
+        got = moe_grouped_gemm(x, w, offs.cuda(), config=cfg)
+        want = ref(x.double(), w.double(), offs.cuda())
+        assert torch.equal(got[rows - short:], torch.zeros_like(got[rows - short:])), (rows, e)
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (cfg.name(), rows, e, rel)
 
 
 @pytest.mark.gpu

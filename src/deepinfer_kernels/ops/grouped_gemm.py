@@ -7,9 +7,14 @@
 
 Returns [R, N] in x's dtype: row r of expert e is ``x[r] @ w[e].T`` (float32 accumulation); rows at or past
 ``offs[-1]`` are 0.
+
+Also here, host-side and importable without a device (the cuda package is not): the cuda kernel's launch
+configurations, :class:`GGConfig`, the table :data:`CONFIGS` per shape and the sweep's :data:`CANDIDATES`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -40,3 +45,98 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
         sel = (expert == j).to(acc)[:, None]
         out += sel * (x.to(acc) @ w[j].to(acc).t())
     return out.to(x.dtype)
+
+
+# --- launch configurations of the cuda kernel (cuda/grouped_gemm.py) ---
+
+GG_BM = 64  # rows a tile: one wgmma M; an expert's rows at B = 64 never exceed it
+_SMEM_BYTES = 227 * 1024  # H200 shared memory a CTA may use
+_SM_SMEM = 228 * 1024  # an SM's, of which each resident CTA takes 1 KB for the system
+
+
+class GGConfig(NamedTuple):
+    """One launch configuration of the cuda kernel (see ``cuda/grouped_gemm``'s launch contract)."""
+
+    bn: int = 128  # output columns a CTA (one weight slab of bn x K)
+    bk: int = 64  # K block a pipeline stage (64 bf16 = one 128-byte swizzle row)
+    stages: int = 3  # pipeline depth (weight + x blocks in flight a CTA)
+    threads: int = 128  # consumer threads (one warpgroup per 64 x (bn / warpgroups) of the tile)
+    min_blocks: int = 1  # CTAs an SM the registers are capped for (__launch_bounds__)
+    ws: bool = True  # TileLang's warp specialisation (a 128-thread producer warpgroup issues the TMA loads)
+
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Dynamic shared memory a CTA: ``stages`` x (x block + weight block)."""
+        return self.stages * (GG_BM + self.bn) * self.bk * elem
+
+    def valid(self) -> bool:
+        """Whether the config can lower: wgmma tiles (bn / warpgroups a multiple of 8, at most 256),
+        shared memory for ``min_blocks`` CTAs an SM, and at that occupancy registers enough a thread for
+        its share of the accumulator (an estimate; ``scripts/tl_compile.py --grouped-sweep`` checks)."""
+        wg = self.threads // 128
+        total = self.threads + (128 if self.ws else 0)
+        if self.threads % 128 or wg < 1 or self.bn % (8 * wg) or self.bn // wg > 256 or self.bk % 16:
+            return False
+        if self.stages < 1 or self.smem_bytes() > _SMEM_BYTES or (self.smem_bytes() + 1024) * self.min_blocks > _SM_SMEM:
+            return False
+        # a 64 x (bn / wg) wgmma accumulator needs bn / wg / 2 registers a thread, plus ~26 (ptxas refused
+        # 80 for bn 128 with one consumer warpgroup)
+        return 65536 // (self.min_blocks * total) >= self.bn // wg // 2 + 26
+
+    def takes(self, n: int, k: int) -> bool:
+        return n % self.bn == 0 and k % self.bk == 0
+
+    def name(self) -> str:
+        return f"bn{self.bn}_bk{self.bk}_s{self.stages}_t{self.threads}_mb{self.min_blocks}" + ("" if self.ws else "_nows")
+
+    def pass_configs(self) -> dict[str, bool]:
+        return {} if self.ws else {"tl.disable_warp_specialized": True}
+
+
+DEFAULT = GGConfig()  # the configuration the H200 ran on 2026-12-01 (1.40 ms / 4.72 GB a wide step)
+# (E, N, K) -> configuration, from the H200 sweep (benchmarks/grouped_gemm.py prints the best per shape):
+# the wide config's gate / up packed, down, and the LM head as one group. Until a sweep has run they are
+# the default.
+CONFIGS: dict[tuple[int, int, int], GGConfig] = {
+    (8, 4608, 5120): DEFAULT,
+    (8, 5120, 2304): DEFAULT,
+    (1, 129280, 5120): DEFAULT,
+}
+
+# The sweep's candidates (benchmarks/grouped_gemm.py; scripts/tl_compile.py --grouped-sweep checks their
+# registers), CTAs an SM as registers and shared memory allow, against the wide shapes' CTA counts (bn
+# 128: 288 gate / up, 320 down, 1010 head; bn 64 twice, bn 256 half that):
+# - the default: 2 an SM (92 registers x 256 threads), 264 slots: a second wave for gate / up and down;
+# - without warp specialisation (no producer warpgroup; cp.async pipelines) 140 registers x 128 threads:
+#   3 an SM at 72 KB (all of gate / up's and down's CTAs resident), 4 at 48 KB if capped to 128;
+# - bn 64: 5 or 6 an SM at 32 KB (660 / 792 slots), or warp-specialised 4 an SM at 48 KB (528);
+# - bn 256, two consumer warpgroups: half the x re-reads from L2, 2 an SM (264 slots for 144 / 160);
+# - more bytes in flight a CTA: a fourth stage (without warp specialisation, 96 KB: 2 an SM); bk 32 with
+#   6 stages (3 an SM).
+# ptxas (sm_90a, scripts/tl_compile.py --grouped-sweep): none of these spills. Dropped: warp-specialised bn
+# 128 at 3 an SM (ptxas needs 90 registers for its wgmma, 80 allowed), and the warp-specialised 96 KB
+# configs (4 stages, or bk 128 with 2): 149-152 registers, so 1 CTA an SM, and capped at 128 for 2 an SM
+# they spill 156-172 bytes.
+CANDIDATES: tuple[GGConfig, ...] = (
+    DEFAULT,
+    GGConfig(128, 64, 3, 128, 3, False),
+    GGConfig(128, 64, 2, 128, 4, False),
+    GGConfig(128, 32, 6, 128, 3, False),
+    GGConfig(64, 64, 2, 128, 5, False),
+    GGConfig(64, 64, 3, 128, 4, True),
+    GGConfig(64, 64, 4, 128, 3, False),
+    GGConfig(256, 64, 2, 256, 2, False),
+    GGConfig(256, 32, 4, 256, 2, False),
+    GGConfig(64, 64, 2, 128, 6, False),
+    GGConfig(128, 64, 4, 128, 2, False),
+)
+
+# the wide config's (E, N, K) at B = 64 with their rows (benchmarks/grouped_gemm.py, tl_compile.py)
+SWEEP_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 4608, 5120), (8, 5120, 2304), (1, 129280, 5120))
+
+
+def config_for(e: int, n: int, k: int) -> GGConfig | None:
+    """The configuration for this shape: the table's, else the default; None if neither tiles it."""
+    c = CONFIGS.get((e, n, k), DEFAULT)
+    if c.takes(n, k):
+        return c
+    return DEFAULT if DEFAULT.takes(n, k) else None
