@@ -111,7 +111,7 @@ CONFIGS: dict[tuple[int, int, int], GGConfig] = {
 # - bn 64: 5 or 6 an SM at 32 KB (660 / 792 slots), or warp-specialised 4 an SM at 48 KB (528);
 # - bn 256, two consumer warpgroups: half the x re-reads from L2, 2 an SM (264 slots for 144 / 160);
 # - more bytes in flight a CTA: a fourth stage (without warp specialisation, 96 KB: 2 an SM); bk 32 with
-#   6 stages (3 an SM).
+#   6 stages (3 an SM); bk 128 (256 contiguous bytes a weight row and load; 96 KB: 2 an SM).
 # ptxas (sm_90a, scripts/tl_compile.py --grouped-sweep): none of these spills. Dropped: warp-specialised bn
 # 128 at 3 an SM (ptxas needs 90 registers for its wgmma, 80 allowed), and the warp-specialised 96 KB
 # configs (4 stages, or bk 128 with 2): 149-152 registers, so 1 CTA an SM, and capped at 128 for 2 an SM
@@ -128,6 +128,7 @@ CANDIDATES: tuple[GGConfig, ...] = (
     GGConfig(256, 32, 4, 256, 2, False),
     GGConfig(64, 64, 2, 128, 6, False),
     GGConfig(128, 64, 4, 128, 2, False),
+    GGConfig(128, 128, 2, 128, 2, False),
 )
 
 # the wide config's (E, N, K) at B = 64 with their rows (benchmarks/grouped_gemm.py, tl_compile.py)
