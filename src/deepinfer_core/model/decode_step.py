@@ -241,9 +241,20 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
     wmax = tables.shape[1] - 1
 
     def slot_of(ent: torch.Tensor) -> torch.Tensor:  # entries [N, K] (>= 0) -> flat slots, the layout of _slots
-        lg = ent * r // m
+        lg = ent if r == m else ent * r // m
         # columns past a row's table only serve masked entries (padded counts): clamp, do not index out
         return tables.gather(1, (lg // bs).clamp(max=wmax)) * bs + lg % bs
+
+    def entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        visible = (positions + 1) // r
+        ent = torch.arange(inp.entries[r], device=dev)[None, :].expand(n, -1)
+        return visible, slot_of(ent), ent < visible[:, None]
+
+    def entry_table() -> torch.Tensor | None:
+        """Slots [N, E] of this ratio's entries 0..E-1 (E = inp.entries[r]), built once per step and ratio;
+        any entries [N, K] in [0, E) then map to their slots with one gather instead of slot_of's seven
+        kernels (same values: slot_of is elementwise in the entry). None when the step scores no entry."""
+        return once(("entries", r), entries)[1] if inp.entries.get(r, 0) > 0 else None
 
     if a.kind == LAYER_FULL:
         st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
@@ -266,7 +277,10 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
             if valid is not None:
                 done = done & valid
             ent = ((positions + 1) // r - 1).clamp(min=0)
-            return ent, torch.where(done, slot_of(ent[:, None])[:, 0], -1)
+            # ent <= max((p + 1) // r) - 1 < E: inside the entry table whenever it exists
+            table = entry_table()
+            put = slot_of(ent[:, None]) if table is None else table.gather(1, ent[:, None])
+            return ent, torch.where(done, put[:, 0], -1)
 
         ent, sl = once(("put", r), entry_slots)
         dm = a.compressor.state_dim
@@ -275,22 +289,25 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
               fmt_arg["index"], check=False)
     if a.kind in (LAYER_FULL, LAYER_REINDEX):
         qi, wi = a.indexer(x, lat, positions, a.inv_freq)
-
-        def entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            visible = (positions + 1) // r
-            ent = torch.arange(inp.entries[r], device=dev)[None, :].expand(n, -1)
-            return visible, slot_of(ent), ent < visible[:, None]
-
         visible, ent_slots, seen = once(("entries", r), entries)
         ik = gather(ex.index_keys[src], ent_slots, fmt_arg["index"], cfg.index_head_dim, ex.dtype)
         sel[lid] = pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), seen), visible, pools, "rows")
-    ids, ok = sel[cfg.index_source_of(lid)]
+    isrc = cfg.index_source_of(lid)
+    ids, ok = sel[isrc]
+
+    def topk_slots() -> torch.Tensor:
+        # the index source scored this ratio's E entries (ids in [0, E)): a gather from the entry table
+        table = entry_table() if cfg.ratio(isrc) == r else None
+        return slot_of(ids) if table is None else table.gather(1, ids)
+
+    # layers sharing an index source (and so a ratio) pick the same entries: their slots once a step
+    kslots = once(("topk_slots", isrc, r), topk_slots)
     if one_buffer:
         keys = torch.empty(n, w + ids.shape[1], cfg.head_dim, dtype=ex.dtype, device=dev)
         gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype, out=keys, col=0)
-        gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype, out=keys, col=w)
-        return _attention(ex, a, q, keys, torch.cat([mask_a, ok], 1), None, None)
-    kb = gather(ex.kv[src], slot_of(ids), fmt_arg["main"], cfg.head_dim, ex.dtype)
+        gather(ex.kv[src], kslots, fmt_arg["main"], cfg.head_dim, ex.dtype, out=keys, col=w)
+        return _attention(ex, a, q, keys, once(("mask_ab", enc, isrc), lambda: torch.cat([mask_a, ok], 1)), None, None)
+    kb = gather(ex.kv[src], kslots, fmt_arg["main"], cfg.head_dim, ex.dtype)
     return _attention(ex, a, q, k_a, mask_a, kb, ok)
 
 

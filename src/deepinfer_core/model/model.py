@@ -90,6 +90,25 @@ class DeepSeekV41(nn.Module):
         self.drafter = DSparkDrafter(cfg) if cfg.num_nextn_predict_layers else None
         self._engram_hasher: Any = None
         self._engram_tables: dict[int, Any] | None = None
+        self._share_rope_freqs()
+
+    def _share_rope_freqs(self) -> None:
+        """One inv_freq tensor per distinct ``Attention.rope_params`` (the first layer's): the decode step
+        then computes cos / sin once per frequency set, not once per layer (rope.cached_angles keys on the
+        tensor). Same values: the layers' own buffers were equal, and stay so through any ``.to()``."""
+        first: dict[Any, Attention] = {}
+        for m in self.modules():
+            if isinstance(m, Attention):
+                owner = first.setdefault(m.rope_params, m)
+                if owner is not m and owner.inv_freq.device == m.inv_freq.device:
+                    m.inv_freq = owner.inv_freq
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> DeepSeekV41:
+        # nn.Module.to / cuda / half convert each module's buffers separately: shared tensors come out as
+        # equal copies, shared again here
+        out = super()._apply(fn, recurse)
+        self._share_rope_freqs()
+        return out
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

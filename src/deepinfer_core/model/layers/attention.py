@@ -42,10 +42,13 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(h))
         # (choice) compressed layers use compress_rope_theta (+ YaRN); SWA-only layers use rope_theta
         if self.ratio > 0 and cfg.compress_rope_theta is not None:
-            inv = rope_inv_freq(r, cfg.compress_rope_theta, cfg.rope_scaling)
+            base, scaling = cfg.compress_rope_theta, cfg.rope_scaling
         else:
-            inv = rope_inv_freq(r, cfg.rope_theta, None)
-        self.register_buffer("inv_freq", inv, persistent=False)
+            base, scaling = cfg.rope_theta, None
+        # layers with equal rope_params share one inv_freq tensor (DeepSeekV41 re-shares it after every
+        # .to()): the decode step's cos / sin cache (rope.cached_angles) is keyed by the tensor
+        self.rope_params = (r, float(base), None if scaling is None else repr(sorted(scaling.items())))
+        self.register_buffer("inv_freq", rope_inv_freq(r, base, scaling), persistent=False)
         if self.kind == LAYER_FULL:
             self.compressor = Compressor(cfg.hidden_size, d, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
             self.index_compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
