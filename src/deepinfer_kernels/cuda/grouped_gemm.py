@@ -4,21 +4,24 @@ At decode batch sizes each expert sees a few dozen rows (B = 64, top-6 of 8: ~48
 the products are a weight stream: on the H200 (wide config, 2026-12-01) ``torch._grouped_mm`` read the
 3.4 GB of expert weights a step at 66 % of copy bandwidth. Here the weights stream through a TMA pipeline.
 
-Launch contract (a :class:`GGConfig` ``c``: tile width ``bn``, K block ``bk``, ``stages``, consumer
-``threads``, ``min_blocks``): grid (N / bn, E); CTA (nb, e) computes columns [bn nb, bn nb + bn) of expert
+Launch contract (a :class:`GGConfig`: tile width ``bn``, K block ``bk``, ``stages``, consumer ``threads``,
+``min_blocks``, ``ws``): grid (N / bn, E); CTA (nb, e) computes columns [bn nb, bn nb + bn) of expert
 e's rows, ``offs[e - 1] .. offs[e]``, in tiles of 64 rows (a runtime loop: ceil(rows / 64) tiles, one at
-B = 64), each tile a ``stages``-deep ``T.Pipelined`` loop over K in ``bk``-wide blocks: x's rows (TMA, rows
-past the tensor read as zeros) and the expert's weight block to shared memory, one wgmma GEMM into a
+B = 64), each tile a ``stages``-deep ``T.Pipelined`` loop over K in ``bk``-wide blocks: x's rows (rows past
+the tensor read as zeros) and the expert's weight block to shared memory, one wgmma GEMM into a
 [64, bn] fp32 fragment; only the tile's rows of the expert are stored (rows of the next expert inside the
 tile are not). The CTAs of the last expert also store zeros in rows ``offs[-1] .. R`` of their columns
 (the reference's contract), so the output is allocated without a fill kernel (13 fewer launches a wide
-decode step). TileLang adds a producer warpgroup (128 threads) to the ``threads`` consumers.
+decode step). ``ws`` (TileLang's warp specialisation, the default): a producer warpgroup of 128 threads,
+added to the ``threads`` consumers, issues TMA loads through an mbarrier ring; without it the consumers
+issue cp.async loads themselves (a software pipeline), which saves the producer's registers.
 
 Why the configuration matters: every CTA streams the same bytes (bn x K weights), so a launch is fastest
 when all CTAs are resident at once (no second wave where a few CTAs keep too few bytes in flight). At
-90 registers x 256 threads the default config fits 2 CTAs an SM by registers (not the 3 its 72 KB of
+~90 registers x 256 threads the default config fits 2 CTAs an SM by registers (not the 3 its 72 KB of
 shared memory allow): 264 slots for gate / up's 288 CTAs and down's 320, i.e. a 24- or 56-CTA second
-wave. ``min_blocks`` (``__launch_bounds__``' second argument) caps the registers so that many fit;
+wave (92 registers with the tail zeroing). Without warp specialisation, 140 registers x 128 threads fit 3
+(all of those CTAs resident). ``min_blocks`` (``__launch_bounds__``' second argument) caps the registers;
 ``bn`` trades CTA count against x re-reads from L2 (each CTA reads its expert's x tile once).
 :data:`CONFIGS` (in ``ops/grouped_gemm``, host-side and importable without a device, with the sweep's
 candidates and the reasons for them) holds the configuration per (E, N, K) from the H200 sweep
