@@ -153,42 +153,107 @@ def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+# experts up to which the compiled glue selects the routed experts by ranking (below); beyond it, torch.topk
+RANK_TOPK_MAX_EXPERTS = 64
+
+
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _order_key(v: torch.Tensor) -> torch.Tensor:
+    """Integers in the order of ``v``'s values (equal values, +-0.0 included, equal keys) as stored in
+    ``v``'s dtype: the bits, negative ones with their magnitude bits flipped (they order backwards).
+
+    Through the bits because Inductor keeps fused bf16 / fp16 intermediates in float32: comparing the
+    values themselves inside a fused kernel would rank unrounded scores, where ``torch.topk`` (a library
+    call on a stored tensor) sees them rounded to the dtype, and near-ties would be decided differently;
+    the bitcast makes the kernel round exactly as a store does."""
+    it = _BITS[v.dtype]
+    b = torch.where(v == 0, torch.zeros_like(v), v).view(it)  # -0.0 as +0.0, as comparisons have it
+    return b ^ ((b >> (torch.iinfo(it).bits - 1)) & torch.iinfo(it).max)
+
+
+def rank_topk(v: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids [N, k] of the k largest of ``v`` [N, E] per row, ordered by (value descending, id ascending).
+
+    Each entry's rank is the number of entries before it in that order (larger, or equal with a lower id):
+    ranks are distinct, and the id of rank r is the sum of ``id * (rank == r)``. Fixed-shape elementwise
+    code and two reductions over E, which Inductor fuses into the routing kernel, where ``torch.topk``
+    is two more launches a layer (gatherTopK, then a bitonic sort of the k results). The same ids in the
+    same order as ``torch.topk`` whenever a row's values are distinct; with ties the same selection as
+    CUDA's topk, whose gather keeps the lowest ids of the k-th value (the order of tied ids it returns is
+    its sort's, unspecified: here ascending). Values compare as stored in ``v``'s dtype (:func:`_order_key`).
+    NaN is not supported (router scores hold none).
+    """
+    e = v.shape[-1]
+    key = _order_key(v)
+    idx = torch.arange(e, device=v.device)
+    kj, ki = key[:, None, :], key[:, :, None]
+    before = (kj > ki) | ((kj == ki) & (idx[None, :] < idx[:, None])[None])
+    rank = before.sum(-1)  # [N, E]: rank of entry i (its row i of the [N, i, j] comparison)
+    pick = rank[:, None, :] == torch.arange(k, device=v.device)[None, :, None]  # [N, k, E]
+    return (pick * idx).sum(-1)
+
+
 @fusable
 def _route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scoring: str, norm_topk: bool,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     scores = route_scores(x @ gate.t(), scoring)
-    ids = torch.topk(scores + bias, k, dim=-1).indices
+    if torch.compiler.is_compiling() and gate.shape[0] <= RANK_TOPK_MAX_EXPERTS:
+        ids = rank_topk(scores + bias, k)  # traced for the glue: fused (see rank_topk)
+    else:
+        ids = torch.topk(scores + bias, k, dim=-1).indices
     w = scores.gather(-1, ids)
     if norm_topk:
         w = w / w.sum(-1, keepdim=True)
     return ids, w * scale
 
 
+def _placement(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counted tokens per expert [E], each pair's place in the expert-sorted order [P], group end offsets
+    int32 [E] over every computed row) of the (token, k) pairs' experts ``flat`` [P]."""
+    # the stable sort by expert as a counting sort (E is small): a pair's place is the pairs of lower
+    # experts plus the earlier pairs of its own; fused kernels instead of a radix sort launch chain, and
+    # the per-expert totals are the one-hot's column sums (no zero-filled scatter-add)
+    hot = (flat[:, None] == torch.arange(e, device=flat.device)[None, :]).to(torch.int32)  # [P, E]
+    upto = torch.cumsum(hot, 0)  # pairs of each expert up to and including this one
+    per_expert = upto[-1]
+    if row_mask is None:
+        counts = per_expert.to(torch.long)
+    else:  # masked rows (a graph's padding) are computed but not counted
+        keep = row_mask[:, None].expand(-1, k).reshape(-1, 1)
+        counts = (hot * keep).sum(0).to(torch.long)
+    ends = torch.cumsum(per_expert, 0)
+    place = (ends - per_expert)[flat] + upto.gather(1, flat[:, None])[:, 0] - 1
+    return counts, place.to(torch.long), ends.to(torch.int32)
+
+
 @fusable
 def _dispatch(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """Static mode's dispatch: (counted tokens per expert, the pairs' expert-sorted order, group end
     offsets int32 over every computed row)."""
-    per_expert = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    if row_mask is None:
-        counts = per_expert
-    else:  # masked rows (a graph's padding) are computed but not counted
-        one = row_mask.to(flat.dtype)[:, None].expand(-1, k).reshape(-1)
-        counts = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, one)
-    # the stable sort by expert as a counting sort (E is small): a pair's place is the pairs of lower
-    # experts plus the earlier pairs of its own; one fused kernel instead of a radix sort launch chain
-    hot = flat[:, None] == torch.arange(e, device=flat.device)[None, :]  # [P, E]
-    before = torch.cumsum(hot.to(torch.int32), 0) - hot.to(torch.int32)  # earlier pairs of each expert
-    start = torch.cumsum(per_expert, 0) - per_expert
-    place = (start[flat] + before.gather(1, flat[:, None])[:, 0]).to(torch.long)
-    order = torch.empty_like(flat).scatter_(0, place, torch.arange(flat.shape[0], device=flat.device))
-    return counts, order, torch.cumsum(per_expert, 0).to(torch.int32)
+    counts, place, offs = _placement(flat, e, k, row_mask)
+    order = torch.empty_like(place).scatter_(0, place, torch.arange(flat.shape[0], device=flat.device))
+    return counts, order, offs
 
 
 @fusable
-def _combine(y: torch.Tensor, w: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Expert outputs in sorted order, weighted, back to flat (token, k) order, the k slots summed."""
-    y = y * w.reshape(-1)[order, None]
-    return torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1).sum(1)
+def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """:func:`_dispatch` as the static MoE uses it: (counts, the token of each sorted row [P], each pair's
+    sorted row ``place`` [P], offsets). The token is scattered here (one kernel with the sort's last step)
+    rather than divided out of the order afterwards (one more launch a layer)."""
+    counts, place, offs = _placement(flat, e, k, row_mask)
+    tok = torch.arange(flat.shape[0], device=flat.device) // k
+    return counts, torch.empty_like(place).scatter_(0, place, tok), place, offs
+
+
+@fusable
+def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Expert outputs in sorted order back to (token, k) order by a gather at each pair's sorted row, weighted,
+    the k slots summed in k order: the products and sums of weighting the sorted rows and scattering them
+    back (the form before, by ``order``), as one gather-reduce instead of a weighting, a scatter and a sum."""
+    return (y[place].view(n, k, -1) * w[:, :, None]).sum(1)
 
 
 def _pack_halves(a: nn.Parameter, b: nn.Parameter, dim: int) -> torch.Tensor:
@@ -341,7 +406,7 @@ class MoE(nn.Module):
         n, e, k = x.shape[0], self.n_experts, self.top_k
         ids, w = self.route(x)
         flat = ids.reshape(-1)
-        counts, order, offs = _dispatch(flat, e, k, row_mask)
+        counts, tok, place, offs = _dispatch_rows(flat, e, k, row_mask)
         # the executor's grouped kernel if one is set, else torch._grouped_mm where it applies
         gg = _GROUPED.get() or (_torch_grouped if _grouped_ok(x) else None)
         if gg is not None:
@@ -349,13 +414,13 @@ class MoE(nn.Module):
             infer = not torch.is_grad_enabled()
             if infer and self._packed() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.pack_gate_up()  # once, on the first eager static step (a graph's warm-up runs one)
-            xs = x[order // k]  # group bounds (offs) over every computed row
+            xs = x[tok]  # group bounds (offs) over every computed row
             w13 = self._packed() if infer else None
             if w13 is None:
                 g, u = gg(xs, self.w1, offs), gg(xs, self.w3, offs)
             else:
                 g, u = gg(xs, w13, offs).split(self.w1.shape[1], dim=-1)
-            out = _combine(gg(clamped_swiglu(g, u, self.limit), self.w2, offs), w, order, n, k)
+            out = _combine(gg(clamped_swiglu(g, u, self.limit), self.w2, offs), w, place, n, k)
         else:
             wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
             out = torch.zeros_like(x)
