@@ -8,7 +8,7 @@ body issues, leaving out views (no kernel on CUDA); each backend op (one kernel 
 each outermost :func:`~deepinfer_core.model.fusion.fusable` call (one compiled graph, one or a few Triton
 kernels) counts once, its inside not at all. What remains is roughly the step's "small torch kernels".
 
-    .venv/bin/python scripts/decode_op_count.py [--batch 64] [--by-site] [--eager]
+    .venv/bin/python scripts/decode_op_count.py [--batch 64] [--by-site] [--eager] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--by-site", action="store_true", help="also list counts by calling function")
     ap.add_argument("--eager", action="store_true", help="glue off: count every op of the fusable functions too")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="model dtype (the H200 runs bf16)")
     args = ap.parse_args()
     cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=6, num_attention_heads=4,
                        q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 2, 1, 1, 1],
@@ -109,7 +110,7 @@ def main() -> None:
                        n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
                        engram_table_sizes=[1009], num_nextn_predict_layers=0, dspark_target_layer_ids=[],
                        dspark_noise_token_id=2047)
-    model = DeepSeekV41.from_config(cfg, seed=4, dtype=torch.float32)
+    model = DeepSeekV41.from_config(cfg, seed=4, dtype=getattr(torch, args.dtype))
     n, bs, p = args.batch, 64, args.prompt
     blocks = n * (-(-(p + 2) // bs)) + 1
     cnt = Count()

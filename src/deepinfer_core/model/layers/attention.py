@@ -18,7 +18,7 @@ from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.compressor import Compressor
 from deepinfer_core.model.layers.indexer import IndexerQuery
 from deepinfer_core.model.layers.norm import RMSNorm
-from deepinfer_core.model.layers.rope import apply_rope, rope_inv_freq
+from deepinfer_core.model.layers.rope import apply_rope_, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -70,11 +70,12 @@ class Attention(nn.Module):
         """(queries [N, H, d] roped, query latent [N, q_lora_rank] for the indexer)."""
         lat = self.q_norm(x @ self.wq_a.t())
         q = (lat @ self.wq_b.t()).view(-1, self.n_heads, self.head_dim)
-        return apply_rope(q, positions, self.inv_freq, self.rope_dim, self.rope_interleave), lat
+        # in place (q is this call's own product): only the rope dims are read and written, not all d
+        return apply_rope_(q, positions, self.inv_freq, self.rope_dim, self.rope_interleave), lat
 
     def swa_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Sliding-window KV [N, d] (normed, roped)."""
-        return apply_rope(self.kv_norm(x @ self.wkv.t()), positions, self.inv_freq, self.rope_dim, self.rope_interleave)
+        return apply_rope_(self.kv_norm(x @ self.wkv.t()), positions, self.inv_freq, self.rope_dim, self.rope_interleave)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """[N, H, d] -> [N, hidden] through the grouped low-rank output projection."""

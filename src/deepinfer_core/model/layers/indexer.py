@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.model.fusion import fusable
-from deepinfer_core.model.layers.rope import apply_rope
+from deepinfer_core.model.layers.rope import apply_rope_
 
 NEG = float("-inf")
 
@@ -40,7 +40,7 @@ class IndexerQuery(nn.Module):
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [N, heads, dim] roped, weights [N, heads] with the 1/sqrt(heads * dim) scale folded in)."""
         q = (q_latent @ self.wq.t()).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(q, positions, inv_freq, self.rope_dim, self.rope_interleave)
+        q = apply_rope_(q, positions, inv_freq, self.rope_dim, self.rope_interleave)  # q: this call's own product
         w = (x @ self.weights_proj.t()) / math.sqrt(self.n_heads * self.head_dim)
         return q, w
 

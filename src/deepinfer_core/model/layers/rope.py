@@ -92,22 +92,96 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return _rotate(x, cos, sin, rope_dim, interleave)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleave: bool) -> torch.Tensor:
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+def _rotated(tail: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The rotated copy of ``tail`` [T, ..., r] (a new tensor)."""
+    shape = (cos.shape[0],) + (1,) * (tail.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
-    d, h = x.shape[-1], rope_dim // 2
-    tail = x[..., d - rope_dim :]
+    r = tail.shape[-1]
+    h = r // 2
     if interleave:
-        t = tail.reshape(*x.shape[:-1], h, 2)
+        t = tail.reshape(*tail.shape[:-1], h, 2)
         a, b = t[..., 0], t[..., 1]
-        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(*x.shape[:-1], rope_dim)
-    else:
-        a, b = tail[..., :h], tail[..., h:]
-        rot = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return torch.cat((x[..., : d - rope_dim], rot), dim=-1)
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).view(*tail.shape[:-1], r)
+    a, b = tail[..., :h], tail[..., h:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleave: bool) -> torch.Tensor:
+    d = x.shape[-1]
+    return torch.cat((x[..., : d - rope_dim], _rotated(x[..., d - rope_dim :], cos, sin, interleave)), dim=-1)
 
 
 _rotate_fused = fusable(_rotate)
+
+
+def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+                interleave: bool = True) -> torch.Tensor:
+    """:func:`apply_rope` in place: rotates ``x[..., d - rope_dim:]`` and returns ``x``; the other dims are
+    neither read nor written. For a caller that owns ``x`` (a fresh projection nobody else holds): the
+    functional form rewrites all d dims to rotate rope_dim (queries: 512 to rotate 64). Same values as
+    :func:`apply_rope`, eagerly and under the fused glue (tested)."""
+    if rope_dim == 0:
+        return x
+    tail = x[..., x.shape[-1] - rope_dim :]
+    if torch.compiler.is_compiling():  # traced inside another fused function: the angles inline
+        ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+        tail.copy_(_rotated(tail, torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype), interleave))
+        return x
+    cos, sin = _cos_sin(positions, inv_freq, x.dtype)
+    if not glue_on():
+        tail.copy_(_rotated(tail, cos, sin, interleave))
+    elif (pairs := _bf16_pairs(tail, interleave)) is not None:
+        _rotate_pairs_(pairs, cos, sin)
+    else:
+        _rotate_tail_(tail, cos, sin, interleave)
+    return x
+
+
+@fusable
+def _rotate_tail_(tail: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> None:
+    # (the one fusable that mutates an argument, on purpose) compiled, the function sees only the tail
+    # view, so the kernels touch rope_dim of the d dims; the rotation reads each element's partner, which
+    # Inductor will not write in place in the same kernel (its fusion rule for a mutated input: read and
+    # write at the same index), so this is two kernels: the rotation into a buffer, its copy into the tail.
+    # :func:`_rotate_pairs_` is the one-kernel form for bf16 pairs
+    tail.copy_(_rotated(tail, cos, sin, interleave))
+
+
+def _bf16_pairs(tail: torch.Tensor, interleave: bool) -> torch.Tensor | None:
+    """``tail`` (bf16, adjacent pairs) as int32 [..., r / 2], one element per pair (a view); None when it
+    cannot be viewed so (another dtype, halves pairing, odd strides or offset)."""
+    if tail.dtype != torch.bfloat16 or not interleave or tail.stride(-1) != 1 or tail.storage_offset() % 2:
+        return None
+    if any(st % 2 for st in tail.stride()[:-1]):
+        return None
+    try:  # rows [T * heads, r / 2]: see _rotate_pairs_
+        return tail.view(torch.int32).view(-1, tail.shape[-1] // 2)
+    except RuntimeError:  # heads not evenly strided (not a fresh projection's tail)
+        return None
+
+
+@fusable
+def _rotate_pairs_(pairs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The interleaved rotation of bf16 pairs viewed as int32 rows [T * heads, r / 2] (overwritten), the
+    angles cos / sin [T, r / 2] (row j of ``pairs`` is token j // heads).
+
+    One element holds one (x[2i], x[2i+1]) pair (little-endian, as on x86 and CUDA: x[2i] in the low 16
+    bits), so the kernel reads and writes every element at its own index, and Inductor mutates the tail
+    in place in one kernel: its rule for fusing a write into a mutated input with the reads of it wants
+    the same index expression, which a [T, heads, r / 2] iteration would not give (the write's loop
+    merges T and heads, the angles' broadcast keeps them apart; seen on the CPU). A bf16 is the high half
+    of the float32 of the same value, so the halves widen exactly by shifts; the products run in float32
+    and round once to bf16 at the end, as in the compiled :func:`_rotate` (same expressions, same order:
+    bitwise equal, tested)."""
+    t, h = cos.shape
+    heads = pairs.shape[0] // t
+    c = cos.to(torch.float32)[:, None, :].expand(t, heads, h).reshape(t * heads, h)
+    s = sin.to(torch.float32)[:, None, :].expand(t, heads, h).reshape(t * heads, h)
+    a = (pairs << 16).view(torch.float32)
+    b = (pairs & -65536).view(torch.float32)  # -65536 == 0xFFFF0000: the high half in place
+    lo = (a * c - b * s).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    hi = (a * s + b * c).to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16
+    pairs.copy_(hi | lo)
 
 
 def _rope_inline(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
