@@ -24,6 +24,7 @@ takes, and the per-step estimate (6 gate / up + 6 down + 1 head) of the best aga
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -171,6 +172,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=6, help="calls a graph (weights alternating between 2 copies)")
     ap.add_argument("--reps", type=int, default=25, help="graph replays timed (median)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop timing new configs past this (s)")
+    ap.add_argument("--write", default="", help="write the measured best per shape as a tuned table (JSON; "
+                                                "DEEPINFER_GG_CONFIGS=FILE makes the kernel use it)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     if not torch.cuda.is_available():
@@ -215,6 +218,9 @@ def main() -> None:
         step["default_us"] += m * d
         step["torch_us"] += m * tt
     table = {s: best.get(s, CONFIGS.get(s, DEFAULT)) for s in shapes}
+    if args.write:  # only measured shapes: a shape whose sweep failed keeps the module's table
+        with open(args.write, "w") as fh:
+            json.dump([{"shape": list(s), "config": c._asdict()} for s, c in best.items()], fh, indent=1)
     literal = "{" + ", ".join(f"{s}: {c!r}" for s, c in table.items()) + "}"
     emit("grouped_gemm_table", {"CONFIGS": literal, "measured": [list(s) for s in best], "wall_s": round(time.perf_counter() - t_start, 1),
                                 **{k: round(v, 1) for k, v in step.items()}},

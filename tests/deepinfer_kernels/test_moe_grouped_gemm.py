@@ -122,6 +122,36 @@ def test_config_validity_is_the_hardware_budget(bn, bk, stages, threads, min_blo
     assert c.takes(bn * 3, bk * 5) and not c.takes(bn * 3 + 8, bk) and not c.takes(bn, bk + 8)
 
 
+def test_tuned_table_file_round_trips_and_bad_entries_name_themselves(tmp_path, monkeypatch):
+    import json
+
+    from deepinfer_kernels.ops import grouped_gemm as gg
+
+    good = [{"shape": [8, 4608, 5120], "config": CANDIDATES[1]._asdict()}]
+    path = tmp_path / "gg.json"
+    path.write_text(json.dumps(good))
+    assert gg.load_configs(str(path)) == {(8, 4608, 5120): CANDIDATES[1]}
+    # through the environment: config_for takes the file's entry, other shapes keep the module's table
+    monkeypatch.setattr(gg, "CONFIGS", dict(gg.CONFIGS))
+    monkeypatch.setattr(gg, "_LOADED", [False])
+    monkeypatch.setenv("DEEPINFER_GG_CONFIGS", str(path))
+    assert gg.config_for(8, 4608, 5120) == CANDIDATES[1]
+    assert gg.config_for(8, 5120, 2304) == gg.CONFIGS[(8, 5120, 2304)]
+    bad = [
+        ({"shape": [8, 4608], "config": {}}, "entry 0"),  # two dims
+        ({"shape": [8, 4608, 5120], "config": {"bn": 128, "tile": 3}}, "tile"),  # an unknown field
+        ({"shape": [8, 4608, 5120], "config": {"bn": 100}}, "not a valid launch"),  # bn not a wgmma width
+        ({"config": {}}, "shape"),
+    ]
+    for row, match in bad:
+        path.write_text(json.dumps([row]))
+        with pytest.raises(ValueError, match=match):
+            gg.load_configs(str(path))
+    path.write_text(json.dumps({"shape": [1, 2, 3]}))
+    with pytest.raises(ValueError, match="JSON list"):
+        gg.load_configs(str(path))
+
+
 def test_candidates_are_valid_distinct_and_hold_the_default():
     assert GGConfig(128, 64, 3, 128, 1, True) == DEFAULT  # the configuration of 2026-12-01
     assert DEFAULT in CANDIDATES and len(CANDIDATES) <= 12

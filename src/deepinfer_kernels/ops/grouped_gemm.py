@@ -135,9 +135,49 @@ CANDIDATES: tuple[GGConfig, ...] = (
 SWEEP_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 4608, 5120), (8, 5120, 2304), (1, 129280, 5120))
 
 
+def load_configs(path: str) -> dict[tuple[int, int, int], GGConfig]:
+    """A tuned table from a JSON file (``benchmarks/grouped_gemm.py --write``: a list of ``{"shape": [E, N,
+    K], "config": {GGConfig's fields}}``), as vLLM keeps tuned MoE configurations per device. Each entry
+    is checked (:meth:`GGConfig.valid`; unknown fields or a bad shape raise ``ValueError`` naming the
+    entry), so a stale or hand-edited file fails at load, not inside a kernel launch."""
+    import json
+
+    with open(path) as fh:
+        rows = json.load(fh)
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: must be a JSON list of {{'shape': [E, N, K], 'config': {{...}}}}")
+    out: dict[tuple[int, int, int], GGConfig] = {}
+    for i, row in enumerate(rows):
+        try:
+            shape = tuple(int(v) for v in row["shape"])
+            cfg = GGConfig(**row["config"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path} entry {i}: {e!r} (need 'shape': [E, N, K] and 'config' with fields "
+                             f"{', '.join(GGConfig._fields)})") from None
+        if len(shape) != 3 or min(shape) < 1 or not cfg.valid():
+            raise ValueError(f"{path} entry {i}: shape {shape} / config {cfg} is not a valid launch")
+        out[shape] = cfg  # type: ignore[index]
+    return out
+
+
+_LOADED: list[bool] = [False]
+
+
+def _tuned() -> dict[tuple[int, int, int], GGConfig]:
+    """:data:`CONFIGS`, updated once from the file named by ``DEEPINFER_GG_CONFIGS`` if set."""
+    if not _LOADED[0]:
+        import os
+
+        _LOADED[0] = True
+        if path := os.environ.get("DEEPINFER_GG_CONFIGS"):
+            CONFIGS.update(load_configs(path))
+    return CONFIGS
+
+
 def config_for(e: int, n: int, k: int) -> GGConfig | None:
-    """The configuration for this shape: the table's, else the default; None if neither tiles it."""
-    c = CONFIGS.get((e, n, k), DEFAULT)
+    """The configuration for this shape: the table's (``DEEPINFER_GG_CONFIGS`` entries first), else the
+    default; None if neither tiles it."""
+    c = _tuned().get((e, n, k), DEFAULT)
     if c.takes(n, k):
         return c
     return DEFAULT if DEFAULT.takes(n, k) else None
