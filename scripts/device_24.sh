@@ -3,7 +3,8 @@
 # the engine benchmark, each optional and time-boxed. Run from the repository root with ".gpu" carried
 # (the site archive from ../shared/tools/gpu-site.sh):
 #   PYTEST_S=200 BENCH_S=240 ENGINE_S=150 bash scripts/device_24.sh
-# Knobs: TESTS (pytest paths), MODES / BATCHES / STEPS / PROFILE / BENCH_ARGS (benchmarks/model_cuda.py),
+# Knobs: GG_S (seconds for the grouped GEMM sweep, benchmarks/grouped_gemm.py; its tuned table is used by
+# the later sections via DEEPINFER_GG_CONFIGS; its lines go to bench.jsonl), TESTS (pytest paths), MODES / BATCHES / STEPS / PROFILE / BENCH_ARGS (benchmarks/model_cuda.py),
 # ENGINE_ARGS (benchmarks/engine_cuda.py), INV_S (seconds for the tiny model's batch-invariance section, a
 # second engine_cuda.py run appended to engine.jsonl). At most 8 files under $OUT (a call returns no more):
 # pytest.log, bench.jsonl, bench.err, profiles.txt, host_profile.txt, engine.jsonl, engine.err, engine_cuda.png.
@@ -15,6 +16,14 @@ tar xJf .gpu/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/pip.log 2>&1 || tail -20 /tmp/pip.log
 echo "pip done at $((SECONDS - T0)) s"
+if [ "${GG_S:-0}" -gt 0 ]; then
+  # the grouped GEMM sweep first; its best configs (a tuned table) are used by every later section
+  timeout -s INT -k 10 "$GG_S" python3 -u benchmarks/grouped_gemm.py --budget-s "$((GG_S - 30))" \
+    --write /tmp/gg_configs.json >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
+  echo "gg rc=$? at $((SECONDS - T0)) s"
+  [ -s /tmp/gg_configs.json ] && export DEEPINFER_GG_CONFIGS=/tmp/gg_configs.json && cat /tmp/gg_configs.json | tr -d ' \n'; echo
+  grep -E '"bench": "grouped_gemm_(best|table)"' "$OUT/bench.jsonl" | cut -c1-420
+fi
 if [ "${PYTEST_S:-0}" -gt 0 ]; then
   timeout -s INT -k 10 "$PYTEST_S" python3 -m pytest -m gpu ${TESTS:-tests/} -q -n 8 -p no:cacheprovider -rfE \
     --durations=15 >"$OUT/pytest.log" 2>&1
