@@ -30,7 +30,7 @@ import torch
 
 from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
-from deepinfer_core.model.fusion import fused_glue
+from deepinfer_core.model.fusion import fusable, fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.layers.moe import grouped_gemm_impl, static_shapes
@@ -197,8 +197,63 @@ def entries_needed(ex: ExecutorView, positions: np.ndarray) -> dict[int, int]:
     return {r: top // r for r in memo[1]}
 
 
-def _masked(slots: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    return slots if valid is None else torch.where(valid, slots, -1)
+# The step's index arithmetic, built once a step (attend_rows' ``once``) as fused functions: under the
+# glue each is one or two kernels instead of ~10 small int64 ones. Integer maths: the same values
+# compiled or not.
+
+
+def slot_of(tables: torch.Tensor, ent: torch.Tensor, r: int, m: int, bs: int) -> torch.Tensor:
+    """Flat cache slots of compressed entries ``ent`` [N, K] (>= 0) of ratio ``r`` (the layout of
+    ``ModelExecutor._slots``: entry j at logical slot j * r / m of the row's block table)."""
+    lg = ent if r == m else ent * r // m
+    # columns past a row's table only serve masked entries (padded counts): clamp, do not index out
+    return tables.gather(1, (lg // bs).clamp(max=tables.shape[1] - 1)) * bs + lg % bs
+
+
+@fusable
+def window_index(positions: torch.Tensor, slots: torch.Tensor, floors: torch.Tensor, valid: torch.Tensor | None,
+                 w: int, rl: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(SWA ring slot of each row's new key [N] (-1 on padded rows), ring slots of its window [N, W],
+    the window's masks [N, W] against the encoder / decoder floors, the row each row's compressor-state
+    write takes its values from [N] (padded rows: row 0; None without padding))."""
+    put = slots * rl + positions % rl
+    kp = positions[:, None] - (w - 1) + torch.arange(w, device=positions.device)[None, :]  # [N, W]
+    ring = slots[:, None] * rl + kp.clamp(min=0) % rl
+    seen = kp >= 0
+    masks = (seen & (kp >= floors[:, 0, None]), seen & (kp >= floors[:, 1, None]))
+    if valid is None:
+        return put, ring, *masks, None
+    rows = torch.where(valid, torch.arange(positions.shape[0], device=positions.device), 0)
+    return torch.where(valid, put, -1), ring, *masks, rows
+
+
+@fusable
+def ring_index(positions: torch.Tensor, slots: torch.Tensor, src_row: torch.Tensor | None, cring: int,
+               r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(compressor-state ring slot each row writes [N] (a padded row: row 0's, see :func:`window_index`),
+    ring slots of each row's group of ``r`` tokens [N, r]), for a ring of ``cring`` per slot."""
+    tgt = slots * cring + positions % cring
+    grp = positions[:, None] - (r - 1) + torch.arange(r, device=positions.device)[None, :]
+    return tgt if src_row is None else tgt[src_row], slots[:, None] * cring + grp % cring
+
+
+@fusable
+def entry_index(positions: torch.Tensor, tables: torch.Tensor, valid: torch.Tensor | None, e: int, r: int, m: int,
+                bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One ratio's entries for a step that scores ``e`` of them: (visible count [N], slots of entries
+    0..e-1 [N, e], which of them each row sees [N, e], the entry a row's group completes [N] (clamped to
+    >= 0), its slot [N] (-1 when the row completes no group or is padded))."""
+    p1 = positions + 1
+    visible = p1 // r
+    ent = torch.arange(e, device=positions.device)[None, :].expand(positions.shape[0], -1)
+    table = slot_of(tables, ent, r, m, bs)
+    done = p1 % r == 0  # rows that complete a group
+    if valid is not None:
+        done = done & valid
+    last = (visible - 1).clamp(min=0)
+    # last <= max((p + 1) // r) - 1 < e: inside the table whenever it has a column (one gather, no slot_of)
+    put = table.gather(1, last[:, None]) if e > 0 else slot_of(tables, last[:, None], r, m, bs)
+    return visible, table, ent < visible[:, None], last, torch.where(done, put[:, 0], -1)
 
 
 def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: DecodeInputs, sel: dict,
@@ -220,17 +275,12 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
             memo[key] = make()
         return memo[key]
 
+    swa_put, ring_slots, mask_enc, mask_dec, src_row = once(
+        ("swa",), lambda: window_index(positions, slots, inp.floors, valid, w, rl))
     # new SWA keys first: the ring (window + backtrack) then holds every row's whole window
-    store(ring, a.swa_kv(x, positions), once(("swa_put",), lambda: _masked(slots * rl + positions % rl, valid)),
-          fmt_arg["swa"], check=False)
+    store(ring, a.swa_kv(x, positions), swa_put, fmt_arg["swa"], check=False)
     enc = int(lid >= cfg.encoder_layers)
-
-    def window() -> tuple[torch.Tensor, torch.Tensor]:
-        kp = positions[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]  # [N, W]
-        return slots[:, None] * rl + kp.clamp(min=0) % rl, kp
-
-    ring_slots, kp = once(("swa_get",), window)
-    mask_a = once(("swa_mask", enc), lambda: (kp >= 0) & (kp >= inp.floors[:, enc, None]))
+    mask_a = mask_dec if enc else mask_enc
     # the fused attention reads one key buffer: window and top-k keys gathered into it (no concatenation)
     one_buffer = getattr(ex, "fused_attention", False) and a.kind != LAYER_SWA
     k_a = None if one_buffer else gather(ring, ring_slots, fmt_arg["swa"], cfg.head_dim, ex.dtype)
@@ -238,58 +288,36 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
         assert k_a is not None
         return _attention(ex, a, q, k_a, mask_a, None, None)
     r, src, m = a.ratio, cfg.kv_source_of(lid), ex.min_ratio
-    wmax = tables.shape[1] - 1
 
-    def slot_of(ent: torch.Tensor) -> torch.Tensor:  # entries [N, K] (>= 0) -> flat slots, the layout of _slots
-        lg = ent if r == m else ent * r // m
-        # columns past a row's table only serve masked entries (padded counts): clamp, do not index out
-        return tables.gather(1, (lg // bs).clamp(max=wmax)) * bs + lg % bs
-
-    def entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        visible = (positions + 1) // r
-        ent = torch.arange(inp.entries[r], device=dev)[None, :].expand(n, -1)
-        return visible, slot_of(ent), ent < visible[:, None]
-
-    def entry_table() -> torch.Tensor | None:
-        """Slots [N, E] of this ratio's entries 0..E-1 (E = inp.entries[r]), built once per step and ratio;
-        any entries [N, K] in [0, E) then map to their slots with one gather instead of slot_of's seven
-        kernels (same values: slot_of is elementwise in the entry). None when the step scores no entry."""
-        return once(("entries", r), entries)[1] if inp.entries.get(r, 0) > 0 else None
+    def ratio_index() -> tuple[torch.Tensor, ...] | None:
+        """:func:`entry_index` of this ratio, once a step (None when the step scores none of its entries)."""
+        if r not in inp.entries:
+            return None
+        return once(("entries", r), lambda: entry_index(positions, tables, valid, inp.entries[r], r, m, bs))
 
     if a.kind == LAYER_FULL:
         st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
         if r > 1:
             cs, cring = ex.comp_state[lid], ex.comp_ring[lid]
             flat_cs = cs.view(-1, cs.shape[-1])
-            tgt = slots * cring + positions % cring
-            if valid is None:
-                flat_cs[tgt] = st
-            else:  # padded rows repeat row 0's write (same index, same values: no race)
-                src_row = once(("src_row",), lambda: torch.where(valid, torch.arange(n, device=dev), 0))
-                flat_cs[tgt[src_row]] = st[src_row]
-            grp = positions[:, None] - (r - 1) + torch.arange(r, device=dev)[None, :]
-            gs = flat_cs[slots[:, None] * cring + grp % cring]  # [N, r, width]
+            tgt, grp = once(("ring", cring, r), lambda: ring_index(positions, slots, src_row, cring, r))
+            # padded rows repeat row 0's write (same index, same values: no race)
+            flat_cs[tgt] = st if src_row is None else st[src_row]
+            gs = flat_cs[grp]  # [N, r, width]
         else:
             gs = st[:, None]
-
-        def entry_slots() -> tuple[torch.Tensor, torch.Tensor]:
-            done = (positions + 1) % r == 0  # rows that complete a group
-            if valid is not None:
-                done = done & valid
-            ent = ((positions + 1) // r - 1).clamp(min=0)
-            # ent <= max((p + 1) // r) - 1 < E: inside the entry table whenever it exists
-            table = entry_table()
-            put = slot_of(ent[:, None]) if table is None else table.gather(1, ent[:, None])
-            return ent, torch.where(done, put[:, 0], -1)
-
-        ent, sl = once(("put", r), entry_slots)
+        idx = ratio_index()
+        assert idx is not None  # a Full layer indexes: entries_needed counts its ratio
+        _, _, _, ent, sl = idx
         dm = a.compressor.state_dim
         store(ex.kv[lid], a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq), sl, fmt_arg["main"], check=False)
         store(ex.index_keys[lid], a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq), sl,
               fmt_arg["index"], check=False)
     if a.kind in (LAYER_FULL, LAYER_REINDEX):
         qi, wi = a.indexer(x, lat, positions, a.inv_freq)
-        visible, ent_slots, seen = once(("entries", r), entries)
+        idx = ratio_index()
+        assert idx is not None
+        visible, ent_slots, seen = idx[:3]
         ik = gather(ex.index_keys[src], ent_slots, fmt_arg["index"], cfg.index_head_dim, ex.dtype)
         sel[lid] = pick_entries(cfg, lid, mask_scores(index_scores(qi, wi, ik), seen), visible, pools, "rows")
     isrc = cfg.index_source_of(lid)
@@ -297,8 +325,10 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
 
     def topk_slots() -> torch.Tensor:
         # the index source scored this ratio's E entries (ids in [0, E)): a gather from the entry table
-        table = entry_table() if cfg.ratio(isrc) == r else None
-        return slot_of(ids) if table is None else table.gather(1, ids)
+        idx = ratio_index() if cfg.ratio(isrc) == r else None
+        if idx is None or idx[1].shape[1] == 0:
+            return slot_of(tables, ids, r, m, bs)
+        return idx[1].gather(1, ids)
 
     # layers sharing an index source (and so a ratio) pick the same entries: their slots once a step
     kslots = once(("topk_slots", isrc, r), topk_slots)

@@ -14,6 +14,7 @@ import traceback
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -155,3 +156,35 @@ def test_graph_shaped_inputs_match_the_row_paths(model64: DeepSeekV41) -> None:
         if a.dtype == torch.uint8:
             a, b = a.view(torch.float64), b.view(torch.float64)
         assert (a - b).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_step_index_functions_compiled_equal_eager(padded: bool) -> None:
+    """window_index / entry_index / ring_index compiled by Inductor (the glue) give the eager values
+    (integer maths: bitwise), with and without padded rows, and for a ratio that scores no entry."""
+    from deepinfer_core.model import fusion
+
+    g = torch.Generator().manual_seed(7)
+    n, bs, w = 9, 16, 12
+    positions = torch.randint(0, 300, (n,), generator=g)
+    slots = torch.randperm(20, generator=g)[:n]
+    floors = torch.randint(0, 200, (n, 2), generator=g)
+    tables = torch.randint(1, 90, (n, 8), generator=g)
+    valid = (torch.arange(n) < 6) if padded else None
+    calls = [lambda: decode_step.window_index(positions, slots, floors, valid, w, w + 6)]
+    top = int(positions.max()) + 1  # e >= max((p + 1) // r), as entries_needed gives (padded: more)
+    for e, r in ((top // 2, 2), (top // 2 + 7, 2), (0, 1), (top + 3, 1)):
+        calls.append(lambda e=e, r=r: decode_step.entry_index(positions, tables, valid, e, r, 1, bs))
+    rows = None if valid is None else torch.where(valid, torch.arange(n), 0)
+    calls.append(lambda: decode_step.ring_index(positions, slots, rows, 5, 2))
+    fusion.set_backend("inductor")
+    try:
+        for call in calls:
+            want = call()
+            with fusion.fused_glue():
+                got = call()
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                assert (a is None and b is None) or torch.equal(a, b)
+    finally:
+        fusion.set_backend(None)
