@@ -307,6 +307,21 @@ def replay_ms(dec: Decoder, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def host_issue_ms(dec: Decoder, n: int = 7) -> float:
+    """Median wall ms the host takes to issue one step (``execute`` returning, the GPU idle when it starts:
+    a synchronisation before each step, none inside the timed part). A step whose ``ms_per_step`` is above
+    its ``replay_ms_per_step`` is host-bound when this is close to ``ms_per_step``; when it is well below,
+    the host waits for the device somewhere inside the step."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dec.step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
 def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -328,7 +343,9 @@ def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, fl
         with open(table_path.parent / "profiles.txt", "a") as fh:
             fh.write(f"\n\n==== {table_path.stem}\n")
             fh.write(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
-                     + "\n\n" + ka.table(sort_by="count", row_limit=45, max_name_column_width=90))
+                     + "\n\n" + ka.table(sort_by="count", row_limit=45, max_name_column_width=90)
+                     # the host's side (graph launches, pinned copies, the Engram fetch): what a step waits for
+                     + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90))
     return {"launches_per_step": launches / n, "syncs_per_step": syncs / n, "memcpy_async_per_step": memcpy / n,
             "gpu_busy_pct": 100 * dev_us / 1e6 / wall, "profiled_ms_per_step": wall / n * 1e3,
             "gpu_kernels_per_step": kernels / n, "gpu_ms_per_step": dev_us / 1e3 / n}
@@ -460,7 +477,7 @@ def main() -> None:
     modes = [m for m in args.graphs.split(",") if m]
     steps = 3 if args.quick else args.steps
     for b in [int(x) for x in args.batches.split(",")]:
-        dec = Decoder(model, b, args.context, room=(steps + 8) * len(modes) + 16)
+        dec = Decoder(model, b, args.context, room=(steps + 20) * len(modes) + 16)
         need = step_bytes(model, dec.ex, b, args.context)
         p = {**base, "batch": b}
         emit(BENCH, p, "step_bytes_weights", need["weights"] / 1e9, "GB")
@@ -489,6 +506,7 @@ def main() -> None:
             emit(BENCH, pm, "tokens_per_s", b / ms * 1e3, "tok/s")
             if mode not in EAGER_MODES:
                 emit(BENCH, pm, "replay_ms_per_step", replay_ms(dec), "ms")
+            emit(BENCH, pm, "host_issue_ms_per_step", host_issue_ms(dec), "ms")
             keep = out and (not args.profile_batches or str(b) in args.profile_batches.split(","))
             prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if keep else None)
             for k, v in prof.items():

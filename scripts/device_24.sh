@@ -33,7 +33,7 @@ fi
 if [ "${BENCH_S:-0}" -gt 0 ]; then
   timeout -s INT -k 10 "$BENCH_S" python3 -u benchmarks/model_cuda.py --batches "${BATCHES:-1,8,64}" --steps "${STEPS:-8}" \
     --graphs "${MODES:-off,on,glue}" --profile-batches "${PROFILE:-1,64}" --out "$OUT" ${BENCH_ARGS:-} \
-    >"$OUT/bench.jsonl" 2>"$OUT/bench.err"
+    >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
   echo "bench rc=$? at $((SECONDS - T0)) s"
 fi
 if [ "${ENGINE_S:-0}" -gt 0 ]; then
@@ -50,7 +50,7 @@ if [ "${INV_S:-0}" -gt 0 ]; then
 fi
 python3 - "$OUT/bench.jsonl" <<'PY'
 import json, sys
-keep = ("ms_per_step", "roofline_pct", "gpu_ms_per_step", "gpu_kernels_per_step", "warmup_s", "vs_eager_logits_rel_err",
+keep = ("ms_per_step", "replay_ms_per_step", "host_issue_ms_per_step", "roofline_pct", "gpu_ms_per_step", "gpu_kernels_per_step", "warmup_s", "vs_eager_logits_rel_err",
         "vs_eager_argmax_agree", "prefill_ms", "prefill_pct_of_matmul_rate", "prefill_gemm_part_pct_of_matmul_rate",
         "bf16_matmul_rate", "prefill_gemm_share_of_gpu_time")
 try:

@@ -307,7 +307,11 @@ def test_executor_fused_moe_and_head_wiring_on_the_reference_backend() -> None:
     assert seen == [[], [e], [1], [1, e]], seen  # experts: E groups; the head: one
     for toks, logits in runs[1:]:
         assert toks == runs[0][0]
-        assert max(((a - b).norm() / a.norm()).item() for a, b in zip(runs[0][1], logits)) < 1e-5
+        # float32 sums in another order (~5e-7), and the caches are quantised: a value at an FP4 / FP8 code
+        # boundary can round the other way and every later step reads it (2.7e-4 seen on one CPU, none on
+        # another); the median step stays at the float32 level
+        rel = sorted(((a - b).norm() / a.norm()).item() for a, b in zip(runs[0][1], logits))
+        assert rel[-1] < 2e-3 and rel[len(rel) // 2] < 1e-5, rel
 
 
 @pytest.mark.gpu

@@ -96,9 +96,11 @@ class GraphKey:
     body: tuple[bool, ...] = ()  # the executor's BODY_FLAGS: each opt-in kernel is another body, its own graph
 
 
-def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) -> np.ndarray:
+def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int,
+                engram_ids: np.ndarray | None = None) -> np.ndarray:
     """The int64 host image of a padded step's inputs: tokens, positions, slots, floors (2 per row),
-    valid, then the block tables [bucket, width] (zero-padded columns), flat."""
+    valid, then the block tables [bucket, width] (zero-padded columns), flat; with ``engram_ids``
+    ([L, R, C] hashed Engram row ids) those last, padded to [L, bucket, C] (padded rows repeat row 0's)."""
     r = b.num_requests
     tab = np.zeros((r, width), np.int64)
     tab[:, : b.block_tables.shape[1]] = b.block_tables
@@ -106,15 +108,46 @@ def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int) ->
     fl = pad_rows(np.asarray(floors, np.int64).reshape(r, 2), bucket)
     v = np.zeros(bucket, np.int64)
     v[:r] = 1
-    return np.concatenate((*cols, fl.reshape(-1), v, pad_rows(tab, bucket).reshape(-1)))
+    parts = [*cols, fl.reshape(-1), v, pad_rows(tab, bucket).reshape(-1)]
+    if engram_ids is not None:
+        parts.append(np.stack([pad_rows(x, bucket) for x in engram_ids]).reshape(-1))
+    return np.concatenate(parts)
+
+
+def fetch_in_graph(ex: ExecutorView) -> bool:
+    """Whether the step's Engram rows are fetched inside the graph from row ids in its input image: every
+    table is the model's own on the executor's device (a gather kernel; host or sharded tables fetch
+    outside, and the rows are copied in). Saves a pinned copy, the gather and a copy outside the graph,
+    and their launches on the host, every step."""
+    from deepinfer_core.engram.tables import LocalEngramTable
+
+    tabs = getattr(ex, "engram_tables", {})
+    return bool(ex.cfg.engram_layer_ids) and all(
+        type(t) is LocalEngramTable and t.device == ex.device for t in tabs.values())
+
+
+def static_inputs(d: torch.Tensor, n: int, w: int, entries: dict[int, int], engram: dict[int, torch.Tensor],
+                  id_shape: tuple[int, int, int] | None = None) -> DecodeInputs:
+    """A step's inputs as views into the flat int64 buffer ``d`` laid out by :func:`host_inputs` (``n``
+    rows, tables ``w`` wide); ``id_shape`` [L, n, C]: the image ends with Engram row ids (``engram``
+    then stays empty), else ``engram`` holds the rows."""
+    t_end = 6 * n + n * w
+    return DecodeInputs(tokens=d[:n], positions=d[n : 2 * n], slots=d[2 * n : 3 * n],
+                        floors=d[3 * n : 5 * n].view(n, 2), valid=d[5 * n : 6 * n],
+                        tables=d[6 * n : t_end].view(n, w), engram=engram, entries=entries,
+                        engram_ids=None if id_shape is None else d[t_end:].view(id_shape))
 
 
 class _Graph:
-    def __init__(self, key: GraphKey, ex: ExecutorView, pool: Any) -> None:
+    def __init__(self, key: GraphKey, ex: ExecutorView, pool: Any, fetch_ids: bool = False) -> None:
         self.key = key
         n, w = key.batch, key.width
         dev = ex.device
-        self.size = n * 6 + n * w
+        cfg = ex.cfg
+        # with fetch_ids, the Engram row ids [L, n, C] close the image and the body fetches the rows
+        self.fetch_ids = fetch_ids
+        self.id_shape = (len(cfg.engram_layer_ids), n, (cfg.engram_max_ngram - 1) * cfg.engram_n_heads)
+        self.size = n * 6 + n * w + (int(np.prod(self.id_shape)) if fetch_ids else 0)
         self.dev_buf = torch.zeros(self.size, dtype=torch.int64, device=dev)
         # two pinned staging buffers, alternated; each is rewritten only after its last copy finished
         self.host = [torch.zeros(self.size, dtype=torch.int64).pin_memory() for _ in range(2)]
@@ -122,16 +155,26 @@ class _Graph:
         self.turn = 0
         d = self.dev_buf
         # padded rows keep whatever Engram rows the buffer last held (finite; their outputs are dropped)
-        engram = {lid: torch.zeros(n, ex.model.engram[str(lid)].row_dim, dtype=ex.dtype, device=dev)
-                  for lid in ex.cfg.engram_layer_ids}
-        self.inp = DecodeInputs(tokens=d[:n], positions=d[n : 2 * n], slots=d[2 * n : 3 * n],
-                                floors=d[3 * n : 5 * n].view(n, 2), valid=d[5 * n : 6 * n],
-                                tables=d[6 * n :].view(n, w), engram=engram, entries=dict(key.entries))
+        engram = {} if fetch_ids else {lid: torch.zeros(n, ex.model.engram[str(lid)].row_dim, dtype=ex.dtype,
+                                                        device=dev) for lid in cfg.engram_layer_ids}
+        self.inp = static_inputs(d, n, w, dict(key.entries), engram, self.id_shape if fetch_ids else None)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
         self.pool = pool
 
-    def load(self, image: np.ndarray, engram_rows: dict[int, torch.Tensor], r: int) -> None:
+    def image(self, b: ForwardBatch, floors: np.ndarray, ids: torch.Tensor | None) -> np.ndarray:
+        """The host image of ``b``: with :attr:`fetch_ids`, host ids go into it; device ids (hashed on the
+        device, the asynchronous overlap) are copied in by :meth:`load`, the image holding zeros there
+        (row 0 of each table: in range)."""
+        if not self.fetch_ids:
+            return host_inputs(b, floors, self.key.batch, self.key.width)
+        shape = (self.id_shape[0], b.num_requests, self.id_shape[2])
+        host = ids.numpy() if ids is not None and ids.device.type == "cpu" else np.zeros(shape, np.int64)
+        return host_inputs(b, floors, self.key.batch, self.key.width, host)
+
+    def load(self, image: np.ndarray, engram: dict[int, torch.Tensor] | torch.Tensor | None, r: int) -> None:
+        """Stage ``image`` (:meth:`image`) into the static inputs, then the Engram part: device row ids
+        (``fetch_ids``) or fetched rows {layer: [r, row_dim]} (otherwise)."""
         i = self.turn
         self.turn ^= 1
         ev = self.copied[i]
@@ -142,8 +185,14 @@ class _Graph:
         e = torch.cuda.Event()
         e.record()
         self.copied[i] = e
+        if self.fetch_ids:
+            if isinstance(engram, torch.Tensor) and engram.device.type != "cpu":
+                assert self.inp.engram_ids is not None
+                self.inp.engram_ids[:, :r].copy_(engram)
+            return
+        assert isinstance(engram, dict)
         for lid, t in self.inp.engram.items():
-            t[:r].copy_(engram_rows[lid])
+            t[:r].copy_(engram[lid])
 
 
 class DecodeGraphs:
@@ -163,6 +212,7 @@ class DecodeGraphs:
         self.replays = 0
         self.disabled = False  # a capture failed: every step runs eagerly
         self.targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
+        self.fetch_ids = fetch_in_graph(ex)  # the tables are fixed for the executor's life
 
     def key(self, b: ForwardBatch, entries: dict[int, int]) -> GraphKey | None:
         n = bucket_for(b.num_requests, self.buckets)
@@ -172,10 +222,12 @@ class DecodeGraphs:
                         tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
                         tuple(bool(getattr(self.ex, f, False)) for f in BODY_FLAGS))
 
-    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_rows: dict[int, torch.Tensor],
+    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_ids: torch.Tensor | None,
             tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
         """(logits [R, V], expert counts, target-layer states [R, D] each) of a pure-decode step, or None
-        when no bucket holds the batch (the caller runs it eagerly). ``tokens``: the step's input tokens
+        when no bucket holds the batch (the caller runs it eagerly). ``engram_ids``: the step's hashed
+        Engram row ids [L, R, C] (host or device; None without Engram layers), fetched inside the graph
+        where the tables allow (:func:`fetch_in_graph`), else here. ``tokens``: the step's input tokens
         as a device tensor [R] (some of them sampled by the previous step and never read back), copied
         into the graph's static token buffer after the host image (same stream: in order)."""
         key = None if self.disabled else self.key(b, entries)
@@ -187,10 +239,14 @@ class DecodeGraphs:
                 old, dropped = self.graphs.popitem(last=False)
                 dropped.graph = dropped.out = None  # its memory returns to the shared pool
                 log.info("cuda graph dropped (least recently used): %s", old)
-            g = self.graphs[key] = _Graph(key, self.ex, self.pool)
+            g = self.graphs[key] = _Graph(key, self.ex, self.pool, self.fetch_ids)
         self.graphs.move_to_end(key)
         r = b.num_requests
-        g.load(host_inputs(b, floors, key.batch, key.width), engram_rows, r)
+        if g.fetch_ids or engram_ids is None:
+            engram: dict[int, torch.Tensor] | torch.Tensor | None = engram_ids
+        else:
+            engram = self.ex.engram_fetch(engram_ids)
+        g.load(g.image(b, floors, engram_ids), engram if engram is not None else {}, r)
         if tokens is not None:  # padded rows keep request 0's host token (a valid id; outputs dropped)
             g.inp.tokens[:r].copy_(tokens)
         if g.graph is None:

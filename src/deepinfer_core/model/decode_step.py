@@ -57,6 +57,9 @@ class DecodeInputs:
     tables: torch.Tensor
     engram: dict[int, torch.Tensor]
     entries: dict[int, int]
+    # hashed Engram row ids [L, N, C], fetched inside the step (a graph's static input; then ``engram``
+    # is empty), or None: the rows are in ``engram``
+    engram_ids: torch.Tensor | None = None
 
 
 def h2d(arr: np.ndarray, dev: torch.device, dtype: Any = None) -> torch.Tensor:
@@ -370,7 +373,7 @@ def decode_body(ex: ExecutorView, inp: DecodeInputs, capture_ids: tuple[int, ...
             fused_glue(getattr(ex, "fuse_glue", False)):
         hidden, counts = ex.model.run_layers(
             inp.tokens, lambda lid, a, x: attend_rows(ex, lid, a, x, inp, sel, pools, valid),
-            capture=capture, engram_rows=inp.engram)
+            capture=capture, engram_rows=inp.engram if inp.engram_ids is None else ex.engram_fetch(inp.engram_ids))
     h = hidden if logit_rows is None else hidden[logit_rows]
     if getattr(ex, "fused_head", False) and ex.backend is not None:
         # opt-in: the LM head as the grouped GEMM kernel with one group (the offsets on the device: a fill,
@@ -397,11 +400,11 @@ def execute_rows(ex: ExecutorView, b: ForwardBatch, feed: TokenFeed | None = Non
     if feed is not None:  # the host ids hold placeholders there: the real ones come from the device
         tok_t = put(b.token_ids)
         feed.apply(tok_t)
-    engram_rows = ex._engram_rows(b, tok_t, feed, pos=pos, row_slots=slots_np)  # records the token ring (fed entries once known)
+    engram_ids = ex._engram_ids(b, tok_t, feed, pos=pos, row_slots=slots_np)  # records the token ring (fed entries once known)
     targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
     got = None
     if ex.cuda_graphs and is_pure_decode(b):
-        got = ex.graphs().run(b, floors_np, entries, engram_rows, tok_t)
+        got = ex.graphs().run(b, floors_np, entries, engram_ids, tok_t)
     rows = b.logit_rows()
     if got is not None:
         logits, counts, tstates = got
@@ -410,7 +413,8 @@ def execute_rows(ex: ExecutorView, b: ForwardBatch, feed: TokenFeed | None = Non
     else:
         req_of_row = np.repeat(np.arange(b.num_requests), b.query_lens)
         inp = DecodeInputs(tokens=put(b.token_ids) if tok_t is None else tok_t, positions=put(pos), slots=put(slots_np), floors=put(floors_np),
-                           valid=None, tables=put(b.block_tables[req_of_row]), engram=engram_rows, entries=entries)  # type: ignore[arg-type]
+                           valid=None, tables=put(b.block_tables[req_of_row]), engram={} if engram_ids is None else ex.engram_fetch(engram_ids),
+                           entries=entries)  # type: ignore[arg-type]
         want = (*b.capture_layers, *targets)
         rows_t = None if rows.shape[0] == b.num_tokens else put(rows)
         logits, counts, caps = decode_body(ex, inp, want, rows_t)

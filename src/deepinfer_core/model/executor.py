@@ -281,16 +281,29 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
     def _engram_rows(self, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None = None,
                      pos: np.ndarray | None = None, row_slots: np.ndarray | None = None) -> dict[int, torch.Tensor]:
         """Fetch this step's Engram rows (n-grams continue each sequence from the slot's token ring),
-        then record the step's tokens in the ring. Runs after validation, before any layer. The n-grams
-        are hashed from the host's token ids (``tokens`` is not read back: no device synchronisation);
-        with a ``feed`` some ids exist only on the device, so the step hashes ``tokens`` (the device ids,
-        feed applied) there, and the ring gets those entries once the engine has them (:meth:`resolve_fed`)."""
+        then record the step's tokens in the ring: :meth:`_engram_ids`, then the tables' fetch."""
+        ids = self._engram_ids(b, tokens, feed, pos, row_slots)
+        return {} if ids is None else self.engram_fetch(ids)
+
+    def engram_fetch(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{layer: rows [T, row_dim]} for hashed row ids [L, T, columns] from this executor's tables (ids
+        from the hasher are in range: one-device tables fetch them without the checks that synchronise)."""
+        return self.model.engram_fetch(ids, hashed_row_tables(self.engram_tables))
+
+    def _engram_ids(self, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None = None,
+                    pos: np.ndarray | None = None, row_slots: np.ndarray | None = None) -> torch.Tensor | None:
+        """Hash this step's Engram n-grams (continuing each sequence from the slot's token ring) into row
+        ids [L, T, columns] (None without Engram layers), then record the step's tokens in the ring. Runs
+        after validation, before any layer. The n-grams are hashed from the host's token ids (``tokens``
+        is not read back: no device synchronisation); with a ``feed`` some ids exist only on the device,
+        so the step hashes ``tokens`` (the device ids, feed applied) there, and the ring gets those
+        entries once the engine has them (:meth:`resolve_fed`)."""
         self.resolve_fed()  # no-op when the engine resolved them (it does before each next step)
         n_ctx = self.cfg.engram_max_ngram - 1
         # each request's n_ctx tokens before its first row (-1 before the sequence start), from its ring
         back = b.start_pos.astype(np.int64)[:, None] - 1 - np.arange(n_ctx)[None, :]
         ctx = np.where(back >= 0, self._tokens[b.state_slots.astype(np.int64)[:, None], back % self.tok_ring], -1)
-        rows = {}
+        ids = None
         if self.cfg.engram_layer_ids:  # hashed in numpy (the batch is validated: ids are in range)
             if feed is None:
                 ids = torch.from_numpy(self.model.engram_hasher.hash_host(b.token_ids, b.offsets, ctx))
@@ -304,8 +317,6 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
                     # the batch was validated on the host: the hash's checks would read device tensors back
                     ids = self.model.engram_hasher.hash(tokens, h2d(b.offsets, dev, np.int64), h2d(ctx, dev, np.int64),
                                                         validate=False)
-            # ids from the hasher are in range: one-device tables fetch them without the checks that sync
-            rows = self.model.engram_fetch(ids, hashed_row_tables(self.engram_tables))
         keep = self._last_rows_np(b, self.tok_ring)
         # ``pos`` / ``row_slots``: b.positions and each row's slot when the caller has them already
         pos = b.positions if pos is None else pos
@@ -318,7 +329,7 @@ class ModelExecutor(ValidationMixin, ReplayMixin):
         if self.spec is not None:
             for i in np.flatnonzero(b.start_pos == 0):
                 self.spec.restart(int(b.state_slots[i]))
-        return rows
+        return ids
 
     def resolve_fed(self, drop: bool = False) -> None:
         """Write device-fed tokens into the host token ring (waits for their step if the host copy is not

@@ -79,6 +79,12 @@ def test_host_inputs_layout_and_padding(r: int, extra: int, width: int, seed: in
     assert (valid[:r] == 1).all() and (valid[r:] == 0).all()
     assert (tab[:r, :width] == b.block_tables).all() and (tab[:r, width:] == 0).all()
     assert (tab[r:] == tab[0]).all()
+    # with Engram row ids [L, r, C]: the same image, then the ids padded to [L, n, C] with row 0's
+    ids = rng.integers(0, 2**31 - 1, (1 + extra % 2, r, 1 + width), dtype=np.int64).astype(np.int32)
+    img2 = cg.host_inputs(b, floors, n, w, ids)
+    assert img2.dtype == np.int64 and (img2[: img.shape[0]] == img).all()
+    got = img2[img.shape[0] :].reshape(ids.shape[0], n, ids.shape[2])
+    assert (got[:, :r] == ids).all() and (got[:, r:] == ids[:, :1]).all()
 
 
 def test_pure_decode_batches_only() -> None:

@@ -136,14 +136,26 @@ def test_graph_shaped_inputs_match_the_row_paths(model64: DeepSeekV41) -> None:
     slots = np.asarray(b.state_slots, np.int64)
     n, w = 5, cg.width_bucket(b.block_tables.shape[1] + 1)
     entries = {r: cg.round_up(e, 8) + 8 for r, e in decode_step.entries_needed(ex, b.positions).items()}
+    tok_ring = ex._tokens.copy()
     engram = ex._engram_rows(b, None, None, pos=b.positions, row_slots=slots)
     engram = {lid: torch.cat((t, t[:1].expand(n - 3, -1))) for lid, t in engram.items()}
     d = torch.from_numpy(cg.host_inputs(b, ex._floor[slots], n, w))
-    inp = decode_step.DecodeInputs(tokens=d[:n], positions=d[n : 2 * n], slots=d[2 * n : 3 * n],
-                                   floors=d[3 * n : 5 * n].view(n, 2), valid=d[5 * n : 6 * n],
-                                   tables=d[6 * n :].view(n, w), engram=engram, entries=entries)
+    inp = cg.static_inputs(d, n, w, entries, engram)
     logits, _, _ = decode_step.decode_body(ex, inp)
     assert (logits[:3] - torch.cat([p[-1:] for p in want])).abs().max().item() < 1e-10
+    # the graph's other Engram form: hashed row ids at the end of the image, the rows fetched in the body
+    # (the ring rolled back: hashing records the step's tokens)
+    assert model64.cfg.engram_layer_ids and cg.fetch_in_graph(ex)
+    ex._tokens[:] = tok_ring
+    ids = ex._engram_ids(b, None, None, pos=b.positions, row_slots=slots)
+    assert ids is not None and ids.shape[:2] == (len(model64.cfg.engram_layer_ids), 3)
+    d2 = torch.from_numpy(cg.host_inputs(b, ex._floor[slots], n, w, ids.numpy()))
+    assert d2.shape[0] == d.shape[0] + ids[:, :1].numel() * n and torch.equal(d2[: d.shape[0]], d)
+    inp2 = cg.static_inputs(d2, n, w, entries, {}, (ids.shape[0], n, ids.shape[2]))
+    assert torch.equal(inp2.engram_ids[:, :3], ids.long()) and torch.equal(inp2.engram_ids[:, 3:],
+                                                                           ids[:, :1].long().expand(-1, n - 3, -1))
+    logits2, _, _ = decode_step.decode_body(ex, inp2)
+    assert torch.equal(logits2, logits)
     # padded shapes change the float64 summation order (logits agree to 1e-10), so the caches are compared
     # as values, and the rows written (the slots: nonzero rows) exactly
     other = step.ex

@@ -286,8 +286,11 @@ def test_cuda_chunked_selection_through_the_indexer_kernel() -> None:
 
 def test_bf16_executor_scores_through_the_backend_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 executor with a backend scores the tiled prefill's indexer through the backend's
-    ``indexer_scores`` (counted), and its logits stay near the dense path's (bf16: the op's fp32 scores
-    may pick other entries at near-ties, so a loose bound; the exact checks are the selection tests)."""
+    ``indexer_scores`` (counted), and its logits are no further from a float64 oracle (the same weights,
+    dense path) than the bf16 dense path's are. bf16 picks other entries at near-ties, so the two bf16
+    paths differ by 2-15 % between themselves on this random model (a bound on that difference failed on
+    one CPU and not another), while each is 20-35 % from float64 and within 2 % of the other's error;
+    the exact checks are the selection tests."""
     from deepinfer_kernels import get_backend
 
     m = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.bfloat16)
@@ -310,8 +313,13 @@ def test_bf16_executor_scores_through_the_backend_op(monkeypatch: pytest.MonkeyP
         s.ex.prefill_path = path
         got[path] = s.run(0, seq, [70, 50]).float()
     assert calls  # only the tiled path asks for the op
-    rel = ((got["tiled"] - got["dense"]).norm() / got["dense"].norm()).item()
-    assert rel < 0.1, rel
+    m64 = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.float64)
+    s = Session(m64)
+    s.ex = ModelExecutor(m64, 128, 16, 8, quantize=False, backend=get_backend("reference"))
+    s.ex.prefill_path = "dense"
+    ref = s.run(0, seq, [70, 50]).double()
+    err = {p: ((g.double() - ref).norm() / ref.norm()).item() for p, g in got.items()}
+    assert err["tiled"] <= 1.15 * err["dense"], err
 
 
 @pytest.mark.gpu
