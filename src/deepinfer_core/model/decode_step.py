@@ -269,7 +269,9 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
     gather, store = be.op("kv_gather"), be.op("kv_store")
     positions, slots, tables = inp.positions, inp.slots, inp.tables
     n = x.shape[0]
-    q, lat = a.queries(x, positions)
+    # the projections of x (query latent, SWA key, compressor state, indexer weights) as one packed GEMM
+    xp = a.input_products(x)
+    q, lat = a.queries_from(xp["q"], positions)
     ring, rl = ex.swa[lid], ex.swa_ring
     memo = pools.setdefault("index", {})  # index tensors shared by every layer of the step (same rows)
 
@@ -281,7 +283,7 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
     swa_put, ring_slots, mask_enc, mask_dec, src_row = once(
         ("swa",), lambda: window_index(positions, slots, inp.floors, valid, w, rl))
     # new SWA keys first: the ring (window + backtrack) then holds every row's whole window
-    store(ring, a.swa_kv(x, positions), swa_put, fmt_arg["swa"], check=False)
+    store(ring, a.swa_kv_from(xp["kv"], positions), swa_put, fmt_arg["swa"], check=False)
     enc = int(lid >= cfg.encoder_layers)
     mask_a = mask_dec if enc else mask_enc
     # the fused attention reads one key buffer: window and top-k keys gathered into it (no concatenation)
@@ -299,7 +301,7 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
         return once(("entries", r), lambda: entry_index(positions, tables, valid, inp.entries[r], r, m, bs))
 
     if a.kind == LAYER_FULL:
-        st = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+        st = xp["comp"]  # = cat(compressor.project(x), index_compressor.project(x))
         if r > 1:
             cs, cring = ex.comp_state[lid], ex.comp_ring[lid]
             flat_cs = cs.view(-1, cs.shape[-1])
@@ -317,7 +319,7 @@ def attend_rows(ex: ExecutorView, lid: int, a: Attention, x: torch.Tensor, inp: 
         store(ex.index_keys[lid], a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq), sl,
               fmt_arg["index"], check=False)
     if a.kind in (LAYER_FULL, LAYER_REINDEX):
-        qi, wi = a.indexer(x, lat, positions, a.inv_freq)
+        qi, wi = a.indexer.from_products(xp["iw"], lat, positions, a.inv_freq)
         idx = ratio_index()
         assert idx is not None
         visible, ent_slots, seen = idx[:3]

@@ -18,6 +18,7 @@ from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.compressor import Compressor
 from deepinfer_core.model.layers.indexer import IndexerQuery
 from deepinfer_core.model.layers.norm import RMSNorm
+from deepinfer_core.model.layers.packing import is_packed, pack_parts
 from deepinfer_core.model.layers.rope import apply_rope_, rope_inv_freq
 
 
@@ -54,6 +55,7 @@ class Attention(nn.Module):
             self.index_compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
         if self.kind in (LAYER_FULL, LAYER_REINDEX):
             self.indexer = IndexerQuery(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, r, il)
+        self._x_pack: torch.Tensor | None = None  # the x-reading projections as one tensor (pack_inputs)
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
@@ -68,14 +70,72 @@ class Attention(nn.Module):
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [N, H, d] roped, query latent [N, q_lora_rank] for the indexer)."""
-        lat = self.q_norm(x @ self.wq_a.t())
+        return self.queries_from(x @ self.wq_a.t(), positions)
+
+    def queries_from(self, lat_raw: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`queries` from the product ``x @ wq_a.t()`` (:meth:`input_products`)."""
+        lat = self.q_norm(lat_raw)
         q = (lat @ self.wq_b.t()).view(-1, self.n_heads, self.head_dim)
         # in place (q is this call's own product): only the rope dims are read and written, not all d
         return apply_rope_(q, positions, self.inv_freq, self.rope_dim, self.rope_interleave), lat
 
     def swa_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Sliding-window KV [N, d] (normed, roped)."""
-        return apply_rope_(self.kv_norm(x @ self.wkv.t()), positions, self.inv_freq, self.rope_dim, self.rope_interleave)
+        return self.swa_kv_from(x @ self.wkv.t(), positions)
+
+    def swa_kv_from(self, kv_raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`swa_kv` from the product ``x @ wkv.t()`` (:meth:`input_products`)."""
+        return apply_rope_(self.kv_norm(kv_raw), positions, self.inv_freq, self.rope_dim, self.rope_interleave)
+
+    # ------------------------------------------------------------------ the input projections as one
+    def input_weights(self) -> list[nn.Parameter]:
+        """Every projection that reads the layer input x, in :meth:`input_products` order: the query
+        latent, the SWA key, (Full) the compressor's value / gate then the index compressor's, (Full /
+        Reindex) the indexer's head weights. The compressor blocks are adjacent in the order
+        ``compressor_state`` concatenates them."""
+        ws = [self.wq_a, self.wkv]
+        if self.kind == LAYER_FULL:
+            for c in (self.compressor, self.index_compressor):
+                ws += [c.wkv, c.wgate] if c.ratio > 1 else [c.wkv]
+        if self.kind in (LAYER_FULL, LAYER_REINDEX):
+            ws.append(self.indexer.weights_proj)
+        return ws
+
+    def pack_inputs(self) -> None:
+        """Store :meth:`input_weights` as row blocks of one tensor (``layers.packing``): a decode step then
+        computes them in ONE product of the layer input (2-7 narrow GEMMs and their split-K reduces
+        become one wider GEMM). Idempotent; undone by anything that replaces a parameter."""
+        if not is_packed(self._x_pack, self.input_weights(), 0):
+            self._x_pack = pack_parts(self.input_weights(), 0)
+
+    def input_products(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{"q": x @ wq_a.t(), "kv": x @ wkv.t(), "comp" (Full): the compressor state (value | gate of the
+        compressor then of the index compressor, as ``torch.cat`` of their ``project``), "iw" (Full /
+        Reindex): x @ indexer.weights_proj.t()}. Without autograd the weights are packed on the first
+        call outside a CUDA graph capture (:meth:`pack_inputs`) and the products are column slices of
+        one GEMM (views; the same sums, one product); under autograd, separate products."""
+        ws = self.input_weights()
+        infer = not torch.is_grad_enabled()
+        if infer and not is_packed(self._x_pack, ws, 0) and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.pack_inputs()
+        if infer and is_packed(self._x_pack, ws, 0):
+            assert self._x_pack is not None
+            y = x @ self._x_pack.t()
+            widths = [w.shape[0] for w in ws]
+            parts = list(y.split(widths, dim=-1))
+            if self.kind == LAYER_FULL:  # the compressor blocks are adjacent columns: one slice, no copy
+                lo = widths[0] + widths[1]
+                parts = [parts[0], parts[1], y[..., lo : lo + sum(widths[2:-1])], parts[-1]]
+        else:
+            parts = [x @ w.t() for w in ws]
+            if self.kind == LAYER_FULL:
+                parts = [parts[0], parts[1], torch.cat(parts[2:-1], dim=-1), parts[-1]]
+        out = {"q": parts[0], "kv": parts[1]}
+        if self.kind == LAYER_FULL:
+            out["comp"] = parts[2]
+        if self.kind in (LAYER_FULL, LAYER_REINDEX):
+            out["iw"] = parts[-1]
+        return out
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """[N, H, d] -> [N, hidden] through the grouped low-rank output projection."""

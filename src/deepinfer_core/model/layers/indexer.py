@@ -39,10 +39,14 @@ class IndexerQuery(nn.Module):
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [N, heads, dim] roped, weights [N, heads] with the 1/sqrt(heads * dim) scale folded in)."""
+        return self.from_products(x @ self.weights_proj.t(), q_latent, positions, inv_freq)
+
+    def from_products(self, w_raw: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+                      inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` from the product ``x @ weights_proj.t()`` (``Attention.input_products``)."""
         q = (q_latent @ self.wq.t()).view(-1, self.n_heads, self.head_dim)
         q = apply_rope_(q, positions, inv_freq, self.rope_dim, self.rope_interleave)  # q: this call's own product
-        w = (x @ self.weights_proj.t()) / math.sqrt(self.n_heads * self.head_dim)
-        return q, w
+        return q, w_raw / math.sqrt(self.n_heads * self.head_dim)
 
 
 @fusable

@@ -35,6 +35,7 @@ from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable
+from deepinfer_core.model.layers.packing import is_packed, pack_parts
 
 # static mode on in this context (see the module docstring); a context variable, not a module attribute,
 # so an executor turns it on for its own steps only
@@ -258,15 +259,12 @@ def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: i
 
 def _pack_halves(a: nn.Parameter, b: nn.Parameter, dim: int) -> torch.Tensor:
     """``a`` and ``b`` concatenated along ``dim`` into one tensor, the parameters re-pointed at its halves."""
-    both = torch.cat((a.data, b.data), dim=dim)
-    n = a.shape[dim]
-    a.data, b.data = both.narrow(dim, 0, n), both.narrow(dim, n, both.shape[dim] - n)
-    return both
+    return pack_parts((a, b), dim)
 
 
 def _are_halves(both: torch.Tensor, a: nn.Parameter, b: nn.Parameter, dim: int) -> bool:
     """``a`` / ``b`` still are the halves of ``both`` along ``dim`` (nothing replaced their storage)."""
-    return a.data_ptr() == both.data_ptr() and b.data_ptr() == both.narrow(dim, a.shape[dim], b.shape[dim]).data_ptr()
+    return is_packed(both, (a, b), dim)
 
 
 class MoE(nn.Module):

@@ -34,20 +34,20 @@ def cached_angles() -> Iterator[None]:
         _ANGLES.reset(tok)
 
 
+@fusable
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, r/2] in ``dtype`` of the float64 angles positions x inv_freq: one kernel under the
+    glue (eagerly the cast, product, cos, sin and two casts are six)."""
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+
+
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     cache = _ANGLES.get()
     key = (id(positions), id(inv_freq), dtype)
     if cache is not None and (hit := cache.get(key)) is not None and hit[0] is positions and hit[1] is inv_freq:
         return hit[2], hit[3]
-    pkey = (id(positions), "f64")  # the float64 positions once too (other frequencies reuse them)
-    if cache is not None and (hit := cache.get(pkey)) is not None and hit[0] is positions:
-        pos64 = hit[1]
-    else:
-        pos64 = positions.to(torch.float64)
-        if cache is not None:
-            cache[pkey] = (positions, pos64)
-    ang = pos64[:, None] * inv_freq.to(positions.device)[None, :]  # [T, r/2]
-    cos, sin = torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+    cos, sin = _angles(positions, inv_freq.to(positions.device), dtype)
     if cache is not None:
         cache[key] = (positions, inv_freq, cos, sin)
     return cos, sin
