@@ -3,7 +3,7 @@
 # the engine benchmark, each optional and time-boxed. Run from the repository root with ".gpu" carried
 # (the site archive from ../shared/tools/gpu-site.sh):
 #   PYTEST_S=200 BENCH_S=240 ENGINE_S=150 bash scripts/device_24.sh
-# Knobs: GG_S (seconds for the grouped GEMM sweep, benchmarks/grouped_gemm.py; its tuned table is used by
+# Knobs: BENCH_FIRST=1 (the decode benchmark before the GPU tests), GG_S (seconds for the grouped GEMM sweep, benchmarks/grouped_gemm.py; its tuned table is used by
 # the later sections via DEEPINFER_GG_CONFIGS; its lines go to bench.jsonl), TESTS (pytest paths), MODES / BATCHES / STEPS / PROFILE / BENCH_ARGS (benchmarks/model_cuda.py),
 # ENGINE_ARGS (benchmarks/engine_cuda.py), INV_S (seconds for the tiny model's batch-invariance section, a
 # second engine_cuda.py run appended to engine.jsonl). At most 8 files under $OUT (a call returns no more):
@@ -24,18 +24,22 @@ if [ "${GG_S:-0}" -gt 0 ]; then
   [ -s /tmp/gg_configs.json ] && export DEEPINFER_GG_CONFIGS=/tmp/gg_configs.json && cat /tmp/gg_configs.json | tr -d ' \n'; echo
   grep -E '"bench": "grouped_gemm_(best|table)"' "$OUT/bench.jsonl" | cut -c1-420
 fi
-if [ "${PYTEST_S:-0}" -gt 0 ]; then
+run_pytest() {
+  [ "${PYTEST_S:-0}" -gt 0 ] || return 0
   timeout -s INT -k 10 "$PYTEST_S" python3 -m pytest -m gpu ${TESTS:-tests/} -q -n 8 -p no:cacheprovider -rfE \
     --durations=15 >"$OUT/pytest.log" 2>&1
   echo "pytest rc=$? at $((SECONDS - T0)) s"
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest.log" | tail -12
-fi
+}
+# BENCH_FIRST=1: the decode benchmark before the GPU tests (a short call keeps the number if cut)
+[ "${BENCH_FIRST:-0}" = 1 ] || run_pytest
 if [ "${BENCH_S:-0}" -gt 0 ]; then
   timeout -s INT -k 10 "$BENCH_S" python3 -u benchmarks/model_cuda.py --batches "${BATCHES:-1,8,64}" --steps "${STEPS:-8}" \
     --graphs "${MODES:-off,on,glue}" --profile-batches "${PROFILE:-1,64}" --out "$OUT" ${BENCH_ARGS:-} \
     >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
   echo "bench rc=$? at $((SECONDS - T0)) s"
 fi
+[ "${BENCH_FIRST:-0}" = 1 ] && run_pytest
 if [ "${ENGINE_S:-0}" -gt 0 ]; then
   timeout -s INT -k 10 "$ENGINE_S" python3 -u benchmarks/engine_cuda.py --plot --out "$OUT" ${ENGINE_ARGS:-} \
     >"$OUT/engine.jsonl" 2>"$OUT/engine.err"
