@@ -200,3 +200,20 @@ def test_glue_forms_on_cuda_under_inductor() -> None:
     # products rounded to bf16 (or not), then the float32 sum rounded to bf16 once
     allow = 2.0**-8 * (terms.abs().sum(1) + exact.abs()) + 1e-6
     assert ((got_out.double() - exact).abs() <= allow).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 9), k=st.integers(1, 4), d=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_combine_with_the_shared_output_is_the_combine_plus_it(n: int, k: int, d: int, seed: int) -> None:
+    """``_combine(..., shared)`` = ``_combine(...) + shared`` bitwise eagerly (the static MoE adds the shared
+    experts there, one fused kernel under the glue); against a float64 per-pair loop oracle too."""
+    g = torch.Generator().manual_seed(seed)
+    y, w, shared = torch.randn(n * k, d, generator=g), torch.rand(n, k, generator=g), torch.randn(n, d, generator=g)
+    place = torch.randperm(n * k, generator=g)
+    got = moe_mod._combine(y, w, place, n, k, shared)
+    assert torch.equal(got, moe_mod._combine(y, w, place, n, k) + shared)
+    want = shared.double().clone()
+    for t in range(n):
+        for j in range(k):
+            want[t] += y.double()[place[t * k + j]] * w.double()[t, j]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -250,11 +250,15 @@ def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | 
 
 
 @fusable
-def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: int,
+             shared: torch.Tensor | None = None) -> torch.Tensor:
     """Expert outputs in sorted order back to (token, k) order by a gather at each pair's sorted row, weighted,
     the k slots summed in k order: the products and sums of weighting the sorted rows and scattering them
-    back (the form before, by ``order``), as one gather-reduce instead of a weighting, a scatter and a sum."""
-    return (y[place].view(n, k, -1) * w[:, :, None]).sum(1)
+    back (the form before, by ``order``), as one gather-reduce instead of a weighting, a scatter and a sum.
+    ``shared``: the shared experts' output [n, D], added last (the same sum as adding it after; under the
+    glue in the same kernel, not one more a layer)."""
+    out = (y[place].view(n, k, -1) * w[:, :, None]).sum(1)
+    return out if shared is None else out + shared
 
 
 def _pack_halves(a: nn.Parameter, b: nn.Parameter, dim: int) -> torch.Tensor:
@@ -418,7 +422,8 @@ class MoE(nn.Module):
                 g, u = gg(xs, self.w1, offs), gg(xs, self.w3, offs)
             else:
                 g, u = gg(xs, w13, offs).split(self.w1.shape[1], dim=-1)
-            out = _combine(gg(clamped_swiglu(g, u, self.limit), self.w2, offs), w, place, n, k)
+            y = gg(clamped_swiglu(g, u, self.limit), self.w2, offs)
+            return _combine(y, w, place, n, k, self._shared(x) if self.shared else None), counts
         else:
             wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
             out = torch.zeros_like(x)
