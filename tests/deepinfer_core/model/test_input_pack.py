@@ -111,3 +111,18 @@ def test_pack_parts_blocks_keep_values_and_alias_the_pack(rows: list[int], cols:
     assert torch.equal(both.narrow(dim, sum(rows) - rows[-1], rows[-1]), vals[-1] + 1)
     assert not is_packed(both, ps[::-1], dim) or (len(set(rows)) == 1 and len(ps) == 1)
     assert not is_packed(None, ps, dim)
+
+
+@settings(max_examples=10, deadline=None)
+@given(lid=st.sampled_from(LAYERS), seed=st.integers(0, 2**16), n=st.integers(1, 17))
+def test_output_without_autograd_equals_the_einsum_form(lid: int, seed: int, n: int) -> None:
+    """``Attention.output`` without autograd (the grouped product written into [N, G, R] through an out
+    view, no copy) equals the einsum form used under autograd (float64), which gradients still reach."""
+    a = _attn(lid, seed)
+    o = torch.randn(n, a.n_heads, a.head_dim, dtype=D64, generator=torch.Generator().manual_seed(seed + 2))
+    want = torch.einsum("ngk,grk->ngr", o.reshape(n, a.o_groups, -1), a.wo_a).reshape(n, -1) @ a.wo_b.t()
+    with torch.no_grad():
+        got = a.output(o)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    a.output(o).sum().backward()
+    assert a.wo_a.grad is not None and a.wo_a.grad.abs().sum() > 0

@@ -141,7 +141,14 @@ class Attention(nn.Module):
         """[N, H, d] -> [N, hidden] through the grouped low-rank output projection."""
         n = o.shape[0]
         og = o.reshape(n, self.o_groups, -1)
-        mid = torch.einsum("ngk,grk->ngr", og, self.wo_a)
+        if torch.is_grad_enabled():
+            mid = torch.einsum("ngk,grk->ngr", og, self.wo_a)
+        else:
+            # the batched product (over groups) written straight into [N, G, R] layout through a transposed
+            # out view (cuBLAS takes its row stride), so the reshape below is a view, not a copy kernel
+            # (``out=`` does not take autograd: training keeps the einsum, the same products)
+            mid = torch.empty(n, self.o_groups, self.wo_a.shape[1], dtype=o.dtype, device=o.device)
+            torch.bmm(og.transpose(0, 1), self.wo_a.transpose(1, 2), out=mid.transpose(0, 1))
         return mid.reshape(n, -1) @ self.wo_b.t()
 
 
