@@ -185,12 +185,12 @@ class _Graph:
         e = torch.cuda.Event()
         e.record()
         self.copied[i] = e
-        if self.fetch_ids:
+        if self.fetch_ids:  # ``engram``: the ids; host ids are in the image already
             if isinstance(engram, torch.Tensor) and engram.device.type != "cpu":
                 assert self.inp.engram_ids is not None
                 self.inp.engram_ids[:, :r].copy_(engram)
             return
-        assert isinstance(engram, dict)
+        assert isinstance(engram, dict)  # the fetched rows (empty without Engram layers)
         for lid, t in self.inp.engram.items():
             t[:r].copy_(engram[lid])
 
@@ -242,11 +242,11 @@ class DecodeGraphs:
             g = self.graphs[key] = _Graph(key, self.ex, self.pool, self.fetch_ids)
         self.graphs.move_to_end(key)
         r = b.num_requests
-        if g.fetch_ids or engram_ids is None:
+        if g.fetch_ids:
             engram: dict[int, torch.Tensor] | torch.Tensor | None = engram_ids
         else:
-            engram = self.ex.engram_fetch(engram_ids)
-        g.load(g.image(b, floors, engram_ids), engram if engram is not None else {}, r)
+            engram = {} if engram_ids is None else self.ex.engram_fetch(engram_ids)
+        g.load(g.image(b, floors, engram_ids), engram, r)
         if tokens is not None:  # padded rows keep request 0's host token (a valid id; outputs dropped)
             g.inp.tokens[:r].copy_(tokens)
         if g.graph is None:

@@ -83,10 +83,16 @@ def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     cfg = attrs.evolve(CFG, dtype="float64")
-    prompts = ["".join(rng.choice("abcdefghij klmnopq,.") for _ in range(rng.randint(85, 150))) for _ in range(3)]
     params = [SamplingParams(temperature=0.0 if i == 0 else 0.9, seed=seed + i, max_tokens=4, ignore_eos=True)
               for i in range(3)]
     pe, ce = PromptEngine(cfg, mode="replay", replay="exact"), CompletionEngine(cfg, replay="exact")
+    # the tokenizer merges characters, so a prompt's token count is drawn through it: keep drawing until
+    # each prompt is long enough for a hit (the case under test), without capping it at a fixed length
+    prompts: list[str] = []
+    while len(prompts) < 3:
+        p = "".join(rng.choice("abcdefghij klmnopq,.") for _ in range(rng.randint(85, 220)))
+        if pe.hit_of(len(pe.engine.tokenizer.encode(p))) > 0:
+            prompts.append(p)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         pe.add_request(str(i), p, sp)
     handoffs = []

@@ -91,8 +91,8 @@ class Attention(nn.Module):
     def input_weights(self) -> list[nn.Parameter]:
         """Every projection that reads the layer input x, in :meth:`input_products` order: the query
         latent, the SWA key, (Full) the compressor's value / gate then the index compressor's, (Full /
-        Reindex) the indexer's head weights. The compressor blocks are adjacent in the order
-        ``compressor_state`` concatenates them."""
+        Reindex) the indexer's head weights. The compressor blocks are adjacent, in the order of the
+        concatenated ``project`` outputs that the decode step's compressor state is."""
         ws = [self.wq_a, self.wkv]
         if self.kind == LAYER_FULL:
             for c in (self.compressor, self.index_compressor):
@@ -116,9 +116,11 @@ class Attention(nn.Module):
         one GEMM (views; the same sums, one product); under autograd, separate products."""
         ws = self.input_weights()
         infer = not torch.is_grad_enabled()
-        if infer and not is_packed(self._x_pack, ws, 0) and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        packed = infer and is_packed(self._x_pack, ws, 0)
+        if infer and not packed and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.pack_inputs()
-        if infer and is_packed(self._x_pack, ws, 0):
+            packed = True
+        if packed:
             assert self._x_pack is not None
             y = x @ self._x_pack.t()
             widths = [w.shape[0] for w in ws]
@@ -127,9 +129,11 @@ class Attention(nn.Module):
                 lo = widths[0] + widths[1]
                 parts = [parts[0], parts[1], y[..., lo : lo + sum(widths[2:-1])], parts[-1]]
         else:
-            parts = [x @ w.t() for w in ws]
+            parts = [x @ self.wq_a.t(), x @ self.wkv.t()]
             if self.kind == LAYER_FULL:
-                parts = [parts[0], parts[1], torch.cat(parts[2:-1], dim=-1), parts[-1]]
+                parts.append(torch.cat((self.compressor.project(x), self.index_compressor.project(x)), dim=-1))
+            if self.kind in (LAYER_FULL, LAYER_REINDEX):
+                parts.append(x @ self.indexer.weights_proj.t())
         out = {"q": parts[0], "kv": parts[1]}
         if self.kind == LAYER_FULL:
             out["comp"] = parts[2]

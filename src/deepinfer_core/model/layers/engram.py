@@ -25,13 +25,19 @@ def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 @fusable
+def _gate(st: torch.Tensor, k: torch.Tensor, h_w: torch.Tensor, k_w: torch.Tensor, h_eps: float, k_eps: float,
+          scale: float) -> torch.Tensor:
+    """Gate [T, n] of each stream ``st`` [T, n, D] from its key product ``k`` [T, n, D]."""
+    s = (rms_norm(st, h_w, h_eps) * rms_norm(k, k_w, k_eps)).sum(-1) * scale
+    return torch.sigmoid(signed_sqrt(s))
+
+
+@fusable
 def _gated_update(st: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h_w: torch.Tensor, k_w: torch.Tensor,
                   h_eps: float, k_eps: float, scale: float) -> torch.Tensor:
-    """``st + g * v`` with the per-stream gates g of :meth:`EngramLayer.gates` from the key products ``k``
-    [T, n, D] and the value ``v`` [T, D]: the norms, the dot, the gate and the update in one fused kernel
-    under the glue (eagerly ~12)."""
-    s = (rms_norm(st, h_w, h_eps) * rms_norm(k, k_w, k_eps)).sum(-1) * scale
-    return st + torch.sigmoid(signed_sqrt(s))[..., None] * v[:, None, :]
+    """``st + g * v`` with the gates g of :func:`_gate` and the value ``v`` [T, D]: the norms, the dot, the
+    gate and the update in one fused kernel under the glue (eagerly ~12)."""
+    return st + _gate(st, k, h_w, k_w, h_eps, k_eps, scale)[..., None] * v[:, None, :]
 
 
 class EngramLayer(nn.Module):
@@ -55,15 +61,15 @@ class EngramLayer(nn.Module):
 
     def gates(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Gate [T, n] of each stream (``state`` [T, n, D]) for fetched rows [T, row_dim]."""
-        k = torch.einsum("te,nde->tnd", rows, self.w_k)
-        s = (self.h_norm(state) * self.k_norm(k)).sum(-1) * self.scale
-        return torch.sigmoid(signed_sqrt(s))
+        return _gate(state, torch.einsum("te,nde->tnd", rows, self.w_k), *self._gate_args())
+
+    def _gate_args(self) -> tuple[torch.Tensor, torch.Tensor, float, float, float]:
+        return self.h_norm.weight, self.k_norm.weight, self.h_norm.eps, self.k_norm.eps, self.scale
 
     def forward(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``state`` [T, n, D] (or [T, D] for a plain residual) updated with the rows [T, row_dim]."""
         flat = state.dim() == 2
         st = state[:, None, :] if flat else state
         k = torch.einsum("te,nde->tnd", rows, self.w_k)
-        out = _gated_update(st, k, rows @ self.w_v.t(), self.h_norm.weight, self.k_norm.weight, self.h_norm.eps,
-                            self.k_norm.eps, self.scale)
+        out = _gated_update(st, k, rows @ self.w_v.t(), *self._gate_args())
         return out[:, 0] if flat else out

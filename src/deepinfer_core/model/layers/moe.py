@@ -261,16 +261,6 @@ def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: i
     return out if shared is None else out + shared
 
 
-def _pack_halves(a: nn.Parameter, b: nn.Parameter, dim: int) -> torch.Tensor:
-    """``a`` and ``b`` concatenated along ``dim`` into one tensor, the parameters re-pointed at its halves."""
-    return pack_parts((a, b), dim)
-
-
-def _are_halves(both: torch.Tensor, a: nn.Parameter, b: nn.Parameter, dim: int) -> bool:
-    """``a`` / ``b`` still are the halves of ``both`` along ``dim`` (nothing replaced their storage)."""
-    return is_packed(both, (a, b), dim)
-
-
 class MoE(nn.Module):
     """Routed experts (stacked weights [E, ...]) plus ``n_shared_experts`` always-on experts."""
 
@@ -307,20 +297,20 @@ class MoE(nn.Module):
         two narrow ones (and halves their launches). Idempotent; undone by anything that replaces the
         parameters (``.to()``, ``load_state_dict`` with assign): :meth:`_packed` then ignores the pack."""
         if self._packed() is None:
-            self._w13 = _pack_halves(self.w1, self.w3, 1)
+            self._w13 = pack_parts((self.w1, self.w3), 1)
         if self.shared and self._shared_packed() is None:
-            self._s_w13 = _pack_halves(self.s_w1, self.s_w3, 0)
+            self._s_w13 = pack_parts((self.s_w1, self.s_w3), 0)
 
     def _packed(self) -> torch.Tensor | None:
         """The packed [E, 2I, D] gate-up tensor if ``w1`` / ``w3`` still are its halves, else None (a host-side
         pointer check: no device work). A stale pack is dropped, so its memory is freed."""
-        if self._w13 is not None and not _are_halves(self._w13, self.w1, self.w3, 1):
+        if self._w13 is not None and not is_packed(self._w13, (self.w1, self.w3), 1):
             self._w13 = None
         return self._w13
 
     def _shared_packed(self) -> torch.Tensor | None:
         """:meth:`_packed` of the shared expert's [2 * si, D] gate-up tensor."""
-        if self._s_w13 is not None and not _are_halves(self._s_w13, self.s_w1, self.s_w3, 0):
+        if self._s_w13 is not None and not is_packed(self._s_w13, (self.s_w1, self.s_w3), 0):
             self._s_w13 = None
         return self._s_w13
 
@@ -430,6 +420,6 @@ class MoE(nn.Module):
             for j in range(e):
                 h = clamped_swiglu(x @ self.w1[j].t(), x @ self.w3[j].t(), self.limit)
                 out = out + (h @ self.w2[j].t()) * wd[:, j, None]
-        if self.shared:
-            out = out + self._shared(x)
-        return out, counts
+            if self.shared:
+                out = out + self._shared(x)
+            return out, counts
