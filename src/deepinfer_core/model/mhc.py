@@ -28,6 +28,7 @@ from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable, glue_on
+from deepinfer_core.model.layers.norm import RMSNorm, rms_norm
 
 __all__ = ["MHCResidual", "sinkhorn", "sinkhorn_impl", "split_bf16"]
 
@@ -170,6 +171,26 @@ def _mix_out(res: torch.Tensor, state: torch.Tensor, post: torch.Tensor, out: to
     return torch.einsum("tij,tjd->tid", r, state) + post[:, :, None] * out[:, None, :]
 
 
+# The residual's hand-over between sublayers as one compiled function each (one or two kernels under the
+# glue, where the separate functions were a mix, a norm and, after a sublayer, the update before them):
+# the sublayer input normalised, and a sublayer's update followed by the next sublayer's normalised input
+# (single pass: its coefficients were computed with the layer's first). Eagerly the same calls in order.
+
+
+@fusable
+def _mix_in_norm(pre: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(sum_j pre_j state_j, weight): the normalised input of a sublayer, [T, D]."""
+    return rms_norm(_mix_in(pre, state), weight, eps)
+
+
+@fusable
+def _mix_out_in_norm(res: torch.Tensor, state: torch.Tensor, post: torch.Tensor, out: torch.Tensor,
+                     pre: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`_mix_out`, the next sublayer's :func:`_mix_in_norm` of it)."""
+    new = _mix_out(res, state, post, out)
+    return new, rms_norm(_mix_in(pre, new), weight, eps)
+
+
 class MHCResidual(nn.Module):
     """Drop-in for ``PlainResidual`` (``begin``, ``sublayer_input``, ``sublayer_output``, ``end``)."""
 
@@ -241,15 +262,34 @@ class MHCResidual(nn.Module):
     def begin(self, h: torch.Tensor) -> torch.Tensor:
         return h[:, None, :].expand(-1, self.n, -1).contiguous()
 
-    def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+    def _pre(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+        """The ``pre`` coefficients of a sublayer (computed now unless pending)."""
         if (layer_id, sub) not in self._pending:
             subs = (0, 1) if self.single_pass and sub == 0 else (sub,)
             self._coefficients(state, layer_id, subs)
-        return _mix_in(self._pending[(layer_id, sub)][0], state)
+        return self._pending[(layer_id, sub)][0]
+
+    def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+        return _mix_in(self._pre(state, layer_id, sub), state)
 
     def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
         _, post, res = self._pending.pop((layer_id, sub))
         return _mix_out(res, state, post, out)
+
+    def sublayer_input_normed(self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm) -> torch.Tensor:
+        """``norm(sublayer_input(...))``, one compiled function under the fused glue."""
+        return _mix_in_norm(self._pre(state, layer_id, sub), state, norm.weight, norm.eps)
+
+    def handover(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``sublayer_output`` of ``sub``, ``sublayer_input_normed`` of ``sub + 1`` of the new state):
+        one compiled function when the next sublayer's coefficients are already known (single pass)."""
+        nxt = (layer_id, sub + 1)
+        if nxt not in self._pending:  # the paper form: the next coefficients come from the new state
+            new = self.sublayer_output(state, out, layer_id, sub)
+            return new, self.sublayer_input_normed(new, layer_id, sub + 1, norm)
+        _, post, res = self._pending.pop((layer_id, sub))
+        return _mix_out_in_norm(res, state, post, out, self._pending[nxt][0], norm.weight, norm.eps)
 
     def collapse(self, state: torch.Tensor) -> torch.Tensor:
         """Streams summed, [T, D] (what ``end`` returns; also the captured per-layer state)."""

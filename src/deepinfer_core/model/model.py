@@ -56,6 +56,16 @@ class PlainResidual(nn.Module):
     def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
         return state + out
 
+    def sublayer_input_normed(self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm) -> torch.Tensor:
+        """``norm(sublayer_input(...))`` (mHC fuses the two)."""
+        return norm(state)
+
+    def handover(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``sublayer_output`` of ``sub``, ``sublayer_input_normed`` of ``sub + 1``) (mHC fuses them)."""
+        new = state + out
+        return new, norm(new)
+
     def collapse(self, state: torch.Tensor) -> torch.Tensor:
         return state
 
@@ -248,14 +258,15 @@ class DeepSeekV41(nn.Module):
             lid = blk.layer_id
             if str(lid) in self.engram:
                 state = self.engram[str(lid)](state, engram_rows[lid])  # type: ignore[index]
-            x = blk.attn_norm(self.residual.sublayer_input(state, lid, 0))
+            x = self.residual.sublayer_input_normed(state, lid, 0, blk.attn_norm)
             if source_only is not None and lid == self.cfg.encoder_layers:
                 source_only(lid, blk.attn, x)
                 self.residual.end(state)  # drops pending coefficients
                 return x, torch.stack(counts)
             o = attend(lid, blk.attn, x)
-            state = self.residual.sublayer_output(state, blk.attn.output(o), lid, 0)
-            y, c = blk.ffn(blk.ffn_norm(self.residual.sublayer_input(state, lid, 1)))
+            # the attention's update and the MoE's normalised input in one step (mHC: one fused function)
+            state, x = self.residual.handover(state, blk.attn.output(o), lid, 0, blk.ffn_norm)
+            y, c = blk.ffn(x)
             state = self.residual.sublayer_output(state, y, lid, 1)
             counts.append(c)
             if capture is not None and lid in capture:

@@ -126,3 +126,51 @@ def test_bad_placement_and_config_are_named(model64: DeepSeekV41) -> None:
         tiny_config(hc_sinkhorn_iters=0)
     with pytest.raises(ConfigError, match="dspark_noise_token_id"):
         tiny_config(dspark_noise_token_id=None)
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+@pytest.mark.parametrize("glue", [False, True])
+def test_residual_handover_equals_output_then_normed_input(single_pass: bool, glue: bool) -> None:
+    """``sublayer_input_normed`` and ``handover`` (one compiled function each under the fused glue) against
+    the separate calls they replace and the per-token formula, for mHC (single pass: the next sublayer's
+    coefficients pending; paper form: computed from the new state) and the plain residual."""
+    from deepinfer_core.model import fusion
+    from deepinfer_core.model.layers.norm import RMSNorm
+    from deepinfer_core.model.model import PlainResidual
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    cfg = attrs.evolve(tiny_config(), hc_single_pass=single_pass)
+    res = MHCResidual(cfg).to(torch.float64)
+    res.reset_parameters(g)
+    n1, n2 = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(torch.float64) for _ in range(2))
+    with torch.no_grad():
+        for nm in (n1, n2):
+            nm.weight.copy_(torch.rand(cfg.hidden_size, generator=g, dtype=torch.float64) + 0.5)
+    state = res.begin(torch.randn(7, cfg.hidden_size, generator=g, dtype=torch.float64))
+    out = torch.randn(7, cfg.hidden_size, generator=g, dtype=torch.float64)
+    # the oracle: the separate calls, eagerly
+    want_x0 = n1(res.sublayer_input(state, 2, 0))
+    want_s = res.sublayer_output(state, out, 2, 0)
+    want_x1 = n2(res.sublayer_input(want_s, 2, 1))
+    res.end(want_s)
+    fusion.set_backend("aot_eager")
+    try:
+        with fusion.fused_glue(glue):
+            x0 = res.sublayer_input_normed(state, 2, 0, n1)
+            s, x1 = res.handover(state, out, 2, 0, n2)
+    finally:
+        fusion.set_backend(None)
+    assert (2, 1) in res._pending and (2, 0) not in res._pending  # sublayer 1's coefficients await its output
+    res.end(s)
+    for got, want in ((x0, want_x0), (s, want_s), (x1, want_x1)):
+        assert (got - want).abs().max().item() < 1e-12, seed
+    # the normalised input written out: rms over D of sum_j pre_j state_j, times the weight
+    pre = res.coefficients(state, 2, 0)[0]
+    mixed = (pre[:, :, None] * state).sum(1)
+    manual = mixed / mixed.pow(2).mean(-1, keepdim=True).add(cfg.rms_norm_eps).sqrt() * n1.weight
+    assert (x0 - manual).abs().max().item() < 1e-12
+    plain = PlainResidual()
+    ps, px = plain.handover(mixed, out, 0, 0, n2)
+    assert torch.equal(ps, mixed + out) and torch.equal(px, n2(mixed + out))
+    assert torch.equal(plain.sublayer_input_normed(mixed, 0, 0, n1), n1(mixed))

@@ -163,3 +163,32 @@ def test_glue_in_place_on_cuda_equals_functional(inductor: None, dt: torch.dtype
     # bf16 pairs: one kernel, in place; otherwise the rotation and its copy into the tail
     assert len(kernels) == 1 if dt == torch.bfloat16 and il else len(kernels) <= 2, kernels
     assert (y.double() - oracle(x, pos, inv, 64, il)).abs().max().item() < (0.1 if dt == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize(("shape", "dt", "il"), [((6, 40), torch.bfloat16, True), ((5, 40), torch.float32, True),
+                                                 ((7, 48), torch.float64, False), ((3, 2, 24), torch.bfloat16, False)])
+def test_norm_rope_equals_norm_then_rope(inductor: None, shape: tuple, dt: torch.dtype, il: bool) -> None:
+    """``norm_rope`` (the SWA key's norm and rotation, one compiled function under the glue): eagerly the
+    reference's calls bitwise; compiled, against a float64 oracle (the norm in float64, then the complex
+    rotation) at the dtype's rounding, and one loop nest in Inductor's code."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    from deepinfer_core.model.layers.norm import rms_norm
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = (3 * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dt)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g, dtype=torch.float64)).to(dt)
+    pos, inv = torch.randint(0, 9000, (shape[0],), generator=g), rope_inv_freq(16, 160000.0)
+    eager = rope.norm_rope(x, w, 1e-6, pos, inv, 16, il)
+    assert torch.equal(eager, apply_rope_(rms_norm(x, w, 1e-6), pos, inv, 16, il))
+    fusion.reset()
+    with config.patch(force_disable_caches=True), fusion.fused_glue():
+        fused, codes = run_and_get_code(rope.norm_rope, x, w, 1e-6, pos, inv, 16, il)
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    want = oracle(normed, pos, inv, 16, il)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dt]
+    assert fused.dtype == dt and (fused.double() - want).abs().max().item() <= tol * want.abs().max().item()
+    body = [c for c in codes if "cos_mul_sin" not in c]  # the angles compile apart (rope._angles)
+    assert len(re.findall(r"cpp_fused\w* = async_compile", "\n".join(body))) == 1

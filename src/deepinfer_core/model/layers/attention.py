@@ -19,7 +19,7 @@ from deepinfer_core.model.layers.compressor import Compressor
 from deepinfer_core.model.layers.indexer import IndexerQuery
 from deepinfer_core.model.layers.norm import RMSNorm
 from deepinfer_core.model.layers.packing import is_packed, pack_parts
-from deepinfer_core.model.layers.rope import apply_rope_, rope_inv_freq
+from deepinfer_core.model.layers.rope import apply_rope_, norm_rope, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -85,7 +85,8 @@ class Attention(nn.Module):
 
     def swa_kv_from(self, kv_raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`swa_kv` from the product ``x @ wkv.t()`` (:meth:`input_products`)."""
-        return apply_rope_(self.kv_norm(kv_raw), positions, self.inv_freq, self.rope_dim, self.rope_interleave)
+        n = self.kv_norm
+        return norm_rope(kv_raw, n.weight, n.eps, positions, self.inv_freq, self.rope_dim, self.rope_interleave)
 
     # ------------------------------------------------------------------ the input projections as one
     def input_weights(self) -> list[nn.Parameter]:

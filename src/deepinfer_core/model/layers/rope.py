@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.model.fusion import fusable, glue_on
+from deepinfer_core.model.layers.norm import rms_norm
 
 # (positions, inv_freq, dtype) -> (positions, inv_freq, cos, sin) inside :func:`cached_angles`; the key
 # tensors are kept in the value so their ids cannot be reused while the cache lives
@@ -135,6 +136,23 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     else:
         _rotate_tail_(tail, cos, sin, interleave)
     return x
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+              rope_dim: int, interleave: bool = True) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), ...)``, a new tensor: under the fused glue one compiled
+    function (the norm's rows rotated before they are stored: one kernel, where the norm and the in-place
+    rotation were two); eagerly the norm then :func:`apply_rope_` on it (the reference's calls)."""
+    if rope_dim == 0 or not glue_on():
+        return apply_rope_(rms_norm(x, weight, eps), positions, inv_freq, rope_dim, interleave)
+    cos, sin = _cos_sin(positions, inv_freq, x.dtype)
+    return _norm_rotate(x, weight, eps, cos, sin, rope_dim, interleave)
+
+
+@fusable
+def _norm_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 rope_dim: int, interleave: bool) -> torch.Tensor:
+    return _rotate(rms_norm(x, weight, eps), cos, sin, rope_dim, interleave)
 
 
 @fusable
