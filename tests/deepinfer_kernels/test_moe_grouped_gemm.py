@@ -75,11 +75,19 @@ def test_moe_static_mode_through_the_op_equals_the_plain_layer():
     moe.reset_parameters(torch.Generator().manual_seed(3))
     x = torch.randn(37, cfg.hidden_size, dtype=torch.float64)
     want, want_counts = moe._forward_loop(x)
-    calls = []
+    calls, shapes = [], []
     op = get_backend("reference").op("moe_grouped_gemm")
-    with torch.no_grad(), static_shapes(), grouped_gemm_impl(lambda *a: (calls.append(1), op(*a))[1]):
+
+    def counted(x, w, offs):
+        calls.append(1)
+        shapes.append(((x.shape[0], w.shape[0]), offs[-1].item()))
+        return op(x, w, offs)
+
+    with torch.no_grad(), static_shapes(), grouped_gemm_impl(counted):
         got, counts = moe(x)
     assert len(calls) == 2  # gate / up packed into one product, then down
+    # the shared expert rides in both as group E (moe.FUSE_SHARED): E + 1 weight blocks, x's rows + 37
+    assert [c[0] for c in shapes] == [(37 * cfg.num_experts_per_tok + 37, cfg.n_routed_experts + 1)] * 2
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert torch.equal(counts, want_counts)
 
@@ -89,6 +97,9 @@ def test_config_table_covers_the_sweep_shapes_and_falls_back_to_the_default():
         cfg = config_for(*shape)
         assert cfg == CONFIGS[shape] and cfg.valid() and cfg.takes(shape[1], shape[2])
     assert config_for(8, 1024, 512) == DEFAULT  # not in the table
+    # another group count of a tuned weight shape (the shared expert as group E + 1) takes its entry
+    for e, nn, kk in SWEEP_SHAPES:
+        assert config_for(e + 1, nn, kk) == CONFIGS[(e, nn, kk)] == config_for(e + 3, nn, kk)
     assert config_for(8, 1000, 512) is None  # N not a multiple of the default's 128: the reference
     assert config_for(8, 1024, 100) is None
     # a table entry that does not tile the shape gives way to the default, if that does
@@ -303,8 +314,8 @@ def test_executor_fused_moe_and_head_wiring_on_the_reference_backend() -> None:
         calls.clear()
         runs.append(reference_decode(model, prompts, 3, 2, spy, **flags))
         seen.append(sorted(set(calls)))
-    e = model.cfg.n_routed_experts
-    assert seen == [[], [e], [1], [1, e]], seen  # experts: E groups; the head: one
+    e = model.cfg.n_routed_experts + 1  # the experts and the shared expert (moe.FUSE_SHARED)
+    assert seen == [[], [e], [1], [1, e]], seen  # experts: E + 1 groups; the head: one
     for toks, logits in runs[1:]:
         assert toks == runs[0][0]
         # float32 sums in another order (~5e-7), and the caches are quantised: a value at an FP4 / FP8 code

@@ -178,8 +178,14 @@ def _tuned() -> dict[tuple[int, int, int], GGConfig]:
 
 def config_for(e: int, n: int, k: int) -> GGConfig | None:
     """The configuration for this shape: the table's (``DEEPINFER_GG_CONFIGS`` entries first), else the
-    default; None if neither tiles it."""
-    c = _tuned().get((e, n, k), DEFAULT)
+    entry of the same weight shape [N, K] with the nearest group count E (the MoE's shared expert run as
+    one more group is E + 1: each CTA does the same work, the grid has one more column of CTAs), else the
+    default; None if none of them tiles it."""
+    table = _tuned()
+    c = table.get((e, n, k))
+    if c is None:
+        near = sorted((abs(key[0] - e), key[0]) for key in table if key[1:] == (n, k))
+        c = table[(near[0][1], n, k)] if near else DEFAULT
     if c.takes(n, k):
         return c
     return DEFAULT if DEFAULT.takes(n, k) else None

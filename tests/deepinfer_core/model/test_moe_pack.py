@@ -123,3 +123,51 @@ def test_grouped_path_serves_plain_calls_where_it_applies(monkeypatch: pytest.Mo
         ref, rc = m._forward_loop(x)
     assert calls and torch.equal(c, rc)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(("over", "fused"), [({}, True), ({"shared_expert_clamp": False}, False),
+                                             ({"n_shared_experts": 2}, False), ({"n_shared_experts": 0}, False),
+                                             ({"shared_expert_clamp": False, "swiglu_limit": 0.0}, True)])
+def test_shared_expert_as_one_more_group(over: dict, fused: bool) -> None:
+    """``moe.FUSE_SHARED``: with one shared expert of the routed width, clamped as they are, the packed
+    tensors gain it as block E and the static path's grouped products carry it as group E (E + 1 weight
+    blocks, n more rows); otherwise (another clamp, two shared experts, none) the separate products run.
+    Either way the layer equals its grouped loop (float64), the state_dict is unchanged, and a replaced
+    shared parameter drops the group (the new value is used, never the stale pack)."""
+    from deepinfer_kernels import get_backend
+
+    seed = torch.seed() % 2**31
+    cfg = tiny_config(**{"swiglu_limit": 10.0, **over})
+    m = MoE(cfg).to(D64)
+    m.reset_parameters(torch.Generator().manual_seed(seed))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    op = get_backend("reference").op("moe_grouped_gemm")
+    groups: list[int] = []
+
+    def spy(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        groups.append(w.shape[0])
+        assert offs.shape[0] == w.shape[0] and int(offs[-1]) == x.shape[0]  # every row is a group's
+        return op(x, w, offs)
+
+    x = torch.randn(13, cfg.hidden_size, dtype=D64, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    for replace in (False, True):
+        if replace:
+            with torch.no_grad():
+                for name in ("s_w2", "w2") if m.shared else ("w2",):
+                    p = getattr(m, name)
+                    p.data = p.data.clone() * 0.5  # as .to() / an assigning load would
+        want, wc = m._forward_loop(x)
+        groups.clear()
+        with torch.no_grad(), moe_mod.static_shapes(), moe_mod.grouped_gemm_impl(spy):
+            got, gc = m(x)
+        e = cfg.n_routed_experts + (1 if fused else 0)
+        assert groups == [e, e], (over, groups)  # packed gate / up, then down
+        assert (m._shared_group() is not None) == fused
+        assert torch.equal(gc, wc)
+        assert (got - want).abs().max().item() <= 1e-12 * max(1.0, want.abs().max().item()), seed
+        if not replace:
+            after = m.state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            if fused:  # the parameters are views of the group tensors' blocks
+                a13, a2 = m._shared_group()
+                assert m.s_w1.data_ptr() == a13[-1].data_ptr() and m.s_w2.data_ptr() == a2[-1].data_ptr()

@@ -35,7 +35,7 @@ from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable
-from deepinfer_core.model.layers.packing import is_packed, pack_parts
+from deepinfer_core.model.layers.packing import is_block, is_packed, pack_parts
 
 # static mode on in this context (see the module docstring); a context variable, not a module attribute,
 # so an executor turns it on for its own steps only
@@ -44,6 +44,12 @@ _STATIC: contextvars.ContextVar[tuple[bool, torch.Tensor | None]] = contextvars.
     "moe_static", default=(False, None))
 # grouped GEMMs in static mode where torch._grouped_mm applies (a switch for the tests: off = dense)
 GROUPED_MM = True
+# static mode's grouped products take the shared expert as one more group (SGLang's shared-experts fusion):
+# its rows are the batch's own, appended after the routed pairs, and its weights are the last block of
+# the packed expert tensors (MoE.pack_gate_up), so a layer's shared gate / up, SwiGLU and down (two dense
+# GEMMs with their split-K reduces and a SwiGLU kernel at decode) ride in the routed kernels. Applies to
+# one shared expert of the routed width, clamped as the routed ones are (else the separate products run).
+FUSE_SHARED = True
 
 
 # the grouped product of static mode in this context: None = torch._grouped_mm where it applies; an
@@ -240,13 +246,20 @@ def _dispatch(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None)
 
 
 @fusable
-def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None, shared_rows: int = 0
+                   ) -> tuple[torch.Tensor, ...]:
     """:func:`_dispatch` as the static MoE uses it: (counts, the token of each sorted row [P], each pair's
     sorted row ``place`` [P], offsets). The token is scattered here (one kernel with the sort's last step)
-    rather than divided out of the order afterwards (one more launch a layer)."""
+    rather than divided out of the order afterwards (one more launch a layer). ``shared_rows`` = n > 0:
+    one more group after the experts' (see :data:`FUSE_SHARED`), rows P .. P + n holding tokens 0 .. n - 1
+    (the token rows [P + n] and E + 1 offsets; counts and places stay the routed pairs')."""
     counts, place, offs = _placement(flat, e, k, row_mask)
-    tok = torch.arange(flat.shape[0], device=flat.device) // k
-    return counts, torch.empty_like(place).scatter_(0, place, tok), place, offs
+    p = flat.shape[0]
+    tok = torch.empty_like(place).scatter_(0, place, torch.arange(p, device=flat.device) // k)
+    if shared_rows:
+        tok = torch.cat((tok, torch.arange(shared_rows, device=flat.device)))
+        offs = torch.cat((offs, torch.full((1,), p + shared_rows, dtype=offs.dtype, device=offs.device)))
+    return counts, tok, place, offs
 
 
 @fusable
@@ -287,6 +300,10 @@ class MoE(nn.Module):
         # gate and up projections packed as the two halves of one tensor (pack_gate_up), or None
         self._w13: torch.Tensor | None = None
         self._s_w13: torch.Tensor | None = None
+        # with FUSE_SHARED: [E + 1, 2I, D] gate-up and [E + 1, D, I] down tensors whose last block is the
+        # shared expert (the routed and shared packs above are views of them), or None
+        self._all13: torch.Tensor | None = None
+        self._all2: torch.Tensor | None = None
 
     @torch.no_grad()
     def pack_gate_up(self) -> None:
@@ -296,10 +313,50 @@ class MoE(nn.Module):
         GEMMs are weight-bandwidth-bound and a single wider product keeps more of the GPU streaming than
         two narrow ones (and halves their launches). Idempotent; undone by anything that replaces the
         parameters (``.to()``, ``load_state_dict`` with assign): :meth:`_packed` then ignores the pack."""
+        if self._can_fuse_shared():
+            if self._shared_group() is None:
+                self._pack_with_shared()
+            return
         if self._packed() is None:
             self._w13 = pack_parts((self.w1, self.w3), 1)
         if self.shared and self._shared_packed() is None:
             self._s_w13 = pack_parts((self.s_w1, self.s_w3), 0)
+
+    def _pack_stale(self) -> bool:
+        """Whether :meth:`pack_gate_up` has something to (re)pack."""
+        return self._packed() is None or (self._can_fuse_shared() and self._shared_group() is None)
+
+    def _can_fuse_shared(self) -> bool:
+        """Whether the shared expert can be one more group of the routed products (:data:`FUSE_SHARED`):
+        one shared expert of the routed width, clamped as they are."""
+        return (FUSE_SHARED and self.shared and self.s_w1.shape == self.w1.shape[1:]
+                and self.shared_limit == self.limit)
+
+    @torch.no_grad()
+    def _pack_with_shared(self) -> None:
+        """:meth:`pack_gate_up` with the shared expert as block E of [E + 1, 2I, D] and [E + 1, D, I] tensors:
+        w1 / w3 are ``[:E]``'s halves and s_w1 / s_w3 block E's, w2 is ``[:E]`` and s_w2 block E (views)."""
+        e, i = self.n_experts, self.w1.shape[1]
+        all13 = torch.cat((torch.cat((self.w1.data, self.w3.data), 1),
+                           torch.cat((self.s_w1.data, self.s_w3.data), 0)[None]), 0)
+        all2 = torch.cat((self.w2.data, self.s_w2.data[None]), 0)
+        self.w1.data, self.w3.data = all13[:e, :i], all13[:e, i:]
+        self.s_w1.data, self.s_w3.data = all13[e, :i], all13[e, i:]
+        self.w2.data, self.s_w2.data = all2[:e], all2[e]
+        self._w13, self._s_w13, self._all13, self._all2 = all13[:e], all13[e], all13, all2
+
+    def _shared_group(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate-up [E + 1, 2I, D], down [E + 1, D, I]) while every parameter still is its block of them
+        (:meth:`_pack_with_shared`; a host-side pointer check), else None (the pack is dropped)."""
+        a13, a2 = self._all13, self._all2
+        if a13 is None or a2 is None:
+            return None
+        e = self.n_experts
+        if (is_packed(a13[:e], (self.w1, self.w3), 1) and is_packed(a13[e], (self.s_w1, self.s_w3), 0)
+                and is_block(self.w2, a2[:e]) and is_block(self.s_w2, a2[e])):
+            return a13, a2
+        self._all13 = self._all2 = None
+        return None
 
     def _packed(self) -> torch.Tensor | None:
         """The packed [E, 2I, D] gate-up tensor if ``w1`` / ``w3`` still are its halves, else None (a host-side
@@ -398,23 +455,27 @@ class MoE(nn.Module):
         n, e, k = x.shape[0], self.n_experts, self.top_k
         ids, w = self.route(x)
         flat = ids.reshape(-1)
-        counts, tok, place, offs = _dispatch_rows(flat, e, k, row_mask)
         # the executor's grouped kernel if one is set, else torch._grouped_mm where it applies
         gg = _GROUPED.get() or (_torch_grouped if _grouped_ok(x) else None)
         if gg is not None:
             # the pack is a plain tensor: under autograd (training) the parameters themselves are used
             infer = not torch.is_grad_enabled()
-            if infer and self._packed() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if infer and self._pack_stale() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.pack_gate_up()  # once, on the first eager static step (a graph's warm-up runs one)
+            grp = self._shared_group() if infer else None
+            counts, tok, place, offs = _dispatch_rows(flat, e, k, row_mask, n if grp is not None else 0)
             xs = x[tok]  # group bounds (offs) over every computed row
-            w13 = self._packed() if infer else None
+            w13, w2 = grp if grp is not None else (self._packed() if infer else None, self.w2)
             if w13 is None:
                 g, u = gg(xs, self.w1, offs), gg(xs, self.w3, offs)
             else:
                 g, u = gg(xs, w13, offs).split(self.w1.shape[1], dim=-1)
-            y = gg(clamped_swiglu(g, u, self.limit), self.w2, offs)
+            y = gg(clamped_swiglu(g, u, self.limit), w2, offs)
+            if grp is not None:  # the shared expert's rows are the last n (a view: no copy)
+                return _combine(y, w, place, n, k, y[n * k :]), counts
             return _combine(y, w, place, n, k, self._shared(x) if self.shared else None), counts
         else:
+            counts = _dispatch_rows(flat, e, k, row_mask)[0]
             wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
             out = torch.zeros_like(x)
             for j in range(e):

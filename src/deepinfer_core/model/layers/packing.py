@@ -28,6 +28,11 @@ def pack_parts(parts: Sequence[nn.Parameter], dim: int) -> torch.Tensor:
     return both
 
 
+def is_block(p: torch.Tensor, blk: torch.Tensor) -> bool:
+    """``p`` is the view ``blk`` (same memory, shape and strides)."""
+    return p.data_ptr() == blk.data_ptr() and p.shape == blk.shape and p.stride() == blk.stride()
+
+
 def is_packed(both: torch.Tensor | None, parts: Sequence[nn.Parameter], dim: int) -> bool:
     """``parts`` still are the consecutive blocks of ``both`` along ``dim`` (nothing replaced their storage)."""
     if both is None or sum(p.shape[dim] for p in parts) != both.shape[dim]:
@@ -35,8 +40,7 @@ def is_packed(both: torch.Tensor | None, parts: Sequence[nn.Parameter], dim: int
     off = 0
     for p in parts:
         n = p.shape[dim]
-        blk = both.narrow(dim, off, n)
-        if p.data_ptr() != blk.data_ptr() or p.shape != blk.shape or p.stride() != blk.stride():
+        if not is_block(p, both.narrow(dim, off, n)):
             return False
         off += n
     return True
