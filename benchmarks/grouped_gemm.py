@@ -1,9 +1,11 @@
 """GPU sweep of the TileLang grouped expert GEMM (``moe_grouped_gemm``) over its launch configurations, at
 the wide config's B = 64 decode shapes, against ``torch._grouped_mm`` and the copy bandwidth of the same run.
 
-Shapes (``SWEEP_SHAPES``; 13 calls a wide decode step): gate / up packed (E = 8, N = 4608, K = 5120) x 6,
-down (8, 5120, 2304) x 6, each over 384 rows (64 tokens x top-6 of 8 experts, a token's experts distinct:
-at most 64 rows an expert), and the LM head (1, 129280, 5120) x 1 over 64 rows.
+Shapes (``SWEEP_SHAPES``; 13 calls a wide decode step): gate / up packed (E = 9, N = 4608, K = 5120) x 6,
+down (9, 5120, 2304) x 6, each over 448 rows (64 tokens x top-6 of the 8 routed experts, a token's experts
+distinct: at most 64 rows an expert, then the shared expert's group of the 64 tokens: ``moe.FUSE_SHARED``),
+and the LM head (1, 129280, 5120) x 1 over 64 rows. ``--shapes`` E:N:K with E > 1 is likewise E - 1 routed
+experts and the shared group (``--no-shared``: E routed experts, the layout before 2026-12-04).
 
 Phases: (1) every candidate config (``ops/grouped_gemm.CANDIDATES``) of every shape compiled, ``--workers``
 at a time, before anything is timed; (2) the ceilings (copy bandwidth, bytes read + written, and a read
@@ -42,18 +44,22 @@ from _common import emit, log, parser
 from deepinfer_kernels import get_op
 from deepinfer_kernels.ops.grouped_gemm import CANDIDATES, CONFIGS, DEFAULT, SWEEP_SHAPES, GGConfig
 
-CALLS_A_STEP = {(8, 4608, 5120): 6, (8, 5120, 2304): 6, (1, 129280, 5120): 1}
+CALLS_A_STEP = {(9, 4608, 5120): 6, (9, 5120, 2304): 6, (1, 129280, 5120): 1}
 REL_TOL = 1e-2  # bf16 output of an fp32 accumulation: ~3e-3 expected
 
 
-def rows_for(e: int, tokens: int = 64, top_k: int = 6, seed: int = 0) -> torch.Tensor:
+def rows_for(e: int, tokens: int = 64, top_k: int = 6, seed: int = 0, shared: bool = True) -> torch.Tensor:
     """End offsets int32 [E] of ``tokens`` tokens routed to ``top_k`` distinct experts each (E = 1: all
-    rows to the one group)."""
+    rows to the one group); ``shared``: the last of the E groups is the shared expert's, every token once."""
     if e == 1:
         return torch.tensor([tokens], dtype=torch.int32)
+    routed = e - 1 if shared else e
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
-    return torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+    ids = torch.stack([torch.randperm(routed, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
+    ends = torch.cumsum(torch.bincount(ids, minlength=routed), 0)
+    if shared:
+        ends = torch.cat((ends, ends[-1:] + tokens))
+    return ends.to(torch.int32)
 
 
 def graph_call_time(fns: list[Callable[[], Any]], reps: int) -> float:
@@ -105,7 +111,7 @@ def sweep_shape(gg: Any, shape: tuple, cands: list[GGConfig], compiled: dict, ce
                 t_start: float) -> tuple[GGConfig, float, float, float] | None:
     """Check and time every compiled candidate at ``shape``; (best, its us, the default's us, torch's us)."""
     e, n, k = shape
-    offs = rows_for(e).cuda()
+    offs = rows_for(e, shared=args.shared).cuda()
     r = int(offs[-1])
     g = torch.Generator(device="cuda").manual_seed(n + k)
     ws = [(torch.randn(e, n, k, device="cuda", generator=g) / k ** 0.5).bfloat16() for _ in range(2)]
@@ -168,6 +174,8 @@ def main() -> None:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--configs", default="", help="comma-separated GGConfig.name()s (default: all candidates)")
     ap.add_argument("--shapes", default="", help="comma-separated E:N:K (default: the three wide shapes)")
+    ap.add_argument("--no-shared", dest="shared", action="store_false",
+                    help="E > 1 shapes are E routed experts (default: E - 1 and the shared expert's group)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     ap.add_argument("--calls", type=int, default=6, help="calls a graph (weights alternating between 2 copies)")
     ap.add_argument("--reps", type=int, default=25, help="graph replays timed (median)")

@@ -191,10 +191,14 @@ def test_sweep_picks_the_fastest_passing_config():
     assert bench.pick_best({b: res[b]}) is None
     assert bench.pick_best({a: {"rel_err": float("inf")}}) is None  # failed before timing
     # the routing: 64 tokens, 6 distinct experts each
-    offs = bench.rows_for(8)
+    offs = bench.rows_for(8, shared=False)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     assert offs.dtype == torch.int32 and int(offs[-1]) == 384 and int(counts.max()) <= 64
     assert bench.rows_for(1).tolist() == [64]
+    # the decode step's layout: 8 routed experts, then the shared expert's group of every token
+    offs = bench.rows_for(9)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert offs.shape == (9,) and int(offs[-1]) == 448 and int(counts[-1]) == 64 and int(counts[:-1].sum()) == 384
 
 
 def _cuda_ops():

@@ -98,9 +98,14 @@ DEFAULT = GGConfig()  # the configuration the H200 ran on 2026-12-01 (1.40 ms / 
 # 4d8aa00, 384 rows of 64 tokens x top-6 of 8; B = 64 for the head) against the default and
 # torch._grouped_mm: gate / up 97.6 us (default 116.6, torch 152.3), down 54.0 us (59.3, 73.8), head
 # 322.7 us (327.5, 436.8); all three without warp specialisation.
+# Since 2026-12-04 the MoE's decode calls are E = 9 (the 8 routed experts and the shared expert as one
+# more group, ``moe.FUSE_SHARED``): their entries are the E = 8 sweep's configurations, not re-swept
+# (per CTA the same work; the grid's 324 / 720 CTAs still all resident at 4 / 6 CTAs an SM).
 CONFIGS: dict[tuple[int, int, int], GGConfig] = {
     (8, 4608, 5120): GGConfig(128, 64, 2, 128, 4, False),
     (8, 5120, 2304): GGConfig(64, 64, 2, 128, 6, False),
+    (9, 4608, 5120): GGConfig(128, 64, 2, 128, 4, False),
+    (9, 5120, 2304): GGConfig(64, 64, 2, 128, 6, False),
     (1, 129280, 5120): GGConfig(128, 128, 2, 128, 2, False),
 }
 
@@ -133,8 +138,9 @@ CANDIDATES: tuple[GGConfig, ...] = (
     GGConfig(128, 128, 2, 128, 2, False),
 )
 
-# the wide config's (E, N, K) at B = 64 with their rows (benchmarks/grouped_gemm.py, tl_compile.py)
-SWEEP_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 4608, 5120), (8, 5120, 2304), (1, 129280, 5120))
+# the wide config's (E, N, K) at B = 64 with their rows (benchmarks/grouped_gemm.py, tl_compile.py): the
+# experts' gate / up and down with the shared expert's group (E = 8 + 1), the LM head as one group
+SWEEP_SHAPES: tuple[tuple[int, int, int], ...] = ((9, 4608, 5120), (9, 5120, 2304), (1, 129280, 5120))
 
 
 def load_configs(path: str) -> dict[tuple[int, int, int], GGConfig]:
