@@ -192,7 +192,7 @@ def _mix_out_in_norm(res: torch.Tensor, state: torch.Tensor, post: torch.Tensor,
 
 
 class MHCResidual(nn.Module):
-    """Drop-in for ``PlainResidual`` (``begin``, ``sublayer_input``, ``sublayer_output``, ``end``)."""
+    """Drop-in for ``PlainResidual`` (the ``model.Residual`` protocol)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,8 +44,25 @@ def _to_device(t: torch.Tensor, dev: torch.device, dt: torch.dtype) -> torch.Ten
     return t.to(dev, dt)
 
 
+class Residual(Protocol):
+    """The residual stream around a layer's two sublayers (0 attention, 1 MoE): ``begin`` makes the state
+    from the embedding, ``sublayer_input`` / ``sublayer_output`` read a sublayer's input from it and fold
+    its output back, ``handover`` / ``sublayer_input_normed`` are those with the sublayer's RMSNorm
+    (what the layer loop calls: an implementation may fuse them), ``collapse`` / ``end`` give [T, D]."""
+
+    def begin(self, h: torch.Tensor) -> torch.Tensor: ...
+    def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor: ...
+    def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor: ...
+    def sublayer_input_normed(self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm) -> torch.Tensor: ...
+    def handover(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def collapse(self, state: torch.Tensor) -> torch.Tensor: ...
+    def end(self, state: torch.Tensor) -> torch.Tensor: ...
+
+
 class PlainResidual(nn.Module):
-    """h + sublayer(norm(h)). mHC (part 2) keeps hc_mult streams behind the same four methods."""
+    """h + sublayer(norm(h)): the :class:`Residual` of one stream (mHC, :class:`MHCResidual`, keeps
+    hc_mult streams behind the same methods)."""
 
     def begin(self, h: torch.Tensor) -> torch.Tensor:
         return h

@@ -174,3 +174,16 @@ def test_residual_handover_equals_output_then_normed_input(single_pass: bool, gl
     ps, px = plain.handover(mixed, out, 0, 0, n2)
     assert torch.equal(ps, mixed + out) and torch.equal(px, n2(mixed + out))
     assert torch.equal(plain.sublayer_input_normed(mixed, 0, 0, n1), n1(mixed))
+
+
+def test_both_residuals_have_the_protocols_methods() -> None:
+    import inspect
+
+    from deepinfer_core.model.model import PlainResidual, Residual
+
+    want = {n for n, v in vars(Residual).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert {"begin", "handover", "sublayer_input_normed", "end"} <= want
+    for cls in (PlainResidual, MHCResidual):
+        for name in want:
+            got = inspect.signature(getattr(cls, name)).parameters
+            assert list(got) == list(inspect.signature(getattr(Residual, name)).parameters), (cls, name)
