@@ -192,3 +192,30 @@ def test_norm_rope_equals_norm_then_rope(inductor: None, shape: tuple, dt: torch
     assert fused.dtype == dt and (fused.double() - want).abs().max().item() <= tol * want.abs().max().item()
     body = [c for c in codes if "cos_mul_sin" not in c]  # the angles compile apart (rope._angles)
     assert len(re.findall(r"cpp_fused\w* = async_compile", "\n".join(body))) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("il", [True, False])
+def test_norm_rope_on_cuda_is_one_kernel_and_accurate(inductor: None, il: bool) -> None:
+    """The V4.1 SWA key (512 dims, rope 64, bf16) under the glue on CUDA: one kernel (the angles cached),
+    within bf16 rounding of the float64 norm-then-rotate oracle, and as close to it as the unfused calls."""
+    from deepinfer_core.model.layers.norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    x = (3 * torch.randn(64, 512, generator=g, device="cuda")).bfloat16()
+    w = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).bfloat16()
+    pos = torch.randint(0, 60000, (64,), generator=g, device="cuda")
+    inv = rope_inv_freq(64, 160000.0, {"factor": 16, "original_max_position_embeddings": 65536}).cuda()
+    with fusion.fused_glue(), rope.cached_angles():
+        got = rope.norm_rope(x, w, 1e-20, pos, inv, 64, il)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            rope.norm_rope(x, w, 1e-20, pos, inv, 64, il)
+            torch.cuda.synchronize()
+    unfused = apply_rope_(rms_norm(x, w, 1e-20), pos, inv, 64, il)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    xd = x.double()
+    want = oracle(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-20) * w.double(), pos, inv, 64, il)
+    err, err_unfused = ((t.double() - want).abs().max().item() for t in (got, unfused))
+    assert err <= 2e-2 * want.abs().max().item() and err <= 1.5 * err_unfused + 1e-6, (err, err_unfused)
