@@ -34,7 +34,9 @@ class EngineConfig:
     backend's kernels, model on the GPU). ``dtype`` / ``quantize`` choose the model dtype and whether the
     KV caches use the FP4 / FP8 / MXFP4 byte formats (off: exact raw values, what the oracle tests use).
     ``num_blocks`` x ``block_size`` is the paged KV pool; ``max_num_seqs`` bounds running requests (and
-    sizes the state pool); ``max_num_batched_tokens`` caps one step's tokens (prefill is chunked to it).
+    sizes the state pool); left None they come from the device: on the ``cuda`` backend from the GPU memory
+    left after the weights, ``gpu_memory_utilization`` of the card at most (engine/sizing.py; the engine logs
+    what it chose), on the ``reference`` backend 1,024 blocks and 32 sequences; ``max_num_batched_tokens`` caps one step's tokens (prefill is chunked to it).
     ``async_scheduling`` plans step N+1 before step N's tokens are applied (DeepInfer's one-step-ahead
     mode; same tokens as synchronous); ``async_overlap`` (with it) launches step N+1 before the host reads
     step N's tokens, which stay on the device for N+1's inputs (engine/overlap.py; off: the host waits for
@@ -64,8 +66,9 @@ class EngineConfig:
     dtype: str = "float32"
     quantize: bool = True
     block_size: int = 16
-    num_blocks: int = 1024
-    max_num_seqs: int = 32
+    num_blocks: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     async_scheduling: bool = True
@@ -91,10 +94,14 @@ class EngineConfig:
         # upper bounds: the C++ core's int32 ids and counts (a larger value would wrap, not fail)
         _check(_is_int(self.block_size) and 1 <= self.block_size <= 2**20, "block_size",
                f"{self.block_size!r}: must be an int in [1, 2**20]")
-        _check(_is_int(self.num_blocks) and 2 <= self.num_blocks <= 2**31 - 1, "num_blocks",
-               f"{self.num_blocks!r}: must be an int in [2, 2**31 - 1] (block 0 is the null block)")
-        _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 2**20, "max_num_seqs",
-               f"{self.max_num_seqs!r}: must be an int in [1, 2**20]")
+        _check(self.num_blocks is None or (_is_int(self.num_blocks) and 2 <= self.num_blocks <= 2**31 - 1),
+               "num_blocks", f"{self.num_blocks!r}: must be None (sized from the device) or an int in "
+               "[2, 2**31 - 1] (block 0 is the null block)")
+        _check(self.max_num_seqs is None or (_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 2**20),
+               "max_num_seqs", f"{self.max_num_seqs!r}: must be None (sized from the device) or an int in [1, 2**20]")
+        _check(isinstance(self.gpu_memory_utilization, (int, float)) and not isinstance(self.gpu_memory_utilization, bool)
+               and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               f"{self.gpu_memory_utilization!r}: must be a number in (0, 1] (the share of the GPU's memory the engine may hold)")
         _check(_is_int(self.max_num_batched_tokens) and 1 <= self.max_num_batched_tokens <= 32768,
                "max_num_batched_tokens", f"{self.max_num_batched_tokens!r}: must be an int in [1, 32768]")
         _check(_is_int(self.max_model_len) and 2 <= self.max_model_len <= 2**31 - 1, "max_model_len",

@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 import torch
 
+from deepinfer_core.engine import sizing
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
 from deepinfer_core.engine.overlap import PendingStep
@@ -119,11 +120,8 @@ class LLMEngine(StepRunner, RowSampler):
             self.drafts = DraftBook(make_policy(self.envs.enable_mtp_varlen, self.num_speculative_tokens),
                                     self.num_speculative_tokens)
         self._lock = threading.RLock()
-        self.executor = ModelExecutor(self.model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
-                                      backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
-                                      backend=self.backend if cfg.backend == "cuda" else None,
-                                      cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue,
-                                      draft_context=self.num_speculative_tokens > 0)
+        self.config = cfg = self._sized(cfg)  # num_blocks / max_num_seqs left None: from the device's memory
+        self.executor = self._make_executor(cfg.num_blocks, cfg.max_num_seqs)
         for switch in ("fused_attention", "fused_moe", "fused_head"):  # unset: the executor's default
             if (on := getattr(self.envs, switch)) is not None:
                 setattr(self.executor, switch, on and self.executor.sync_free)
@@ -149,6 +147,28 @@ class LLMEngine(StepRunner, RowSampler):
         log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
                  "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, cfg.num_blocks,
                  cfg.block_size, cfg.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+
+    def _make_executor(self, num_blocks: int, num_slots: int) -> ModelExecutor:
+        cfg = self.config
+        return ModelExecutor(self.model, num_blocks, cfg.block_size, num_slots,
+                             backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
+                             backend=self.backend if cfg.backend == "cuda" else None,
+                             cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue,
+                             draft_context=self.num_speculative_tokens > 0)
+
+    def _sized(self, cfg: EngineConfig) -> EngineConfig:
+        """``cfg`` with the pool's sizes (engine/sizing.py): on the GPU from the memory left after the weights,
+        the per-block / per-slot bytes from two small probe executors' own accounting."""
+        on_gpu = self.device.type == "cuda"
+
+        def memory() -> tuple[int, int]:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.mem_get_info(self.device)
+
+        cfg, _ = sizing.resolve(cfg, on_gpu=on_gpu, cost=lambda: sizing.probe_cache_bytes(self._make_executor),
+                                memory=memory, hidden_size=self.model_config.hidden_size,
+                                dtype_bytes=next(self.model.parameters()).element_size())
+        return cfg
 
     def _build_scheduler(self) -> None:
         """Fresh pools and scheduler (at start, and by ``reset``)."""
