@@ -153,8 +153,12 @@ def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tu
         sync()
         wall = time.perf_counter() - t0
     marks.remove()
+    # decode-phase tokens: every request runs to max_tokens (ignore_eos), less what the steps before the
+    # window sampled (exact without drafts; with drafts accepted tokens are not all sampled: not reported)
+    in_window = len(prompts) * gen - (st0["tokens_sampled"] - start)
     ov = {**overlap_stats(st0, attrs.asdict(eng.stats)), "idle_between_steps_pct": marks.idle_between_pct(),
-          "idle_starved_pct": 100 * starved_seconds(prof, STARVED_GAP_US) / wall}
+          "idle_starved_pct": 100 * starved_seconds(prof, STARVED_GAP_US) / wall,
+          "decode_tokens_per_s": in_window / wall if eng.drafts is None else float("nan")}
     return max(0.0, 100 - 100 * busy_seconds(prof) / wall), ov
 
 
@@ -251,6 +255,22 @@ def busy_seconds(prof: Any) -> float:
     return (busy + b - a) / 1e6
 
 
+def replay_ms(ex: Any, reps: int = 20) -> float:
+    """Synchronised wall ms of one replay of the executor's most recently replayed decode graph, back to
+    back (the device's own time for the step, no host work); NaN when no graph was captured."""
+    graphs = ex.graphs().graphs
+    g = next(reversed(graphs.values()), None) if graphs else None
+    if g is None or g.graph is None:
+        return float("nan")
+    g.graph.replay()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    sync()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def trace_paths(eng: LLMEngine, n: int) -> None:
     """Log which executor path the first ``n`` steps take (sync-free / graphs / plain)."""
     from deepinfer_core.model.decode_step import is_pure_decode
@@ -300,6 +320,12 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             ex = eng.executor
             if ex.cuda_graphs:
                 emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
+                # engine efficiency (#32): decode-phase tokens/s over what back-to-back replays of the last
+                # decode graph (this batch, the end context) allow: B tokens a replay
+                rep = replay_ms(ex)
+                if rep == rep:
+                    emit(BENCH, p, "executor_replay_ms", rep, "ms")
+                    emit(BENCH, p, "engine_efficiency", ov["decode_tokens_per_s"] / (b / rep * 1e3), "ratio")
             rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
             if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
                 write_plot(args, rows)
