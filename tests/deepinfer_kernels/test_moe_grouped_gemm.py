@@ -294,7 +294,7 @@ def test_executor_fused_moe_keeps_the_step() -> None:
     g = torch.Generator().manual_seed(12)
     prompts = {i: torch.randint(0, 2048, (40 + 13 * i,), generator=g) for i in range(3)}
     (tp, lp), (tf, lf), fused = greedy_plain_and_flagged(model, True, prompts, 6, 3, fused_moe=True)
-    assert any(k[0] == "moe_grouped_gemm" for k in _tl._CACHE) and not fused.ex.graphs().disabled
+    assert any(k[0] == "moe_grouped_gemm" for k in _tl._CACHE) and not fused.ex.graphs().failed
     assert ((lp[0] - lf[0]).norm() / lp[0].norm()).item() < 3e-2
     same = sum(a == b for x, y in zip(tp, tf) for a, b in zip(x, y))
     assert same >= 0.8 * sum(map(len, tp))

@@ -125,7 +125,7 @@ def test_executor_fused_attention_keeps_the_step() -> None:
     prompts = {i: torch.randint(0, 2048, (150 + 40 * i,), generator=g) for i in range(3)}
     (tp, lp), (tf, lf), fused = greedy_plain_and_flagged(model, True, prompts, 6, 3, fused_attention=True)
     assert any(k[0] == "sink_attention_rows" for k in _tl._CACHE)
-    assert not fused.ex.graphs().disabled
+    assert not fused.ex.graphs().failed
     assert ((lp[0] - lf[0]).norm() / lp[0].norm()).item() < 3e-2  # the first decode step, same inputs
     same = sum(a == b for x, y in zip(tp, tf) for a, b in zip(x, y))
     assert same >= 0.8 * sum(map(len, tp))  # bf16 rounding order may flip a near-tie later on

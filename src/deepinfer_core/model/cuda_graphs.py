@@ -36,6 +36,8 @@ from deepinfer_core.model.decode_step import DecodeInputs, ExecutorView, decode_
 
 log = logging.getLogger(__name__)
 
+# capture failures (distinct keys) after which no more captures are tried
+MAX_FAILED_KEYS = 4
 # batch sizes a graph is captured for (a batch runs in the smallest bucket that holds it)
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # indexer entries per ratio are padded to a multiple of this (a new graph every ENTRY_QUANTUM * ratio tokens)
@@ -210,9 +212,16 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
-        self.disabled = False  # a capture failed: every step runs eagerly
+        # keys whose capture failed run eagerly (one bad shape costs only its own steps); past
+        # MAX_FAILED_KEYS failures the cause is systemic and every step runs eagerly
+        self.failed: set[GraphKey] = set()
         self.targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
         self.fetch_ids = fetch_in_graph(ex)  # the tables are fixed for the executor's life
+
+    @property
+    def disabled(self) -> bool:
+        """Whether captures failed for so many keys that every step runs eagerly."""
+        return len(self.failed) >= MAX_FAILED_KEYS
 
     def key(self, b: ForwardBatch, entries: dict[int, int]) -> GraphKey | None:
         n = bucket_for(b.num_requests, self.buckets)
@@ -231,7 +240,7 @@ class DecodeGraphs:
         as a device tensor [R] (some of them sampled by the previous step and never read back), copied
         into the graph's static token buffer after the host image (same stream: in order)."""
         key = None if self.disabled else self.key(b, entries)
-        if key is None:
+        if key is None or key in self.failed:
             return None
         g = self.graphs.get(key)
         if g is None:
@@ -252,10 +261,10 @@ class DecodeGraphs:
         if g.graph is None:
             try:
                 self._capture(g)
-            except Exception as e:  # an op that synchronises or cannot be captured: stay eager from now on
-                log.warning("cuda graph capture of %s failed (%s: %s); decode steps run eagerly", key,
-                            type(e).__name__, e)
-                self.disabled = True
+            except Exception as e:  # an op that synchronises or cannot be captured: this key stays eager
+                self.failed.add(key)
+                log.warning("cuda graph capture of %s failed (%s: %s); its steps run eagerly (%d keys failed)",
+                            key, type(e).__name__, e, len(self.failed), exc_info=len(self.failed) == 1)
                 self.graphs.pop(key, None)
                 return None  # the warm-up ran the step: its writes are idempotent, the caller reruns it
         else:

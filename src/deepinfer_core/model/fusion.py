@@ -9,8 +9,8 @@ fuses each into one or a few kernels (reductions over <= 8 elements, such as the
 elementwise code and fuse too). Outside the block, or nested inside another compiled function, the plain
 torch code runs: the reference path is untouched, and that plain code is the oracle of the tests.
 
-Compilation happens on a function's first call for new shapes (later shapes that differ in one dim
-compile once more with that dim symbolic), so in the executor it happens in the eager warm-up run that
+Compilation happens on a function's first call for new shapes (every shape its own static variant:
+batch buckets and widths are few), so in the executor it happens in the eager warm-up run that
 precedes each CUDA graph capture, never inside a capture. ``DEEPINFER_FUSE_BACKEND`` picks the
 ``torch.compile`` backend (default ``inductor``; ``aot_eager`` traces without generating code, which is
 how the CPU tests check that every marked function compiles whole: ``fullgraph=True``).
@@ -87,12 +87,15 @@ def fusable(fn: F) -> F:
         if c is None:
             backend = _BACKEND[0] or os.environ.get("DEEPINFER_FUSE_BACKEND", "inductor")
             log.info("fused glue: compiling %s (backend %s)", name, backend)
-            # each call site's shapes are one more compiled variant of the function (batch buckets, widths;
-            # after a dim has varied once it stays symbolic): room for all of them, not dynamo's default 8
+            # each call site's shapes are one more compiled variant of the function (batch buckets, widths):
+            # room for all of them, not dynamo's default 8. Static shapes (dynamic=False): a dim that varied
+            # once would otherwise turn symbolic, and on the H200 the symbolic variant's guard
+            # (can_use_32bit_indexing) failed to build after a B = 64 capture, so the B = 1 step recompiled
+            # on every call and its graph capture failed (2026-12-04: 79 ms a step instead of ~3 ms)
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, 64)
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
-            c = _COMPILED[name] = torch.compile(fn, fullgraph=True, backend=backend)
+            c = _COMPILED[name] = torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
         return c(*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]

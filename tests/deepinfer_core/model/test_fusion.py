@@ -119,7 +119,7 @@ def test_fused_glue_graphs_quantized_v41_head_widths() -> None:
     s = _cuda_session(model, True, graphs=True, **kw)
     s.ex.fuse_glue = True
     fused = _forced(s, prompts, toks)
-    assert not s.ex.graphs().disabled and s.ex.graphs().captures >= 1 and fusion.compiled_count() >= 10
+    assert not s.ex.graphs().failed and s.ex.graphs().captures >= 1 and fusion.compiled_count() >= 10
 
     def err(got: list[torch.Tensor]) -> float:
         return float(np.median([((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]))

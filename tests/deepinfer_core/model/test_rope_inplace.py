@@ -196,9 +196,14 @@ def test_norm_rope_equals_norm_then_rope(inductor: None, shape: tuple, dt: torch
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("il", [True, False])
-def test_norm_rope_on_cuda_is_one_kernel_and_accurate(inductor: None, il: bool) -> None:
-    """The V4.1 SWA key (512 dims, rope 64, bf16) under the glue on CUDA: one kernel (the angles cached),
-    within bf16 rounding of the float64 norm-then-rotate oracle, and as close to it as the unfused calls."""
+def test_norm_rope_on_cuda_is_few_kernels_and_accurate(inductor: None, il: bool) -> None:
+    """The V4.1 SWA key (512 dims, rope 64, bf16) under the glue on CUDA: one reduction and at most two
+    pointwise kernels (the angles cached), fewer launches than the unfused calls, within bf16 rounding of
+    the float64 norm-then-rotate oracle, and as close to it as the unfused calls.
+
+    Inductor's CUDA code splits what its CPU code keeps in one loop nest: the row's mean of squares as a
+    persistent reduction, then the output's rotated tail and its plain head as two pointwise kernels (the
+    two parts of one cat); seen on the H200, 2026-12-05 (the earlier one-kernel bound was the CPU's)."""
     from deepinfer_core.model.layers.norm import rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -212,9 +217,16 @@ def test_norm_rope_on_cuda_is_one_kernel_and_accurate(inductor: None, il: bool) 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             rope.norm_rope(x, w, 1e-20, pos, inv, 64, il)
             torch.cuda.synchronize()
-    unfused = apply_rope_(rms_norm(x, w, 1e-20), pos, inv, 64, il)
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1, kernels
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof_unfused:
+        unfused = apply_rope_(rms_norm(x, w, 1e-20), pos, inv, 64, il)
+        torch.cuda.synchronize()
+
+    def kernels(p: torch.profiler.profile) -> list[str]:
+        return [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    fused_k, unfused_k = kernels(prof), kernels(prof_unfused)
+    assert len(fused_k) <= 3 and len(fused_k) < len(unfused_k), (fused_k, unfused_k)
+    assert sum(k.startswith(("triton_per_", "triton_red_")) for k in fused_k) == 1, fused_k
     xd = x.double()
     want = oracle(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-20) * w.double(), pos, inv, 64, il)
     err, err_unfused = ((t.double() - want).abs().max().item() for t in (got, unfused))
