@@ -1,7 +1,7 @@
 """Structured outputs: regex, JSON-schema, EBNF and choice constraints as per-token bitmasks.
 
 ``GrammarSpec`` says what a request wants; a :class:`~deepinfer_core.protocols.GrammarBackend`
-(``XGrammarBackend``, the default, or ``LLGuidanceBackend``) compiles it against the library's tokenizer;
+(``XGrammarBackend``, ``LLGuidanceBackend``, or ``AutoBackend`` over both, the engine's default) compiles it against the library's tokenizer;
 ``StructuredOutputManager`` keeps one matcher per request, compiles in the background, and fills batch
 bitmasks including one row per speculative draft. The engines are imported lazily, only when a backend
 is built, so importing this package needs neither xgrammar nor llguidance; the manager (its bitmasks are
@@ -30,14 +30,45 @@ __all__ = [
     "LLGuidanceBackend",
     "StructuredOutputManager",
     "XGrammarBackend",
+    "available_engines",
     "grammar_vocab",
     "make_backend",
 ]
 
 
+def available_engines() -> tuple[str, ...]:
+    """The grammar engines installed here, in :data:`~deepinfer_core.structured.spec.ENGINES` order,
+    without importing them. The ``structured`` extra brings llguidance; xgrammar is its own extra
+    (``xgrammar``: it pulls transformers and, on Linux, triton)."""
+    import importlib.util
+
+    from deepinfer_core.structured.spec import ENGINES
+
+    out = []
+    for name in ENGINES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a broken or blocked install counts as missing
+            found = False
+        if found:
+            out.append(name)
+    return tuple(out)
+
+
+def require_any_engine(what: str = "structured outputs") -> tuple[str, ...]:
+    """:func:`available_engines`, or :class:`~deepinfer_core.extras.MissingExtraError` naming the
+    ``structured`` extra when none is installed (checked before any work, e.g. before a model loads)."""
+    found = available_engines()
+    if not found:
+        from deepinfer_core.extras import require
+
+        require("llguidance", what)  # raises the one-line MissingExtraError
+    return found
+
+
 def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:
-    """``"xgrammar"`` (default choice of the engine), ``"llguidance"`` or ``"auto"`` (both, chosen per spec
-    with fallback: :mod:`deepinfer_core.structured.auto_backend`), bound to ``tokenizer``."""
+    """``"xgrammar"``, ``"llguidance"`` or ``"auto"`` (the engine's default: the installed engines,
+    chosen per spec with fallback: :mod:`deepinfer_core.structured.auto_backend`), bound to ``tokenizer``."""
     if name == "xgrammar":
         from deepinfer_core.structured.xgrammar_backend import XGrammarBackend
 
