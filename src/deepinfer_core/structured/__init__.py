@@ -60,9 +60,9 @@ def require_any_engine(what: str = "structured outputs") -> tuple[str, ...]:
     ``structured`` extra when none is installed (checked before any work, e.g. before a model loads)."""
     found = available_engines()
     if not found:
-        from deepinfer_core.extras import require
+        from deepinfer_core.extras import EXTRAS, MissingExtraError
 
-        require("llguidance", what)  # raises the one-line MissingExtraError
+        raise MissingExtraError("llguidance", EXTRAS["llguidance"], what)
     return found
 
 
