@@ -317,7 +317,7 @@ def test_missing_extra_is_checked_before_the_model_loads(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import deepinfer_core.engine as engine
-    import deepinfer_core.structured as structured
+    import deepinfer_core.structured.engines as structured
 
     def no_model(*a: object, **k: object) -> None:
         raise AssertionError("the model was loaded before the missing extra was reported")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from deepinfer_core.structured.engines import available_engines, require_any_engine
 from deepinfer_core.structured.spec import KINDS, FinishReason, GrammarSpec
 from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab
 
@@ -33,37 +34,8 @@ __all__ = [
     "available_engines",
     "grammar_vocab",
     "make_backend",
+    "require_any_engine",
 ]
-
-
-def available_engines() -> tuple[str, ...]:
-    """The grammar engines installed here, in :data:`~deepinfer_core.structured.spec.ENGINES` order,
-    without importing them. The ``structured`` extra brings llguidance; xgrammar is its own extra
-    (``xgrammar``: it pulls transformers and, on Linux, triton)."""
-    import importlib.util
-
-    from deepinfer_core.structured.spec import ENGINES
-
-    out = []
-    for name in ENGINES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a broken or blocked install counts as missing
-            found = False
-        if found:
-            out.append(name)
-    return tuple(out)
-
-
-def require_any_engine(what: str = "structured outputs") -> tuple[str, ...]:
-    """:func:`available_engines`, or :class:`~deepinfer_core.extras.MissingExtraError` naming the
-    ``structured`` extra when none is installed (checked before any work, e.g. before a model loads)."""
-    found = available_engines()
-    if not found:
-        from deepinfer_core.extras import EXTRAS, MissingExtraError
-
-        raise MissingExtraError("llguidance", EXTRAS["llguidance"], what)
-    return found
 
 
 def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:

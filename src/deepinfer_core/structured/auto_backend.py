@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from deepinfer_core.protocols import Tokenizer
+from deepinfer_core.structured.engines import require_any_engine
 from deepinfer_core.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
 from deepinfer_core.structured.spec import ENGINES, GrammarSpec
 from deepinfer_core.structured.vocab import GrammarVocab
@@ -75,8 +76,6 @@ class AutoBackend:
             if bad or not order or len(set(order)) != len(order):
                 raise ValueError(f"order={order!r}: must be distinct engines of {list(ENGINES)}")
         self._order = tuple(order) if order is not None else None
-        from deepinfer_core.structured import require_any_engine
-
         installed = require_any_engine("the auto grammar backend")
         kinds = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}
         self.backends: dict[str, Any] = {e: kinds[e](tokenizer, **kwargs) for e in ENGINES if e in installed}
