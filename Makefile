@@ -28,7 +28,7 @@ _venv:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar on $(TORCH_SPEC)
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0"
-	@echo "== compiling the C++ core deepinfer_core._C: about 80 s on 2 cores (one line per file, [done/total])"
+	@echo "== compiling the C++ core deepinfer_core._C: 30-80 s on 2 cores, with the load (one line per file, [done/total])"
 	@set -o pipefail; $(CXX_BUILD) 2>&1 | tee $(VENV)/cxx-build.log | $(CXX_PROGRESS) \
 	  || { tail -n 40 $(VENV)/cxx-build.log; echo "== the C++ build failed; full log: $(VENV)/cxx-build.log"; exit 1; }
 	@echo "== installing the package's dependencies and extras [$(SETUP_EXTRAS)]"
