@@ -161,3 +161,25 @@ def test_mypy_reads_the_stubs(tmp_path: Path) -> None:
     errors = [ln for ln in out.splitlines() if ": error:" in ln]
     assert {int(ln.split(":")[1]) for ln in errors} == {8, 9}, out
     assert "import-not-found" not in out and "import-untyped" not in out, out
+
+
+def test_missing_kvstore_extra_is_one_line() -> None:
+    # a plain install (no redis): the Redis store says which extra to install; the other stores need nothing
+    code = (
+        "import importlib.abc, sys\n"
+        "class _No(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'redis':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _No())\n"
+        "from deepinfer_core.kvstore.redis_store import RedisKVStore\n"
+        "try:\n"
+        "    RedisKVStore(url='redis://127.0.0.1:1/0')\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(type(e).__name__, '|', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (
+        'MissingExtraError | the Redis KV store needs redis: pip install "deepinfer-components[kvstore]"'
+    )
