@@ -349,3 +349,46 @@ def test_bench_runs_with_its_arguments() -> None:
     assert r.returncode == 0, r.stderr
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.strip()]
     assert rows and all({"bench", "metric", "value"} <= set(row) for row in rows)
+
+
+def test_json_schema_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "schema.json"
+    f.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    assert cli.main(["generate", "Reply: ", "--json-schema", f"@{f}", "--max-tokens", "20"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] in (True, False)
+    for value, msg in (
+        (f"@{tmp_path / 'none.json'}", "--json-schema: cannot read"),
+        ("@" + str(tmp_path), "cannot read"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", "x", "--json-schema", value])
+        assert e.value.code == 2 and msg in one_error_line(capsys.readouterr().err)
+    f.write_text("{oops")
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "x", "--json-schema", f"@{f}"])
+    assert f"--json-schema ({f}): not valid JSON" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_failed_demo_section_is_one_line(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deepinfer_core import demo
+
+    def boom() -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    secs = [demo.Section("a", "A", "a", boom)]
+    assert demo.run(secs) == 1
+    out = capsys.readouterr().out
+    assert "  FAILED: RuntimeError: boom second line (--debug shows the traceback)" in out
+    assert TRACE not in out + caplog.text
+    assert demo.run(secs, debug=True) == 1 and "Traceback" in caplog.text  # --debug: logged with it

@@ -66,10 +66,17 @@ def _grammar(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str,
             ap.error("--regex: must not be empty")
         so: dict[str, Any] = {"regex": args.regex}
     elif args.json_schema is not None:
+        text, where = args.json_schema, ""
+        if text.startswith("@"):  # @schema.json: the schema from a file
+            where = f" ({text[1:]})"
+            try:
+                text = Path(text[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                ap.error(f"--json-schema: cannot read {text[1:]} ({getattr(e, 'strerror', None) or e})")
         try:
-            schema = json.loads(args.json_schema)
+            schema = json.loads(text)
         except json.JSONDecodeError as e:
-            ap.error(f"--json-schema: not valid JSON ({e})")
+            ap.error(f"--json-schema{where}: not valid JSON ({e})")
         so = {"json_schema": schema}
     elif args.choice is not None:
         choices = [c for c in args.choice.split(",") if c]
@@ -198,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads while generating (default 1: the tiny model is dispatch-bound)")
     g.add_argument("--regex", help="constrain the output to this regex (needs the structured extra)")
     g.add_argument("--json-schema", metavar="SCHEMA",
-                   help="constrain the output to this JSON schema, given as a JSON string (structured extra)")
+                   help="constrain the output to this JSON schema: a JSON string, or @FILE (structured extra)")
     g.add_argument("--choice", help="constrain the output to one of these comma-separated strings (structured extra)")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.add_argument("-v", "--verbose", action="store_true", help="token count and finish reason on stderr")
@@ -207,8 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the tour of every component (the main job)",
                        description=demo_mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo_mod.add_arguments(d)
-    _add_debug(d, nodebug)
+    demo_mod.add_arguments(d)  # --debug included
     d.set_defaults(func=lambda a, p: demo_mod.main_from_args(a, p), parser=d)
 
     b = sub.add_parser("bench", help="run benchmarks/COMPONENT.py (JSON lines on stdout)",
