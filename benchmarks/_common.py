@@ -18,10 +18,29 @@ from typing import Any
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
+class BenchParser(argparse.ArgumentParser):
+    """The benchmarks' parser: ``--plot`` (or a script's ``--plot-from`` / ``--replot``) checks matplotlib
+    when the arguments are parsed, before any measurement, and exits 1 with the one-line
+    ``pip install "deepinfer-components[plot]"`` message when it is missing."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        ns, rest = super().parse_known_args(args, namespace)
+        if any(getattr(ns, k, None) for k in ("plot", "plot_from", "replot")):
+            from deepinfer_core.extras import MissingExtraError, require
+
+            try:
+                require("matplotlib", f"{self.prog} --plot")
+            except MissingExtraError as e:
+                print(f"{self.prog}: error: {e}", file=sys.stderr)
+                raise SystemExit(1) from None
+        return ns, rest
+
+
 def parser(description: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description)
+    ap = BenchParser(description=description)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke run)")
-    ap.add_argument("--plot", action="store_true", help="also write a PNG under benchmarks/out/")
+    ap.add_argument("--plot", action="store_true",
+                    help='also write a PNG under benchmarks/out/ (needs matplotlib: the "plot" extra)')
     return ap
 
 

@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--plot", metavar="PNG", help="write the moe_lb curves here (needs matplotlib)")
     ap.add_argument("--quick", action="store_true", help="1,500 steps (CI)")
     args = ap.parse_args(argv)
+    if args.plot:  # before the run: a missing matplotlib is said up front, in one line
+        from deepinfer_core.extras import MissingExtraError, require
+
+        try:
+            require("matplotlib.pyplot", "--plot")
+        except MissingExtraError as e:
+            ap.exit(1, f"{ap.prog}: error: {e}\n")
     steps = 1500 if args.quick else args.steps
     if steps <= args.window:
         ap.error(f"--steps ({steps}) must exceed --window ({args.window})")

@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
     ap.add_argument("--plot", metavar="PNG", help="write drafts verified and gain vs load (needs matplotlib)")
     ap.add_argument("--quick", action="store_true", help="30 steps per load (CI)")
     args = ap.parse_args(argv)
+    if args.plot:  # before the run: a missing matplotlib is said up front, in one line
+        from deepinfer_core.extras import MissingExtraError, require
+
+        try:
+            require("matplotlib.pyplot", "--plot")
+        except MissingExtraError as e:
+            ap.exit(1, f"{ap.prog}: error: {e}\n")
     steps = 30 if args.quick else args.steps
     try:
         loads = [int(x) for x in args.loads.split(",") if x.strip()]

@@ -1,6 +1,6 @@
 """Structured outputs without an engine: grammar masks for a batch, with speculative drafts.
 
-    python examples/structured_masks.py [--requests 16] [--backend xgrammar|llguidance] [--quick]
+    python examples/structured_masks.py [--requests 16] [--backend llguidance|xgrammar] [--quick]
 
 ``StructuredOutputManager`` keeps one grammar matcher per request and fills one bitmask row per request
 per step, plus one row per draft token (so a verifier can mask every draft position at once; drafts the
@@ -43,7 +43,8 @@ def valid(text: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--backend", choices=("xgrammar", "llguidance"), default="xgrammar")
+    # llguidance comes with the structured extra; xgrammar is its own extra
+    ap.add_argument("--backend", choices=("xgrammar", "llguidance"), default="llguidance")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="4 requests (CI)")
     args = ap.parse_args(argv)

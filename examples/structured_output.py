@@ -1,6 +1,6 @@
 """Structured outputs through the engine: regex, JSON schema, choice and EBNF constraints via so_args.
 
-    python examples/structured_output.py [--backend xgrammar|llguidance]
+    python examples/structured_output.py [--backend auto|xgrammar|llguidance]
 
 The built-in tiny model is a small model trained on Python sources, so the grammar is what gives the
 text its shape: every completion below matches its constraint (checked here with re / json), and an
@@ -42,7 +42,9 @@ def _holds(kind: str, so: dict, text: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="xgrammar", choices=["xgrammar", "llguidance"])
+    # auto (the engine's default): the installed engines, llguidance from the structured extra,
+    # xgrammar from its own extra
+    ap.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     llm = LLM(seed=0, num_blocks=256, max_num_seqs=16, structured_backend=args.backend)

@@ -73,7 +73,7 @@ def test_require_names_the_extra_on_one_line() -> None:
     line = r.stdout.strip()
     assert "\n" not in line
     assert line == ('MissingExtraError xgrammar | the xgrammar grammar backend needs xgrammar: '
-                    'pip install "deepinfer-components[structured]"')
+                    'pip install "deepinfer-components[xgrammar]"')
 
 
 def test_missing_extra_classifies() -> None:
@@ -98,8 +98,9 @@ def test_grammar_backend_without_structured_extra(backend: str) -> None:
              "except MissingExtraError as e:\n    print('ERR', e)\n",
              blocked=("xgrammar", "llguidance"))
     assert r.returncode == 0, r.stderr
+    extra = {"xgrammar": "xgrammar", "llguidance": "structured"}[backend]
     assert r.stdout.strip() == (f"ERR the {backend} grammar backend needs {backend}: "
-                                'pip install "deepinfer-components[structured]"')
+                                f'pip install "deepinfer-components[{extra}]"')
 
 
 def test_engine_so_args_without_structured_extra() -> None:
@@ -112,7 +113,7 @@ def test_engine_so_args_without_structured_extra() -> None:
              blocked=("xgrammar", "llguidance"))
     assert r.returncode == 0, r.stderr
     err, plain = r.stdout.strip().splitlines()
-    assert err == ('SamplingParams.so_args: the xgrammar grammar backend needs xgrammar: '
+    assert err == ('SamplingParams.so_args: the auto grammar backend needs llguidance: '
                    'pip install "deepinfer-components[structured]"')
     assert plain == "True 3"
 
@@ -122,8 +123,8 @@ def test_demo_skips_sections_whose_extra_is_missing() -> None:
     # with the pip line, the engine section without its constrained requests.
     r = _run("from deepinfer_core.demo import main\nraise SystemExit(main([]))\n", blocked=("xgrammar", "llguidance"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert 'skipped: the xgrammar grammar backend needs xgrammar: pip install "deepinfer-components[structured]"' \
-        in r.stdout
+    assert ('skipped: the structured outputs demo needs llguidance: pip install "deepinfer-components[structured]"'
+            in r.stdout)
     assert 'the regex and choice requests are left out: pip install "deepinfer-components[structured]"' in r.stdout
     assert f"{len(demo.NAMES) - 1} ran, 1 skipped" in r.stdout and "Traceback" not in r.stdout + r.stderr
 

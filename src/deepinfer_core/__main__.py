@@ -4,12 +4,16 @@ command; ``python -m deepinfer_core generate|demo|bench ...`` is the ``deepinfer
 
 import sys
 
-from deepinfer_core.cli import COMMANDS, main
+from deepinfer_core.cli import main
+
+# the demo's own options, which `python -m deepinfer_core --only kv` takes without the word "demo"
+DEMO_OPTIONS = ("--only", "--list", "-v", "--verbose", "--debug")
 
 
 def _argv(argv: list[str]) -> list[str]:
-    # No command (or only demo options such as --only kv): the demo, as before the CLI existed.
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
+    # No command (or only demo options such as --only kv): the demo, as before the CLI existed; anything
+    # else goes to the command as given (so an unknown option is said as such).
+    if not argv or argv[0].split("=")[0] in DEMO_OPTIONS:
         return ["demo", *argv]
     return argv
 

@@ -91,8 +91,9 @@ def select(only: Sequence[str] | None) -> list[Section]:
     return [s for s in SECTIONS if s.name in wanted]
 
 
-def run(sections: Sequence[Section]) -> int:
-    """Run the sections, print a summary; 1 if any failed (a missing optional extra is a skip)."""
+def run(sections: Sequence[Section], debug: bool = False) -> int:
+    """Run the sections, print a summary; 1 if any failed (a missing optional extra is a skip). A failed
+    section is one line (its error); ``debug`` logs its traceback too."""
     results: list[tuple[str, str, float]] = []
     t_all = time.perf_counter()
     for s in sections:
@@ -107,7 +108,10 @@ def run(sections: Sequence[Section]) -> int:
                 print(f"  skipped: {extra}")
                 status = "skipped"
             else:
-                log.exception("section %r failed", s.name)
+                if debug:
+                    log.exception("section %r failed", s.name)
+                msg = " ".join(str(e).split())[:500]
+                print(f"  FAILED: {type(e).__name__}: {msg}" + ("" if debug else " (--debug shows the traceback)"))
                 status = "FAILED"
         results.append((s.name, status, time.perf_counter() - t0))
     total = time.perf_counter() - t_all
@@ -124,6 +128,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"run only these sections (repeatable or comma-separated): {', '.join(NAMES)}")
     ap.add_argument("--list", action="store_true", help="list the sections and exit")
     ap.add_argument("-v", "--verbose", action="store_true", help="show the components' INFO logs")
+    ap.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                    help="a failed section shows its traceback")
 
 
 def main_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
@@ -137,7 +143,7 @@ def main_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int
         ap.error(str(e))  # exits 2 with the usage line
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return run(sections)
+    return run(sections, debug=bool(getattr(args, "debug", False)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,15 @@
 """Optional dependencies: one place that imports them and, when one is missing, says which extra to install.
 
-A plain ``pip install deepinfer-components`` brings torch, numpy and the C++ core; the rest is in extras
-(pyproject.toml): ``structured`` (xgrammar, llguidance, tokenizers), ``plot`` (matplotlib), ``cuda``
-(tilelang, tile-kernels). :func:`require` imports a module of one of them and turns the bare
-``ModuleNotFoundError`` into a :class:`MissingExtraError` whose message is one line naming the extra::
+The package's own dependencies (torch, numpy, the C++ core, tokenizers) cover the engine, the components
+and the demo; the rest is in extras (pyproject.toml's ``[project.optional-dependencies]``):
+``structured`` (llguidance, the default grammar engine, and jsonschema with its format checkers for the
+post-hoc document check), ``xgrammar`` (the second grammar engine; it pulls transformers and, on Linux,
+triton), ``kvstore`` (redis, for the Redis KV block store), ``plot`` (matplotlib, the benchmarks'
+``--plot``), ``cuda`` (tilelang, tile-kernels) and ``test``. :func:`require` imports a module of one of
+them and turns the bare ``ModuleNotFoundError`` into a :class:`MissingExtraError` whose message is one
+line naming the extra::
 
-    the xgrammar grammar backend needs xgrammar: pip install "deepinfer-components[structured]"
+    the llguidance grammar backend needs llguidance: pip install "deepinfer-components[structured]"
 
 It subclasses ``ModuleNotFoundError`` (``.name`` is the missing module), so existing handlers still work.
 """
@@ -20,16 +24,19 @@ __all__ = ["EXTRAS", "MissingExtraError", "install_hint", "missing_extra", "requ
 PACKAGE = "deepinfer-components"
 
 # top-level module -> the extra of pyproject.toml that installs it
+# (tests/test_packaging.py checks each extra exists and lists a distribution of that module)
 EXTRAS: dict[str, str] = {
-    "xgrammar": "structured",
     "llguidance": "structured",
+    "jsonschema": "structured",
+    "rfc3339_validator": "structured",
     "tokenizers": "structured",
+    "xgrammar": "xgrammar",
+    "redis": "kvstore",
     "matplotlib": "plot",
     "tilelang": "cuda",
     "tile_kernels": "cuda",
     "pytest": "test",
     "hypothesis": "test",
-    "jsonschema": "test",
 }
 
 

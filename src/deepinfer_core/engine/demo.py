@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from deepinfer_core.extras import MissingExtraError, install_hint, require
+from deepinfer_core.extras import MissingExtraError, install_hint
+from deepinfer_core.structured import require_any_engine
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -19,7 +20,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def demo() -> None:
-    from deepinfer_core.display import printable
+    from deepinfer_core.display import printable, printable_completion
     from deepinfer_core.engine import LLM
     from deepinfer_core.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ def demo() -> None:
     labels = ["greedy", "sampled, T=0.8 top-p 0.9", "regex [0-9]{3}-[a-z]{2,4}", "empty prompt",
               "choice of cat/dog/axolotl"]
     try:
-        require("xgrammar")
+        require_any_engine()
         structured = True
     except MissingExtraError:  # a plain install: no structured extra
         structured = False
@@ -57,9 +58,11 @@ def demo() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         eng_log.setLevel(level)
+    token_bytes = llm.engine.tokenizer.token_bytes()
     for p, label, o in zip(prompts, labels, outs):
         if o.ok:
-            print(f"  {label:26s} {printable(p)!r} -> {printable(o.text)!r} ({len(o.token_ids)} tokens, "
+            text = printable_completion(o.text, o.token_ids, token_bytes)
+            print(f"  {label:26s} {printable(p)!r} -> {text!r} ({len(o.token_ids)} tokens, "
                   f"ended by {o.finish_reason})")
         else:
             print(f"  {label:26s} {p!r} -> refused alone, as it should be: {o.error}")

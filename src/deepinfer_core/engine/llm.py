@@ -46,7 +46,11 @@ def _as_prompt_list(prompts: object) -> list[object]:
 
 
 class LLM:
-    """Offline generation on the built-in tiny model (random weights from ``seed``, byte tokenizer).
+    """Offline generation, vLLM's ``LLM`` API, on the reference engine.
+
+    ``model``: ``"tiny"`` (default: the trained checkpoint shipped in the package, with its BPE tokenizer;
+    no download), ``"tiny-random"`` (the same config with weights drawn from ``seed``, byte tokenizer) or
+    a release-format checkpoint directory (``config.json``, safetensors, ``tokenizer.json``).
 
     Keyword arguments are :class:`EngineConfig` fields, e.g.
     ``LLM(model="tiny", seed=0, backend="reference", num_blocks=256, max_num_seqs=16, async_scheduling=True)``.

@@ -11,14 +11,15 @@ format     per token (dim = 512 unless noted)                          bytes
            scales (one per 16 values)
 ``fp8``    dim B e4m3 + dim/32 ue8m0 scales (one per 32); SWA ring       528
 ``v32``    512 e4m3 + 4 fp32 scales (one per 128) + 64 bf16 RoPE          656
-           (dim = 576: 512 quantised + 64 RoPE kept in bf16)
+           (dim = 576: 512 quantised + 64 RoPE kept in bf16; FlashMLA's bytes)
 ``mxfp4``  dim/2 B packed e2m1 + dim/32 ue8m0 scales; indexer keys       68 (dim 128)
 ``bf16``   raw bf16 bytes (exact for bf16 inputs)                     2 * dim
 ``fp32``   raw fp32 bytes (exact)                                     4 * dim
 =========  ==========================================================  ============
 
 Scales are chosen so the block maximum never clips (``fp4``: the e4m3 scale is amax/6 rounded *up* to
-the next e4m3 value; ``fp8``/``mxfp4``: the power of two 2^ceil(log2(amax / max_elem))); values are
+the next e4m3 value; ``fp8``/``mxfp4``: the power of two 2^ceil(log2(amax / max_elem)); ``v32``:
+FlashMLA's 2^ceil(log2(max(amax / 448, 1e-4))) in float32); values are
 then rounded to the nearest grid point. Inputs beyond the format's range (including +-inf) saturate to
 the largest finite value; NaN is rejected with ValueError. Error bounds are in docs/kv.md and tested
 in tests/deepinfer_core/kv/test_formats.py against a float64 decoder.
@@ -286,19 +287,51 @@ class MXFP4Format:
         return _to_f32_saturated((vals * scale).flatten(-2))
 
 
+# V3.2 scale rules. "pow2" is FlashMLA's reference quantiser (tests/quant.py, since January 2026): the
+# float32 scale is 2^ceil(log2(max(amax / 448, 1e-4))), so the FP8 bytes are FlashMLA's and an all-zero
+# tile gets the floor's scale 2^-13. "amax" is the earlier rule (the tile maximum maps exactly to 448).
+V32_SCALE_RULES = ("pow2", "amax")
+V32_SCALE_FLOOR = 1e-4  # FlashMLA's floor on amax / 448 (HFAI FP8's FP8_AMAX_MARGIN)
+
+
+def v32_pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's V3.2 tile scale: 2^ceil(log2(max(amax / 448, 1e-4))) as float32.
+
+    amax / 448 is a correctly rounded float32 division and the floor is float32(1e-4), as in the
+    published rule; the ceiling of log2 is taken exactly, from the float32 exponent (a float32 ``log2``
+    can round a value a few ulps above a power of two down to the integer, which would make the tile's
+    maximum exceed 448 after the division). Powers of two keep their exponent; the result is in
+    [2^-13, 2^120] for finite float32 inputs, so the division by it is exact and nothing clips.
+    """
+    y = _div(amax.to(torch.float32), E4M3_MAX)
+    y = torch.maximum(y, torch.full((), V32_SCALE_FLOOR, dtype=torch.float32, device=y.device))
+    mant, exp = torch.frexp(y)  # y = mant * 2^exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, exp - 1, exp)
+    return torch.ldexp(torch.ones_like(y), e).to(torch.float32)
+
+
 @attrs.frozen
 class V32Format:
-    """DeepSeek-V3.2-style FP8 KV for comparison: 512 e4m3 (fp32 scale per 128) + 64 bf16 RoPE = 656 B."""
+    """DeepSeek-V3.2 FP8 KV (FlashMLA's ``V32_FP8Sparse`` layout): 512 e4m3 (one fp32 scale per 128) +
+    64 bf16 RoPE = 656 B.
+
+    ``scale_rule="pow2"`` (default) writes FlashMLA's bytes: power-of-two scales
+    (:func:`v32_pow2_scale`); ``"amax"`` the earlier amax / 448 scales. Either decodes with the same
+    rule (value x scale), so caches written under either read back the same way.
+    """
 
     dim: int = 576
     rope_dim: int = 64
     group: int = 128
     name: str = "v32"
+    scale_rule: str = "pow2"
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.rope_dim, int) or not 0 <= self.rope_dim < self.dim:
             raise ValueError(f"{self.name}: rope_dim must be in [0, dim), got {self.rope_dim!r}")
         _check_dim(self.name, self.dim - self.rope_dim, self.group)
+        if self.scale_rule not in V32_SCALE_RULES:
+            raise ValueError(f"{self.name}: scale_rule must be one of {list(V32_SCALE_RULES)}, got {self.scale_rule!r}")
 
     @property
     def nope_dim(self) -> int:
@@ -308,15 +341,23 @@ class V32Format:
     def bytes_per_token(self) -> int:
         return self.nope_dim + 4 * (self.nope_dim // self.group) + 2 * self.rope_dim
 
+    def scales(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 scale of every 128-value tile of ``x [..., dim]``: [..., nope_dim / 128]."""
+        return self._scales(_check_input(x, self.dim, self.name))
+
+    def _scales(self, x: torch.Tensor) -> torch.Tensor:
+        amax = _groups(x[..., : self.nope_dim], self.group).abs().amax(dim=-1)
+        if self.scale_rule == "pow2":
+            return v32_pow2_scale(amax)
+        # the tile maximum maps exactly to 448; the tiny floor keeps all-zero tiles finite
+        return _div(amax, E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        # _check_input clamps to the finite float32 range first: an inf would make the tile scale inf and
+        # inf/inf a NaN whose fp8 byte differs between CPU and CUDA; saturating keeps the bytes defined.
         x = _check_input(x, self.dim, self.name)
-        # Clamp to the finite float32 range first: an inf would make the block scale inf and inf/inf a NaN
-        # whose fp8 byte differs between CPU and CUDA; saturating keeps the bytes defined everywhere.
-        f32_max = torch.finfo(torch.float32).max
-        x = x.clamp(-f32_max, f32_max)
         nope, rope = _groups(x[..., : self.nope_dim], self.group), x[..., self.nope_dim :]
-        # fp32 scale: max of the block maps exactly to 448; the tiny floor keeps all-zero blocks finite.
-        scale = _div(nope.abs().amax(dim=-1, keepdim=True), E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = self._scales(x).unsqueeze(-1)
         vals = e4m3_encode(nope / scale).flatten(-2)
         sbytes = scale.squeeze(-1).contiguous().view(torch.uint8)
         bf_max = torch.finfo(torch.bfloat16).max

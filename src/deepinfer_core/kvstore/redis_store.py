@@ -34,8 +34,10 @@ class RedisKVStore(record.RecordReads):
         if (client is None) == (url is None):
             raise ValueError("RedisKVStore: pass exactly one of client= or url=")
         if client is None:
-            import redis  # lazy: the client is only needed by this backend
+            from deepinfer_core.extras import require
 
+            # lazy: the client is only needed by this backend (the kvstore extra installs it)
+            redis = require("redis", "the Redis KV store")
             client = redis.Redis.from_url(url)
         if getattr(getattr(client, "connection_pool", None), "connection_kwargs", {}).get("decode_responses"):
             raise ValueError("client: must not use decode_responses=True (blocks are bytes)")

@@ -25,7 +25,7 @@ import torch
 
 from deepinfer_core.model.config import ConfigError, ModelConfig, tiny_config
 from deepinfer_core.model.model import DeepSeekV41
-from deepinfer_core.model.weights import INDEX_FILE, iter_checkpoint, iter_model, load_state
+from deepinfer_core.model.weights import INDEX_FILE, WeightsError, iter_checkpoint, iter_model, load_state
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,17 @@ def load_tokenizer(path: Path | None, vocab_size: int) -> Any:
 
     if path is None:
         return ByteTokenizer(vocab_size)
+    file = path / "tokenizer.json"
     try:
-        tok: Any = V41Tokenizer(path / "tokenizer.json")
-    except ValueError:
-        tok = HFTokenizer(path / "tokenizer.json")
+        try:
+            tok: Any = V41Tokenizer(file)
+        except ValueError:  # no V4.1 control tokens: a plain HF tokenizer
+            tok = HFTokenizer(file)
+    except Exception as e:  # the tokenizers library raises a bare Exception on a corrupt file
+        raise ConfigError(f"{file}: not a usable tokenizer.json ({' '.join(str(e).split())[:300]})") from None
     if tok.vocab_size > vocab_size:
-        raise ConfigError(f"vocab_size={vocab_size}: the tokenizer has {tok.vocab_size} tokens; the model must cover them")
+        raise ConfigError(f"{path / 'config.json'}: vocab_size={vocab_size}: the tokenizer ({file}) has "
+                          f"{tok.vocab_size} tokens; the model must cover them")
     return tok
 
 
@@ -91,6 +96,11 @@ def load_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, dev
         else:
             items = iter_checkpoint(path)
     model = DeepSeekV41(cfg).to(dtype=dtype, device=device)
-    load_state(model, items, progress)
+    try:
+        load_state(model, items, progress)
+    except WeightsError as e:  # a missing / misshapen tensor is named by key; say which checkpoint
+        if path is None or str(path) in str(e):
+            raise
+        raise WeightsError(f"{path}: {e}") from None
     log.info("model %s: %s", name, f"random weights from seed {seed}" if path is None else path)
     return model, load_tokenizer(path, cfg.vocab_size)

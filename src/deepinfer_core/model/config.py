@@ -17,7 +17,8 @@ import attrs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LAYER_FULL", "LAYER_REINDEX", "LAYER_REUSE", "LAYER_SWA", "ConfigError", "ModelConfig", "flash_config", "tiny_config"]
+__all__ = ["LAYER_FULL", "LAYER_REINDEX", "LAYER_REUSE", "LAYER_SWA", "MODEL_TYPES", "ConfigError", "ModelConfig",
+           "check_architecture", "flash_config", "tiny_config"]
 
 # Role of a layer in its sharing group.
 LAYER_SWA = "swa"  # compress ratio 0: sliding window only
@@ -39,6 +40,22 @@ _IGNORED_FIELDS = frozenset(
 
 class ConfigError(ValueError):
     """A config field is unknown or inconsistent; the message names the field and what is allowed."""
+
+
+# config.json's model_type values of the architecture this library runs (absent is accepted: the
+# library's own configs, e.g. the shipped tiny one, need not say it)
+MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v4_1", "deepseek_v4_flash", "deepseek_v41_flash")
+
+
+def check_architecture(d: Mapping[str, Any]) -> None:
+    """ConfigError when ``model_type`` names another architecture (a Llama or Qwen config.json fails with
+    that, not with a list of missing fields)."""
+    mt = d.get("model_type")
+    if mt is not None and mt not in MODEL_TYPES:
+        archs = d.get("architectures")
+        also = f", architectures {archs}" if isinstance(archs, list) and archs else ""
+        raise ConfigError(f"model_type: unsupported architecture (model_type {mt!r}{also}; this library runs "
+                          f"DeepSeek-V4.1, model_type one of {list(MODEL_TYPES)})")
 
 
 def _tuple_int(v: Any) -> tuple[int, ...]:
@@ -285,7 +302,9 @@ class ModelConfig:
     # ---------------------------------------------------------------- I/O
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Build from a config.json mapping; unknown fields raise ConfigError naming them."""
+        """Build from a config.json mapping; unknown fields raise ConfigError naming them, another
+        architecture's ``model_type`` says so."""
+        check_architecture(d)
         known = {a.name for a in attrs.fields(cls)}
         kw: dict[str, Any] = {}
         aliases = {"window_size": "sliding_window", "n_mtp_layers": "num_nextn_predict_layers"}
@@ -317,14 +336,19 @@ class ModelConfig:
         if p.is_dir():
             p = p / "config.json"
         try:
-            d = json.loads(p.read_text())
+            d = json.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config.json: not found at {p}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config.json: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot be read ({e.strerror or e})") from None
         if not isinstance(d, dict):
-            raise ConfigError("config.json: top level must be an object")
-        return cls.from_dict(d)
+            raise ConfigError(f"{p}: top level must be an object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:  # every message names the field; the file goes in front
+            raise ConfigError(f"{p}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(self, recurse=False).items()}

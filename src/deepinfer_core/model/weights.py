@@ -19,16 +19,18 @@ first rounded with :func:`quantize_weights_` round-trips bit-exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -192,16 +194,33 @@ def save_weights(model: DeepSeekV41, path: str | Path, fp8: bool = True, mxfp4: 
     return out
 
 
+@contextlib.contextmanager
+def _open_shard(file: Path) -> Iterator[Any]:
+    """``safe_open`` whose errors name the file: a truncated or corrupt shard raises WeightsError
+    ``<file>: not a readable safetensors file (<why>)`` instead of a bare SafetensorError."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        size = file.stat().st_size if file.exists() else 0
+        raise WeightsError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())}; "
+                           f"{size} bytes: truncated or corrupt?)") from None
+
+
 def _weight_map(path: Path) -> dict[str, str]:
     idx = path / INDEX_FILE
     if idx.exists():
-        wm = json.loads(idx.read_text()).get("weight_map")
+        try:
+            doc = json.loads(idx.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{idx}: not valid JSON ({e})") from None
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict):
-            raise WeightsError(f"{INDEX_FILE}: missing 'weight_map' object")
+            raise WeightsError(f"{idx}: weight_map: missing, or not an object of tensor name -> shard file")
         return wm
     single = path / "model.safetensors"
     if single.exists():
-        with safe_open(str(single), framework="pt") as f:
+        with _open_shard(single) as f:
             return dict.fromkeys(f.keys(), "model.safetensors")
     raise WeightsError(f"{path}: neither {INDEX_FILE} nor model.safetensors found")
 
@@ -217,11 +236,11 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for shard, keys in sorted(by_shard.items()):
         if not (root / shard).is_file():
             raise WeightsError(f"{shard}: listed in {INDEX_FILE} but missing from {root}")
-        with safe_open(str(root / shard), framework="pt") as f:
+        with _open_shard(root / shard) as f:
             names = set(f.keys())
             for key in sorted(keys):
                 if key not in names:
-                    raise WeightsError(f"{key}: listed in the index under {shard} but not in that file")
+                    raise WeightsError(f"{key}: listed in the index under {shard} but not in that file ({root / shard})")
                 if key.endswith(".scale"):
                     continue
                 raw = f.get_tensor(key)

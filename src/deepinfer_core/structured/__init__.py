@@ -1,7 +1,7 @@
 """Structured outputs: regex, JSON-schema, EBNF and choice constraints as per-token bitmasks.
 
 ``GrammarSpec`` says what a request wants; a :class:`~deepinfer_core.protocols.GrammarBackend`
-(``XGrammarBackend``, the default, or ``LLGuidanceBackend``) compiles it against the library's tokenizer;
+(``XGrammarBackend``, ``LLGuidanceBackend``, or ``AutoBackend`` over both, the engine's default) compiles it against the library's tokenizer;
 ``StructuredOutputManager`` keeps one matcher per request, compiles in the background, and fills batch
 bitmasks including one row per speculative draft. The engines are imported lazily, only when a backend
 is built, so importing this package needs neither xgrammar nor llguidance; the manager (its bitmasks are
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from deepinfer_core.structured.engines import available_engines, require_any_engine
 from deepinfer_core.structured.spec import KINDS, FinishReason, GrammarSpec
 from deepinfer_core.structured.vocab import GrammarVocab, grammar_vocab
 
@@ -30,14 +31,16 @@ __all__ = [
     "LLGuidanceBackend",
     "StructuredOutputManager",
     "XGrammarBackend",
+    "available_engines",
     "grammar_vocab",
     "make_backend",
+    "require_any_engine",
 ]
 
 
 def make_backend(name: str, tokenizer: Any, **kwargs: Any) -> Any:
-    """``"xgrammar"`` (default choice of the engine), ``"llguidance"`` or ``"auto"`` (both, chosen per spec
-    with fallback: :mod:`deepinfer_core.structured.auto_backend`), bound to ``tokenizer``."""
+    """``"xgrammar"``, ``"llguidance"`` or ``"auto"`` (the engine's default: the installed engines,
+    chosen per spec with fallback: :mod:`deepinfer_core.structured.auto_backend`), bound to ``tokenizer``."""
     if name == "xgrammar":
         from deepinfer_core.structured.xgrammar_backend import XGrammarBackend
 

@@ -8,6 +8,10 @@ schemas it was the engine whose documents were valid (xgrammar's approximations 
 some keywords let invalid documents through; the manager's post-hoc check reports those as
 ``grammar_violation``, but a valid document is better than a reported invalid one).
 
+Only the installed engines take part (the ``structured`` extra brings llguidance, the ``xgrammar`` extra
+xgrammar): with one of them the backend is that engine with the relaxed JSON retry; with neither it
+raises the one-line :class:`~deepinfer_core.extras.MissingExtraError` naming the ``structured`` extra.
+
 The request's matcher is the serving engine's own matcher, so the masks are exactly that engine's. For the
 manager's fast path the backend presents the *primary* engine's batch keys (the first engine of the JSON
 order): requests served by the other engine have no key, so a batch that contains one takes the
@@ -24,6 +28,7 @@ import attrs
 import torch
 
 from deepinfer_core.protocols import Tokenizer
+from deepinfer_core.structured.engines import require_any_engine
 from deepinfer_core.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
 from deepinfer_core.structured.spec import ENGINES, GrammarSpec
 from deepinfer_core.structured.vocab import GrammarVocab
@@ -71,11 +76,12 @@ class AutoBackend:
             if bad or not order or len(set(order)) != len(order):
                 raise ValueError(f"order={order!r}: must be distinct engines of {list(ENGINES)}")
         self._order = tuple(order) if order is not None else None
-        self.backends: dict[str, Any] = {
-            "xgrammar": XGrammarBackend(tokenizer, **kwargs),
-            "llguidance": LLGuidanceBackend(tokenizer, **kwargs),
-        }
-        first = (self._order or ORDER["json_schema"])[0]
+        installed = require_any_engine("the auto grammar backend")
+        kinds = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}
+        self.backends: dict[str, Any] = {e: kinds[e](tokenizer, **kwargs) for e in ENGINES if e in installed}
+        if len(installed) < len(ENGINES):
+            log.info("auto grammar backend: only %s installed", ", ".join(installed))
+        first = next(e for e in (*(self._order or ORDER["json_schema"]), *ENGINES) if e in self.backends)
         self.primary = first
         p = self.backends[first]
         self._primary_type = XGrammarMatcher if first == "xgrammar" else LLGuidanceMatcher
@@ -86,7 +92,8 @@ class AutoBackend:
                 setattr(self, attr, getattr(p, attr))
         # ... and the other engine's, for the manager's second C++ call (batches served by it alone).
         second = next(e for e in ENGINES if e != first)
-        self.second_fast_backend = self.backends[second] if getattr(self.backends[second], "fast_fill_kind", None) else None
+        other = self.backends.get(second)
+        self.second_fast_backend = other if getattr(other, "fast_fill_kind", None) else None
         self._second_type = XGrammarMatcher if second == "xgrammar" else LLGuidanceMatcher
 
     @property
@@ -105,7 +112,8 @@ class AutoBackend:
         order = self._order or ORDER[spec.kind]
         if spec.engine is not None:
             order = (spec.engine, *(e for e in order if e != spec.engine))
-        return order
+        # a preferred engine that is not installed yields to the installed one
+        return tuple(e for e in order if e in self.backends)
 
     def compile(self, spec: GrammarSpec) -> AutoGrammar:
         spec = GrammarSpec.of(spec)
@@ -122,6 +130,8 @@ class AutoBackend:
             return AutoGrammar(engine=engine, compiled=compiled, refused=tuple(refused))
         if spec.kind == "json_schema":
             engine, extra = RELAXED
+            if engine not in self.backends:
+                raise ValueError("no engine could compile the spec: " + "; ".join(f"{e}: {m}" for e, m in refused))
             mine = spec.options_for(engine)
             add = {k: v for k, v in extra.items() if k not in mine}
             if add:
@@ -162,7 +172,7 @@ class AutoBackend:
     def check_rows(self, keys: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
         """llguidance's row checks (error state, EOS taken) on the rows of llguidance keys."""
         mine = [r for r in rows if isinstance(keys[r], LLGuidanceMatcher)]
-        if mine:
+        if mine and "llguidance" in self.backends:
             self.backends["llguidance"].check_rows(keys, bitmask, mine)
 
     def batch_key2(self, matcher: Any) -> object | None:

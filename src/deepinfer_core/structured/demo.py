@@ -7,7 +7,8 @@ import json
 import torch
 
 from deepinfer_core.display import printable
-from deepinfer_core.structured import GrammarSpec, StructuredOutputManager, make_backend
+from deepinfer_core.extras import EXTRAS, install_hint
+from deepinfer_core.structured import GrammarSpec, StructuredOutputManager, make_backend, require_any_engine
 from deepinfer_core.tokenizer import ByteTokenizer
 
 KIND_LABEL = {"date": "regex (a date)", "json": "JSON schema", "ebnf": "EBNF grammar (a sum)"}
@@ -33,7 +34,8 @@ def demo() -> None:
         "bad": GrammarSpec("regex", "[unclosed"),
     }
     texts: dict[str, dict[str, str]] = {}
-    for backend_name in ("xgrammar", "llguidance"):
+    engines = require_any_engine("the structured outputs demo")
+    for backend_name in engines:
         mgr = StructuredOutputManager(make_backend(backend_name, tok))
         for rid, spec in specs.items():
             mgr.add_request(rid, spec)
@@ -69,8 +71,12 @@ def demo() -> None:
             if rid == "json" and why == "stop":
                 json.loads(text)  # the constrained text is valid JSON
         mgr.close()
-    same = texts["xgrammar"] == texts["llguidance"]
-    print(f"  same seed and logits give the same texts with both backends: {same}")
+    if len(texts) == 2:
+        same = texts["xgrammar"] == texts["llguidance"]
+        print(f"  same seed and logits give the same texts with both backends: {same}")
+    else:
+        (missing,) = (e for e in ("xgrammar", "llguidance") if e not in texts)
+        print(f"  (the {missing} engine is not installed: {install_hint(EXTRAS[missing])} adds it)")
 
 
 if __name__ == "__main__":

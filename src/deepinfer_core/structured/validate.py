@@ -6,6 +6,11 @@ a ``json_schema`` request's grammar accepts its end and reports ``grammar_violat
 when it fails. Strict means: UTF-8 without replacement, JSON without ``NaN`` / ``Infinity`` and without
 duplicate object keys (a schema cannot constrain a key that occurs twice: which value counts is up to
 the parser), and the schema's ``format`` s checked where jsonschema has a checker for them.
+
+The ``structured`` extra installs ``jsonschema[format-nongpl]``: jsonschema plus the packages behind its
+``date-time``, ``time``, ``duration``, ``uri``, ``hostname``, ``json-pointer``, ... checkers (without them
+jsonschema skips those formats silently, so ``2020-04-31T12:00:00Z`` would pass). A schema that uses a
+format whose checker is not installed gets one warning per format naming the extra.
 """
 
 from __future__ import annotations
@@ -46,19 +51,58 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Formats jsonschema checks once its format extras are installed (jsonschema[format-nongpl]).
+CHECKABLE_FORMATS = frozenset({
+    "date", "date-time", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
+    "uri", "uri-reference", "iri", "iri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+    "regex", "uuid",
+})
+_warned: set[str] = set()
+
+
+def _formats(schema: Any, out: set[str], depth: int = 0) -> set[str]:
+    """Every ``format`` value in a schema (any depth, bounded)."""
+    if depth > 64:
+        return out
+    if isinstance(schema, dict):
+        f = schema.get("format")
+        if isinstance(f, str):
+            out.add(f)
+        for v in schema.values():
+            _formats(v, out, depth + 1)
+    elif isinstance(schema, list):
+        for v in schema:
+            _formats(v, out, depth + 1)
+    return out
+
+
+def unchecked_formats(schema: Any, checker: Any) -> list[str]:
+    """Formats of ``schema`` that jsonschema could check but whose checker package is not installed."""
+    return sorted((_formats(schema, set()) & CHECKABLE_FORMATS) - set(checker.checkers))
+
+
 def make_validator(schema_text: str) -> tuple[Any | None, str | None]:
-    """(a jsonschema validator for the schema with format checking, None) or (None, why not)."""
+    """(a jsonschema validator for the schema with format checking on, None) or (None, why not)."""
+    from deepinfer_core.extras import install_hint
+
     try:
         import jsonschema
         from jsonschema import validators
-    except ImportError:  # pragma: no cover - jsonschema is in the structured extra
-        return None, "jsonschema is not installed"
+    except ImportError:
+        return None, f"jsonschema is not installed: {install_hint('structured')}"
     try:
         schema = json.loads(schema_text)
         cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        return cls(schema, format_checker=cls.FORMAT_CHECKER), None
+        # format_checker turns the formats into assertions (JSON Schema 2019-09+ makes them annotations)
+        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
     except Exception as e:  # a schema jsonschema cannot load: the document's JSON is still checked
         return None, f"jsonschema cannot load the schema: {type(e).__name__}: {e}"
+    missing = [f for f in unchecked_formats(schema, cls.FORMAT_CHECKER) if f not in _warned]
+    if missing:
+        _warned.update(missing)
+        log.warning("the post-hoc schema check cannot check format(s) %s (their checker packages are not "
+                    "installed): %s", missing, install_hint("structured"))
+    return validator, None
 
 
 def check_document(data: bytes, validator: Any | None, unavailable: str | None = None) -> Verdict:
