@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("component", metavar="COMPONENT", help=f"one of: {', '.join(bench_scripts()) or '(none here)'}")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     b.set_defaults(func=_bench, parser=b)
+
+    from deepinfer_core.entrypoints.openai.api_server import (
+        add_serve_parser,  # FastAPI is imported only to serve
+    )
+
+    add_serve_parser(sub)
     return ap
 
 

@@ -30,6 +30,9 @@ EXTRAS: dict[str, str] = {
     "pytest": "test",
     "hypothesis": "test",
     "jsonschema": "test",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "openai": "test",
 }
 
 
