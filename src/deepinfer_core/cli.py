@@ -3,6 +3,7 @@
     deepinfer generate "Once upon a time" [--max-tokens 64] [--temperature 0.8 --seed 1] [--regex '...']
     deepinfer demo [--only kv,eplb] [--list]
     deepinfer bench scheduler [--quick] [--plot]      (from a source checkout: benchmarks/ is not in the wheel)
+    deepinfer serve [--model tiny] [--port 8000]      (OpenAI-compatible HTTP server; the serve extra)
 
 ``python -m deepinfer_core`` with no arguments runs the demo (the main job); with arguments it is this
 command.
@@ -22,7 +23,7 @@ from deepinfer_core import demo as demo_mod
 
 __all__ = ["COMMANDS", "bench_scripts", "main"]
 
-COMMANDS = ("generate", "demo", "bench")
+COMMANDS = ("generate", "demo", "bench", "serve")
 
 
 # ----------------------------------------------------------------------------------------------- generate

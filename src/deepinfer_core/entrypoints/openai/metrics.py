@@ -125,6 +125,11 @@ class ServerMetrics:
             ("kv_blocks_total", cfg.num_blocks - 1, "KV blocks."),
             ("kv_usage_ratio", used / max(cfg.num_blocks - 1, 1), "Fraction of KV blocks in use."),
             ("requests_live", engine.num_live, "Requests in the engine (waiting or running)."),
+            (
+                "state_slots_used",
+                engine.state_pool.num_slots - engine.state_pool.num_free_slots,
+                "State slots in use.",
+            ),
             ("streams_open", llm.num_streams, "Open output streams."),
         )
         for name, v, h in gauges:

@@ -57,6 +57,7 @@ class GenRequest:
     echo: bool = False
     tools: ToolMode | None = None
     prefix_ids: list[int] = attrs.field(factory=list)  # forced tool call: markers + name, after the prompt
+    return_token_ids: bool = False  # extension (as vLLM's): each choice also carries its token ids
 
 
 # SamplingParams fields -> the request field a user wrote (for the 400's "param")

@@ -49,6 +49,13 @@ class _Choice:
     sent_text: str = ""
 
 
+def _flag(body: Any, key: str) -> bool:
+    v = body.get(key, False)
+    if v is not None and not isinstance(v, bool):
+        raise APIError(f"{key}: must be a bool", key)
+    return bool(v)
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -75,11 +82,13 @@ class OpenAIServing:
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: Any) -> dict[str, Any] | AsyncIterator[str]:
         req = parse_completion(body, self.model_name, self.tokenizer)
+        req.return_token_ids = _flag(body, "return_token_ids")
         check_lengths(req, self.max_model_len, "prompt")
         return self._stream(req, "completions") if req.stream else await self._full(req, "completions")
 
     async def chat(self, body: Any) -> dict[str, Any] | AsyncIterator[str]:
         req = parse_chat(body, self.model_name, self.tokenizer)
+        req.return_token_ids = _flag(body, "return_token_ids")
         check_lengths(req, self.max_model_len, "messages")
         return self._stream(req, "chat") if req.stream else await self._full(req, "chat")
 
@@ -136,7 +145,7 @@ class OpenAIServing:
 
     def _absorb(
         self, req: GenRequest, i: int, o: RequestOutput, choices: dict[int, _Choice]
-    ) -> list[tuple[_Choice, str, bool]]:
+    ) -> list[tuple[_Choice, str, bool, tuple[int, ...]]]:
         """Add a DELTA output to its choices; (choice, new text, ended now) of each that changed."""
         if o.finished and o.error is not None:
             raise engine_error(o)
@@ -148,7 +157,7 @@ class OpenAIServing:
             ended = s.finish_reason is not None and c.finish_reason is None
             if ended:
                 c.finish_reason = s.finish_reason
-            out.append((c, s.text, ended))
+            out.append((c, s.text, ended, s.token_ids))
         return out
 
     async def _full(self, req: GenRequest, endpoint: str) -> dict[str, Any]:
@@ -187,6 +196,7 @@ class OpenAIServing:
                         "text": self._echo(req, c) + c.text,
                         "logprobs": None,
                         "finish_reason": c.finish_reason,
+                        **({"token_ids": c.token_ids} if req.return_token_ids else {}),
                     }
                     for c in choices.values()
                 ],
@@ -236,7 +246,10 @@ class OpenAIServing:
         if calls:
             msg["tool_calls"] = calls
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return {"index": c.index, "message": msg, "logprobs": None, "finish_reason": reason}
+        out = {"index": c.index, "message": msg, "logprobs": None, "finish_reason": reason}
+        if req.return_token_ids:
+            out["token_ids"] = c.token_ids
+        return out
 
     # ------------------------------------------------------------------ streaming
     async def _stream(self, req: GenRequest, endpoint: str) -> AsyncIterator[str]:
@@ -261,15 +274,23 @@ class OpenAIServing:
                 timer.tokens(sum(len(s.token_ids) for s in o.outputs))
                 if o.finished:
                     cached += o.cached_tokens
-                for c, text, ended in self._absorb(req, i, o, choices):
+                for c, text, ended, ids in self._absorb(req, i, o, choices):
                     if chat:
-                        for chunk in self._chat_deltas(req, c, text, ended, calls_begin):
+                        chunks = self._chat_deltas(req, c, text, ended, calls_begin)
+                        if req.return_token_ids and ids:  # every token reaches the client, text or not
+                            if not chunks:
+                                chunks = [
+                                    {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
+                                ]
+                            chunks[0]["token_ids"] = list(ids)
+                        for chunk in chunks:
                             yield _sse({**head, "choices": [chunk]})
                     else:
                         if not c.sent_text and req.echo:
                             text = self._echo(req, c) + text
                             c.sent_text = "echoed"
-                        if text or ended:
+                        if text or ended or (req.return_token_ids and ids):
+                            extra = {"token_ids": list(ids)} if req.return_token_ids else {}
                             yield _sse(
                                 {
                                     **head,
@@ -279,6 +300,7 @@ class OpenAIServing:
                                             "text": text,
                                             "logprobs": None,
                                             "finish_reason": c.finish_reason if ended else None,
+                                            **extra,
                                         }
                                     ],
                                 }
