@@ -222,10 +222,7 @@ def test_tool_call_round_trip(server, ref) -> None:
     assert "".join(tc.function.arguments or "" for tc in calls) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the result goes back; the model answers it as text
-    msgs2 = msgs + [
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21, "unit": args["unit"]})},
-    ]
+    msgs2 = [*msgs, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}, {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21, "unit": args["unit"]})}]
     r2 = c.chat.completions.create(model="tiny", messages=msgs2, tools=TOOLS, max_tokens=12, temperature=0)
     conv = [
         msgs[0],
