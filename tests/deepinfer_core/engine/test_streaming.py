@@ -223,3 +223,25 @@ def test_engine_defaults_to_one_thread() -> None:
             LLMEngine(EngineConfig(model="tiny-random", num_blocks=16), num_threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_parallel_samples_share_prompt_blocks_by_refcount(pair: tuple[LLMEngine, LLM]) -> None:
+    """While the 3 samples run, their tables start with the same prompt blocks, each held 3 times (the
+    pool's refcount); each sample's later blocks are its own (it only ever writes those)."""
+    eng, _ = pair
+    eng.add_request(
+        "share", "the same long prompt for every sample, é中 " * 2, SamplingParams(max_tokens=6, n=3, seed=2)
+    )
+    seen = False
+    while eng.has_unfinished():
+        eng.step()
+        seqs = [r.seq for r in eng._reqs.values() if r.seq >= 0 and eng.kv_pool.contains(r.seq)]
+        if len(seqs) == 3:
+            tabs = [list(eng.kv_pool.block_table(s)) for s in seqs]
+            shared = [b for b in tabs[0] if all(b in t for t in tabs[1:])]
+            assert shared and all(eng.kv_pool.refcount(b) == 3 for b in shared)
+            rest = [set(t) - set(shared) for t in tabs]
+            assert not (rest[0] & rest[1]) and not (rest[1] & rest[2]) and not (rest[0] & rest[2])
+            seen = True
+    assert seen
+    all_free(eng)
