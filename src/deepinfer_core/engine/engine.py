@@ -326,7 +326,8 @@ class LLMEngine(StepRunner, RowSampler):
         """Abort every live request (reported by the next ``step`` s); returns how many. Afterwards every
         KV block and state slot is free."""
         with self._lock:
-            return sum(self.abort(rid) for rid in list(self._reqs))
+            held = sum(self.abort(rid) for rid in list(self._held))  # n > 1 groups: their queued samples too
+            return held + sum(self.abort(rid) for rid in list(self._reqs))
 
     def reset(self, reason: str = "engine reset") -> list[RequestOutput]:
         """Fail every live request with ``error=reason`` and rebuild the scheduler and pools from scratch:

@@ -245,3 +245,20 @@ def test_parallel_samples_share_prompt_blocks_by_refcount(pair: tuple[LLMEngine,
             seen = True
     assert seen
     all_free(eng)
+
+
+def test_abort_all_ends_held_samples_too(pair: tuple[LLMEngine, LLM]) -> None:
+    """abort_all right after an n > 1 request arrived (samples 1..n-1 still held back): every sample ends."""
+    eng, _ = pair
+    eng.add_request(
+        "held", "a prompt long enough to hold the samples back", SamplingParams(max_tokens=30, n=3)
+    )
+    eng.step()
+    assert eng.abort_all() >= 1
+    outs = []
+    for _ in range(50):
+        if not eng.has_unfinished():
+            break
+        outs += [o for o in eng.step() if o.request_id == "held"]
+    assert len(outs[-1].samples) == 3 and {s.finish_reason for s in outs[-1].samples} == {"abort"}
+    all_free(eng)
