@@ -26,6 +26,7 @@ from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.output_builder import OutputBuilder
 from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
 from deepinfer_core.engine.overlap import PendingStep
+from deepinfer_core.engine.parallel_sampling import SampleGroups
 from deepinfer_core.engine.prefix import make_prefix_caching
 from deepinfer_core.engine.requests import (
     EngineRequest,
@@ -47,7 +48,7 @@ from deepinfer_core.model import (
     ModelExecutor,
 )
 from deepinfer_core.model.checkpoint import load_model
-from deepinfer_core.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer_core.sampling_params import RequestOutputKind
 from deepinfer_core.scheduler import (
     FinishedRequest,
     FinishReason,
@@ -149,6 +150,7 @@ class LLMEngine(StepRunner, RowSampler):
         self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
         # streamed outputs (engine/output_builder.py): what each step returns, per request
         self.output_builder = OutputBuilder(self._token_bytes)
+        self.groups = SampleGroups(self)  # parallel sampling (SamplingParams.n)
         self._clear_tables()
         self.stats = StepStats()
         # the asynchronous overlap (engine/overlap.py): on with async scheduling unless the executor must
@@ -191,8 +193,7 @@ class LLMEngine(StepRunner, RowSampler):
         self._idle_steps = 0
         self._stops: dict[str, StopStrings] = {}  # requests with stop strings (engine/stops.py)
         self._verify_masks: VerifyMasks | None = None  # this step's grammar masks of verify rows
-        # n > 1: samples 1..n-1 wait until sample 0 is past its prefill, so they hit its cached prompt
-        self._held: dict[str, list[EngineRequest]] = {}
+        self.groups.held.clear()  # n > 1 samples not queued yet (engine/parallel_sampling.py)
 
     def _spec_tokens(self) -> int:
         cfg = self.config
@@ -238,40 +239,10 @@ class LLMEngine(StepRunner, RowSampler):
                 self._fail_early(request_id, None, (), f"prompt / sampling_params: {type(e).__name__}: {e}")
                 return
             if sp.n > 1:
-                self._add_group(request_id, text, ids, sp, output_kind)
+                self.groups.add(request_id, text, ids, sp, output_kind)
                 return
             self.output_builder.add(request_id, text, ids, sp, output_kind)
             self._add_one(EngineRequest(request_id, text, ids, sp))
-
-    def _add_group(self, rid: str, text: str | None, ids: tuple[int, ...], sp: SamplingParams,
-                   kind: RequestOutputKind | None) -> None:
-        """``n`` > 1: one child request per sample (id ``rid + "\x1f" + i``, seed ``seed + i`` as vLLM),
-        grouped back by the output builder. With prefix caching, samples 1..n-1 are queued once sample 0
-        is past its prefill, so they take the prompt's blocks from the cache instead of recomputing it."""
-        self.output_builder.group(rid, text, ids, sp, kind)
-        kids = []
-        for i in range(sp.n):
-            cid = f"{rid}\x1f{i}"
-            csp = attrs.evolve(sp, n=1, best_of=None, seed=None if sp.seed is None else (sp.seed + i) % 2**63)
-            self.output_builder.add(cid, text, ids, csp, parent=rid, index=i)
-            kids.append(EngineRequest(cid, text, ids, csp))
-        self._add_one(kids[0])
-        if self.prefix is not None and sp.so_args is None and len(ids) >= self.config.block_size:
-            self._held[rid] = kids[1:]
-        else:
-            for k in kids[1:]:
-                self._add_one(k)
-
-    def _admit_held(self) -> None:
-        """Queue the held samples of groups whose sample 0 has its first token (or ended)."""
-        for rid, kids in list(self._held.items()):
-            first = self._reqs.get(f"{rid}\x1f0")
-            if first is not None and first.seq >= 0 and first.reason is None \
-                    and (self._live_info(first.request_id) or (1,))[0] == 0:
-                continue
-            del self._held[rid]
-            for k in kids:
-                self._add_one(k)
 
     def _add_one(self, req: EngineRequest) -> None:
         """A validated request to its stop strings, its grammar (compiling) or the scheduler."""
@@ -306,13 +277,7 @@ class LLMEngine(StepRunner, RowSampler):
         and KV blocks are returned at once (the scheduler may admit a waiting request in the next step)."""
         with self._lock:
             if self.output_builder.is_group(request_id):  # n > 1: every sample
-                ended = False
-                for k in self._held.pop(request_id, []):
-                    self._fail_early(k.request_id, k.prompt, k.prompt_token_ids, None, ABORT)
-                    ended = True
-                for cid in self.output_builder.children(request_id):
-                    ended = (cid in self._reqs and self.abort(cid)) or ended
-                return ended
+                return self.groups.abort(request_id)
             req = self._reqs.get(request_id)
             if req is None:
                 return False
@@ -326,7 +291,7 @@ class LLMEngine(StepRunner, RowSampler):
         """Abort every live request (reported by the next ``step`` s); returns how many. Afterwards every
         KV block and state slot is free."""
         with self._lock:
-            held = sum(self.abort(rid) for rid in list(self._held))  # n > 1 groups: their queued samples too
+            held = sum(self.abort(rid) for rid in list(self.groups.held))  # n > 1: their held samples too
             return held + sum(self.abort(rid) for rid in list(self._reqs))
 
     def reset(self, reason: str = "engine reset") -> list[RequestOutput]:
@@ -342,9 +307,7 @@ class LLMEngine(StepRunner, RowSampler):
                     self._grammar.remove_request(req.request_id)
             if self.drafts is not None:
                 self.drafts.clear()
-            for kids in self._held.values():
-                out += [RequestOutput(request_id=k.request_id, prompt=k.prompt, prompt_token_ids=k.prompt_token_ids,
-                                      finish_reason=ERROR, error=reason) for k in kids]
+            out += self.groups.fail_held(reason)
             self._build_scheduler()
             self.executor.resolve_fed(drop=True)  # an in-flight step's tokens are never read
             self._clear_tables()
@@ -355,7 +318,7 @@ class LLMEngine(StepRunner, RowSampler):
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._failed or self._compiling or self._held or self.scheduler.has_unfinished())
+            return bool(self._failed or self._compiling or self.groups.held or self.scheduler.has_unfinished())
 
     def is_live(self, request_id: str) -> bool:
         """Added and not yet reported by ``step``."""
@@ -373,7 +336,7 @@ class LLMEngine(StepRunner, RowSampler):
     @property
     def num_live(self) -> int:
         """Requests added and not yet reported by ``step``."""
-        return len(self._reqs) + len(self._failed) + sum(len(k) for k in self._held.values())
+        return len(self._reqs) + len(self._failed) + self.groups.num_held
 
     def _grammar_manager(self) -> Any:
         if self._grammar is None:
@@ -484,8 +447,8 @@ class LLMEngine(StepRunner, RowSampler):
 
     def _step(self) -> list[RequestOutput]:
         self._admit_compiled()
-        if self._held:
-            self._admit_held()
+        if self.groups.held:
+            self.groups.admit_held()
         out, self._failed = self._failed, []
         sched, st = self.scheduler, self.stats
         if not sched.has_unfinished():
