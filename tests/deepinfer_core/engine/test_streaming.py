@@ -262,3 +262,32 @@ def test_abort_all_ends_held_samples_too(pair: tuple[LLMEngine, LLM]) -> None:
         outs += [o for o in eng.step() if o.request_id == "held"]
     assert len(outs[-1].samples) == 3 and {s.finish_reason for s in outs[-1].samples} == {"abort"}
     all_free(eng)
+
+
+def test_streaming_with_speculation_counts_drafts_per_request() -> None:
+    """speculative=True (verify rows hand several tokens per step): DELTA streams concatenate to the
+    non-streamed output, and each request's drafts_verified / drafts_accepted add up to the engine's."""
+    kw = dict(model="tiny", seed=0, num_blocks=128, max_num_seqs=4, speculative=True, batch_invariant=True)
+    eng = LLMEngine(EngineConfig(**kw))
+    prompts = {
+        "s0": "import os\n\n\ndef ",
+        "s1": "class Stack:\n    def push(self, x):",
+        "s2": "for i in range(",
+    }
+    reqs = {
+        rid: (p, SamplingParams(temperature=0, max_tokens=24, output_kind="delta"))
+        for rid, p in prompts.items()
+    }
+    got = run_stream(eng, reqs)
+    ref = LLM("tiny", **{k: v for k, v in kw.items() if k != "model"})
+    want = ref.generate(list(prompts.values()), SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    verified = accepted = 0
+    for outs, w in zip(got.values(), want):
+        assert "".join(o.text for o in outs) == w.text and sum((o.token_ids for o in outs), ()) == w.token_ids
+        m = outs[-1].metrics
+        assert 0 <= m["drafts_accepted"] <= m["drafts_verified"]
+        verified += m["drafts_verified"]
+        accepted += m["drafts_accepted"]
+    assert verified == eng.drafts.verified > 0 and accepted == eng.drafts.accepted > 0
+    assert any(len(o.token_ids) > 1 for outs in got.values() for o in outs)  # accepted drafts: several a step
+    all_free(eng)
