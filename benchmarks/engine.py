@@ -83,7 +83,7 @@ def drain(eng: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> tuple
         eng.add_request(f"r{i}", p, sp)
     n_out = 0
     while eng.has_unfinished():
-        n_out += sum(len(o.token_ids) for o in eng.step())
+        n_out += sum(len(o.token_ids) for o in eng.step() if o.finished)
     return n_out, time.perf_counter() - w0, time.process_time() - c0
 
 

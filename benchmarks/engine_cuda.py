@@ -120,7 +120,9 @@ def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str,
     sync()
     s0, t0 = eng.stats.steps, time.perf_counter()
     while eng.has_unfinished():
-        for o in eng.step():  # finished requests
+        for o in eng.step():
+            if not o.finished:  # a streamed output
+                continue
             if not o.ok:
                 raise RuntimeError(f"{o.request_id} failed: {o.error}")
             out[o.request_id] = list(o.token_ids)

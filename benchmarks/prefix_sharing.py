@@ -36,7 +36,7 @@ def run(prefix_caching: bool, prompts: list[list[int]], params: SamplingParams, 
         eng.add_request(f"r{i}", p, params)
     held, outs = [], {}
     while eng.has_unfinished():
-        outs.update({o.request_id: o for o in eng.step()})
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
         held.append(eng.config.num_blocks - 1 - eng.kv_pool.num_free_blocks)
     wall = time.perf_counter() - t0
     got = [outs[f"r{i}"] for i in range(len(prompts))]

@@ -4,6 +4,7 @@
     deepinfer generate 'The answer: ' --json-schema '{"type": "object", ...}'  (or --choice yes,no)
     deepinfer demo [--only kv,eplb] [--list]
     deepinfer bench scheduler [--quick] [--plot]      (from a source checkout: benchmarks/ is not in the wheel)
+    deepinfer serve [--model tiny] [--port 8000]      (OpenAI-compatible HTTP server; the serve extra)
 
 Errors are one line on stderr: exit 2 for a bad command line (unknown option, bad value), exit 1 for a
 failure while running (a checkpoint that does not load, a missing extra, a request that failed); no
@@ -27,7 +28,7 @@ from deepinfer_core import demo as demo_mod
 
 __all__ = ["COMMANDS", "bench_scripts", "main"]
 
-COMMANDS = ("generate", "demo", "bench")
+COMMANDS = ("generate", "demo", "bench", "serve")
 
 
 def one_line(msg: object) -> str:
@@ -223,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("component", metavar="COMPONENT", help=f"one of: {', '.join(bench_scripts()) or '(none here)'}")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     b.set_defaults(func=_bench, parser=b)
+
+    from deepinfer_core.entrypoints.openai.api_server import (
+        add_serve_parser,  # FastAPI is imported only to serve
+    )
+
+    add_serve_parser(sub)
     return ap
 
 

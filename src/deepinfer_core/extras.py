@@ -37,6 +37,9 @@ EXTRAS: dict[str, str] = {
     "tile_kernels": "cuda",
     "pytest": "test",
     "hypothesis": "test",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "openai": "test",
 }
 
 

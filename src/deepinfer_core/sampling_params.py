@@ -17,6 +17,7 @@ Every error is a ``ValueError`` whose message starts with ``SamplingParams.<fiel
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import numbers
@@ -31,6 +32,27 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MIN_TEMPERATURE = 1e-2  # vLLM's floor for a positive temperature
 SO_KINDS = ("regex", "json_schema", "ebnf", "choice")
+MAX_N = 256  # parallel samples of one request (each is a sequence: a seat, a state slot, its own blocks)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed ``RequestOutput`` of a request carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # text / token_ids: everything so far
+    DELTA = 1  # text / token_ids: only what is new since the request's previous output
+    FINAL_ONLY = 2  # a single output, when the request ends (what LLM.generate uses)
+
+
+def _output_kind(v: object) -> RequestOutputKind:
+    """A RequestOutputKind, its int value or its name (any case: "delta")."""
+    if isinstance(v, RequestOutputKind):
+        return v
+    if isinstance(v, str) and v.upper() in RequestOutputKind.__members__:
+        return RequestOutputKind[v.upper()]
+    if isinstance(v, int) and not isinstance(v, bool) and v in {k.value for k in RequestOutputKind}:
+        return RequestOutputKind(v)
+    raise _fail("output_kind", f"{short_repr(v)} must be a RequestOutputKind or one of "
+                               f"{[k.name.lower() for k in RequestOutputKind]}")
 
 
 def _fail(field: str, msg: str) -> ValueError:
@@ -119,6 +141,12 @@ class SamplingParams:
     # include_stop_str_in_output
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     include_stop_str_in_output: bool = False
+    # parallel sampling: n completions of one prompt (prefilled once; sample i is seeded seed + i)
+    n: int = 1
+    # vLLM's best_of (sample best_of, return the n best by log-probability): only best_of == n is
+    # accepted, since the engine computes no log-probabilities to rank samples by
+    best_of: int | None = None
+    output_kind: RequestOutputKind = attrs.field(default=RequestOutputKind.CUMULATIVE, converter=_output_kind)
 
     def __attrs_post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalised values are written once, here
@@ -146,6 +174,12 @@ class SamplingParams:
                f"{self.include_stop_str_in_output!r} must be a bool")
         if self.seed is not None:
             put(self, "seed", as_int(self.seed, "seed", 0, INT64_MAX))
+        put(self, "n", as_int(self.n, "n", 1, MAX_N))
+        if self.best_of is not None:
+            b = as_int(self.best_of, "best_of", 1, MAX_N)
+            _check(b == self.n, "best_of", f"{b} is not supported unless equal to n={self.n}: ranking samples needs "
+                                           "log-probabilities, which the engine does not compute; use n")
+            put(self, "best_of", b)
         if self.so_args is not None:
             so = self.so_args
             # one constraint, plus optional engine options / preferred engine (checked in full by

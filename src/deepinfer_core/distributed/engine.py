@@ -441,7 +441,8 @@ class DistributedEngine:
         self._group_busy = True
         while self.has_unfinished():
             for o in self.step():
-                done[o.request_id] = o
+                if o.finished:
+                    done[o.request_id] = o
         local = [done[str(i)] for i in mine]
         if self.failed is not None:
             raise GroupFailedError(self.failed, local)

@@ -214,7 +214,7 @@ class PromptEngine:
             hit=hit))
 
     def step(self) -> tuple[list[RequestOutput], list[Handoff]]:
-        outs = self.engine.step()
+        outs = [o for o in self.engine.step() if o.finished]  # streamed outputs stay local (docs/engine.md)
         ready, self._ready = self._ready, []
         gone = {h.request_id for h in ready}
         for rid in gone:
@@ -397,6 +397,8 @@ class CompletionEngine:
     def step(self) -> list[RequestOutput]:
         out, self._failed = self._failed, []
         for o in self.engine.step():
+            if not o.finished:  # the decode side reports whole outputs (first token prepended)
+                continue
             h = self._pending.pop(o.request_id, None)
             err = self._errors.pop(o.request_id, None)
             if err is not None:

@@ -24,8 +24,10 @@ import torch
 
 from deepinfer_core.engine import sizing
 from deepinfer_core.engine.config import EngineConfig
+from deepinfer_core.engine.output_builder import OutputBuilder
 from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
 from deepinfer_core.engine.overlap import PendingStep
+from deepinfer_core.engine.parallel_sampling import SampleGroups
 from deepinfer_core.engine.prefix import make_prefix_caching
 from deepinfer_core.engine.requests import (
     EngineRequest,
@@ -47,6 +49,7 @@ from deepinfer_core.model import (
     ModelExecutor,
 )
 from deepinfer_core.model.checkpoint import load_model
+from deepinfer_core.sampling_params import RequestOutputKind
 from deepinfer_core.scheduler import (
     FinishedRequest,
     FinishReason,
@@ -99,9 +102,21 @@ class LLMEngine(StepRunner, RowSampler):
     """
 
     def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None,
-                 model: DeepSeekV41 | None = None) -> None:
+                 model: DeepSeekV41 | None = None, num_threads: int | None = 1) -> None:
         """``model``: a prebuilt model (its own config) instead of the tiny one drawn from ``seed``: a
-        test hook (e.g. a drafter built to copy the target); it must match ``dtype`` / ``backend``."""
+        test hook (e.g. a drafter built to copy the target); it must match ``dtype`` / ``backend``.
+
+        ``num_threads``: torch's CPU threads, as ``LLM``'s default (1): the reference model is
+        dispatch-bound, and on a shared machine torch's default (every core) ran the step API 3-50x slower
+        than ``LLM`` did. Torch's setting is process-wide and the step API has no call to restore it
+        after, so the engine sets it when built and again at a ``step`` that finds it changed; None
+        leaves torch's setting alone (``LLM`` passes None and sets it around its own calls)."""
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
+        self.num_threads = num_threads
+        if num_threads is not None and torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
         self.config = cfg = config if config is not None else EngineConfig()
         self.envs = envs if envs is not None else get_envs()
         self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
@@ -131,6 +146,9 @@ class LLMEngine(StepRunner, RowSampler):
         self._grammar: Any = None  # StructuredOutputManager, built on the first constrained request
         self._serial = 0
         self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
+        # streamed outputs (engine/output_builder.py): what each step returns, per request
+        self.output_builder = OutputBuilder(self._token_bytes)
+        self.groups = SampleGroups(self)  # parallel sampling (SamplingParams.n)
         self._clear_tables()
         self.stats = StepStats()
         # the asynchronous overlap (engine/overlap.py): on with async scheduling unless the executor must
@@ -195,6 +213,7 @@ class LLMEngine(StepRunner, RowSampler):
         self._idle_steps = 0
         self._stops: dict[str, StopStrings] = {}  # requests with stop strings (engine/stops.py)
         self._verify_masks: VerifyMasks | None = None  # this step's grammar masks of verify rows
+        self.groups.held.clear()  # n > 1 samples not queued yet (engine/parallel_sampling.py)
 
     def _spec_tokens(self) -> int:
         cfg = self.config
@@ -212,11 +231,13 @@ class LLMEngine(StepRunner, RowSampler):
         return n
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None, *,
+                    output_kind: RequestOutputKind | None = None) -> None:
         """Queue a request; a bad one fails alone (its output, with ``error``, comes from ``step``).
 
-        Raises only for the caller's own bookkeeping errors: a ``request_id`` that is not a non-empty str,
-        or one that is already live."""
+        ``output_kind`` overrides ``params.output_kind`` (``LLM.generate`` asks for FINAL_ONLY). Raises
+        only for the caller's own bookkeeping errors: a ``request_id`` that is not a non-empty str, or one
+        that is already live."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
         with self._lock:
@@ -237,36 +258,46 @@ class LLMEngine(StepRunner, RowSampler):
             except Exception as e:  # a hostile value must fail its request, not the caller
                 self._fail_early(request_id, None, (), f"prompt / sampling_params: {type(e).__name__}: {e}")
                 return
-            req = EngineRequest(request_id, text, ids, sp)
-            self._reqs[request_id] = req
-            if sp.stop:
-                self._stops[request_id] = StopStrings(sp.stop, self._token_bytes(), include=sp.include_stop_str_in_output,
-                                                      min_tokens=sp.min_tokens)
-            if sp.so_args is not None:
-                try:
-                    self._grammar_manager().add_request(request_id, sp.so_args)
-                except ImportError as e:
-                    # a MissingExtraError already names the extra to install (deepinfer_core.extras)
-                    hint = "" if "deepinfer-components[" in str(e) else \
-                        " (install the structured extra: pip install \"deepinfer-components[structured]\")"
-                    self._drop_early(req, f"SamplingParams.so_args: {e}{hint}")
-                    return
-                except RecursionError:
-                    self._drop_early(req, "SamplingParams.so_args: nested too deeply to compile")
-                    return
-                except Exception as e:  # the library's own message, as the request's error
-                    msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                    self._drop_early(req, f"SamplingParams.so_args: {msg}")
-                    return
-                req.structured = True
-                self._compiling.append(request_id)  # queued once its grammar has compiled
+            if sp.n > 1:
+                self.groups.add(request_id, text, ids, sp, output_kind)
                 return
-            self._queue(req)
+            self.output_builder.add(request_id, text, ids, sp, output_kind)
+            self._add_one(EngineRequest(request_id, text, ids, sp))
+
+    def _add_one(self, req: EngineRequest) -> None:
+        """A validated request to its stop strings, its grammar (compiling) or the scheduler."""
+        request_id, sp = req.request_id, req.params
+        self._reqs[request_id] = req
+        if sp.stop:
+            self._stops[request_id] = StopStrings(sp.stop, self._token_bytes(), include=sp.include_stop_str_in_output,
+                                                  min_tokens=sp.min_tokens)
+        if sp.so_args is not None:
+            try:
+                self._grammar_manager().add_request(request_id, sp.so_args)
+            except ImportError as e:
+                # a MissingExtraError already names the extra to install (deepinfer_core.extras)
+                hint = "" if "deepinfer-components[" in str(e) else \
+                    " (install the structured extra: pip install \"deepinfer-components[structured]\")"
+                self._drop_early(req, f"SamplingParams.so_args: {e}{hint}")
+                return
+            except RecursionError:
+                self._drop_early(req, "SamplingParams.so_args: nested too deeply to compile")
+                return
+            except Exception as e:  # the library's own message, as the request's error
+                msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                self._drop_early(req, f"SamplingParams.so_args: {msg}")
+                return
+            req.structured = True
+            self._compiling.append(request_id)  # queued once its grammar has compiled
+            return
+        self._queue(req)
 
     def abort(self, request_id: str) -> bool:
         """End a live request; it is reported (finish_reason "abort") by a later ``step``. Its state slot
         and KV blocks are returned at once (the scheduler may admit a waiting request in the next step)."""
         with self._lock:
+            if self.output_builder.is_group(request_id):  # n > 1: every sample
+                return self.groups.abort(request_id)
             req = self._reqs.get(request_id)
             if req is None:
                 return False
@@ -280,7 +311,8 @@ class LLMEngine(StepRunner, RowSampler):
         """Abort every live request (reported by the next ``step`` s); returns how many. Afterwards every
         KV block and state slot is free."""
         with self._lock:
-            return sum(self.abort(rid) for rid in list(self._reqs))
+            held = sum(self.abort(rid) for rid in list(self.groups.held))  # n > 1: their held samples too
+            return held + sum(self.abort(rid) for rid in list(self._reqs))
 
     def reset(self, reason: str = "engine reset") -> list[RequestOutput]:
         """Fail every live request with ``error=reason`` and rebuild the scheduler and pools from scratch:
@@ -295,20 +327,24 @@ class LLMEngine(StepRunner, RowSampler):
                     self._grammar.remove_request(req.request_id)
             if self.drafts is not None:
                 self.drafts.clear()
+            out += self.groups.fail_held(reason)
             self._build_scheduler()
             self.executor.resolve_fed(drop=True)  # an in-flight step's tokens are never read
             self._clear_tables()
             log.warning("engine reset (%s): %d live requests failed", reason, len(out))
+            out = self.output_builder.collect(out, lambda rid: None, lambda rid: ())
+            self.output_builder.clear()
             return out
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._failed or self._compiling or self.scheduler.has_unfinished())
+            return bool(self._failed or self._compiling or self.groups.held or self.scheduler.has_unfinished())
 
     def is_live(self, request_id: str) -> bool:
         """Added and not yet reported by ``step``."""
         with self._lock:
-            return request_id in self._reqs or any(o.request_id == request_id for o in self._failed)
+            return (request_id in self._reqs or self.output_builder.is_group(request_id)
+                    or any(o.request_id == request_id for o in self._failed))
 
     def hand_back(self, outputs: list[RequestOutput]) -> None:
         """Outputs taken out of ``step`` by a caller they do not belong to (``LLM.generate`` stepping an
@@ -320,7 +356,7 @@ class LLMEngine(StepRunner, RowSampler):
     @property
     def num_live(self) -> int:
         """Requests added and not yet reported by ``step``."""
-        return len(self._reqs) + len(self._failed)
+        return len(self._reqs) + len(self._failed) + self.groups.num_held
 
     def _grammar_manager(self) -> Any:
         if self._grammar is None:
@@ -400,20 +436,39 @@ class LLMEngine(StepRunner, RowSampler):
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished (or failed) in it.
+        """Run one engine step; return a ``RequestOutput`` for every request that produced tokens in it
+        and every request that ended (finished, failed, aborted) in it, as its ``output_kind`` asks
+        (engine/output_builder.py; ``finished`` marks a request's last output).
 
         Never raises for a request's fault: an unexpected error inside the step fails the requests of
         this step's batch (``error`` says what happened) and the engine serves the rest; if even that is
         impossible the engine ``reset`` s itself and fails every live request."""
         with self._lock:
+            if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+                torch.set_num_threads(self.num_threads)
             try:
-                return self._step()
+                finals = self._step()
             except Exception as e:  # the engine must outlive a failed step
                 log.exception("engine: step failed; the engine resets")
                 return self.reset(f"engine step failed and the engine was reset: {type(e).__name__}: {e}")
+            return self.output_builder.collect(finals, self._live_info, self.scheduler.output_token_ids)
+
+    def _live_info(self, rid: str) -> tuple[int, int | None] | None:
+        """(output tokens in the scheduler, stop-string token cap) of a live request (the builder's truth)."""
+        req = self._reqs.get(rid)
+        if req is None or req.seq < 0:
+            return None
+        try:
+            n = self.scheduler.request_info(rid)["output_len"]
+        except (KeyError, ValueError):  # ended in the scheduler, reported at the next update
+            return None
+        stops = self._stops.get(rid)
+        return n, (stops.hit.tokens if stops is not None and stops.hit is not None else None)
 
     def _step(self) -> list[RequestOutput]:
         self._admit_compiled()
+        if self.groups.held:
+            self.groups.admit_held()
         out, self._failed = self._failed, []
         sched, st = self.scheduler, self.stats
         if not sched.has_unfinished():
@@ -469,6 +524,7 @@ class LLMEngine(StepRunner, RowSampler):
     def _update(self, plan: Plan, sampled: np.ndarray | tuple[np.ndarray, np.ndarray]) -> list[RequestOutput]:
         t0 = time.perf_counter()
         ended = self.scheduler.update(plan, *sampled) if isinstance(sampled, tuple) else self.scheduler.update(plan, sampled)
+        self.output_builder.note(plan, sampled, self._rid_of_seq)
         outs = [self._finish(fr) for fr in ended]
         # the engine's own ends (a grammar that accepted its end under ignore_eos) take effect once the
         # token that ended them is applied
@@ -479,6 +535,10 @@ class LLMEngine(StepRunner, RowSampler):
         self._to_abort.clear()
         self.stats.update_s += time.perf_counter() - t0
         return outs
+
+    def _rid_of_seq(self, seq: int) -> str | None:
+        req = self._by_seq.get(seq)
+        return None if req is None else req.request_id
 
     def _finish(self, fr: FinishedRequest) -> RequestOutput:
         req = self._reqs.pop(fr.request_id)
@@ -503,6 +563,9 @@ class LLMEngine(StepRunner, RowSampler):
             log.warning("request %r failed: %s", req.request_id, error)
         ids = fr.output_token_ids
         cached, replayed = self.prefix.take_metrics(seq) if self.prefix is not None else (0, 0)
+        metrics.update(arrival_time=req.arrival, last_token_time=time.monotonic(), num_generated_tokens=len(fr.output_token_ids))
+        if self.drafts is not None:
+            metrics.update(drafts_verified=req.drafts_verified, drafts_accepted=req.drafts_accepted)
         text = None
         if hit is not None and stops is not None:  # the text ends at the stop string (vLLM's rule)
             ids, text = ids[: hit.tokens], stops.text()

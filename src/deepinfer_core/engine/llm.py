@@ -17,7 +17,7 @@ from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.engine.outputs import RequestOutput
 from deepinfer_core.envs import Envs
-from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class LLM:
         self.num_threads = num_threads
         self.config = EngineConfig(model=model, **kwargs)
         with self._threads():
-            self.engine = LLMEngine(self.config, envs=envs)
+            self.engine = LLMEngine(self.config, envs=envs, num_threads=None)  # set here, around each call
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
         self._generating = threading.Lock()  # concurrent generate calls run one after another
@@ -122,7 +122,7 @@ class LLM:
                     rid = str(self._next_id)
                 self._next_id += 1
                 ids.append(rid)
-                eng.add_request(rid, p, sp)  # type: ignore[arg-type]
+                eng.add_request(rid, p, sp, output_kind=RequestOutputKind.FINAL_ONLY)  # type: ignore[arg-type]
             mine = set(ids)
             t0, n_tok = time.perf_counter(), 0
             with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
@@ -130,6 +130,8 @@ class LLM:
                     for o in eng.step():
                         if o.request_id not in mine:  # another caller's request on the step-level API
                             foreign.append(o)
+                            continue
+                        if not o.finished:  # cannot happen for FINAL_ONLY requests; never count one early
                             continue
                         done[o.request_id] = o
                         n_tok += len(o.token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -119,6 +120,9 @@ class EngineRequest:
     # scheduler then reports ABORT / FAILED and this says what really happened
     reason: str | None = None
     error: str | None = None
+    arrival: float = attrs.field(factory=time.monotonic)  # metrics["arrival_time"]
+    drafts_verified: int = 0  # speculative decoding, this request's drafts
+    drafts_accepted: int = 0
 
 
 class SeqTable:

@@ -226,6 +226,8 @@ class StepRunner(Overlap):
             got[i] = row
             book.verified += k
             book.accepted += a
+            req.drafts_verified += k
+            req.drafts_accepted += a
             book.store(seq, out["drafts"][j], out["draft_confidence"][j])
             seqs.last_token[ix[i]] = row[-1]
             seqs.n_out[ix[i]] += len(row)

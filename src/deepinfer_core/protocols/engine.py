@@ -1,4 +1,4 @@
-"""Seam of the engine (``deepinfer_core.engine``): requests in, finished request outputs out, step by step."""
+"""Seam of the engine (``deepinfer_core.engine``): requests in, streamed request outputs out, step by step."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ class Engine(Protocol):
 
     Contract: ``add_request`` never raises for a bad request (it fails alone: its output, with an error
     naming the field, comes out of a later ``step``); ``step`` runs one schedule -> execute -> sample ->
-    update round and returns the requests that finished in it, each exactly once; ``has_unfinished`` is
-    true until every added request has been returned.
+    update round and returns an output for every request that produced tokens or ended in it (as the
+    request's ``output_kind`` asks; a request's last output, ``finished`` True, exactly once);
+    ``has_unfinished`` is true until every added request's last output has been returned.
     """
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
@@ -25,7 +26,7 @@ class Engine(Protocol):
         ...
 
     def step(self) -> list[Any]:
-        """One engine step; the ``RequestOutput`` s of the requests that finished in it."""
+        """One engine step; the ``RequestOutput`` s of the requests that progressed or ended in it."""
         ...
 
     def has_unfinished(self) -> bool:

@@ -51,7 +51,7 @@ def test_handoff_tokens_equal_normal_engine() -> None:
         assert h.num_tokens == len(h.prompt_token_ids) and h.params.seed is not None and h.nbytes > 0
         ce.add_handoff(h)
     while ce.has_unfinished():
-        done.update({o.request_id: o for o in ce.step()})
+        done.update({o.request_id: o for o in ce.step() if o.finished})
     # the NORMAL engine gets the resolved seed of the unseeded request (the PROMPT engine picked it)
     seeds = {h.request_id: h.params.seed for h in handoffs}
     ref_params = [attrs.evolve(sp, seed=seeds.get(str(i), sp.seed)) for i, sp in enumerate(params)]
@@ -114,7 +114,7 @@ def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
         ce.add_handoff(h)
     done = {}
     while ce.has_unfinished():
-        done.update({o.request_id: o for o in ce.step()})
+        done.update({o.request_id: o for o in ce.step() if o.finished})
     assert ce.replayed_tokens > 0
     want = [o.token_ids for o in LLM(**{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs",
                                                                      "batch_invariant", "dtype")})
@@ -144,7 +144,7 @@ def test_replay_handoff_with_prefix_hits_on_the_prompt_side() -> None:
                 modes.append(h.mode)
                 ce.add_handoff(h)
         while ce.has_unfinished():
-            done.update({o.request_id: o for o in ce.step()})
+            done.update({o.request_id: o for o in ce.step() if o.finished})
     prefix = getattr(pe.engine, "prefix", None)
     if prefix is not None:
         assert prefix.stats.hits > 0, f"seed {seed}: no prefix hit on the PROMPT side (the test needs one)"

@@ -105,7 +105,7 @@ def scenario_pd_dp(groups, prompts, params) -> list[dict]:
                 ce.add_handoff(recv_handoff(src=other))
     done = list(early)
     while ce.has_unfinished():
-        done += ce.step()
+        done += [o for o in ce.step() if o.finished]
     parts: list = [None, None]
     dist.all_gather_object(parts, outputs_json(done))
     return sorted((o for part in parts for o in part), key=lambda o: int(o["id"]))
@@ -117,7 +117,7 @@ def _serve_local(eng: DistributedEngine, prompts, params, groups) -> list:
             eng.add_request(str(i), prompts[i], params[i])
     out = []
     while eng.has_unfinished():
-        out += eng.step()
+        out += [o for o in eng.step() if o.finished]
     return out
 
 
@@ -151,7 +151,7 @@ def _pd(groups, prompts, params, mode: str) -> list[dict] | None:
         ce.add_handoff(recv_handoff(src=0))
     done = []
     while ce.has_unfinished():
-        done += ce.step()
+        done += [o for o in ce.step() if o.finished]
     return sorted(outputs_json(done), key=lambda o: int(o["id"]))
 
 
@@ -186,7 +186,7 @@ def scenario_fail(groups, prompts, params, mode: str, out_dir: Path) -> dict:
                 time.sleep(0.1)
             return {"hung": True}
         t0 = time.time()
-        got = eng.step()
+        got = [o for o in eng.step() if o.finished]
         res["outputs"] += outputs_json(got)
         if eng.failed is not None:
             res["failed_at"] = time.time()

@@ -42,6 +42,8 @@ def drain(eng: Any, limit: int = 2000) -> dict:
         if not eng.has_unfinished():
             break
         for o in eng.step():
+            if not o.finished:  # a streamed output (engine/output_builder.py)
+                continue
             assert o.request_id not in done, f"{o.request_id} reported twice"
             done[o.request_id] = o
     assert not eng.has_unfinished()

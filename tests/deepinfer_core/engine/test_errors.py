@@ -70,7 +70,7 @@ def test_abort(llm: LLM) -> None:
     assert eng.abort("drop") and not eng.abort("nope")
     done = {}
     while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step()})
+        done.update({o.request_id: o for o in eng.step() if o.finished})
     assert done["drop"].finish_reason == "abort" and len(done["drop"].token_ids) < 50
     assert done["keep"].finish_reason == "length" and len(done["keep"].token_ids) == 5
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1 and eng.state_pool.num_free_slots == 4

@@ -23,4 +23,4 @@ def test_grammar_backend_satisfies_protocol() -> None:
     eng.add_request("r", "x", {"max_tokens": 2, "so_args": {"regex": "[a-z]"}})
     assert isinstance(eng._grammar_manager()._backend, P.GrammarBackend)
     eng.abort("r")
-    assert [o.finish_reason for o in eng.step()] == ["abort"]
+    assert [o.finish_reason for o in eng.step() if o.finished] == ["abort"]

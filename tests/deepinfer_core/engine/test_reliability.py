@@ -35,11 +35,11 @@ def test_abort_at_full_occupancy_admits_waiting(mode: str) -> None:
                         {**GREEDY, "max_tokens": 12})
     done: dict = {}
     for i in range(0, 8, 2):
-        done.update({o.request_id: o for o in eng.step()})
-        done.update({o.request_id: o for o in eng.step()})  # both seats are taken now
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        done.update({o.request_id: o for o in eng.step() if o.finished})  # both seats are taken now
         assert eng.scheduler.num_running == 2 or i >= 6
         eng.abort(f"r{i}")
-        done.update({o.request_id: o for o in eng.step()})  # admits a waiting one into r{i}'s seat
+        done.update({o.request_id: o for o in eng.step() if o.finished})  # admits a waiting one into r{i}'s seat
     done.update(drain(eng, 500))
     assert len(done) == 8 and all(o.ok for o in done.values()), [o.error for o in done.values()]
     assert {r for r, o in done.items() if o.finish_reason == "abort"} >= {"r0", "r2", "r4"}
@@ -101,7 +101,7 @@ def test_failing_update_resets_engine(monkeypatch: pytest.MonkeyPatch) -> None:
         eng.add_request(f"r{i}", [5, 6, 7 + i], GREEDY)
     eng.step()
     monkeypatch.setattr(eng.scheduler, "update", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
-    outs = eng.step()
+    outs = [o for o in eng.step() if o.finished]
     assert sorted(o.request_id for o in outs) == ["r0", "r1", "r2", "r3"]
     assert all(o.finish_reason == "error" and "boom" in o.error for o in outs)
     _all_free(eng)
@@ -158,7 +158,7 @@ def test_front_end_thread_adds_and_aborts_while_loop_steps() -> None:
 
     def loop() -> None:
         while not stop.is_set() or eng.has_unfinished():
-            for o in eng.step():
+            for o in [o for o in eng.step() if o.finished]:
                 done[o.request_id] = o
 
     t = threading.Thread(target=loop)

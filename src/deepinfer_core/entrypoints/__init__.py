@@ -1,0 +1,1 @@
+"""Front ends that serve the engine over a network protocol (``openai``: ``deepinfer serve``)."""
