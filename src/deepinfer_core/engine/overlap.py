@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
+from deepinfer_core.device_tokens import DeviceTokens, TokenFeed
 from deepinfer_core.scheduler import Plan
 
 log = logging.getLogger("deepinfer_core.engine.engine")

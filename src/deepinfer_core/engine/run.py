@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer_core.device_tokens import DeviceTokens, TokenFeed, h2d
 from deepinfer_core.engine.overlap import Overlap, PendingStep
 from deepinfer_core.engine.prefix import known_tokens
 from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.structured_spec import VerifyMasks
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed, h2d
 from deepinfer_core.scheduler import Plan, StepType
 
 log = logging.getLogger("deepinfer_core.engine.engine")

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer_core.device_tokens import h2d
 from deepinfer_core.engine.outputs import ERROR, STOP, VIOLATION
 from deepinfer_core.engine.requests import EngineRequest
-from deepinfer_core.model.decode_step import h2d
 from deepinfer_kernels.ops.sampling import greedy_tokens
 
 log = logging.getLogger("deepinfer_core.engine.engine")

@@ -22,17 +22,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from deepinfer_core.device_tokens import TokenFeed, h2d
 from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
 from deepinfer_core.model.cache import CacheFormats
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, check_buckets
-from deepinfer_core.model.decode_step import (
-    TokenFeed,
-    execute_rows,
-    h2d,
-    hash_decode_on_device,
-    hashed_row_tables,
-)
+from deepinfer_core.model.decode_step import execute_rows, hash_decode_on_device, hashed_row_tables
 from deepinfer_core.model.fused_kernels import kernel_defaults
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention

@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer_core.device_tokens import DeviceTokens, TokenFeed
 from deepinfer_core.engine import LLMEngine
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.model import ForwardBatch, ModelExecutor
 from deepinfer_core.model.checkpoint import load_model
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_kernels import get_backend
 from tests.deepinfer_core.engine.helpers import drain
