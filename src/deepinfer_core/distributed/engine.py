@@ -249,7 +249,7 @@ class DistributedEngine:
         self.ep = ExpertParallel(eng.model, g.ep, placement, g.device)
         self.engram_tables: dict[int, Any] = {}
         if dc.engram_sharded and mc.engram_layer_ids:
-            from deepinfer_core.model.executor import make_engram_tables
+            from deepinfer_core.model.engram_context import make_engram_tables
 
             self.engram_tables = make_engram_tables(eng.model, "sharded", g.engram)
             eng.executor.engram_tables = self.engram_tables

@@ -22,8 +22,8 @@ from deepinfer_core.model.model import DeepSeekV41
 
 
 class SpecHost(Protocol):
-    """What :class:`SpecState` uses of the executor that owns it (``ModelExecutor`` satisfies it). A
-    protocol, so this module does not import the executor that imports it (no import cycle)."""
+    """What :class:`SpecState` uses of the executor state that owns it (``state.ExecutorState`` satisfies
+    it). A protocol, so this module does not import the state module that refers to it (no import cycle)."""
 
     model: DeepSeekV41
     cfg: ModelConfig
@@ -33,7 +33,7 @@ class SpecHost(Protocol):
     num_slots: int
     swa_ring: int
 
-    def _ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
+    def ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
                     states: torch.Tensor, positions: torch.Tensor) -> None: ...
 
 
@@ -94,7 +94,7 @@ class SpecState:
         pos, sl = positions[keep], slots[keep]
         self.feat[sl, pos % self.ex.swa_ring] = feat
         for st, ring in zip(self.drafter.stages, self.swa):
-            self.ex._ring_store(ring, st.context_keys(feat, pos), None, sl, pos)
+            self.ex.ring_store(ring, st.context_keys(feat, pos), None, sl, pos)
 
     def restart(self, slot: int) -> None:
         self.pos[slot] = -1

@@ -13,6 +13,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from deepinfer_core.model import validation
 from deepinfer_core.model.batch import BatchError, ForwardBatch
 from deepinfer_core.model.model import DeepSeekV41
 
@@ -287,15 +288,15 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
     from deepinfer_core.model.executor import ModelExecutor
 
     ex = ModelExecutor(model64, 64, 16, 6, backtrack_tokens=3, quantize=False)
-    ex._slot_end[:] = data.draw(st.lists(st.integers(0, 90), min_size=6, max_size=6))
-    ex._encoder_only[:] = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
-    ex._min_start[:] = data.draw(st.lists(st.integers(0, 60), min_size=6, max_size=6))
+    ex.state.slot_end[:] = data.draw(st.lists(st.integers(0, 90), min_size=6, max_size=6))
+    ex.state.encoder_only[:] = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
+    ex.state.min_start[:] = data.draw(st.lists(st.integers(0, 60), min_size=6, max_size=6))
     v = model64.cfg.vocab_size
     r = data.draw(st.integers(1, 4))
     slots = data.draw(st.permutations(range(6)))[:r]
     q = data.draw(st.lists(st.integers(1, 5), min_size=r, max_size=r))
-    start = [data.draw(st.sampled_from(sorted({0, max(int(ex._slot_end[sl]) - 3, 0), int(ex._slot_end[sl]),
-                                               int(ex._min_start[sl])}))) for sl in slots]
+    start = [data.draw(st.sampled_from(sorted({0, max(int(ex.state.slot_end[sl]) - 3, 0), int(ex.state.slot_end[sl]),
+                                               int(ex.state.min_start[sl])}))) for sl in slots]
     floor = [data.draw(st.integers(0, s0)) if data.draw(st.booleans()) else s0 for s0 in start]
     need = max(ex.blocks_needed(s0 + n0) for s0, n0 in zip(start, q))
     width = need + data.draw(st.integers(0, 2))
@@ -313,7 +314,7 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
     elif bad == "token":
         b["token_ids"][data.draw(st.integers(0, sum(q) - 1))] = data.draw(st.sampled_from([-1, v]))
     elif bad == "start":
-        b["start_pos"][i] = data.draw(st.sampled_from([-1, int(ex._slot_end[slots[i]]) + 1, max(int(ex._slot_end[slots[i]]) - 4, 1)]))
+        b["start_pos"][i] = data.draw(st.sampled_from([-1, int(ex.state.slot_end[slots[i]]) + 1, max(int(ex.state.slot_end[slots[i]]) - 4, 1)]))
     elif bad == "logits":
         b["num_logits"][i] = data.draw(st.sampled_from([-1, q[i] + 1]))
     elif bad == "floor":
@@ -325,9 +326,9 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
         b["token_ids"] = b["token_ids"][: sum(b["query_lens"])]
     batch = ForwardBatch(**b)
     try:
-        ex._validate_rows(batch)
+        validation.validate_rows(ex.state, batch)
         loop_ok = True
     except BatchError:
         loop_ok = False
     event(f"accepted: {loop_ok}")
-    assert ex._rows_ok(batch) == loop_ok
+    assert validation.rows_ok(ex.state, batch) == loop_ok
