@@ -191,7 +191,7 @@ class DeepSeekV41(nn.Module):
         """{layer id: EngramTable}. Default: seeded N(0, 1) rows in bf16 (``engram_seed``), built on first
         use; a real checkpoint's tables are given with :meth:`set_engram_tables`."""
         if self._engram_tables is None:
-            from deepinfer_core.engram import LocalEngramTable
+            from deepinfer_core.engram import local_table
 
             h, c = self.engram_hasher, self.cfg
             tables = {}
@@ -202,7 +202,7 @@ class DeepSeekV41(nn.Module):
                                      "rows, too big to draw at random; give real tables with set_engram_tables()")
                 g = torch.Generator().manual_seed(c.engram_seed * 1000003 + lid)
                 vals = torch.randn(rows, c.engram_head_dim, generator=g)
-                tables[lid] = LocalEngramTable(vals.to(torch.bfloat16), None, out_dtype=torch.float32)
+                tables[lid] = local_table(vals.to(torch.bfloat16), None, out_dtype=torch.float32)
             self._engram_tables = tables
         return self._engram_tables
 
