@@ -29,7 +29,7 @@ def run_plan(ex: Any, plan: ReplayPlan, tokens: np.ndarray, slot: int, block_tab
     ``chunk``: split compute steps into chunks of at most this many tokens (chunked prefill);
     ``snapshot_pos``: also return the encoder rings at that position (a (logits, rings) pair).
     """
-    from deepinfer_core.model.batch import ForwardBatch
+    from deepinfer_core.batch import ForwardBatch
 
     toks = np.asarray(tokens, dtype=np.int64)
     if toks.shape != (plan.num_tokens,):
