@@ -331,8 +331,8 @@ class DistributedEngine:
     def step(self) -> list[RequestOutput]:
         """One group step (collective: every rank of the instance calls it)."""
         if self.failed is not None:
-            out, self._late = self._late, []
-            return out
+            late, self._late = self._late, []
+            return late
         out: list[RequestOutput] = []
         try:
             self._install_vote()

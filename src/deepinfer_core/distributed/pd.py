@@ -158,7 +158,7 @@ class PromptEngine:
         self._serial = 0
         if mode == "replay":
             self.replay_config = _replay_config(eng, replay, keep)
-            eng.executor = _SnapshotExecutor(self, eng.executor)  # type: ignore[assignment]
+            eng.executor = _SnapshotExecutor(self, eng.executor)
 
     def hit_of(self, num_tokens: int) -> int:
         """Replay mode: positions of a prompt of ``num_tokens`` whose blocks and encoder rings are handed
@@ -202,7 +202,8 @@ class PromptEngine:
                 hit, mode = 0, "full"
         if mode == "replay":
             nb = hit // eng.config.block_size
-            state = {} if not hit else {"rings": rings}
+            # a hit here has its rings (a missing one switched to "full" above)
+            state = {"rings": rings} if hit and rings is not None else {}
         else:
             state = _state_tensors(ex, slot)
         blocks = torch.as_tensor(np.asarray(fr.handoff_block_ids, dtype=np.int64)[:nb], device=ex.device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -75,6 +76,7 @@ class Overlap:
         key = getattr(fn, "__func__", fn)
         ok = self._feed_ok.get(key)
         if ok is None:
+            params: Mapping[str, inspect.Parameter]
             try:
                 params = inspect.signature(fn).parameters
             except (TypeError, ValueError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,11 @@ class StepRunner(Overlap):
     _apply_mask: Any
     prefix: Any
     _snapshots: Any
+    # the engine's methods this mixin calls (LLMEngine and RowSampler define them)
+    _fail_row: Callable[[int, str], None]
+    _sample_rows: Callable[..., np.ndarray]
+    _sample_device: Callable[..., torch.Tensor]
+    _grammar_commit: Callable[..., bool]
 
     def _run(self, plan: Plan, prev: PendingStep | None = None,
              overlap: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray] | PendingStep:

@@ -34,6 +34,7 @@ class RowSampler:
     _to_abort: list
     _sample: Any
     _apply_mask: Any
+    _stops: dict[str, Any]
 
     def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -291,7 +291,8 @@ def decode_body(st: ExecutorState, inp: DecodeInputs, capture_ids: tuple[int, ..
     valid = None if inp.valid is None else inp.valid > 0
     sel: dict = {}
     pools: dict = {}
-    capture: dict[int, torch.Tensor] = dict.fromkeys(capture_ids)  # type: ignore[arg-type]  # filled by run_layers
+    # run_layers fills a state for every key it is given
+    capture = cast(dict[int, torch.Tensor], dict.fromkeys(capture_ids))
     rows = inp.engram if inp.engram_ids is None else engram_fetch(st, inp.engram_ids)
     with step_contexts(st, valid):
         hidden, counts = st.model.run_layers(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -226,6 +226,7 @@ class RequestAttention:
         st, cfg, a, src = self.st, self.cfg, self.a, self.src
         assert src is not None
         isrc = cfg.index_source_of(self.lid)
+        assert isrc is not None
         ids, valid = self.sel[(isrc, self.i)]
         flat = st.kv[src].view(-1, st.fmt.main.bytes_per_token)
         gather: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -324,7 +325,8 @@ def execute_requests(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None 
     if b.encoder_only:
         return _encoder_only(st, b, tokens, attend, reqs, rows)
     targets = () if st.spec is None else st.spec.drafter.target_layers
-    capture: dict[int, torch.Tensor] = dict.fromkeys((*b.capture_layers, *targets))  # type: ignore[arg-type]
+    # run_layers fills a state for every key it is given
+    capture = cast(dict[int, torch.Tensor], dict.fromkeys((*b.capture_layers, *targets)))
     hidden, counts = st.model.run_layers(tokens, attend, capture=capture, engram_rows=rows)
     logit_rows = b.logit_rows()
     rows_t = torch.as_tensor(logit_rows, device=dev)

@@ -208,7 +208,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
     def step_wish(self) -> tuple[bool, bool]:
         """This rank's (has prefill work it can start now, has decode work), for the group vote."""
-        return tuple(self._impl.wish())  # type: ignore[return-value]
+        return tuple(self._impl.wish())
 
     def schedule(
         self,

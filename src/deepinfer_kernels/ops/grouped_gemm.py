@@ -164,7 +164,7 @@ def load_configs(path: str) -> dict[tuple[int, int, int], GGConfig]:
                              f"{', '.join(GGConfig._fields)})") from None
         if len(shape) != 3 or min(shape) < 1 or not cfg.valid():
             raise ValueError(f"{path} entry {i}: shape {shape} / config {cfg} is not a valid launch")
-        out[shape] = cfg  # type: ignore[index]
+        out[shape] = cfg
     return out
 
 
