@@ -173,3 +173,29 @@ def test_protocol_rule_sees_the_concrete_classes() -> None:
 @pytest.mark.parametrize("rel", sorted(ENV_VARIABLE_KEYS))
 def test_env_allow_list_entries_exist(rel: str) -> None:
     assert (SRC / rel).exists(), f"ENV_VARIABLE_KEYS lists {rel}, which does not exist"
+
+
+# ---- rule 3 (model/): no private attribute of another object is read or written, so the executor's state
+# is reached only through ExecutorState's declared fields; torch's own privates are named with their reason
+TORCH_PRIVATE = {
+    "_version": "a tensor's in-place version counter (mhc: detect replaced parameters)",
+    "_dynamo": "torch._dynamo's recompile limits (fusion)",
+    "_python_dispatch": "torch.utils._python_dispatch (dispatch modes)",
+}
+
+
+def test_model_reaches_no_private_attribute_of_another_object() -> None:
+    bad = []
+    for p in sorted((CORE / "model").rglob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text(), str(p))):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            owner = n.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls", "torch"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if n.attr in TORCH_PRIVATE:
+                continue
+            bad.append(f"{_rel(p)}:{n.lineno}: .{n.attr} of {ast.unparse(owner)}")
+    assert not bad, "\n".join(bad)
