@@ -258,6 +258,14 @@ class ModelExecutor:
         blocks into a sequence's own blocks when they cannot be shared (docs/swa.md)."""
         replay.copy_blocks(self.state, src, dst)
 
+    def slot_state(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies of everything kept per state slot, by name (``replay.slot_state``: a P/D handoff)."""
+        return replay.slot_state(self.state, slot)
+
+    def load_slot_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        """Put a :meth:`slot_state` of an executor of the same model and sizes into ``slot``."""
+        replay.load_slot_state(self.state, slot, state)
+
     def encoder_rings(self, slot: int) -> torch.Tensor:
         """A copy of the slot's encoder SWA rings, uint8 [encoder layers, ring, bytes]."""
         return replay.encoder_rings(self.state, slot)

@@ -153,6 +153,9 @@ class RequestAttention:
     over dense masks, ``pick_entries`` on whole matrices). ``rows``: the layer's products for all of the
     step's rows (:func:`layer_rows`)."""
 
+    keys_a: torch.Tensor  # the window's keys: ring history then the chunk's (set by write_window, which runs first)
+    mask_a: torch.Tensor  # the dense path's window mask (idem)
+
     def __init__(self, st: ExecutorState, lid: int, a: Attention, i: int, req: Request, positions: torch.Tensor,
                  rows: dict[str, torch.Tensor], sel: dict, pools: dict, tiled: bool) -> None:
         self.st, self.lid, self.a, self.i, self.rows, self.sel, self.pools, self.tiled = (
@@ -163,13 +166,14 @@ class RequestAttention:
         self.qp = positions[self.r0 : self.r1]
         self.q = rows["q"][self.r0 : self.r1]
         self.src = self.cfg.kv_source_of(lid)
+        self.floor = int(st.floor[self.slot, int(lid >= self.cfg.encoder_layers)])
+        # the first history position the ring can serve
+        self.h0 = max(0, self.s - (self.cfg.sliding_window - 1), min(self.floor, self.s))
 
     def write_window(self) -> None:
         st, cfg, r0, r1, s, slot = self.st, self.cfg, self.r0, self.r1, self.s, self.slot
         w = cfg.sliding_window
         ring = st.swa[self.lid]
-        self.floor = int(st.floor[slot, int(self.lid >= cfg.encoder_layers)])
-        self.h0 = max(0, s - (w - 1), min(self.floor, s))  # the first history position the ring can serve
         hist = torch.arange(self.h0, s, device=st.device)
         k_hist = st.fmt.swa.dequantize(ring[slot, hist % st.swa_ring]).to(st.dtype)
         self.keys_a = torch.cat((k_hist, self.rows["kswa"][r0:r1]))

@@ -16,6 +16,33 @@ from deepinfer_core.model.engram_context import engram_rows
 from deepinfer_core.model.prefill import attend_prefill
 from deepinfer_core.model.state import ExecutorState
 
+# the per-slot host arrays a slot's state includes (ExecutorState fields)
+SLOT_ARRAYS = ("tokens", "slot_end", "encoder_only", "floor", "min_start")
+
+
+def slot_state(st: ExecutorState, slot: int) -> dict[str, torch.Tensor]:
+    """Copies of everything the executor keeps per state slot (its SWA rings, compressor rings and host
+    arrays), by name: what a prompt engine hands a completion engine with the slot's blocks."""
+    out = {f"swa.{i}": r[slot].clone() for i, r in enumerate(st.swa)}
+    out.update({f"comp.{k}": v[slot].clone() for k, v in st.comp_state.items()})
+    for name in SLOT_ARRAYS:
+        out[name] = torch.from_numpy(np.array(getattr(st, name)[slot], copy=True).reshape(-1))
+    return out
+
+
+def load_slot_state(st: ExecutorState, slot: int, state: dict[str, torch.Tensor]) -> None:
+    """Put a :func:`slot_state` (of an executor of the same model and sizes) into ``slot``."""
+    want = set(slot_state(st, slot))
+    if set(state) != want:
+        raise ValueError(f"slot state: fields {sorted(state)}, this executor keeps {sorted(want)}")
+    for i, r in enumerate(st.swa):
+        r[slot].copy_(state[f"swa.{i}"].to(r.device))
+    for k, v in st.comp_state.items():
+        v[slot].copy_(state[f"comp.{k}"].to(v.device))
+    for name in SLOT_ARRAYS:
+        arr = getattr(st, name)
+        arr[slot] = state[name].cpu().numpy().reshape(np.shape(arr[slot]))
+
 
 @torch.no_grad()
 def copy_blocks(st: ExecutorState, src: np.ndarray, dst: np.ndarray) -> None:
