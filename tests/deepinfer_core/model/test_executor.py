@@ -332,3 +332,37 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
         loop_ok = False
     event(f"accepted: {loop_ok}")
     assert validation.rows_ok(ex.state, batch) == loop_ok
+
+
+def test_executor_attributes_are_its_state_fields(model64: DeepSeekV41) -> None:
+    """The executor's attributes are its ExecutorState's fields (one source of truth): set on one, seen on
+    the other, including the caches the modules of a step write."""
+    ex = Session(model64).ex
+    st = ex.state
+    assert ex.kv is st.kv and ex.swa is st.swa and ex.index_keys is st.index_keys
+    ex.prefill_path, ex.row_path, ex.fused_attention = "dense", False, True
+    assert (st.prefill_path, st.row_path, st.fused_attention) == ("dense", False, True)
+    st.prefill_tile = 16
+    assert ex.prefill_tile == 16
+    assert type(ex).kv.name == "kv"  # the class attribute is the descriptor
+
+
+def test_slot_state_round_trip(model64: DeepSeekV41, seq: torch.Tensor) -> None:
+    """slot_state / load_slot_state move a slot's whole state: the next decode step on the new slot (same
+    blocks) gives the logits of that step on the original slot; a state with missing fields is refused."""
+    s = Session(model64)
+    s.step([(0, seq[:40], 0, 1)])
+    s._ensure(0, 41)
+    orig = s.slot[0]
+    other = (orig + 1) % s.ex.num_slots
+    s.ex.load_slot_state(other, s.ex.slot_state(orig))
+
+    def decode(slot: int) -> torch.Tensor:  # rewrites the same block entries with the same values
+        b = ForwardBatch(token_ids=seq[40:41].numpy(), query_lens=[1], start_pos=[40],
+                         block_tables=s.pool.block_tables([0]), state_slots=[slot], num_logits=[1])
+        return s.ex.execute(b).logits
+
+    moved, there = decode(other), decode(orig)
+    assert torch.equal(moved, there)
+    with pytest.raises(ValueError, match="slot state: fields"):
+        s.ex.load_slot_state(other, {k: v for k, v in s.ex.slot_state(orig).items() if k != "floor"})
