@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from deepinfer_core.device_tokens import TokenFeed
 from deepinfer_core.model.attend import attend_layer
 from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
-from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX
+from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, ModelConfig
 from deepinfer_core.model.engram_context import engram_rows
 from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
@@ -62,7 +62,7 @@ def rows_per_piece(per_row_bytes: int, budget: int, multiple: int = 1) -> int:
     return max(multiple, rows // multiple * multiple)
 
 
-def select_entries(cfg: Any, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int,
+def select_entries(cfg: ModelConfig, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int,
                    pools: dict, key: Any, budget: int = DEFAULT_BUDGET, keyed: bool = True,
                    score_op: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``lid``'s top-k compressed entries for one request's rows: (ids [n, k'], valid [n, k']).
