@@ -58,7 +58,9 @@ def _environ_reads(tree: ast.AST) -> list[tuple[int, ast.expr | None]]:
     out: list[tuple[int, ast.expr | None]] = []
 
     def is_environ(n: ast.AST) -> bool:
-        return (isinstance(n, ast.Attribute) and n.attr == "environ") or (isinstance(n, ast.Name) and n.id == "environ")
+        return (isinstance(n, ast.Attribute) and n.attr == "environ") or (
+            isinstance(n, ast.Name) and n.id == "environ"
+        )
 
     for n in ast.walk(tree):
         if isinstance(n, ast.Subscript) and is_environ(n.value):
@@ -66,7 +68,8 @@ def _environ_reads(tree: ast.AST) -> list[tuple[int, ast.expr | None]]:
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
             f = n.func
             if (f.attr in ("get", "pop", "setdefault") and is_environ(f.value)) or (
-                    f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"):
+                f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"
+            ):
                 out.append((n.lineno, n.args[0] if n.args else None))
         elif isinstance(n, ast.Compare) and any(is_environ(c) for c in n.comparators):
             out.append((n.lineno, n.left))
@@ -90,8 +93,13 @@ def test_envs_is_the_only_reader_of_deepinfer_variables() -> None:
 
 def test_env_rule_catches_a_direct_read() -> None:
     """The checker itself: each form of a DEEPINFER_ read is seen (a check that cannot fail proves nothing)."""
-    forms = ['os.environ["DEEPINFER_X"]', 'os.environ.get("DEEPINFER_X")', 'os.getenv("DEEPINFER_X", "1")',
-             '"DEEPINFER_X" in os.environ', 'environ.get("DEEPINFER_X")']
+    forms = [
+        'os.environ["DEEPINFER_X"]',
+        'os.environ.get("DEEPINFER_X")',
+        'os.getenv("DEEPINFER_X", "1")',
+        '"DEEPINFER_X" in os.environ',
+        'environ.get("DEEPINFER_X")',
+    ]
     for src in forms:
         keys = [k for _, k in _environ_reads(ast.parse(src))]
         assert any(isinstance(k, ast.Constant) and k.value == "DEEPINFER_X" for k in keys), src
@@ -100,7 +108,11 @@ def test_env_rule_catches_a_direct_read() -> None:
 
 def _protocol_members(proto: type) -> set[str]:
     names = set(getattr(proto, "__annotations__", {}))
-    names |= {n for n, v in vars(proto).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    names |= {
+        n
+        for n, v in vars(proto).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
     return names
 
 
@@ -125,7 +137,12 @@ def _cross_imports(components: set[str]) -> list[tuple[str, str, str, str]]:
         if len(parts) < 2 or parts[0] not in components or parts[0] in INTEGRATORS or parts[-1] == "demo.py":
             continue
         for n in ast.walk(ast.parse(p.read_text(), str(p))):
-            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.startswith("deepinfer_core."):
+            if (
+                isinstance(n, ast.ImportFrom)
+                and n.level == 0
+                and n.module
+                and n.module.startswith("deepinfer_core.")
+            ):
                 target = n.module.split(".")[1]
                 if target in components and target != parts[0]:
                     out += [(_rel(p), parts[0], n.module, a.name) for a in n.names]
@@ -141,11 +158,15 @@ def test_components_import_no_concrete_class_where_a_protocol_exists() -> None:
             continue  # functions, constants, modules: no seam to bypass
         proto = _implements_protocol(obj)
         if proto is not None:
-            bad.append(f"{rel}: imports {module}.{name}, which implements protocols.{proto}: type against the "
-                       "protocol and be handed the object (or widen the protocol)")
+            bad.append(
+                f"{rel}: imports {module}.{name}, which implements protocols.{proto}: type against the "
+                "protocol and be handed the object (or widen the protocol)"
+            )
         elif (comp, module, name) not in ALLOWED_CLASSES:
-            bad.append(f"{rel}: imports the class {module}.{name} of another component: use a protocol, move a "
-                       "shared plain-data type to a neutral module, or list it in ALLOWED_CLASSES with a reason")
+            bad.append(
+                f"{rel}: imports the class {module}.{name} of another component: use a protocol, move a "
+                "shared plain-data type to a neutral module, or list it in ALLOWED_CLASSES with a reason"
+            )
     assert not bad, "\n".join(bad)
 
 

@@ -21,8 +21,9 @@ from deepinfer_core.protocols.engram import EngramTable
 PLACEMENTS = ("local", "host", "sharded")
 
 
-def local_table(data: torch.Tensor, scales: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.bfloat16) -> EngramTable:
+def local_table(
+    data: torch.Tensor, scales: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+) -> EngramTable:
     """A one-device table over ``data`` (bf16, or fp8 with ``scales``) on data's device."""
     return LocalEngramTable(data, scales, out_dtype=out_dtype)
 
@@ -59,8 +60,9 @@ def unchecked(table: EngramTable) -> EngramTable:
     return _UncheckedRows(table) if type(table) is LocalEngramTable else table
 
 
-def place_tables(tables: Mapping[int, EngramTable], placement: str, device: torch.device,
-                 group: Any = None) -> dict[int, EngramTable]:
+def place_tables(
+    tables: Mapping[int, EngramTable], placement: str, device: torch.device, group: Any = None
+) -> dict[int, EngramTable]:
     """``tables`` in ``placement`` (same rows, same values): ``"local"`` keeps them, copying one-device
     tables to ``device`` (their rows are then one device gather per step, and the engine's overlap can
     fetch rows for ids hashed on the device); ``"host"`` holds them in host memory, copying the fetched
@@ -70,12 +72,16 @@ def place_tables(tables: Mapping[int, EngramTable], placement: str, device: torc
     if placement not in PLACEMENTS:
         raise ValueError(f"engram_placement={placement!r}: must be 'local', 'host' or 'sharded'")
     if placement == "local":
-        return {lid: t.to(device) if type(t) is LocalEngramTable and t.device != device else t
-                for lid, t in tables.items()}
+        return {
+            lid: t.to(device) if type(t) is LocalEngramTable and t.device != device else t
+            for lid, t in tables.items()
+        }
     out: dict[int, EngramTable] = {}
     for lid, t in tables.items():
         if not isinstance(t, LocalEngramTable | HostEngramTable):
-            raise TypeError(f"tables[{lid}]: a {type(t).__name__} cannot be re-placed (give one-device tables)")
+            raise TypeError(
+                f"tables[{lid}]: a {type(t).__name__} cannot be re-placed (give one-device tables)"
+            )
         data, scales = t.data, t.scales
         if placement == "host":
             out[lid] = HostEngramTable(data, scales, device=device, out_dtype=torch.float32)
@@ -84,6 +90,11 @@ def place_tables(tables: Mapping[int, EngramTable], placement: str, device: torc
 
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             a, z = shard_range(data.shape[0], world, rank)
-            out[lid] = ShardedEngramTable(data[a:z], None if scales is None else scales[a:z], data.shape[0],
-                                          group, out_dtype=torch.float32)
+            out[lid] = ShardedEngramTable(
+                data[a:z],
+                None if scales is None else scales[a:z],
+                data.shape[0],
+                group,
+                out_dtype=torch.float32,
+            )
     return out

@@ -44,16 +44,28 @@ def engram_fetch(st: ExecutorState, ids: torch.Tensor) -> dict[int, torch.Tensor
     return st.model.engram_fetch(ids, hashed_row_tables(st.engram_tables))
 
 
-def engram_rows(st: ExecutorState, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None = None,
-                pos: np.ndarray | None = None, row_slots: np.ndarray | None = None) -> dict[int, torch.Tensor]:
+def engram_rows(
+    st: ExecutorState,
+    b: ForwardBatch,
+    tokens: torch.Tensor | None,
+    feed: TokenFeed | None = None,
+    pos: np.ndarray | None = None,
+    row_slots: np.ndarray | None = None,
+) -> dict[int, torch.Tensor]:
     """Fetch this step's Engram rows (n-grams continue each sequence from the slot's token ring), then
     record the step's tokens in the ring: :func:`engram_ids`, then the tables' fetch."""
     ids = engram_ids(st, b, tokens, feed, pos, row_slots)
     return {} if ids is None else engram_fetch(st, ids)
 
 
-def engram_ids(st: ExecutorState, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None = None,
-               pos: np.ndarray | None = None, row_slots: np.ndarray | None = None) -> torch.Tensor | None:
+def engram_ids(
+    st: ExecutorState,
+    b: ForwardBatch,
+    tokens: torch.Tensor | None,
+    feed: TokenFeed | None = None,
+    pos: np.ndarray | None = None,
+    row_slots: np.ndarray | None = None,
+) -> torch.Tensor | None:
     """Hash this step's Engram n-grams (continuing each sequence from the slot's token ring) into row ids
     [L, T, columns] (None without Engram layers), then record the step's tokens in the ring. Runs after
     validation, before any layer. The n-grams are hashed from the host's token ids (``tokens`` is not
@@ -81,8 +93,9 @@ def engram_ids(st: ExecutorState, b: ForwardBatch, tokens: torch.Tensor | None, 
     return ids
 
 
-def _hash(st: ExecutorState, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None,
-          ctx: np.ndarray) -> torch.Tensor:
+def _hash(
+    st: ExecutorState, b: ForwardBatch, tokens: torch.Tensor | None, feed: TokenFeed | None, ctx: np.ndarray
+) -> torch.Tensor:
     """The step's row ids: hashed in numpy from the host ids (the batch is validated: ids are in range), or
     on the device from ``tokens`` when a feed holds some of them there."""
     hasher = st.model.engram_hasher
@@ -115,7 +128,9 @@ def hash_decode_on_device(hasher: Any, tokens: torch.Tensor, context: np.ndarray
     lut, mult = hasher.token_map.lookup, hasher.multipliers  # [V], [L, N] int64
     ctx = np.asarray(context, np.int64)
     c = np.where(ctx < 0, hasher.pad_canonical, lut[np.maximum(ctx, 0)])  # [T, N-1] canonical
-    known = np.bitwise_xor.accumulate(c[None, :, :] * mult[:, None, 1:], axis=2)  # [L, T, N-1], wraps like the op
+    known = np.bitwise_xor.accumulate(
+        c[None, :, :] * mult[:, None, 1:], axis=2
+    )  # [L, T, N-1], wraps like the op
     dev = tokens.device
     m0, primes, offsets = hasher.decode_params(dev)  # cached: [L, 1], [L, 1, N-1, H], [L, 1, (N-1)*H] int64
     canon = hasher.token_map(tokens, validate=False)  # [T]

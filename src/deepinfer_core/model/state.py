@@ -119,8 +119,14 @@ class ExecutorState:
             x, slots = x[keep], slots[keep]
         pool.view(-1, fmt.bytes_per_token)[slots] = fmt.quantize(x)
 
-    def ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
-                   states: torch.Tensor, positions: torch.Tensor) -> None:
+    def ring_store(
+        self,
+        ring: torch.Tensor,
+        x: torch.Tensor,
+        x_bytes: torch.Tensor | None,
+        states: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         """Write rows ``x`` (or their already quantised ``x_bytes``) at ``positions % ring`` of ``states``.
         Callers pass at most one row per ring entry (no duplicates in one call)."""
         if self.backend is not None:
@@ -131,8 +137,15 @@ class ExecutorState:
             return
         ring[states, positions % self.swa_ring] = self.fmt.swa.quantize(x) if x_bytes is None else x_bytes
 
-    def gather(self, pool: torch.Tensor, slots: torch.Tensor, kind: str, dim: int, out: torch.Tensor | None = None,
-               col: int = 0) -> torch.Tensor:
+    def gather(
+        self,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        kind: str,
+        dim: int,
+        out: torch.Tensor | None = None,
+        col: int = 0,
+    ) -> torch.Tensor:
         """Rows ``slots`` (any shape, < 0 reads as zeros) of a paged cache or ring dequantised to the model
         dtype, [*slots.shape, dim]; with ``out`` [rows, total, dim] they land in ``out[:, col:]``."""
         if self.backend is not None:
@@ -164,7 +177,11 @@ class ExecutorState:
     def index_score_op(self) -> Callable[..., torch.Tensor] | None:
         """The backend's ``indexer_scores`` for the tiled prefill (the cuda backend's TileLang kernel: fp32
         accumulation, no [rows, heads, E] intermediate) for bf16 / fp16 models, or None (torch)."""
-        if self.prefill_index_op and self.backend is not None and self.dtype in (torch.bfloat16, torch.float16):
+        if (
+            self.prefill_index_op
+            and self.backend is not None
+            and self.dtype in (torch.bfloat16, torch.float16)
+        ):
             return self.backend.op("indexer_scores")
         return None
 
@@ -174,8 +191,15 @@ def last_rows(b: ForwardBatch, ring: int) -> np.ndarray:
     return np.arange(b.num_tokens) >= np.repeat(b.offsets[1:], b.query_lens) - ring
 
 
-def make_state(model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int, backtrack_tokens: int,
-               quantize: bool, backend: Backend | None) -> ExecutorState:
+def make_state(
+    model: DeepSeekV41,
+    num_blocks: int,
+    block_size: int,
+    num_state_slots: int,
+    backtrack_tokens: int,
+    quantize: bool,
+    backend: Backend | None,
+) -> ExecutorState:
     """An :class:`ExecutorState` with zeroed caches for ``model`` (Engram tables, drafter state and the
     kernel switches are the executor's to set)."""
     cfg = model.cfg
@@ -184,31 +208,55 @@ def make_state(model: DeepSeekV41, num_blocks: int, block_size: int, num_state_s
     fmt = CacheFormats.make(cfg.head_dim, cfg.index_head_dim, quantize, dtype)
     swa_ring = cfg.sliding_window + backtrack_tokens
     n_layers = cfg.num_hidden_layers
-    kv, index_keys, comp_state, comp_ring = _paged_caches(model, fmt, num_blocks, block_size, num_state_slots,
-                                                          backtrack_tokens)
+    kv, index_keys, comp_state, comp_ring = _paged_caches(
+        model, fmt, num_blocks, block_size, num_state_slots, backtrack_tokens
+    )
     tok_ring = max(swa_ring, cfg.engram_max_ngram - 1 + backtrack_tokens)
     return ExecutorState(
-        model=model, cfg=cfg, device=dev, dtype=dtype, fmt=fmt, backend=backend,
+        model=model,
+        cfg=cfg,
+        device=dev,
+        dtype=dtype,
+        fmt=fmt,
+        backend=backend,
         # by name for quantised caches, so kernels recognise them
-        fmt_arg={"main": "fp4", "swa": "fp8", "index": "mxfp4"} if quantize
+        fmt_arg={"main": "fp4", "swa": "fp8", "index": "mxfp4"}
+        if quantize
         else {"main": fmt.main, "swa": fmt.swa, "index": fmt.index},
-        num_blocks=num_blocks, block_size=block_size, num_slots=num_state_slots, backtrack=backtrack_tokens,
-        swa_ring=swa_ring, tok_ring=tok_ring,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_slots=num_state_slots,
+        backtrack=backtrack_tokens,
+        swa_ring=swa_ring,
+        tok_ring=tok_ring,
         min_ratio=min((r for r in cfg.compress_ratios[:n_layers] if r > 0), default=0),
         src_ratios=sorted({cfg.ratio(s) for s in cfg.kv_source_layer_ids if cfg.ratio(s) > 0}),
-        entry_ratios=tuple(dict.fromkeys(cfg.ratio(lid) for lid in range(n_layers)
-                                         if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX))),
-        swa=[torch.zeros(num_state_slots, swa_ring, fmt.swa.bytes_per_token, dtype=torch.uint8, device=dev)
-             for _ in range(n_layers)],
-        kv=kv, index_keys=index_keys, comp_state=comp_state, comp_ring=comp_ring,
-        slot_end=np.zeros(num_state_slots, np.int64), encoder_only=np.zeros(num_state_slots, bool),
-        floor=np.zeros((num_state_slots, 2), np.int64), min_start=np.zeros(num_state_slots, np.int64),
-        tokens=np.full((num_state_slots, tok_ring), -1, np.int64))
+        entry_ratios=tuple(
+            dict.fromkeys(
+                cfg.ratio(lid)
+                for lid in range(n_layers)
+                if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX)
+            )
+        ),
+        swa=[
+            torch.zeros(num_state_slots, swa_ring, fmt.swa.bytes_per_token, dtype=torch.uint8, device=dev)
+            for _ in range(n_layers)
+        ],
+        kv=kv,
+        index_keys=index_keys,
+        comp_state=comp_state,
+        comp_ring=comp_ring,
+        slot_end=np.zeros(num_state_slots, np.int64),
+        encoder_only=np.zeros(num_state_slots, bool),
+        floor=np.zeros((num_state_slots, 2), np.int64),
+        min_start=np.zeros(num_state_slots, np.int64),
+        tokens=np.full((num_state_slots, tok_ring), -1, np.int64),
+    )
 
 
-def _paged_caches(model: DeepSeekV41, fmt: CacheFormats, num_blocks: int, block_size: int, num_slots: int,
-                  backtrack: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor],
-                                           dict[int, int]]:
+def _paged_caches(
+    model: DeepSeekV41, fmt: CacheFormats, num_blocks: int, block_size: int, num_slots: int, backtrack: int
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, int]]:
     """(main KV, indexer keys, compressor state, compressor ring length) per KV source layer."""
     cfg = model.cfg
     p = next(model.parameters())
@@ -217,9 +265,12 @@ def _paged_caches(model: DeepSeekV41, fmt: CacheFormats, num_blocks: int, block_
     comp_state: dict[int, torch.Tensor] = {}
     comp_ring: dict[int, int] = {}
     for s in cfg.kv_source_layer_ids:
-        kv[s] = torch.zeros(num_blocks, block_size, fmt.main.bytes_per_token, dtype=torch.uint8, device=p.device)
-        index_keys[s] = torch.zeros(num_blocks, block_size, fmt.index.bytes_per_token, dtype=torch.uint8,
-                                    device=p.device)
+        kv[s] = torch.zeros(
+            num_blocks, block_size, fmt.main.bytes_per_token, dtype=torch.uint8, device=p.device
+        )
+        index_keys[s] = torch.zeros(
+            num_blocks, block_size, fmt.index.bytes_per_token, dtype=torch.uint8, device=p.device
+        )
         if cfg.ratio(s) > 1:  # ratio 1 completes an entry every token: no partial group to keep
             a = model.layers[s].attn
             comp_ring[s] = cfg.ratio(s) + backtrack
