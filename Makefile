@@ -62,8 +62,12 @@ demo: $(VENV)/.ready-demo
 test: ext
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
+# The pre-commit checks (.pre-commit-config.yaml) that CI runs before the tests (.ci/run); clang-format
+# (csrc/) is pre-commit only.
 lint: setup
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples scripts
+	$(PY) -m ruff format --check src tests benchmarks examples scripts
+	$(PY) -m mypy src
 
 bench: ext
 	for b in benchmarks/*.py; do case $$b in */_*) ;; *) $(PY) $$b --quick || exit 1;; esac; done

@@ -40,7 +40,8 @@ from deepinfer_core.balancers import (
     simulate_decode,
     simulate_prefill,
 )
-from deepinfer_core.balancers.hitrate import DAY, TTLPolicy, replay_hit_rate, session_trace
+from deepinfer_core.balancers.hitrate import DAY, replay_hit_rate, session_trace
+from deepinfer_core.kvstore import InMemoryKVStore, TTLPolicy
 from deepinfer_core.scheduler import CostModel
 
 BENCH = "balancers"
@@ -51,6 +52,11 @@ DECODE_TRUE = CostModel(base_ns=10e6, token_ns=8e4, quad_ns=0.0, ctx_ns=1.6)
 # TTFT p99 targets per tier (<16K, 16-64K, 64-256K, >=256K), seconds: a few times each tier's own
 # prefill time on the reference instance (a chosen SLO, not DeepSeek's)
 SLO_S = (2.0, 5.0, 15.0, 60.0)
+
+
+def _store(ttl: TTLPolicy, capacity_blocks: int | None = None):
+    """The hit-rate replay's store for its clock: in memory, one byte per block (capacity in blocks)."""
+    return lambda clock: InMemoryKVStore(ttl, capacity_bytes=capacity_blocks, clock=clock)
 
 
 def fit(true: CostModel, q: np.ndarray, c: np.ndarray, rng: np.random.Generator, name: str) -> CostModel:
@@ -155,11 +161,11 @@ def main() -> None:
     days = [0.25, 1, 3, 7] if quick else [0.125, 0.25, 0.5, 1, 2, 3, 5, 7, 10, 14]
     ttl_rows = []
     for d in tqdm(days, desc="ttl", disable=quick):
-        h = replay_hit_rate(sess, TTLPolicy({"agent": d * DAY, "chatbot": d * DAY}))
+        h = replay_hit_rate(sess, _store(TTLPolicy({"agent": d * DAY, "chatbot": d * DAY})))
         for cls in ("agent", "chatbot", "overall"):
             emit(BENCH, {"ttl_days": d, "class": cls}, "hit_rate", getattr(h, cls), "ratio")
         ttl_rows.append((d, h))
-    default = replay_hit_rate(sess, TTLPolicy())
+    default = replay_hit_rate(sess, _store(TTLPolicy()))
     for cls in ("agent", "chatbot", "overall"):
         emit(BENCH, {"ttl": "agent 3 d / chatbot 7 d", "class": cls}, "hit_rate", getattr(default, cls), "ratio")
     h3 = dict(ttl_rows)[3]
@@ -174,7 +180,7 @@ def main() -> None:
     emit(BENCH, {"sessions": len(last)}, "distinct_blocks", distinct, "blocks")
     cap_rows = []
     for frac in ([0.002, 0.05] if quick else [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3]):
-        h = replay_hit_rate(sess, TTLPolicy(), capacity_blocks=max(1, int(frac * distinct)))
+        h = replay_hit_rate(sess, _store(TTLPolicy(), max(1, int(frac * distinct))))
         emit(BENCH, {"capacity_of_footprint": frac}, "hit_rate", h.overall, "ratio")
         cap_rows.append((frac, h))
     log(f"prefill rows {len(pre_rows)}, decode rows {len(dec_rows)}")

@@ -283,7 +283,7 @@ def trace_paths(eng: LLMEngine, n: int) -> None:
         out = orig(b, **kw)
         if left[0] > 0:
             left[0] -= 1
-            g = ex._graphs
+            g = ex.graphs() if ex.sync_free and ex.cuda_graphs else None
             log(f"  execute: device={ex.device} sync_free={ex.sync_free} graphs={ex.cuda_graphs} "
                 f"rows={b.num_requests} tokens={b.num_tokens} pure_decode={is_pure_decode(b)} "
                 f"row_path={ex.row_path and int(b.query_lens.max()) <= ex.backtrack + 1} "

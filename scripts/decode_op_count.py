@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core.kv import PagedKVPool
 from deepinfer_core.model import cuda_graphs as cg
-from deepinfer_core.model import decode_step, fusion
+from deepinfer_core.model import decode_step, engram_context, fusion
 from deepinfer_core.model.batch import ForwardBatch
 from deepinfer_core.model.config import flash_config
 from deepinfer_core.model.executor import ModelExecutor
@@ -132,22 +132,22 @@ def main() -> None:
     # the inputs a CUDA graph's step body reads (cuda_graphs._Graph: one int64 image, valid rows marked,
     # entry counts padded to the graph's quantum), so the count is that of a replayed step
     slots_np = np.asarray(ids, np.int64)
-    floors = ex._floor[slots_np]
-    entries = {r: cg.round_up(e, cg.ENTRY_QUANTUM) for r, e in decode_step.entries_needed(ex, dec.positions).items()}
-    engram = ex._engram_rows(dec, None, None, pos=dec.positions, row_slots=slots_np)
+    floors = ex.state.floor[slots_np]
+    entries = {r: cg.round_up(e, cg.ENTRY_QUANTUM) for r, e in decode_step.entries_needed(ex.state, dec.positions).items()}
+    engram = engram_context.engram_rows(ex.state, dec, None, None, pos=dec.positions, row_slots=slots_np)
     w = cg.width_bucket(tab.shape[1])
     d = torch.from_numpy(cg.host_inputs(dec, floors, n, w))
     inp = decode_step.DecodeInputs(tokens=d[:n], positions=d[n : 2 * n], slots=d[2 * n : 3 * n],
                                    floors=d[3 * n : 5 * n].view(n, 2), valid=d[5 * n : 6 * n],
                                    tables=d[6 * n :].view(n, w), engram=engram, entries=entries)
     with torch.no_grad():  # one step first: one-time work (the weight packs) is not a step's ops
-        decode_step.decode_body(ex, inp)
+        decode_step.decode_body(ex.state, inp)
     saved = dict(fusion._COMPILED)
     fusion._COMPILED = _Fused(cnt)  # type: ignore[assignment]
     cnt.on = True
     try:
         with cnt, torch.no_grad():  # as the executor runs it (the input projections pack without autograd)
-            decode_step.decode_body(ex, inp)
+            decode_step.decode_body(ex.state, inp)
     finally:
         cnt.on = False
         fusion._COMPILED = saved  # type: ignore[assignment]

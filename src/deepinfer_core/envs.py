@@ -18,17 +18,29 @@ variable                               default    meaning
 ``DEEPINFER_FUSED_MOE``                0          the decode step's expert products as one TileLang grouped GEMM (cuda)
 ``DEEPINFER_FUSED_HEAD``               0          the decode step's LM head through that kernel (cuda)
 =====================================  =========  ============================================================
+
+Three tool settings are read where they are used, each through its function here (read at the call, not
+cached by :func:`get_envs`: a script that sets one before its first kernel, or a test's monkeypatch, still
+takes effect, as when the modules read ``os.environ`` themselves):
+
+=====================================  =========  ============================================================
+``DEEPINFER_FUSE_BACKEND``             inductor   torch.compile backend of the fused glue (:func:`fuse_backend`)
+``DEEPINFER_GG_CONFIGS``               unset      JSON file of tuned grouped-GEMM launches (:func:`gg_configs_path`)
+``DEEPINFER_TL_ARCH``                  unset      TileLang target arch, e.g. sm_90a, to compile without a GPU
+                                                  (:func:`tl_arch`)
+=====================================  =========  ============================================================
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["EnvError", "Envs", "get_envs"]
+__all__ = ["EnvError", "Envs", "fuse_backend", "get_envs", "gg_configs_path", "tl_arch"]
 
 MAX_DRAFTS = 16  # a bound on the draft length that no drafter in the seeds approaches (DSpark uses 5)
 
@@ -130,3 +142,26 @@ class Envs:
 def get_envs() -> Envs:
     """The process-wide switches, read from ``os.environ`` once on first call."""
     return Envs.from_environ()
+
+
+def _read(name: str, environ: Mapping[str, str] | None) -> str | None:
+    raw = (os.environ if environ is None else environ).get(name)
+    return None if raw is None or not raw.strip() else raw.strip()
+
+
+def fuse_backend(environ: Mapping[str, str] | None = None) -> str:
+    """``DEEPINFER_FUSE_BACKEND``: the torch.compile backend name of the fused glue (default inductor)."""
+    return _read("DEEPINFER_FUSE_BACKEND", environ) or "inductor"
+
+
+def gg_configs_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """``DEEPINFER_GG_CONFIGS``: a JSON file of grouped-GEMM launch configurations, or None."""
+    return _read("DEEPINFER_GG_CONFIGS", environ)
+
+
+def tl_arch(environ: Mapping[str, str] | None = None) -> str | None:
+    """``DEEPINFER_TL_ARCH``: the TileLang compile target's arch (``sm_90``, ``sm_90a``, ...), or None (detect)."""
+    arch = _read("DEEPINFER_TL_ARCH", environ)
+    if arch is not None and not re.fullmatch(r"sm_\d+[a-z]?", arch):
+        raise EnvError(f"DEEPINFER_TL_ARCH={arch!r}: expected a CUDA arch such as sm_90 or sm_90a")
+    return arch

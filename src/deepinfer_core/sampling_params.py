@@ -100,7 +100,7 @@ def _stop_strings(v: object) -> tuple[str, ...]:
         v = [v]
     if isinstance(v, bytes | bytearray | Mapping) or not hasattr(v, "__iter__"):
         raise _fail("stop", f"{v!r} must be a str or a list of str")
-    out = tuple(v)  # type: ignore[arg-type]
+    out = tuple(v)
     for i, s in enumerate(out):
         if not isinstance(s, str) or not s:
             raise _fail(f"stop[{i}]", f"{s!r} must be a non-empty str")
@@ -112,7 +112,7 @@ def _token_ids(v: object) -> tuple[int, ...]:
     if isinstance(v, str | bytes | bytearray | memoryview | Mapping) or not hasattr(v, "__iter__"):
         raise _fail("stop_token_ids", f"{v!r} must be a list of token ids (ints)")
     out = []
-    for i, t in enumerate(v):  # type: ignore[call-overload]
+    for i, t in enumerate(v):
         out.append(as_int(t, f"stop_token_ids[{i}]", 0, INT32_MAX))
     return tuple(out)
 

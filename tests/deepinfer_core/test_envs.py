@@ -62,3 +62,18 @@ def test_bad_values_name_the_variable(env: dict[str, str], name: str) -> None:
 def test_direct_construction_validates() -> None:
     with pytest.raises(EnvError, match="DEEPINFER_MAX_BACKTRACKING_TOKENS"):
         Envs(use_nextn_decode=5, max_backtracking_tokens=1)
+
+
+def test_tool_settings_read_at_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The three tool settings go through envs too, and are read when asked (not cached by get_envs)."""
+    from deepinfer_core import envs
+
+    monkeypatch.delenv("DEEPINFER_TL_ARCH", raising=False)
+    monkeypatch.delenv("DEEPINFER_FUSE_BACKEND", raising=False)
+    assert envs.tl_arch() is None and envs.fuse_backend() == "inductor" and envs.gg_configs_path({}) is None
+    monkeypatch.setenv("DEEPINFER_TL_ARCH", "sm_90a")
+    monkeypatch.setenv("DEEPINFER_FUSE_BACKEND", "aot_eager")
+    assert envs.tl_arch() == "sm_90a" and envs.fuse_backend() == "aot_eager"
+    assert envs.gg_configs_path({"DEEPINFER_GG_CONFIGS": " /tmp/gg.json "}) == "/tmp/gg.json"
+    with pytest.raises(EnvError, match="DEEPINFER_TL_ARCH"):
+        envs.tl_arch({"DEEPINFER_TL_ARCH": "hopper"})

@@ -79,7 +79,7 @@ def test_unchecked_engram_paths_do_not_synchronise() -> None:
     import numpy as np
 
     from deepinfer_core.engram import EngramConfig, EngramHasher, LocalEngramTable
-    from deepinfer_core.model.decode_step import hash_decode_on_device
+    from deepinfer_core.model.engram_context import hash_decode_on_device
     from deepinfer_kernels.cuda import engram as ce
 
     cfg = EngramConfig(layer_ids=(1, 5), max_ngram=4, heads_per_order=3, table_sizes=(101, 211, 307),

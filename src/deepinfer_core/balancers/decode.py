@@ -153,6 +153,10 @@ class DecodeBalancer:
 
 
 class _Baseline(DecodeBalancer):
+    def _pick(self, cand: np.ndarray, tokens: int) -> int:
+        """The engine among the candidates ``cand`` (engine ids with room) a request of ``tokens`` goes to."""
+        raise NotImplementedError
+
     def place(self, tokens: int, *, exclude: int | None = None) -> int | None:
         cand = self._fits(int(tokens), exclude)
         if cand.size == 0:

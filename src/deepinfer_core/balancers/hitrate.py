@@ -13,8 +13,9 @@ gaps per class:
 Turns per session: 1 + geometric (mean 6 agent, 3 chatbot); new tokens per turn: log-normal (median
 6K agent, 1K chatbot), first turn 16K agent / 2K chatbot. Sessions start uniformly over the trace.
 
-The replay drives ``kvstore.InMemoryKVStore`` itself (fake clock, a TTL policy, an LRU capacity): each
-turn gets its prefix blocks in order until the first miss (those tokens hit), then puts every block of
+The replay drives a real store through the ``KVBlockStore`` protocol, made by the caller for the replay's
+fake clock (``kvstore.InMemoryKVStore`` with a TTL policy and an LRU capacity, in the tests and the
+benchmark; each stored block is one byte, so a capacity in bytes counts blocks): each turn gets its prefix blocks in order until the first miss (those tokens hit), then puts every block of
 its new context (re-put = touch). Blocks are ``block_tokens`` (1K) coarse units to keep replays fast;
 the hit rate is the fraction of input tokens served from the store.
 """
@@ -22,11 +23,12 @@ the hit rate is the fraction of input tokens served from the store.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import attrs
 import numpy as np
 
-from deepinfer_core.kvstore import InMemoryKVStore, TTLPolicy
+from deepinfer_core.protocols.kvstore import KVBlockStore
 
 DAY = 86400.0
 
@@ -78,15 +80,17 @@ class HitRate:
 
 
 def replay_hit_rate(
-    trace: SessionTrace, ttl: TTLPolicy, *, capacity_blocks: int | None = None, block_tokens: int = 1024,
+    trace: SessionTrace, make_store: Callable[[Callable[[], int]], KVBlockStore], *, block_tokens: int = 1024,
     warmup_s: float = 7 * DAY,
 ) -> HitRate:
-    """Token hit rate of the trace's turns after ``warmup_s``, replayed through an ``InMemoryKVStore``.
+    """Token hit rate of the trace's turns after ``warmup_s``, replayed through the store that
+    ``make_store(clock)`` returns for the replay's clock (ns), e.g.
+    ``lambda clock: InMemoryKVStore(TTLPolicy(), capacity_bytes=blocks, clock=clock)``.
 
     Denominator: every input token of the measured turns (as the Q&A's cache-hit accounting counts
     input); numerator: the tokens served from the store (prefix blocks hit in order)."""
     clock = [0]
-    store = InMemoryKVStore(ttl, capacity_bytes=None if capacity_blocks is None else capacity_blocks, clock=lambda: clock[0])
+    store = make_store(lambda: clock[0])
     hit = {True: 0, False: 0}
     want = {True: 0, False: 0}
     one = b"\x01"  # each stored block is one byte, so capacity_bytes counts blocks

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
+from typing import cast
 
 import attrs
 import numpy as np
@@ -123,14 +124,14 @@ def simulate_prefill(
     while ev:
         now, _, kind, payload = heapq.heappop(ev)
         if kind == 0:
-            i = payload
+            i = cast(int, payload)
             e, ns = balancer.route(int(trace.total_tokens[i]), int(trace.cached_tokens[i]))
             predicted[i] = ns
             queues[e].append(i)
             if not busy[e]:
                 start(e, now)
         elif kind == 1:
-            e, ids = payload
+            e, ids = cast(tuple[int, list[int]], payload)
             for i in ids:
                 if progress[i] >= trace.total_tokens[i]:
                     done_at[i] = now

@@ -249,7 +249,7 @@ class DistributedEngine:
         self.ep = ExpertParallel(eng.model, g.ep, placement, g.device)
         self.engram_tables: dict[int, Any] = {}
         if dc.engram_sharded and mc.engram_layer_ids:
-            from deepinfer_core.model.executor import make_engram_tables
+            from deepinfer_core.model.engram_context import make_engram_tables
 
             self.engram_tables = make_engram_tables(eng.model, "sharded", g.engram)
             eng.executor.engram_tables = self.engram_tables
@@ -331,8 +331,8 @@ class DistributedEngine:
     def step(self) -> list[RequestOutput]:
         """One group step (collective: every rank of the instance calls it)."""
         if self.failed is not None:
-            out, self._late = self._late, []
-            return out
+            late, self._late = self._late, []
+            return late
         out: list[RequestOutput] = []
         try:
             self._install_vote()

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -80,7 +80,7 @@ class ExpertParallel:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.device = torch.device(device)
-        blocks = list(model.layers)  # type: ignore[attr-defined]
+        blocks = list(cast(Iterable[Any], model.layers))  # an nn.Module attribute types as Tensor | Module
         moes = [b.ffn for b in blocks]
         if not all(isinstance(m, MoE) for m in moes):
             raise TypeError("model: every block's ffn must be a deepinfer MoE (already expert-parallel?)")

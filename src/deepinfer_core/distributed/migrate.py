@@ -75,7 +75,8 @@ class StagedMigration:
                     reqs.append(dist.irecv(st[self._stage_of[i]], self._peer(s_gpu), group=self.group,
                                            tag=(i - self.next) * len(tensors) + k))
         for r in reqs:
-            r.wait()
+            if r is not None:  # None: this rank is not in the group (never here: peers are members)
+                r.wait()
         self.next = end
         self.batches += 1
 
@@ -87,9 +88,9 @@ class StagedMigration:
             self._fp[i, 1] = fingerprint([st[j] for st in self._stage])
         if len(self.moves):
             dev = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.ep.weights[0].device
-            both = torch.from_numpy(self._fp).to(dev)
-            dist.all_reduce(both, group=self.group)
-            both = both.cpu().numpy()
+            both_t = torch.from_numpy(self._fp).to(dev)
+            dist.all_reduce(both_t, group=self.group)
+            both = both_t.cpu().numpy()
             bad = np.flatnonzero(both[:, 0] != both[:, 1])
             if bad.size:
                 raise RuntimeError(f"{bad.size} staged expert moves arrived corrupted, first (layer, expert, from, to): "

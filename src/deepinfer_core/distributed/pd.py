@@ -39,6 +39,7 @@ import torch.distributed as dist
 from deepinfer_core.engine import EngineConfig, LLMEngine, RequestOutput
 from deepinfer_core.engine.outputs import ERROR
 from deepinfer_core.engine.requests import derived_seed, normalize_params
+from deepinfer_core.model.replay import SLOT_ARRAYS
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler import EngineType, FinishReason, Scheduler
 
@@ -74,33 +75,14 @@ class Handoff:
         return sum(t.numel() * t.element_size() for t in (*self.blocks.values(), *self.state.values()))
 
 
-# the executor's per-slot host arrays (those present: #17's bounded replay adds the decoder floors)
-_SLOT_ARRAYS = ("_tokens", "_slot_end", "_encoder_only", "_floor", "_min_start")
-
-
 def _state_tensors(ex: Any, slot: int) -> dict[str, torch.Tensor]:
-    """Copies of everything the executor keeps per state slot."""
-    out = {f"swa.{i}": r[slot].clone() for i, r in enumerate(ex.swa)}
-    out.update({f"comp.{k}": v[slot].clone() for k, v in ex.comp_state.items()})
-    for name in _SLOT_ARRAYS:
-        arr = getattr(ex, name, None)
-        if arr is not None:
-            out[name] = torch.from_numpy(np.array(arr[slot], copy=True).reshape(-1))
-    return out
+    """Copies of everything the executor keeps per state slot (``ModelExecutor.slot_state``)."""
+    return ex.slot_state(slot)
 
 
 def _load_state(ex: Any, slot: int, state: dict[str, torch.Tensor]) -> None:
-    want = set(_state_tensors(ex, slot))
-    if set(state) != want:
-        raise ValueError(f"handoff state: fields {sorted(state)}, this executor keeps {sorted(want)}")
-    for i, r in enumerate(ex.swa):
-        r[slot].copy_(state[f"swa.{i}"].to(r.device))
-    for k, v in ex.comp_state.items():
-        v[slot].copy_(state[f"comp.{k}"].to(v.device))
-    for name in _SLOT_ARRAYS:
-        arr = getattr(ex, name, None)
-        if arr is not None:
-            arr[slot] = state[name].cpu().numpy().reshape(np.shape(arr[slot]))
+    """Put a handed-off slot state into ``slot`` (ValueError naming the fields when they do not match)."""
+    ex.load_slot_state(slot, state)
 
 
 def _block_caches(ex: Any) -> dict[str, torch.Tensor]:
@@ -158,7 +140,7 @@ class PromptEngine:
         self._serial = 0
         if mode == "replay":
             self.replay_config = _replay_config(eng, replay, keep)
-            eng.executor = _SnapshotExecutor(self, eng.executor)  # type: ignore[assignment]
+            eng.executor = _SnapshotExecutor(self, eng.executor)
 
     def hit_of(self, num_tokens: int) -> int:
         """Replay mode: positions of a prompt of ``num_tokens`` whose blocks and encoder rings are handed
@@ -202,7 +184,8 @@ class PromptEngine:
                 hit, mode = 0, "full"
         if mode == "replay":
             nb = hit // eng.config.block_size
-            state = {} if not hit else {"rings": rings}
+            # a hit here has its rings (a missing one switched to "full" above)
+            state = {"rings": rings} if hit and rings is not None else {}
         else:
             state = _state_tensors(ex, slot)
         blocks = torch.as_tensor(np.asarray(fr.handoff_block_ids, dtype=np.int64)[:nb], device=ex.device)
@@ -434,8 +417,8 @@ def recv_handoff(src: int, group: Any = None, device: Any = "cpu") -> Handoff:
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         if t.numel():
             dist.recv(t, src=src, group=group)
-        # the executor's host arrays (see _SLOT_ARRAYS) come back to the host
-        (blocks if name.startswith("b:") else state)[name[2:]] = t.cpu() if name[2:] in _SLOT_ARRAYS else t
+        # the executor's host arrays (model.replay.SLOT_ARRAYS) come back to the host
+        (blocks if name.startswith("b:") else state)[name[2:]] = t.cpu() if name[2:] in SLOT_ARRAYS else t
     return Handoff(request_id=meta["request_id"], prompt=meta["prompt"], prompt_token_ids=meta["prompt_token_ids"],
                    first_token=meta["first_token"], params=meta["params"], num_tokens=meta["num_tokens"],
                    block_size=meta["block_size"], blocks=blocks, state=state, mode=meta["mode"], hit=meta["hit"])

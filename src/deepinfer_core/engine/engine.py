@@ -510,6 +510,7 @@ class LLMEngine(StepRunner, RowSampler):
         if self.scheduler.config.async_mode:
             self._inflight = (plan, sampled)
         else:
+            assert not isinstance(sampled, PendingStep)  # the overlap's pending steps exist in async mode only
             out += self._update(plan, sampled)
         return out
 

@@ -41,7 +41,7 @@ def _as_prompt_list(prompts: object) -> list[object]:
     if isinstance(prompts, np.ndarray):
         return list(prompts) if prompts.ndim == 2 else [prompts]
     if hasattr(prompts, "__iter__"):
-        return list(prompts)  # type: ignore[call-overload]
+        return list(prompts)
     return [prompts]  # fails alone as a bad prompt
 
 
@@ -98,16 +98,16 @@ class LLM:
         ``sampling_params``: one for all prompts, or one per prompt (a dict of SamplingParams fields is
         accepted too). A bad prompt or parameter fails that request alone: its output has ``error`` set.
         """
-        prompts = _as_prompt_list(prompts)
+        items = _as_prompt_list(prompts)
         if isinstance(sampling_params, list | tuple):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts; "
+            if len(sampling_params) != len(items):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(items)} prompts; "
                                  "give one, or one per prompt")
             params = list(sampling_params)
         else:
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params] * len(items)
         with self._generating, self._threads():
-            return self._generate(prompts, params, use_tqdm)
+            return self._generate(items, params, use_tqdm)
 
     def _generate(self, prompts: list[object], params: list[Any], use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import numpy as np
 
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
+from deepinfer_core.device_tokens import DeviceTokens, TokenFeed
 from deepinfer_core.scheduler import Plan
 
 log = logging.getLogger("deepinfer_core.engine.engine")
@@ -75,6 +76,7 @@ class Overlap:
         key = getattr(fn, "__func__", fn)
         ok = self._feed_ok.get(key)
         if ok is None:
+            params: Mapping[str, inspect.Parameter]
             try:
                 params = inspect.signature(fn).parameters
             except (TypeError, ValueError):

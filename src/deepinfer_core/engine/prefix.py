@@ -146,11 +146,11 @@ class PrefixCaching:
         ctx = toks[max(0, first.start - self._ctx) : first.start]
         if first.kind == ENCODER_RESTORE:
             rings = self.store.get(dig[nb - 1], plan.hit)
-            ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)  # type: ignore[attr-defined]
+            ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)
             self.stats.host_restores += 1
         else:
             assert first.kind == ENCODER_REPLAY
-            ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)  # type: ignore[attr-defined]
+            ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)
             self.stats.encoder_replays += 1
         exact_enc = plan.encoder_restored or first.start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
         self._seq[seq] = _Seq(toks, dig, plan, exact_enc, published=plan.hit)
@@ -282,7 +282,7 @@ class PrefixCaching:
                              num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
                              snapshot_pos=[e[3] for e in enc])
             try:
-                res = self.ex.execute(b)  # type: ignore[attr-defined]
+                res = self.ex.execute(b)
             except BatchError as e:
                 if e.request is None:
                     raise

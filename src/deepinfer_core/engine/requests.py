@@ -35,7 +35,7 @@ def _text_ids(text: str, tokenizer: Tokenizer, field: str) -> tuple[str, tuple[i
 
 def _token_ids(prompt: object, vocab: int, field: str) -> tuple[int, ...]:
     if hasattr(prompt, "detach") and hasattr(prompt, "tolist"):  # a torch tensor, without importing torch
-        prompt = prompt.detach().cpu().numpy()  # type: ignore[attr-defined]
+        prompt = prompt.detach().cpu().numpy()
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1:
             raise RequestError(f"{field}: a token-id array must be 1-D, got shape {prompt.shape}")
@@ -180,7 +180,7 @@ class SeqTable:
         if self._n * 4 < cap and cap > 64:  # shrink once mostly empty, keeping room to grow
             self._resize(max(64, 2 * self._n))
 
-    def ix(self, seq: np.ndarray | int) -> np.ndarray:
+    def ix(self, seq: np.ndarray | int | np.integer) -> np.ndarray:
         """Row index of each seq id (0, the dead sentinel, for ids not in the table)."""
         keys = self._keys[1 : self._n]
         q = np.asarray(seq, np.int64)

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from deepinfer_core.device_tokens import DeviceTokens, TokenFeed, h2d
 from deepinfer_core.engine.overlap import Overlap, PendingStep
 from deepinfer_core.engine.prefix import known_tokens
 from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.structured_spec import VerifyMasks
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed, h2d
 from deepinfer_core.scheduler import Plan, StepType
 
 log = logging.getLogger("deepinfer_core.engine.engine")
@@ -42,6 +43,11 @@ class StepRunner(Overlap):
     _apply_mask: Any
     prefix: Any
     _snapshots: Any
+    # the engine's methods this mixin calls (LLMEngine and RowSampler define them)
+    _fail_row: Callable[[int, str], None]
+    _sample_rows: Callable[..., np.ndarray]
+    _sample_device: Callable[..., torch.Tensor]
+    _grammar_commit: Callable[..., bool]
 
     def _run(self, plan: Plan, prev: PendingStep | None = None,
              overlap: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray] | PendingStep:

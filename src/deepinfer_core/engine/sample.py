@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer_core.device_tokens import h2d
 from deepinfer_core.engine.outputs import ERROR, STOP, VIOLATION
 from deepinfer_core.engine.requests import EngineRequest
-from deepinfer_core.model.decode_step import h2d
 from deepinfer_kernels.ops.sampling import greedy_tokens
 
 log = logging.getLogger("deepinfer_core.engine.engine")
@@ -34,6 +34,7 @@ class RowSampler:
     _to_abort: list
     _sample: Any
     _apply_mask: Any
+    _stops: dict[str, Any]
 
     def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars.

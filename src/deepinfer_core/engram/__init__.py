@@ -16,6 +16,7 @@ from deepinfer_core.engram.hashing import (
     next_prime,
 )
 from deepinfer_core.engram.memory import EngramMemoryPlan, plan_for_config, plan_memory
+from deepinfer_core.engram.placement import PLACEMENTS, device_local, local_table, place_tables, unchecked
 from deepinfer_core.engram.sharded import ShardedEngramTable, rows_per_rank, shard_range
 from deepinfer_core.engram.tables import (
     FORMATS,
@@ -29,6 +30,7 @@ from deepinfer_core.engram.tables import (
 
 __all__ = [
     "FORMATS",
+    "PLACEMENTS",
     "CanonicalTokenMap",
     "DeepEPEngramTable",
     "EngramConfig",
@@ -41,14 +43,18 @@ __all__ = [
     "deep_ep_available",
     "derive_multipliers",
     "derive_primes",
+    "device_local",
     "is_prime",
+    "local_table",
     "make_storage",
     "next_prime",
     "normalize_token_text",
+    "place_tables",
     "plan_for_config",
     "plan_memory",
     "quantize_fp8",
     "random_values",
     "rows_per_rank",
     "shard_range",
+    "unchecked",
 ]

@@ -40,7 +40,7 @@ class DeepEPEngramTable:
     ) -> None:
         if not deep_ep_available():
             raise ImportError("DeepEPEngramTable: deep_ep is not importable; use ShardedEngramTable instead")
-        import deep_ep  # type: ignore[import-not-found]
+        import deep_ep
 
         self.buffer = deep_ep.ElasticBuffer(group, **buffer_kwargs)
         sf = scales.view(torch.float8_e8m0fnu) if scales is not None else None

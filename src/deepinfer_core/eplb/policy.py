@@ -102,7 +102,7 @@ def _apply_swaps(
     loads[rows, pb] += wa - wb
 
 
-def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, ...]:
+def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, ...]:
     """Best single swap between a heavy pack's items ``wh`` [..., ca] and other items ``wg`` [..., cb].
 
     Moving ``d = w_x - w_y`` from a pack of load ``lh`` to one of load ``lg`` leaves the pair maximum at

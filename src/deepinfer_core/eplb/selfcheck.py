@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -81,10 +82,10 @@ def corruption_is_caught(world: int, seed: int, device: str = "cpu") -> None:
     received = {weights[0][int(a), int(b) % per].data_ptr()
                 for a, b, g in zip(moves.layer, moves.dst_slot, moves.dst_gpu) if g == rank}
 
-    def tampered(ts: list[torch.Tensor]) -> int:
+    def tampered(ts: Sequence[torch.Tensor]) -> int:
         return honest(ts) + (1 if ts[0].data_ptr() in received else 0)
 
-    transfer.fingerprint = tampered
+    transfer.fingerprint = tampered  # type: ignore[assignment]  # patched for the check, restored below
     try:
         transfer.execute_moves(moves, weights, batch_size=7)
     except RuntimeError as e:

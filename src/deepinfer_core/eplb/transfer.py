@@ -130,16 +130,17 @@ def execute_moves(
                     reqs.append(dist.irecv(t[int(lay[i]), int(dst_l[i])], peer(s_gpu), group=group, tag=tag))
                 received += 1
         for r in reqs:
-            r.wait()
+            if r is not None:  # None: this rank is not in the group (never here: peers are members)
+                r.wait()
     logger.debug("rank %d: sent %d, received %d, local %d in %d batches", rank, sent, received, local, n_batches)
     if verify and len(moves):
-        for i in np.flatnonzero(mine_dst):
-            fp[i, 1] = fingerprint([t[int(lay[i]), int(dst_l[i])] for t in tensors])
+        for m in np.flatnonzero(mine_dst).tolist():
+            fp[m, 1] = fingerprint([t[int(lay[m]), int(dst_l[m])] for t in tensors])
         # gloo reduces CPU tensors; NCCL needs them on the device.
         dev = torch.device("cpu") if dist.get_backend(group) == "gloo" else tensors[0].device
-        both = torch.from_numpy(fp).to(dev)
-        dist.all_reduce(both, group=group)
-        both = both.cpu().numpy()
+        both_t = torch.from_numpy(fp).to(dev)
+        dist.all_reduce(both_t, group=group)
+        both = both_t.cpu().numpy()
         bad = np.flatnonzero(both[:, 0] != both[:, 1])
         if bad.size:
             first = [moves.as_tuples()[j] for j in bad[:5]]

@@ -31,7 +31,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -49,8 +49,15 @@ UE8M0_BIAS = 127
 class CacheFormat(Protocol):
     """A per-token byte format of cached vectors."""
 
-    name: str
-    dim: int
+    @property
+    def name(self) -> str:
+        """The format's name (``FORMATS``)."""
+        ...
+
+    @property
+    def dim(self) -> int:
+        """Values per token."""
+        ...
 
     @property
     def bytes_per_token(self) -> int:
@@ -406,7 +413,7 @@ FORMATS = ("fp4", "fp8", "v32", "mxfp4", "bf16", "fp16", "fp32")
 
 def get_format(name: str, dim: int | None = None) -> CacheFormat:
     """Format by name with its default dim (main KV 512, indexer 128, v32 576) unless ``dim`` is given."""
-    kw = {} if dim is None else {"dim": dim}
+    kw: dict[str, Any] = {} if dim is None else {"dim": dim}
     if name == "fp4":
         return FP4Format(**kw)
     if name == "fp8":

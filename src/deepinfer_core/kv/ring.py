@@ -96,8 +96,8 @@ def live_range(num_tokens: IntOrArray, window: int, backtracking: int = 0) -> tu
 
 def live_ring_indices(num_tokens: int, window: int, backtracking: int) -> np.ndarray:
     """int64 ring indices of the live window, oldest first (what the SWA kernel gathers)."""
-    lo, hi = live_range(num_tokens, window, backtracking)
-    return np.arange(lo, hi, dtype=np.int64) % _ring(window, backtracking)
+    lo, hi = live_range(num_tokens, window, backtracking)  # ints for an int num_tokens
+    return np.arange(int(lo), int(hi), dtype=np.int64) % _ring(window, backtracking)
 
 
 def ring_positions(num_tokens: int, window: int, backtracking: int, high_water: int | None = None) -> np.ndarray:

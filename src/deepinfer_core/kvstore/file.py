@@ -19,8 +19,7 @@ import uuid
 from pathlib import Path
 
 from deepinfer_core.kvstore import record
-from deepinfer_core.kvstore.memory import StoreStats
-from deepinfer_core.kvstore.record import Clock, TTLPolicy, as_payload, check_key, wall_clock_ns
+from deepinfer_core.kvstore.record import Clock, StoreStats, TTLPolicy, as_payload, check_key, wall_clock_ns
 
 _SUFFIX = ".kvb"
 _TMP = ".tmp."

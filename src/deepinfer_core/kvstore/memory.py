@@ -5,26 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import attrs
-
-from deepinfer_core.kvstore.record import Clock, TTLPolicy, as_payload, check_key, wall_clock_ns
-
-
-@attrs.define
-class StoreStats:
-    """Counters every backend keeps (reads by outcome; writes)."""
-
-    hits: int = 0
-    misses: int = 0
-    expired: int = 0
-    corrupt: int = 0
-    puts: int = 0
-    evicted: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
+from deepinfer_core.kvstore.record import Clock, StoreStats, TTLPolicy, as_payload, check_key, wall_clock_ns
 
 
 class InMemoryKVStore:

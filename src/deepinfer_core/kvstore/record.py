@@ -51,7 +51,7 @@ def as_payload(data: object) -> memoryview:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise ValueError("data: numpy array must be C-contiguous")
-        return memoryview(data).cast("B")
+        return data.data.cast("B")  # the array's buffer, no copy
     if isinstance(data, bytes | bytearray | memoryview):
         mv = memoryview(data)
         return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
@@ -137,12 +137,29 @@ class TTLPolicy:
 _log = logging.getLogger(__name__)
 
 
+@attrs.define
+class StoreStats:
+    """Counters every backend keeps (reads by outcome; writes)."""
+
+    hits: int = 0
+    misses: int = 0
+    expired: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    evicted: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
 class RecordReads:
     """``get`` / ``exists`` and ``touch``'s new expiry for a backend that stores checksummed records:
     the backend gives ``_read(key) -> (traffic class, payload) | None`` (a missing, expired, corrupt or
     truncated block is None), ``stats``, ``ttl`` and ``clock``."""
 
-    stats: object
+    stats: StoreStats
     ttl: TTLPolicy
     clock: Clock
 
@@ -154,16 +171,16 @@ class RecordReads:
         which block) and read as a miss."""
         rec = decode(key, data)
         if rec is None:
-            self.stats.corrupt += 1  # type: ignore[attr-defined]
+            self.stats.corrupt += 1
             _log.warning("kvstore: corrupt or truncated block %s (treated as a miss)", where)
         return rec
 
     def get(self, key: bytes) -> bytes | None:
         rec = self._read(check_key(key))
         if rec is None:
-            self.stats.misses += 1  # type: ignore[attr-defined]
+            self.stats.misses += 1
             return None
-        self.stats.hits += 1  # type: ignore[attr-defined]
+        self.stats.hits += 1
         return rec[1]
 
     def exists(self, key: bytes) -> bool:

@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer_core.kvstore import record
-from deepinfer_core.kvstore.memory import StoreStats
-from deepinfer_core.kvstore.record import Clock, TTLPolicy, as_payload, check_key, wall_clock_ns
+from deepinfer_core.kvstore.record import Clock, StoreStats, TTLPolicy, as_payload, check_key, wall_clock_ns
 
 
 class RedisKVStore(record.RecordReads):
@@ -36,6 +35,7 @@ class RedisKVStore(record.RecordReads):
         if client is None:
             from deepinfer_core.extras import require
 
+            assert url is not None  # exactly one of the two was given
             # lazy: the client is only needed by this backend (the kvstore extra installs it)
             redis = require("redis", "the Redis KV store")
             client = redis.Redis.from_url(url)

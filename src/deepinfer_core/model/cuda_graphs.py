@@ -31,8 +31,11 @@ import attrs
 import numpy as np
 import torch
 
+from deepinfer_core.engram import device_local
 from deepinfer_core.model.batch import ForwardBatch
-from deepinfer_core.model.decode_step import DecodeInputs, ExecutorView, decode_body
+from deepinfer_core.model.decode_step import DecodeInputs, StepOutputs, decode_body
+from deepinfer_core.model.engram_context import engram_fetch
+from deepinfer_core.model.state import ExecutorState
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,11 @@ def pad_rows(a: np.ndarray, n: int) -> np.ndarray:
 BODY_FLAGS = ("fused_sinkhorn", "fuse_glue", "fused_attention", "fused_moe", "fused_head")
 
 
+def body_flags(st: ExecutorState) -> tuple[bool, ...]:
+    """The state's :data:`BODY_FLAGS`, in that order."""
+    return (st.fused_sinkhorn, st.fuse_glue, st.fused_attention, st.fused_moe, st.fused_head)
+
+
 @attrs.frozen
 class GraphKey:
     batch: int
@@ -116,16 +124,12 @@ def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int,
     return np.concatenate(parts)
 
 
-def fetch_in_graph(ex: ExecutorView) -> bool:
+def fetch_in_graph(st: ExecutorState) -> bool:
     """Whether the step's Engram rows are fetched inside the graph from row ids in its input image: every
     table is the model's own on the executor's device (a gather kernel; host or sharded tables fetch
     outside, and the rows are copied in). Saves a pinned copy, the gather and a copy outside the graph,
     and their launches on the host, every step."""
-    from deepinfer_core.engram.tables import LocalEngramTable
-
-    tabs = getattr(ex, "engram_tables", {})
-    return bool(ex.cfg.engram_layer_ids) and all(
-        type(t) is LocalEngramTable and t.device == ex.device for t in tabs.values())
+    return bool(st.cfg.engram_layer_ids) and all(device_local(t, st.device) for t in st.engram_tables.values())
 
 
 def static_inputs(d: torch.Tensor, n: int, w: int, entries: dict[int, int], engram: dict[int, torch.Tensor],
@@ -140,12 +144,18 @@ def static_inputs(d: torch.Tensor, n: int, w: int, entries: dict[int, int], engr
                         engram_ids=None if id_shape is None else d[t_end:].view(id_shape))
 
 
+def _engram_width(st: ExecutorState, lid: int) -> int:
+    """Values per token of layer ``lid``'s fetched Engram rows (``EngramLayer.row_dim``: every order's heads)."""
+    cfg = st.cfg
+    return (cfg.engram_max_ngram - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+
+
 class _Graph:
-    def __init__(self, key: GraphKey, ex: ExecutorView, pool: Any, fetch_ids: bool = False) -> None:
+    def __init__(self, key: GraphKey, st: ExecutorState, pool: Any, fetch_ids: bool = False) -> None:
         self.key = key
         n, w = key.batch, key.width
-        dev = ex.device
-        cfg = ex.cfg
+        dev = st.device
+        cfg = st.cfg
         # with fetch_ids, the Engram row ids [L, n, C] close the image and the body fetches the rows
         self.fetch_ids = fetch_ids
         self.id_shape = (len(cfg.engram_layer_ids), n, (cfg.engram_max_ngram - 1) * cfg.engram_n_heads)
@@ -157,11 +167,11 @@ class _Graph:
         self.turn = 0
         d = self.dev_buf
         # padded rows keep whatever Engram rows the buffer last held (finite; their outputs are dropped)
-        engram = {} if fetch_ids else {lid: torch.zeros(n, ex.model.engram[str(lid)].row_dim, dtype=ex.dtype,
+        engram = {} if fetch_ids else {lid: torch.zeros(n, _engram_width(st, lid), dtype=st.dtype,
                                                         device=dev) for lid in cfg.engram_layer_ids}
         self.inp = static_inputs(d, n, w, dict(key.entries), engram, self.id_shape if fetch_ids else None)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+        self.out: StepOutputs | None = None
         self.pool = pool
 
     def image(self, b: ForwardBatch, floors: np.ndarray, ids: torch.Tensor | None) -> np.ndarray:
@@ -200,13 +210,13 @@ class _Graph:
 class DecodeGraphs:
     """Captured decode steps of one executor, one per :class:`GraphKey`; :meth:`run` replays."""
 
-    def __init__(self, ex: ExecutorView, buckets: Sequence[int] = DEFAULT_BUCKETS,
+    def __init__(self, st: ExecutorState, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  entry_quantum: int = ENTRY_QUANTUM, max_graphs: int = MAX_GRAPHS) -> None:
         if entry_quantum < 1:
             raise ValueError(f"entry_quantum={entry_quantum}: must be >= 1")
         if max_graphs < 1:
             raise ValueError(f"max_graphs={max_graphs}: must be >= 1")
-        self.ex, self.buckets, self.quantum = ex, check_buckets(buckets), entry_quantum
+        self.st, self.buckets, self.quantum = st, check_buckets(buckets), entry_quantum
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()  # least recently used first
         self.pool = torch.cuda.graph_pool_handle()
@@ -215,8 +225,8 @@ class DecodeGraphs:
         # keys whose capture failed run eagerly (one bad shape costs only its own steps); past
         # MAX_FAILED_KEYS failures the cause is systemic and every step runs eagerly
         self.failed: set[GraphKey] = set()
-        self.targets = () if ex.spec is None else tuple(ex.spec.drafter.target_layers)
-        self.fetch_ids = fetch_in_graph(ex)  # the tables are fixed for the executor's life
+        self.targets = () if st.spec is None else tuple(st.spec.drafter.target_layers)
+        self.fetch_ids = fetch_in_graph(st)  # the tables are fixed for the executor's life
 
     @property
     def disabled(self) -> bool:
@@ -229,10 +239,10 @@ class DecodeGraphs:
             return None
         return GraphKey(n, width_bucket(b.block_tables.shape[1]),
                         tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
-                        tuple(bool(getattr(self.ex, f, False)) for f in BODY_FLAGS))
+                        body_flags(self.st))
 
     def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_ids: torch.Tensor | None,
-            tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+            tokens: torch.Tensor | None = None) -> StepOutputs | None:
         """(logits [R, V], expert counts, target-layer states [R, D] each) of a pure-decode step, or None
         when no bucket holds the batch (the caller runs it eagerly). ``engram_ids``: the step's hashed
         Engram row ids [L, R, C] (host or device; None without Engram layers), fetched inside the graph
@@ -248,13 +258,13 @@ class DecodeGraphs:
                 old, dropped = self.graphs.popitem(last=False)
                 dropped.graph = dropped.out = None  # its memory returns to the shared pool
                 log.info("cuda graph dropped (least recently used): %s", old)
-            g = self.graphs[key] = _Graph(key, self.ex, self.pool, self.fetch_ids)
+            g = self.graphs[key] = _Graph(key, self.st, self.pool, self.fetch_ids)
         self.graphs.move_to_end(key)
         r = b.num_requests
         if g.fetch_ids:
             engram: dict[int, torch.Tensor] | torch.Tensor | None = engram_ids
         else:
-            engram = {} if engram_ids is None else self.ex.engram_fetch(engram_ids)
+            engram = {} if engram_ids is None else engram_fetch(self.st, engram_ids)
         g.load(g.image(b, floors, engram_ids), engram, r)
         if tokens is not None:  # padded rows keep request 0's host token (a valid id; outputs dropped)
             g.inp.tokens[:r].copy_(tokens)
@@ -276,15 +286,15 @@ class DecodeGraphs:
         return logits[:r].clone(), counts.clone(), [t[:r].clone() for t in targets]
 
     def _capture(self, g: _Graph) -> None:
-        ex = self.ex
+        st = self.st
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: the step once eagerly (idempotent writes, JIT compiles)
-            decode_body(ex, g.inp, self.targets)
+            decode_body(st, g.inp, self.targets)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, counts, caps = decode_body(ex, g.inp, self.targets)
+            logits, counts, caps = decode_body(st, g.inp, self.targets)
         g.out = (logits, counts, [caps[lid] for lid in self.targets])
         g.graph = graph
         graph.replay()  # the capture ran nothing: this replay is the step

@@ -44,7 +44,8 @@ class DraftTarget(Protocol):
     head, and the cache-free forward for the oracle. A protocol, so the drafter does not import the model
     that owns it (no import cycle)."""
 
-    embed: torch.Tensor
+    @property
+    def embed(self) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -90,7 +91,9 @@ class DSparkDrafter(nn.Module):
         self.fuse_norm = RMSNorm(t * d, cfg.rms_norm_eps)
         self.w_fuse = nn.Parameter(torch.empty(d, t * d))
         self.w_cond = nn.Parameter(torch.empty(d, d))
-        self.stages = nn.ModuleList(DraftStage(cfg, k) for k in range(cfg.num_nextn_predict_layers))
+        # typed as what it holds (an nn.ModuleList indexes and iterates as Module)
+        self.stages: list[DraftStage] = nn.ModuleList(  # type: ignore[assignment]
+            DraftStage(cfg, k) for k in range(cfg.num_nextn_predict_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_in = nn.Parameter(torch.empty(v, r))  # W1: previous token -> rank-r code
         self.markov_out = nn.Parameter(torch.empty(v, r))  # W2 (as rows): code -> vocab bias

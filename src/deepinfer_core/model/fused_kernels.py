@@ -13,15 +13,14 @@ its device (``kernel_takes`` reads shapes, dtype and device only).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from deepinfer_core.model.config import LAYER_SWA
 from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.protocols.model import Backend
 
 
-def kernel_defaults(model: DeepSeekV41, backend: Any, sync_free: bool) -> dict[str, bool]:
+def kernel_defaults(model: DeepSeekV41, backend: Backend | None, sync_free: bool) -> dict[str, bool]:
     """{switch: on} for ``fused_attention``, ``fused_moe`` and ``fused_head``: on where the backend is the
     cuda one, the step is sync-free and every layer's shapes run the kernel."""
     off = dict.fromkeys(("fused_attention", "fused_moe", "fused_head"), False)

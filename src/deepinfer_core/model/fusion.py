@@ -22,11 +22,12 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+
+from deepinfer_core.envs import fuse_backend
 
 __all__ = ["compiled_count", "fusable", "fused_glue", "glue_on", "reset", "set_backend"]
 
@@ -85,7 +86,7 @@ def fusable(fn: F) -> F:
             return fn(*args, **kwargs)
         c = _COMPILED.get(name)
         if c is None:
-            backend = _BACKEND[0] or os.environ.get("DEEPINFER_FUSE_BACKEND", "inductor")
+            backend = _BACKEND[0] or fuse_backend()
             log.info("fused glue: compiling %s (backend %s)", name, backend)
             # each call site's shapes are one more compiled variant of the function (batch buckets, widths):
             # room for all of them, not dynamo's default 8. Static shapes (dynamic=False): a dim that varied

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -109,11 +109,14 @@ class DeepSeekV41(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        # typed as what they hold: nn.ModuleList / ModuleDict index and iterate as Module (whose attributes
+        # mypy reads as Tensor | Module)
+        self.layers: list[Block] = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))  # type: ignore[assignment]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.residual: nn.Module = MHCResidual(cfg) if cfg.hc_mult > 1 else PlainResidual()
-        self.engram = nn.ModuleDict({str(i): EngramLayer(cfg, i) for i in cfg.engram_layer_ids})
+        self.residual: Residual = MHCResidual(cfg) if cfg.hc_mult > 1 else PlainResidual()
+        self.engram: dict[str, EngramLayer] = nn.ModuleDict(  # type: ignore[assignment]  # as self.layers
+            {str(i): EngramLayer(cfg, i) for i in cfg.engram_layer_ids})
         self.drafter = DSparkDrafter(cfg) if cfg.num_nextn_predict_layers else None
         self._engram_hasher: Any = None
         self._engram_tables: dict[int, Any] | None = None
@@ -191,7 +194,7 @@ class DeepSeekV41(nn.Module):
         """{layer id: EngramTable}. Default: seeded N(0, 1) rows in bf16 (``engram_seed``), built on first
         use; a real checkpoint's tables are given with :meth:`set_engram_tables`."""
         if self._engram_tables is None:
-            from deepinfer_core.engram import LocalEngramTable
+            from deepinfer_core.engram import local_table
 
             h, c = self.engram_hasher, self.cfg
             tables = {}
@@ -202,7 +205,7 @@ class DeepSeekV41(nn.Module):
                                      "rows, too big to draw at random; give real tables with set_engram_tables()")
                 g = torch.Generator().manual_seed(c.engram_seed * 1000003 + lid)
                 vals = torch.randn(rows, c.engram_head_dim, generator=g)
-                tables[lid] = LocalEngramTable(vals.to(torch.bfloat16), None, out_dtype=torch.float32)
+                tables[lid] = local_table(vals.to(torch.bfloat16), None, out_dtype=torch.float32)
             self._engram_tables = tables
         return self._engram_tables
 
@@ -270,7 +273,7 @@ class DeepSeekV41(nn.Module):
         if engram_rows is None and len(self.engram):
             engram_rows = self.engram_rows(token_ids)
         state = self.residual.begin(self.embed[token_ids])
-        counts = []
+        counts: list[torch.Tensor] = []
         for blk in self.layers:
             lid = blk.layer_id
             if str(lid) in self.engram:
@@ -339,7 +342,8 @@ class DeepSeekV41(nn.Module):
             assert isrc is not None
             return sink_attention(q, kswa, win, comp[src], sel[isrc], a.attn_sink, a.scale)
 
-        caps: dict[int, torch.Tensor] | None = dict.fromkeys(capture) if capture is not None else None  # type: ignore[arg-type]
+        # run_layers fills a state for every key it is given
+        caps = None if capture is None else cast(dict[int, torch.Tensor], dict.fromkeys(capture))
         hidden, counts = self.run_layers(token_ids, attend, capture=caps)
         if caps is not None:
             return self.logits(hidden), counts, caps

@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
-from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
-from deepinfer_core.model.layers.attention import sink_attention
+from deepinfer_core.device_tokens import TokenFeed
+from deepinfer_core.model.attend import attend_layer
+from deepinfer_core.model.batch import ForwardBatch, ForwardOutput
+from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, ModelConfig
+from deepinfer_core.model.engram_context import engram_rows
+from deepinfer_core.model.fusion import fused_glue
+from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import (
     candidate_pool,
     index_scores,
@@ -40,13 +46,14 @@ from deepinfer_core.model.layers.indexer import (
     select_topk_keyed,
 )
 from deepinfer_core.model.layers.window_attention import window_attention, window_width
+from deepinfer_core.model.model import AttendFn
+from deepinfer_core.model.state import DEFAULT_BUDGET, DEFAULT_TILE, ExecutorState, last_rows
 
 # profiler ranges around the prefill's attention and indexer work (benchmarks/model_cuda.py splits the GPU
 # time by them); a record_function outside a profiler costs about a microsecond
 ATTENTION_RANGE = "prefill.attention"
 INDEXER_RANGE = "prefill.indexer"
-DEFAULT_BUDGET = 512 << 20  # bytes of intermediates per piece of rows (the dense path: ~n^2 * H * 8)
-DEFAULT_TILE = 64  # query rows per window tile: window + 63 keys per tile (1.5x the window at w = 128)
+__all__ = ["DEFAULT_BUDGET", "DEFAULT_TILE", "attend_prefill", "attend_request", "execute_requests", "select_entries"]
 
 
 def rows_per_piece(per_row_bytes: int, budget: int, multiple: int = 1) -> int:
@@ -55,7 +62,7 @@ def rows_per_piece(per_row_bytes: int, budget: int, multiple: int = 1) -> int:
     return max(multiple, rows // multiple * multiple)
 
 
-def select_entries(cfg: Any, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int,
+def select_entries(cfg: ModelConfig, lid: int, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int,
                    pools: dict, key: Any, budget: int = DEFAULT_BUDGET, keyed: bool = True,
                    score_op: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``lid``'s top-k compressed entries for one request's rows: (ids [n, k'], valid [n, k']).
@@ -136,94 +143,236 @@ def attend_request(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, s: int, w
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def attend_requests(ex: Any, lid: int, a: Any, x: torch.Tensor, positions: torch.Tensor, reqs: list, sel: dict,
-                    pools: dict, tiled: bool) -> torch.Tensor:
-    """Layer ``lid``'s attention for the prefill requests ``reqs`` of a step (``ModelExecutor._attend``):
-    queries, window keys from the ring history + the chunk, ring writes and snapshots, compression,
-    the indexer's selection and the attention, per request; ``tiled`` picks the tiled maths (this
-    module) or the dense path's (``sink_attention`` over dense masks, ``pick_entries`` on whole
-    matrices). ``ex`` is the ModelExecutor (its caches, rings, floors and settings)."""
-    cfg, fmt = ex.cfg, ex.fmt
-    w = cfg.sliding_window
+Request = tuple[int, int, int, int, torch.Tensor]  # (first row, end row, start position, state slot, block table)
+
+
+class RequestAttention:
+    """One layer's attention for one request of a prefill step (an ``attend.AttendPath``): queries, window
+    keys from the ring history + the chunk, ring writes and snapshots, compression, the indexer's selection
+    and the attention; ``tiled`` picks this module's tiled maths or the dense path's (``sink_attention``
+    over dense masks, ``pick_entries`` on whole matrices). ``rows``: the layer's products for all of the
+    step's rows (:func:`layer_rows`)."""
+
+    keys_a: torch.Tensor  # the window's keys: ring history then the chunk's (set by write_window, which runs first)
+    mask_a: torch.Tensor  # the dense path's window mask (idem)
+
+    def __init__(self, st: ExecutorState, lid: int, a: Attention, i: int, req: Request, positions: torch.Tensor,
+                 rows: dict[str, torch.Tensor], sel: dict, pools: dict, tiled: bool) -> None:
+        self.st, self.lid, self.a, self.i, self.rows, self.sel, self.pools, self.tiled = (
+            st, lid, a, i, rows, sel, pools, tiled)
+        self.cfg = st.cfg
+        self.r0, self.r1, self.s, self.slot, self.table = req
+        self.n = self.r1 - self.r0
+        self.qp = positions[self.r0 : self.r1]
+        self.q = rows["q"][self.r0 : self.r1]
+        self.src = self.cfg.kv_source_of(lid)
+        self.floor = int(st.floor[self.slot, int(lid >= self.cfg.encoder_layers)])
+        # the first history position the ring can serve
+        self.h0 = max(0, self.s - (self.cfg.sliding_window - 1), min(self.floor, self.s))
+
+    def write_window(self) -> None:
+        st, cfg, r0, r1, s, slot = self.st, self.cfg, self.r0, self.r1, self.s, self.slot
+        w = cfg.sliding_window
+        ring = st.swa[self.lid]
+        hist = torch.arange(self.h0, s, device=st.device)
+        k_hist = st.fmt.swa.dequantize(ring[slot, hist % st.swa_ring]).to(st.dtype)
+        self.keys_a = torch.cat((k_hist, self.rows["kswa"][r0:r1]))
+        if not self.tiled:
+            kp, qp = torch.cat((hist, self.qp)), self.qp
+            self.mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= self.floor)
+        swa_bytes = self.rows["swa_bytes"][r0:r1]
+        if self.i in st.snap_at and self.lid < cfg.encoder_layers:  # the ring as it is at position X
+            x_at = st.snap_at[self.i]
+            snap = ring[slot].clone()
+            sp = torch.arange(max(s, x_at - st.swa_ring), x_at, device=st.device)
+            snap[sp % st.swa_ring] = swa_bytes[sp - s]
+            st.snaps.setdefault(self.i, []).append(snap)
+        keep = slice(max(0, self.n - st.swa_ring), self.n)
+        st.ring_store(ring, self.rows["swa"][r0:r1][keep], swa_bytes[keep], torch.full_like(self.qp[keep], slot),
+                      self.qp[keep])
+
+    def attend(self, compressed: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               n_compressed: int = 0) -> torch.Tensor:
+        a, st = self.a, self.st
+        with record_function(ATTENTION_RANGE):
+            if self.tiled:
+                return attend_request(self.q, self.keys_a, self.h0, self.s, self.cfg.sliding_window, self.floor,
+                                      a.attn_sink, a.scale, compressed, n_compressed, st.prefill_tile,
+                                      st.prefill_budget)
+            kb, valid = compressed(0, self.n) if compressed is not None else (None, None)
+            return sink_attention(self.q, self.keys_a, self.mask_a, kb, valid, a.attn_sink, a.scale)
+
+    def attend_window(self) -> torch.Tensor:
+        return self.attend()
+
+    def compress(self) -> None:
+        compress(self.st, self.lid, self.a, self.rows["cstate"][self.r0 : self.r1], self.s, self.n, self.slot,
+                 self.table)
+
+    def select(self) -> None:
+        st, cfg, a, r0, r1, src = self.st, self.cfg, self.a, self.r0, self.r1, self.src
+        assert src is not None
+        e_total = (self.s + self.n) // a.ratio
+        with record_function(INDEXER_RANGE):
+            ent = torch.arange(e_total, device=st.device)
+            flat = st.index_keys[src].view(-1, st.fmt.index.bytes_per_token)
+            ik = st.fmt.index.dequantize(flat[st.entry_slots(self.table, ent, a.ratio)]).to(st.dtype)
+            qi, wi = self.rows["qi"][r0:r1], self.rows["wi"][r0:r1]
+            if self.tiled:
+                self.sel[(self.lid, self.i)] = select_entries(cfg, self.lid, qi, wi, ik, self.s, a.ratio, self.pools,
+                                                              self.i, st.prefill_budget, score_op=st.index_score_op())
+            else:
+                visible = (self.qp + 1) // a.ratio
+                sc = mask_scores(index_scores(qi, wi, ik), ent[None, :] < visible[:, None])
+                self.sel[(self.lid, self.i)] = pick_entries(cfg, self.lid, sc, visible, self.pools, self.i)
+
+    def attend_compressed(self) -> torch.Tensor:
+        st, cfg, a, src = self.st, self.cfg, self.a, self.src
+        assert src is not None
+        isrc = cfg.index_source_of(self.lid)
+        assert isrc is not None
+        ids, valid = self.sel[(isrc, self.i)]
+        flat = st.kv[src].view(-1, st.fmt.main.bytes_per_token)
+        gather: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+        if self.tiled and cfg.ratio(isrc) == a.ratio:  # ids index this layer's entries
+            # dequantise the request's entries once, then gather rows of keys: the same values as
+            # dequantising each gathered row (the codec is per entry), ~512x fewer codec passes at top-k 512
+            e_total = (self.s + self.n) // a.ratio
+            slots = st.entry_slots(self.table, torch.arange(e_total, device=st.device), a.ratio)
+            table_keys = st.fmt.main.dequantize(flat[slots]).to(st.dtype)
+            gather = functools.partial(_pick_keys, table_keys, ids, valid)
+        else:
+            gather = functools.partial(_gather_compressed, st, flat, self.table, ids, valid, a.ratio)
+        return self.attend(gather, ids.shape[1])
+
+
+def layer_rows(st: ExecutorState, a: Attention, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer's products for all rows of a prefill step: queries and their latent, the SWA keys (raw, as
+    ring bytes, and as the ring will read them back), the compressor state (Full) and the indexer's
+    queries and weights (Full / Reindex)."""
     q, lat = a.queries(x, positions)
     raw_swa = a.swa_kv(x, positions)
-    swa_bytes = fmt.swa.quantize(raw_swa)
-    kswa = fmt.swa.dequantize(swa_bytes).to(ex.dtype)  # attend to exactly what the ring will hold
+    swa_bytes = st.fmt.swa.quantize(raw_swa)
+    rows = {"q": q, "swa": raw_swa, "swa_bytes": swa_bytes,
+            "kswa": st.fmt.swa.dequantize(swa_bytes).to(st.dtype)}  # attend to exactly what the ring will hold
     if a.kind == LAYER_FULL:
-        cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+        rows["cstate"] = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
     if a.kind in (LAYER_FULL, LAYER_REINDEX):
-        qi, wi = a.indexer(x, lat, positions, a.inv_freq)
-    outs = []
-    for i, (r0, r1, s, slot, table) in enumerate(reqs):
-        n = r1 - r0
-        qp = positions[r0:r1]
-        # ---- sliding window: history from the ring, then this chunk's keys
-        ring = ex.swa[lid]
-        floor = int(ex._floor[slot, int(lid >= cfg.encoder_layers)])
-        h0 = max(0, s - (w - 1), min(floor, s))  # the first history position the ring can serve
-        hist = torch.arange(h0, s, device=ex.device)
-        k_hist = fmt.swa.dequantize(ring[slot, hist % ex.swa_ring]).to(ex.dtype)
-        keys_a = torch.cat((k_hist, kswa[r0:r1]))
-        if not tiled:
-            kp = torch.cat((hist, qp))
-            mask_a = (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - w) & (kp[None, :] >= floor)
-        if i in ex._snap_at and lid < cfg.encoder_layers:  # the ring as it is at position X
-            x_at = ex._snap_at[i]
-            snap = ring[slot].clone()
-            sp = torch.arange(max(s, x_at - ex.swa_ring), x_at, device=ex.device)
-            snap[sp % ex.swa_ring] = swa_bytes[r0:r1][sp - s]
-            ex._snaps.setdefault(i, []).append(snap)
-        keep = slice(max(0, n - ex.swa_ring), n)
-        ex._ring_store(ring, raw_swa[r0:r1][keep], swa_bytes[r0:r1][keep], torch.full_like(qp[keep], slot), qp[keep])
-        win = (h0, s, w, floor, a.attn_sink, a.scale)  # the tiled path's window arguments
-        if a.kind == LAYER_SWA:
-            with record_function(ATTENTION_RANGE):
-                outs.append(attend_request(q[r0:r1], keys_a, *win, tile=ex.prefill_tile, budget=ex.prefill_budget)
-                            if tiled else sink_attention(q[r0:r1], keys_a, mask_a, None, None, a.attn_sink, a.scale))
-            continue
-        src = cfg.kv_source_of(lid)
-        ratio = a.ratio
-        if a.kind == LAYER_FULL:
-            ex._compress(lid, a, cstate[r0:r1], s, n, slot, table)
-        e_total = (s + n) // ratio
-        if a.kind in (LAYER_FULL, LAYER_REINDEX):
-            with record_function(INDEXER_RANGE):
-                ent = torch.arange(e_total, device=ex.device)
-                flat = ex.index_keys[src].view(-1, fmt.index.bytes_per_token)
-                ik = fmt.index.dequantize(flat[ex._slots(table, ent, ratio)]).to(ex.dtype)
-                if tiled:
-                    sel[(lid, i)] = select_entries(cfg, lid, qi[r0:r1], wi[r0:r1], ik, s, ratio, pools, i,
-                                                   ex.prefill_budget, score_op=ex._index_score_op())
-                else:
-                    visible = (qp + 1) // ratio
-                    sc = mask_scores(index_scores(qi[r0:r1], wi[r0:r1], ik), ent[None, :] < visible[:, None])
-                    sel[(lid, i)] = pick_entries(cfg, lid, sc, visible, pools, i)
-        ids, valid = sel[(cfg.index_source_of(lid), i)]
-        flat = ex.kv[src].view(-1, fmt.main.bytes_per_token)
-        with record_function(ATTENTION_RANGE):
-            if tiled and cfg.ratio(cfg.index_source_of(lid)) == ratio:  # ids index this layer's entries
-                # dequantise the request's e_total entries once, then gather rows of bf16 keys: the
-                # same values as dequantising each gathered row (the codec is per entry), ~512x fewer
-                # codec passes at top-k 512
-                table_keys = fmt.main.dequantize(flat[ex._slots(table, torch.arange(e_total, device=ex.device),
-                                                                  ratio)]).to(ex.dtype)
-                gather = functools.partial(_pick_keys, table_keys, ids, valid)
-            else:
-                gather = functools.partial(_gather_compressed, ex, flat, table, ids, valid, ratio)
-            if tiled:
-                outs.append(attend_request(q[r0:r1], keys_a, *win, compressed=gather, n_compressed=ids.shape[1],
-                                           tile=ex.prefill_tile, budget=ex.prefill_budget))
-            else:
-                kb, _ = gather(0, n)
-                outs.append(sink_attention(q[r0:r1], keys_a, mask_a, kb, valid, a.attn_sink, a.scale))
-    return torch.cat(outs)
+        rows["qi"], rows["wi"] = a.indexer(x, lat, positions, a.inv_freq)
+    return rows
 
 
-def _gather_compressed(ex: Any, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+def attend_requests(st: ExecutorState, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor,
+                    reqs: list[Request], sel: dict, pools: dict, tiled: bool) -> torch.Tensor:
+    """Layer ``lid``'s attention for the prefill requests ``reqs`` of a step, request by request."""
+    rows = layer_rows(st, a, x, positions)
+    return torch.cat([attend_layer(a.kind, RequestAttention(st, lid, a, i, req, positions, rows, sel, pools, tiled))
+                      for i, req in enumerate(reqs)])
+
+
+def attend_prefill(st: ExecutorState, lid: int, a: Attention, x: torch.Tensor, positions: torch.Tensor,
+                   reqs: list[Request], sel: dict, pools: dict) -> torch.Tensor:
+    """The per-request path's ``attend`` (``prefill_path``: "tiled", or "dense": every query against every
+    chunk key through a dense mask, the oracle of the tiled path's tests and the benchmark's baseline)."""
+    if st.prefill_path not in ("tiled", "dense"):
+        raise ValueError(f"prefill_path={st.prefill_path!r}: must be 'tiled' or 'dense'")
+    tiled = st.prefill_path == "tiled"
+    # the tiled path's small functions run compiled under fuse_glue, as the decode glue does
+    with fused_glue(st.fuse_glue and tiled):
+        return attend_requests(st, lid, a, x, positions, reqs, sel, pools, tiled)
+
+
+def compress(st: ExecutorState, lid: int, a: Attention, new_state: torch.Tensor, s: int, n: int, slot: int,
+             table: torch.Tensor) -> None:
+    """Pool the groups a chunk completes into the paged caches; keep the newest per-token state."""
+    r = a.ratio
+    dm = a.compressor.state_dim
+    e0, e1 = s // r, (s + n) // r
+    if r > 1:
+        ring, cring = st.comp_state[lid], st.comp_ring[lid]
+        g0 = e0 * r  # first token of the group that is partial at s
+        old = ring[slot, torch.arange(g0, s, device=st.device) % cring]
+        state = torch.cat((old, new_state))  # per-token state of positions [g0, s + n)
+        keep = slice(max(0, n - cring), n)
+        pos = torch.arange(s, s + n, device=st.device)
+        ring[slot, pos[keep] % cring] = new_state[keep]
+    else:
+        state = new_state
+    if e1 == e0 or st.no_block_writes:  # a replay: these entries are in the (shared) cached blocks already
+        return
+    whole = state[: (e1 - e0) * r]
+    main = a.compressor.pool(whole[:, :dm], e0, a.inv_freq)
+    idx = a.index_compressor.pool(whole[:, dm:], e0, a.inv_freq)
+    slots = st.entry_slots(table, torch.arange(e0, e1, device=st.device), r)
+    st.store(st.kv[lid], main, slots, "main")
+    st.store(st.index_keys[lid], idx, slots, "index")
+
+
+def execute_requests(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None = None) -> ForwardOutput:
+    """A validated step on the per-request path (prefill chunks, encoder-only steps, the row path off)."""
+    dev = st.device
+    tokens = torch.as_tensor(b.token_ids, device=dev)
+    if feed is not None:  # a copy: on the CPU as_tensor shares the host array, which must keep its placeholders
+        tokens = tokens.clone()
+        feed.apply(tokens)
+    positions = torch.as_tensor(b.positions, device=dev)
+    off = b.offsets.tolist()
+    reqs = [(off[i], off[i + 1], int(b.start_pos[i]), int(b.state_slots[i]),
+             torch.as_tensor(b.block_tables[i], dtype=torch.long, device=dev)) for i in range(b.num_requests)]
+    sel: dict = {}
+    pools: dict = {}
+    rows = engram_rows(st, b, tokens, feed)
+
+    def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+        return attend_prefill(st, lid, a, x, positions, reqs, sel, pools)
+
+    if b.encoder_only:
+        return _encoder_only(st, b, tokens, attend, reqs, rows)
+    targets = () if st.spec is None else st.spec.drafter.target_layers
+    # run_layers fills a state for every key it is given
+    capture = cast(dict[int, torch.Tensor], dict.fromkeys((*b.capture_layers, *targets)))
+    hidden, counts = st.model.run_layers(tokens, attend, capture=capture, engram_rows=rows)
+    logit_rows = b.logit_rows()
+    rows_t = torch.as_tensor(logit_rows, device=dev)
+    logits = st.model.logits(hidden[rows_t])
+    st.slot_end[b.state_slots] = b.start_pos + b.query_lens
+    st.encoder_only[b.state_slots] = False
+    spec_out = None
+    if st.spec is not None:
+        slots_rows = torch.as_tensor(np.repeat(b.state_slots, b.query_lens), device=dev)
+        keep = torch.as_tensor(last_rows(b, st.swa_ring), device=dev)
+        st.spec.write_context([capture[lid] for lid in targets], positions, slots_rows, keep)
+        spec_out = st.spec.step(b, logits)
+    return ForwardOutput(logits=logits, logit_rows=logit_rows, request_of_logit=np.repeat(np.arange(b.num_requests),
+                         b.num_logits), expert_counts=counts,
+                         captured={lid: capture[lid][rows_t] for lid in b.capture_layers},
+                         snapshots=st.take_snapshots(b), **(spec_out or {}))
+
+
+def _encoder_only(st: ExecutorState, b: ForwardBatch, tokens: torch.Tensor, attend: AttendFn, reqs: list[Request],
+                  rows: dict[int, torch.Tensor]) -> ForwardOutput:
+    """An encoder-only step (CED prefix prefill): the encoder layers, then the first decoder layer's global
+    KV written from its input (``source_only``); no logits."""
+    def source(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+        cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
+        for r0, r1, s, slot, table in reqs:
+            compress(st, lid, a, cstate[r0:r1], s, r1 - r0, slot, table)
+        return x
+
+    _, counts = st.model.run_layers(tokens, attend, source_only=source, engram_rows=rows)
+    st.slot_end[b.state_slots] = b.start_pos + b.query_lens
+    st.encoder_only[b.state_slots] = True
+    empty = np.zeros(0, np.int64)
+    return ForwardOutput(logits=torch.zeros(0, st.cfg.vocab_size, dtype=st.dtype, device=st.device),
+                         logit_rows=empty, request_of_logit=empty, expert_counts=counts,
+                         snapshots=st.take_snapshots(b))
+
+
+def _gather_compressed(st: ExecutorState, flat: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
                        ratio: int, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed keys [g1 - g0, k, d] of one request's rows g0 .. g1 - 1 (their ``ids`` picked
     from the paged cache ``flat`` through ``table``) and their validity."""
-    kb = ex.fmt.main.dequantize(flat[ex._slots(table, ids[g0:g1].reshape(-1), ratio)]).to(ex.dtype)
+    kb = st.fmt.main.dequantize(flat[st.entry_slots(table, ids[g0:g1].reshape(-1), ratio)]).to(st.dtype)
     return kb.view(g1 - g0, ids.shape[1], kb.shape[-1]), valid[g0:g1]
 
 

@@ -10,7 +10,7 @@ drafts must be the ones made) and verified losslessly with ``deepinfer_core.spec
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,8 +22,8 @@ from deepinfer_core.model.model import DeepSeekV41
 
 
 class SpecHost(Protocol):
-    """What :class:`SpecState` uses of the executor that owns it (``ModelExecutor`` satisfies it). A
-    protocol, so this module does not import the executor that imports it (no import cycle)."""
+    """What :class:`SpecState` uses of the executor state that owns it (``state.ExecutorState`` satisfies
+    it). A protocol, so this module does not import the state module that refers to it (no import cycle)."""
 
     model: DeepSeekV41
     cfg: ModelConfig
@@ -33,7 +33,7 @@ class SpecHost(Protocol):
     num_slots: int
     swa_ring: int
 
-    def _ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
+    def ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
                     states: torch.Tensor, positions: torch.Tensor) -> None: ...
 
 
@@ -94,7 +94,7 @@ class SpecState:
         pos, sl = positions[keep], slots[keep]
         self.feat[sl, pos % self.ex.swa_ring] = feat
         for st, ring in zip(self.drafter.stages, self.swa):
-            self.ex._ring_store(ring, st.context_keys(feat, pos), None, sl, pos)
+            self.ex.ring_store(ring, st.context_keys(feat, pos), None, sl, pos)
 
     def restart(self, slot: int) -> None:
         self.pos[slot] = -1
@@ -102,8 +102,8 @@ class SpecState:
 
     # ------------------------------------------------------------------ verify + draft
     def step(self, b: ForwardBatch, logits: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        from deepinfer_core.spec import verify
-
+        """Verify the drafts fed this step (lossless) and draft again for the rows that ask: the output's
+        ``num_accepted``, ``next_token``, ``drafts`` and ``draft_confidence`` (None: no row verifies or drafts)."""
         r = b.num_requests
         vl = np.zeros(r, np.int64) if b.verify_lens is None else b.verify_lens
         dr = np.zeros(r, bool) if b.draft is None else b.draft
@@ -112,41 +112,12 @@ class SpecState:
             return None
         if self.logits_hook is not None:
             self.logits_hook(b, logits)
-        ex, dev = self.ex, self.ex.device
+        dev = self.ex.device
         # probabilities in >= float32 whatever the model dtype (they feed the lossless verify)
         dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        logits = logits.to(dt)
         temp_all = np.zeros(r) if b.temperature is None else b.temperature
         temp = torch.as_tensor(temp_all[idx], dtype=dt, device=dev)
-        greedy = temp <= 0
-        tscale = torch.where(greedy, torch.ones_like(temp), temp)
-        d = int(vl[idx].max())
-        lend = np.cumsum(b.num_logits)
-        vocab = logits.shape[-1]
-        tp = torch.empty(idx.size, d + 1, vocab, dtype=dt, device=dev)
-        dtok = torch.zeros(idx.size, d, dtype=torch.long, device=dev)
-        dprob = torch.full((idx.size, d, vocab), 1.0 / vocab, dtype=dt, device=dev)
-        for j, i in enumerate(idx):
-            v = int(vl[i])
-            rows = logits[lend[i] - v - 1 : lend[i]]
-            p = torch.softmax(rows / tscale[j], dim=-1)
-            tp[j, : v + 1] = p
-            tp[j, v + 1 :] = p[-1]
-            if v:
-                slot = int(b.state_slots[i])
-                dtok[j, :v] = torch.as_tensor(self.tokens[slot, :v], device=dev)
-                dprob[j, :v] = self.probs[slot][:v]
-        lengths = torch.as_tensor(vl[idx], device=dev)
-        cs = self.counter_seeds
-        keyed = cs is not None and all(int(b.state_slots[i]) in cs for i in idx)
-        if keyed:
-            assert cs is not None
-            seeds = torch.as_tensor([cs[int(b.state_slots[i])] for i in idx], dtype=torch.int64, device=dev)
-            first = torch.as_tensor(b.start_pos[idx] + b.query_lens[idx] - vl[idx], dtype=torch.int64, device=dev)
-            res = verify(dtok, None if bool(greedy.all()) else dprob, tp, lengths, None, greedy=greedy,
-                         seeds=seeds, positions=first)
-        else:
-            res = verify(dtok, None if bool(greedy.all()) else dprob, tp, lengths, self.gen, greedy=greedy)
+        res, keyed = self._verify(b, logits.to(dt), idx, vl, temp)
         acc, nxt = res.num_accepted, res.next_token
         out = {
             "num_accepted": torch.zeros(r, dtype=torch.long, device=dev),
@@ -158,10 +129,47 @@ class SpecState:
         out["next_token"][idx] = nxt
         for i in idx:
             self.restart(int(b.state_slots[i]))
-        want = dr[idx]
-        if not want.any():
-            return out
-        j = np.flatnonzero(want)
+        j = np.flatnonzero(dr[idx])
+        if j.size:
+            self._draft(b, out, idx, j, vl, acc, nxt, torch.zeros_like(temp) if keyed else temp)
+        return out
+
+    def _verify(self, b: ForwardBatch, logits: torch.Tensor, idx: np.ndarray, vl: np.ndarray,
+                temp: torch.Tensor) -> tuple[Any, bool]:
+        """(``spec.verify``'s result for rows ``idx``, whether it ran keyed by (seed, position))."""
+        from deepinfer_core.spec import verify
+
+        dev, dt = self.ex.device, logits.dtype
+        greedy = temp <= 0
+        tscale = torch.where(greedy, torch.ones_like(temp), temp)
+        d = int(vl[idx].max())
+        lend = np.cumsum(b.num_logits)
+        vocab = logits.shape[-1]
+        tp = torch.empty(idx.size, d + 1, vocab, dtype=dt, device=dev)
+        dtok = torch.zeros(idx.size, d, dtype=torch.long, device=dev)
+        dprob = torch.full((idx.size, d, vocab), 1.0 / vocab, dtype=dt, device=dev)
+        for j, i in enumerate(idx):
+            v = int(vl[i])
+            p = torch.softmax(logits[lend[i] - v - 1 : lend[i]] / tscale[j], dim=-1)
+            tp[j, : v + 1] = p
+            tp[j, v + 1 :] = p[-1]
+            if v:
+                slot = int(b.state_slots[i])
+                dtok[j, :v] = torch.as_tensor(self.tokens[slot, :v], device=dev)
+                dprob[j, :v] = self.probs[slot][:v]
+        lengths = torch.as_tensor(vl[idx], device=dev)
+        probs = None if bool(greedy.all()) else dprob
+        cs = self.counter_seeds
+        if cs is not None and all(int(b.state_slots[i]) in cs for i in idx):
+            seeds = torch.as_tensor([cs[int(b.state_slots[i])] for i in idx], dtype=torch.int64, device=dev)
+            first = torch.as_tensor(b.start_pos[idx] + b.query_lens[idx] - vl[idx], dtype=torch.int64, device=dev)
+            return verify(dtok, probs, tp, lengths, None, greedy=greedy, seeds=seeds, positions=first), True
+        return verify(dtok, probs, tp, lengths, self.gen, greedy=greedy), False
+
+    def _draft(self, b: ForwardBatch, out: dict[str, torch.Tensor], idx: np.ndarray, j: np.ndarray, vl: np.ndarray,
+               acc: torch.Tensor, nxt: torch.Tensor, temp: torch.Tensor) -> None:
+        """The next draft block for rows ``idx[j]`` (after their accepted / sampled token), into ``out``."""
+        ex, dev = self.ex, self.ex.device
         ii = idx[j]
         jt = torch.as_tensor(j, device=dev)
         s = torch.as_tensor(b.start_pos[ii] + b.query_lens[ii] - vl[ii], device=dev)
@@ -171,12 +179,11 @@ class SpecState:
         kp = q[:, None] - w + torch.arange(w, device=dev)[None, :]
         valid = kp >= 0
         ent = kp.clamp(min=0) % ring
-        keys = [ex.fmt.swa.dequantize(rg[slots[:, None], ent]) for rg in self.swa]
+        keys = [ex.fmt.swa.dequantize(rg[slots[:, None], ent]).to(ex.dtype) for rg in self.swa]
         cond = self.feat[slots, (q - 1) % ring]
-        keys = [k.to(ex.dtype) for k in keys]
         y = nxt[jt]
         hidden = self.drafter.run_block(ex.model, y, q, cond, keys, valid)
-        dres = self.drafter.heads(ex.model, hidden, y, torch.zeros_like(temp[jt]) if keyed else temp[jt], self.gen)
+        dres = self.drafter.heads(ex.model, hidden, y, temp[jt], self.gen)
         out["drafts"][torch.as_tensor(ii, device=dev)] = dres.tokens
         out["draft_confidence"][torch.as_tensor(ii, device=dev)] = dres.confidence
         toks_np = dres.tokens.cpu().numpy()
@@ -186,4 +193,3 @@ class SpecState:
             self.pos[slot] = int(q[k])
             self.y[slot] = int(y[k])
             self.probs[slot] = dres.probs[k]
-        return out

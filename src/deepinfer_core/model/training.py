@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,8 @@ def batched_forward(model: DeepSeekV41, tokens: torch.Tensor, capture: Sequence[
 
     if engram_rows is None:
         engram_rows = engram_rows_batched(model, tokens)
-    caps: dict[int, torch.Tensor] | None = dict.fromkeys(capture) if capture else None  # type: ignore[arg-type]
+    # run_layers fills a state for every key it is given
+    caps = cast(dict[int, torch.Tensor], dict.fromkeys(capture)) if capture else None
     hidden, counts = model.run_layers(tokens.reshape(-1), attend, capture=caps, engram_rows=engram_rows)
     return model.logits(hidden).view(b, t, -1), counts, caps or {}
 
@@ -157,6 +158,7 @@ def drafter_block(model: DeepSeekV41, tokens: torch.Tensor, caps: Mapping[int, t
         mask = valid[sel]
     y = tokens[rows_b, rows_q]
     cond = feat[sel]
+    assert mask is not None  # a drafter has at least one stage
     return rows_b, rows_q, y, dr.run_block(model, y, rows_q, cond, keys, mask)
 
 

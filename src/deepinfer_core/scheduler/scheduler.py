@@ -66,6 +66,13 @@ class Scheduler:
     ``_C.kv.BlockPool``. The scheduler creates and frees the pool sequences of its requests; give it a
     pool that nothing else allocates sequence ids in, or set ``first_seq_id`` past them.
 
+    Why the concrete C++ pool and not the ``KVBlockPool`` protocol: ``schedule()`` runs in C++ with the
+    GIL released and reserves, appends and frees blocks inside that call (admission, chunking,
+    preemption, prefix sharing by refcount), thousands of pool operations a step; through a Python
+    protocol each would be a GIL round trip, the cost the C++ planner exists to avoid (docs/scheduler.md).
+    The seam between the two is therefore the C++ ``BlockPool`` class itself (one object that the engine's
+    ``PagedKVPool`` and the scheduler share), and the scheduler refuses anything else by type.
+
     One step: ``plan = schedule()``; run the model; ``ended = update(plan, sampled)`` where ``sampled``
     holds one token per plan row (ignored for rows that do not sample). With ``async_mode`` the next
     ``schedule()`` may come before the previous ``update`` (one step ahead, placeholders ``-1`` in
@@ -201,7 +208,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
     def step_wish(self) -> tuple[bool, bool]:
         """This rank's (has prefill work it can start now, has decode work), for the group vote."""
-        return tuple(self._impl.wish())  # type: ignore[return-value]
+        return tuple(self._impl.wish())
 
     def schedule(
         self,

@@ -162,8 +162,9 @@ def fill_general(mgr: Any, batch: Sequence[tuple[Hashable, Sequence[int]]], out:
         num_drafts = np.zeros(n, dtype=np.int64)
         rs = s0
     elif fill_rows is not None:
-        drafts = [d for _, d in batch]
-        num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, drafts, tab, s0, rs), dtype=np.int64)
+        batch_drafts: list[Sequence[int]] = [d for _, d in batch]
+        num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, batch_drafts, tab, s0, rs),
+                              dtype=np.int64)
     else:
         k = [_fill_request(m, bm, off, d, tab, s0[i] if s0 is not None else 0, rs)
              for i, (m, off, (_, d)) in enumerate(zip(matchers, offsets, batch))]
@@ -202,6 +203,7 @@ def views(mgr: Any, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, 
 
 def _finish_rows_numpy(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None) -> list[int]:
     if tail is not None:
+        assert keep is not None  # a tail to mask comes with its mask
         np.bitwise_and(tail, keep, out=tail)
     return np.flatnonzero(~a.any(axis=1)).tolist()
 

@@ -65,7 +65,7 @@ def demo() -> None:
             if mgr.error(rid):
                 # the invalid grammar is refused alone; the other requests are not affected
                 print(f"    {rid:5s} refused as expected ({why.value if why else None}): "
-                      f"{mgr.error(rid).splitlines()[0]}")
+                      f"{(mgr.error(rid) or '').splitlines()[0]}")
             else:
                 print(f"    {rid:5s} {KIND_LABEL[rid]:22s} -> {printable(text)!r} ({why.value if why else None})")
             if rid == "json" and why == "stop":

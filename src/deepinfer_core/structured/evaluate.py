@@ -164,7 +164,7 @@ def run_sample(
 def summarize(outs: Sequence[Outcome]) -> dict[str, Any]:
     """Counts (see the module docstring), fractions of all schemas, and the mask cost per token."""
     n = len(outs)
-    c = Counter()
+    c: Counter[str] = Counter()
     for o in outs:
         c["compiled"] += o.compiled
         c["valid"] += o.verdict == "valid"

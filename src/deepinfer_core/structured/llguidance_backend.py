@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -41,7 +43,7 @@ class LLGuidanceMatcher:
 
     __slots__ = ("_eos", "_eos_recorded", "_history", "_m", "_template", "_terminated", "_words")
 
-    def __init__(self, template: object, words: int, eos: int) -> None:
+    def __init__(self, template: Any, words: int, eos: int) -> None:  # llguidance's matcher (untyped)
         self._template = template
         self._m = template.deep_copy()
         self._words = words
@@ -169,7 +171,7 @@ class LLGuidanceBackend:
         # fill_keys / fill_rows / accept_token itself; with an executor the Python fast path runs.
         self.fast_fill_kind: str | None = "llguidance" if self._executor is None else None
 
-    def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+    def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""
         words = self._vocab.bitmask_words
         if self._executor is None:

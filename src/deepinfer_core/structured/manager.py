@@ -191,6 +191,7 @@ class StructuredOutputManager:
         grammar = self._backend.compile(spec)
         if spec.kind != "json_schema" or not self._validate:
             return _Compiled(grammar)
+        assert isinstance(spec.text, str)  # a JSON schema's text
         validator, why = make_validator(spec.text)
         return _Compiled(grammar, validator, why)
 
@@ -354,6 +355,7 @@ class StructuredOutputManager:
             if hit is None:
                 hit = self._fast_view(n)
             bm, ptr, same = hit
+            assert self._fill_keys is not None  # the fast path's keys exist only with the backend's fill_keys
             try:
                 self._fill_keys(keys, bm, None, False)
             except RuntimeError:  # xgrammar: a matcher past EOS (stepped outside the manager); no state changed
@@ -456,7 +458,7 @@ class StructuredOutputManager:
     def _cut_dead(
         self, rid: Hashable, a: np.ndarray, base: int, end: int, num_drafts: np.ndarray, dead_end: np.ndarray, i: int
     ) -> None:
-        live = a[base:end].any(axis=1)
+        live = np.asarray(a[base:end].any(axis=1))
         if not live[0]:
             dead_end[i] = True
             num_drafts[i] = 0
@@ -497,6 +499,7 @@ class StructuredOutputManager:
                             "the byte filter" if ns == _REJECT else "grammar", t)
                 return j
             if u8 is not None:
+                assert ns is not None  # the byte filter's next state (set above whenever u8 is)
                 u8 = self._u8[request_id] = ns
             if doc is not None and tb is not None and t < len(tb):
                 doc += tb[t]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class XGrammarMatcher:
 
     __slots__ = ("_done", "_eos", "_m", "_refuse", "_words")
 
-    def __init__(self, matcher: object, words: int, refuse: frozenset[int], eos: int) -> None:
+    def __init__(self, matcher: Any, words: int, refuse: frozenset[int], eos: int) -> None:  # xgrammar's (untyped)
         self._m = matcher
         self._words = words
         self._refuse = refuse
@@ -108,7 +109,8 @@ class XGrammarBackend:
         # "xgrammar": the manager's C++ fast path (fastfill.cpp) calls fill_keys and steps the handles.
         self.fast_fill_kind: str | None = None
         if self._batch_handle is not None:  # the bound library call itself: no Python frame of ours
-            self.fill_keys = self._batch_handle.batch_fill_next_token_bitmask
+            # the bound library call replaces the method on this instance (fewer frames per call)
+            self.fill_keys = self._batch_handle.batch_fill_next_token_bitmask  # type: ignore[method-assign]
             self.fast_fill_kind = "xgrammar"
         self._eos = self._vocab.eos_token_id
         # For the manager's draft loop, which steps handles inline: refused ids (controls) and EOS.
@@ -176,7 +178,7 @@ class XGrammarBackend:
         """
         raise RuntimeError("xgrammar has no BatchGrammarMatcher handle here: the manager's general path fills masks")
 
-    def accept_key(self, key: object, token: int) -> int:
+    def accept_key(self, key: Any, token: int) -> int:
         """Draft step on a handle: 0 rejected (state unchanged), 1 accepted, 2 accepted EOS (the end).
 
         (The manager inlines this using ``key_refuse`` / ``key_eos``; keys also ``rollback(n)``.)"""

@@ -55,9 +55,9 @@ def _err(field: str, msg: str) -> ValueError:
 
 
 def _int(field: str, v: object, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:  # type: ignore[call-overload]
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
         raise _err(field, f"{v!r}: must be an int >= {lo}")
-    return int(v)  # type: ignore[call-overload]
+    return int(v)
 
 
 @attrs.frozen(kw_only=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from deepinfer_core.protocols.model import ModelExecutor
 from deepinfer_core.swa.plan import (
     ENCODER_PREFILL,
     ENCODER_REPLAY,
@@ -20,7 +21,7 @@ from deepinfer_core.swa.plan import (
 )
 
 
-def run_plan(ex: Any, plan: ReplayPlan, tokens: np.ndarray, slot: int, block_table: np.ndarray,
+def run_plan(ex: ModelExecutor, plan: ReplayPlan, tokens: np.ndarray, slot: int, block_table: np.ndarray,
              host_rings: Any = None, chunk: int | None = None, snapshot_pos: int = 0) -> Any:
     """Execute ``plan`` for ``tokens`` (all ``plan.num_tokens`` of them) in ``slot`` with ``block_table``
     (whose first ``plan.hit // block`` blocks hold the cached KV). Returns the last token's logits [V].
@@ -29,7 +30,7 @@ def run_plan(ex: Any, plan: ReplayPlan, tokens: np.ndarray, slot: int, block_tab
     ``chunk``: split compute steps into chunks of at most this many tokens (chunked prefill);
     ``snapshot_pos``: also return the encoder rings at that position (a (logits, rings) pair).
     """
-    from deepinfer_core.model.batch import ForwardBatch
+    from deepinfer_core.batch import ForwardBatch
 
     toks = np.asarray(tokens, dtype=np.int64)
     if toks.shape != (plan.num_tokens,):

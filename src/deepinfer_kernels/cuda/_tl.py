@@ -8,13 +8,14 @@ a key the caller builds from those static sizes, and logs the (several-second) J
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from deepinfer_core.envs import tl_arch
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ _LOCK = threading.Lock()
 
 def target() -> dict[str, str] | str:
     """The compile target: ``DEEPINFER_TL_ARCH`` (e.g. sm_90, to compile without a GPU) or auto-detect."""
-    arch = os.environ.get("DEEPINFER_TL_ARCH")
+    arch = tl_arch()
     return {"kind": "cuda", "arch": arch} if arch else "cuda"
 
 

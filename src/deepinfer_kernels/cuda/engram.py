@@ -111,7 +111,7 @@ def engram_hash_tile_kernels(ids: torch.Tensor, mult: torch.Tensor, sizes: torch
                              check: bool = True) -> torch.Tensor:
     """Adapter to ``tile_kernels.engram_hash`` (int32 ids / sizes / offsets, int64 multipliers, same layout)."""
     _validate(ids, mult, sizes, offsets, check)
-    from tile_kernels.engram.engram_hash_kernel import engram_hash as tk_hash  # type: ignore[import-not-found]
+    from tile_kernels.engram.engram_hash_kernel import engram_hash as tk_hash
 
     dev = ids.device
     return tk_hash(

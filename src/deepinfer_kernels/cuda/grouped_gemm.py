@@ -178,6 +178,7 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, co
         return ref.moe_grouped_gemm(x, w, offs)
     r, k, e, n = ref.check_grouped_gemm_inputs(x, w, offs)
     cfg = config or config_for(e, n, k)
+    assert cfg is not None  # kernel_takes found a configuration that tiles the shape
     dt = torch_dtype_name(x.dtype)
     # no fill: the kernel writes every row (the experts' products, zeros past the last expert's end)
     out = torch.empty(r, n, dtype=x.dtype, device=x.device)

@@ -106,7 +106,7 @@ def indexer_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     if not _HAVE_DEEP_SELECT or scores.device.type != "cuda" or scores.shape[1] < k:
         return ref.indexer_topk(scores, k)
-    import deep_select  # type: ignore[import-not-found]
+    import deep_select
 
     vals, idx = deep_select.topk(scores, k, sorted=False)
     return torch.where(torch.isfinite(vals), idx, -1).to(torch.int32)

@@ -164,7 +164,7 @@ def load_configs(path: str) -> dict[tuple[int, int, int], GGConfig]:
                              f"{', '.join(GGConfig._fields)})") from None
         if len(shape) != 3 or min(shape) < 1 or not cfg.valid():
             raise ValueError(f"{path} entry {i}: shape {shape} / config {cfg} is not a valid launch")
-        out[shape] = cfg  # type: ignore[index]
+        out[shape] = cfg
     return out
 
 
@@ -174,10 +174,10 @@ _LOADED: list[bool] = [False]
 def _tuned() -> dict[tuple[int, int, int], GGConfig]:
     """:data:`CONFIGS`, updated once from the file named by ``DEEPINFER_GG_CONFIGS`` if set."""
     if not _LOADED[0]:
-        import os
+        from deepinfer_core.envs import gg_configs_path
 
         _LOADED[0] = True
-        if path := os.environ.get("DEEPINFER_GG_CONFIGS"):
+        if path := gg_configs_path():
             CONFIGS.update(load_configs(path))
     return CONFIGS
 

@@ -24,7 +24,8 @@ from deepinfer_core.balancers import (
     simulate_decode,
     simulate_prefill,
 )
-from deepinfer_core.balancers.hitrate import DAY, TTLPolicy, replay_hit_rate, session_trace
+from deepinfer_core.balancers.hitrate import DAY, replay_hit_rate, session_trace
+from deepinfer_core.kvstore import InMemoryKVStore, TTLPolicy
 from deepinfer_core.scheduler import CostModel
 
 PC = CostModel(base_ns=5e6, token_ns=8000.0, quad_ns=0.05, ctx_ns=0.05)
@@ -123,14 +124,17 @@ def test_trace_errors_and_docs():
     assert 30_000 < np.median(agent) < 70_000  # the documented median 48K
 
 
+def _store(days: float, capacity_blocks: int | None = None):
+    ttl = TTLPolicy({"agent": days * DAY, "chatbot": days * DAY})
+    return lambda clock: InMemoryKVStore(ttl, capacity_bytes=capacity_blocks, clock=clock)
+
+
 def test_ttl_curve_shape():
     tr = session_trace(1500, 21 * DAY, seed=1)
-    rates = {d: replay_hit_rate(tr, TTLPolicy({"agent": d * DAY, "chatbot": d * DAY}), block_tokens=4096)
-             for d in (0.25, 3, 7)}
+    rates = {d: replay_hit_rate(tr, _store(d), block_tokens=4096) for d in (0.25, 3, 7)}
     assert rates[0.25].chatbot < rates[3].chatbot < rates[7].chatbot  # chatbot keeps gaining: a long tail
     assert rates[3].agent == rates[7].agent  # agent gaps end at 2 days: no gain past that
-    small = replay_hit_rate(tr, TTLPolicy({"agent": 7 * DAY, "chatbot": 7 * DAY}), capacity_blocks=200,
-                            block_tokens=4096)
+    small = replay_hit_rate(tr, _store(7, capacity_blocks=200), block_tokens=4096)
     assert small.overall < rates[7].overall  # a small store loses hits to eviction
 
 

@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer_core.device_tokens import DeviceTokens, TokenFeed
 from deepinfer_core.engine import LLMEngine
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.model import ForwardBatch, ModelExecutor
 from deepinfer_core.model.checkpoint import load_model
-from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_kernels import get_backend
 from tests.deepinfer_core.engine.helpers import drain
@@ -51,7 +51,7 @@ def all_free(eng: LLMEngine) -> None:
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1
     assert eng.state_pool.num_free_slots == eng.config.max_num_seqs
     assert eng.num_live == 0 and len(eng._seqs) == 0
-    assert not eng.executor._fed  # every device-fed ring entry was resolved
+    assert not eng.executor.state.fed  # every device-fed ring entry was resolved
 
 
 def workload(seed: int, n: int, sampled: bool, **extra) -> list[tuple[str, list[int], SamplingParams]]:
@@ -279,9 +279,9 @@ def test_executor_feed_equals_host_tokens(sync_free: bool) -> None:
                           state_slots=[0, 1, 2], num_logits=[1, 1, 1])
         got = exs[1].execute(bf, feed=feed).logits
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert exs[1]._fed  # its ring holds placeholders until resolved
+        assert exs[1].state.fed  # its ring holds placeholders until resolved
         exs[1].resolve_fed()
-        np.testing.assert_array_equal(exs[1]._tokens, exs[0]._tokens)
+        np.testing.assert_array_equal(exs[1].state.tokens, exs[0].state.tokens)
         pos = pos + 1
 
 
@@ -422,7 +422,7 @@ def test_device_hash_equals_the_hasher(lens: list, seed: int) -> None:
     """The overlap's sync-free hashes (``EngramHasher.hash(validate=False)`` for fed prefill / verify steps,
     ``decode_step.hash_decode_on_device`` for decode steps) give the oracle's, hash_host's and the
     validated hash's row ids: packed sequences, context ids and -1 (before the sequence start)."""
-    from deepinfer_core.model.decode_step import hash_decode_on_device
+    from deepinfer_core.model.engram_context import hash_decode_on_device
 
     h = _hasher_model().engram_hasher
     rng = np.random.default_rng(seed)
@@ -447,7 +447,7 @@ def test_unchecked_row_fetch_equals_the_table(fmt: str) -> None:
     """The overlap's check-free Engram fetch (``hashed_row_tables``: ``LocalEngramTable.fetch(check=False)``)
     returns the table's own rows and the rows read one by one (bf16 and fp8 storage)."""
     from deepinfer_core.engram.tables import LocalEngramTable, quantize_fp8
-    from deepinfer_core.model.decode_step import hashed_row_tables
+    from deepinfer_core.model.engram_context import hashed_row_tables
 
     g = torch.Generator().manual_seed(3)
     vals = torch.randn(97, 64, generator=g)
@@ -474,7 +474,7 @@ def test_device_hash_and_fetch_dispatch_no_syncing_op() -> None:
     """The executor's Engram path of a fed step (device hash, check-free fetch) dispatches no op that
     synchronises on CUDA (``.item()`` / ``bool()`` -> ``_local_scalar_dense``, ``nonzero``...): counted by
     a dispatch mode on the CPU; the validated hash and the checked fetch have some (the counter can fail)."""
-    from deepinfer_core.model.decode_step import hash_decode_on_device, hashed_row_tables
+    from deepinfer_core.model.engram_context import hash_decode_on_device, hashed_row_tables
     from tests.deepinfer_core.model.test_cuda_graphs import SyncOps
 
     model = _hasher_model()

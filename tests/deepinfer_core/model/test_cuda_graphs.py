@@ -103,7 +103,7 @@ def test_pure_decode_batches_only() -> None:
 def test_entries_needed_is_the_largest_visible_count(model64: DeepSeekV41) -> None:
     ex = Session(model64).ex
     pos = np.random.default_rng(1).integers(0, 500, 17)
-    got = decode_step.entries_needed(ex, pos)
+    got = decode_step.entries_needed(ex.state, pos)
     cfg = model64.cfg
     ratios = {cfg.ratio(lid) for lid in range(cfg.num_hidden_layers) if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX)}
     assert set(got) == ratios

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core.model import cuda_graphs as cg
-from deepinfer_core.model import decode_step
+from deepinfer_core.model import decode_step, engram_context
 from deepinfer_core.model.config import tiny_config
 from deepinfer_core.model.layers.attention import Attention
 from deepinfer_core.model.layers.rope import rope_inv_freq
@@ -135,26 +135,26 @@ def test_graph_shaped_inputs_match_the_row_paths(model64: DeepSeekV41) -> None:
                                  state_slots=[fast.slot[i] for i in ids], num_logits=[1] * 3)
     slots = np.asarray(b.state_slots, np.int64)
     n, w = 5, cg.width_bucket(b.block_tables.shape[1] + 1)
-    entries = {r: cg.round_up(e, 8) + 8 for r, e in decode_step.entries_needed(ex, b.positions).items()}
-    tok_ring = ex._tokens.copy()
-    engram = ex._engram_rows(b, None, None, pos=b.positions, row_slots=slots)
+    entries = {r: cg.round_up(e, 8) + 8 for r, e in decode_step.entries_needed(ex.state, b.positions).items()}
+    tok_ring = ex.state.tokens.copy()
+    engram = engram_context.engram_rows(ex.state, b, None, None, pos=b.positions, row_slots=slots)
     engram = {lid: torch.cat((t, t[:1].expand(n - 3, -1))) for lid, t in engram.items()}
-    d = torch.from_numpy(cg.host_inputs(b, ex._floor[slots], n, w))
+    d = torch.from_numpy(cg.host_inputs(b, ex.state.floor[slots], n, w))
     inp = cg.static_inputs(d, n, w, entries, engram)
-    logits, _, _ = decode_step.decode_body(ex, inp)
+    logits, _, _ = decode_step.decode_body(ex.state, inp)
     assert (logits[:3] - torch.cat([p[-1:] for p in want])).abs().max().item() < 1e-10
     # the graph's other Engram form: hashed row ids at the end of the image, the rows fetched in the body
     # (the ring rolled back: hashing records the step's tokens)
-    assert model64.cfg.engram_layer_ids and cg.fetch_in_graph(ex)
-    ex._tokens[:] = tok_ring
-    ids = ex._engram_ids(b, None, None, pos=b.positions, row_slots=slots)
+    assert model64.cfg.engram_layer_ids and cg.fetch_in_graph(ex.state)
+    ex.state.tokens[:] = tok_ring
+    ids = engram_context.engram_ids(ex.state, b, None, None, pos=b.positions, row_slots=slots)
     assert ids is not None and ids.shape[:2] == (len(model64.cfg.engram_layer_ids), 3)
-    d2 = torch.from_numpy(cg.host_inputs(b, ex._floor[slots], n, w, ids.numpy()))
+    d2 = torch.from_numpy(cg.host_inputs(b, ex.state.floor[slots], n, w, ids.numpy()))
     assert d2.shape[0] == d.shape[0] + ids[:, :1].numel() * n and torch.equal(d2[: d.shape[0]], d)
     inp2 = cg.static_inputs(d2, n, w, entries, {}, (ids.shape[0], n, ids.shape[2]))
     assert torch.equal(inp2.engram_ids[:, :3], ids.long()) and torch.equal(inp2.engram_ids[:, 3:],
                                                                            ids[:, :1].long().expand(-1, n - 3, -1))
-    logits2, _, _ = decode_step.decode_body(ex, inp2)
+    logits2, _, _ = decode_step.decode_body(ex.state, inp2)
     assert torch.equal(logits2, logits)
     # padded shapes change the float64 summation order (logits agree to 1e-10), so the caches are compared
     # as values, and the rows written (the slots: nonzero rows) exactly

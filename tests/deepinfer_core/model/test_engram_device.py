@@ -16,7 +16,7 @@ from deepinfer_core.engram import LocalEngramTable
 from deepinfer_core.engram.tables import random_values
 from deepinfer_core.model import ModelExecutor
 from deepinfer_core.model.config import tiny_config
-from deepinfer_core.model.decode_step import hashed_row_tables
+from deepinfer_core.model.engram_context import hashed_row_tables
 from deepinfer_core.model.model import DeepSeekV41
 
 

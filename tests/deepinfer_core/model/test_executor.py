@@ -13,6 +13,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from deepinfer_core.model import validation
 from deepinfer_core.model.batch import BatchError, ForwardBatch
 from deepinfer_core.model.model import DeepSeekV41
 
@@ -287,15 +288,15 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
     from deepinfer_core.model.executor import ModelExecutor
 
     ex = ModelExecutor(model64, 64, 16, 6, backtrack_tokens=3, quantize=False)
-    ex._slot_end[:] = data.draw(st.lists(st.integers(0, 90), min_size=6, max_size=6))
-    ex._encoder_only[:] = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
-    ex._min_start[:] = data.draw(st.lists(st.integers(0, 60), min_size=6, max_size=6))
+    ex.state.slot_end[:] = data.draw(st.lists(st.integers(0, 90), min_size=6, max_size=6))
+    ex.state.encoder_only[:] = data.draw(st.lists(st.booleans(), min_size=6, max_size=6))
+    ex.state.min_start[:] = data.draw(st.lists(st.integers(0, 60), min_size=6, max_size=6))
     v = model64.cfg.vocab_size
     r = data.draw(st.integers(1, 4))
     slots = data.draw(st.permutations(range(6)))[:r]
     q = data.draw(st.lists(st.integers(1, 5), min_size=r, max_size=r))
-    start = [data.draw(st.sampled_from(sorted({0, max(int(ex._slot_end[sl]) - 3, 0), int(ex._slot_end[sl]),
-                                               int(ex._min_start[sl])}))) for sl in slots]
+    start = [data.draw(st.sampled_from(sorted({0, max(int(ex.state.slot_end[sl]) - 3, 0), int(ex.state.slot_end[sl]),
+                                               int(ex.state.min_start[sl])}))) for sl in slots]
     floor = [data.draw(st.integers(0, s0)) if data.draw(st.booleans()) else s0 for s0 in start]
     need = max(ex.blocks_needed(s0 + n0) for s0, n0 in zip(start, q))
     width = need + data.draw(st.integers(0, 2))
@@ -313,7 +314,7 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
     elif bad == "token":
         b["token_ids"][data.draw(st.integers(0, sum(q) - 1))] = data.draw(st.sampled_from([-1, v]))
     elif bad == "start":
-        b["start_pos"][i] = data.draw(st.sampled_from([-1, int(ex._slot_end[slots[i]]) + 1, max(int(ex._slot_end[slots[i]]) - 4, 1)]))
+        b["start_pos"][i] = data.draw(st.sampled_from([-1, int(ex.state.slot_end[slots[i]]) + 1, max(int(ex.state.slot_end[slots[i]]) - 4, 1)]))
     elif bad == "logits":
         b["num_logits"][i] = data.draw(st.sampled_from([-1, q[i] + 1]))
     elif bad == "floor":
@@ -325,9 +326,43 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
         b["token_ids"] = b["token_ids"][: sum(b["query_lens"])]
     batch = ForwardBatch(**b)
     try:
-        ex._validate_rows(batch)
+        validation.validate_rows(ex.state, batch)
         loop_ok = True
     except BatchError:
         loop_ok = False
     event(f"accepted: {loop_ok}")
-    assert ex._rows_ok(batch) == loop_ok
+    assert validation.rows_ok(ex.state, batch) == loop_ok
+
+
+def test_executor_attributes_are_its_state_fields(model64: DeepSeekV41) -> None:
+    """The executor's attributes are its ExecutorState's fields (one source of truth): set on one, seen on
+    the other, including the caches the modules of a step write."""
+    ex = Session(model64).ex
+    st = ex.state
+    assert ex.kv is st.kv and ex.swa is st.swa and ex.index_keys is st.index_keys
+    ex.prefill_path, ex.row_path, ex.fused_attention = "dense", False, True
+    assert (st.prefill_path, st.row_path, st.fused_attention) == ("dense", False, True)
+    st.prefill_tile = 16
+    assert ex.prefill_tile == 16
+    assert type(ex).kv.name == "kv"  # the class attribute is the descriptor
+
+
+def test_slot_state_round_trip(model64: DeepSeekV41, seq: torch.Tensor) -> None:
+    """slot_state / load_slot_state move a slot's whole state: the next decode step on the new slot (same
+    blocks) gives the logits of that step on the original slot; a state with missing fields is refused."""
+    s = Session(model64)
+    s.step([(0, seq[:40], 0, 1)])
+    s._ensure(0, 41)
+    orig = s.slot[0]
+    other = (orig + 1) % s.ex.num_slots
+    s.ex.load_slot_state(other, s.ex.slot_state(orig))
+
+    def decode(slot: int) -> torch.Tensor:  # rewrites the same block entries with the same values
+        b = ForwardBatch(token_ids=seq[40:41].numpy(), query_lens=[1], start_pos=[40],
+                         block_tables=s.pool.block_tables([0]), state_slots=[slot], num_logits=[1])
+        return s.ex.execute(b).logits
+
+    moved, there = decode(other), decode(orig)
+    assert torch.equal(moved, there)
+    with pytest.raises(ValueError, match="slot state: fields"):
+        s.ex.load_slot_state(other, {k: v for k, v in s.ex.slot_state(orig).items() if k != "floor"})

@@ -23,6 +23,8 @@ from deepinfer_core.model.layers.rope import apply_rope_, norm_rope, rope_inv_fr
 
 
 class Attention(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (register_buffer below), declared for its type
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
