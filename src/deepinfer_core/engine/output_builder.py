@@ -243,7 +243,7 @@ class OutputBuilder:
         for rid, toks in notes.items():
             t = self._tracks.get(rid)
             info = live(rid) if t is not None and t.final is None else None
-            if info is None:
+            if t is None or info is None:
                 continue  # ended (its final output covers it) or gone (reset)
             n_out, cap = info
             want = n_out if cap is None else min(n_out, cap)

@@ -208,7 +208,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
     def step_wish(self) -> tuple[bool, bool]:
         """This rank's (has prefill work it can start now, has decode work), for the group vote."""
-        return tuple(self._impl.wish())
+        prefill, decode = self._impl.wish()
+        return bool(prefill), bool(decode)
 
     def schedule(
         self,

@@ -19,6 +19,7 @@ try:  # the C++ pass is what makes the fast path cheap; without it the manager k
     EOS_ONLY: Any = _C_structured.eos_only_rows_ptr
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build
     FINISH_PTR = COUNT_DEAD = EOS_ONLY = None
+_FastFill: Any  # None where the build predates it
 try:  # round 3: the whole per-call path in C++ (csrc/structured/fastfill.cpp)
     from deepinfer_core._C.structured import FastFill as _FastFill
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build

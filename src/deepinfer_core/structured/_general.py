@@ -221,6 +221,6 @@ def _finish_rows(a: np.ndarray, tail: np.ndarray | None, keep: np.int32 | None, 
 try:  # the C++ pass is an optimisation; a tree whose extension predates it still works
     from deepinfer_core._C import structured as _C_structured
 
-    _C_FINISH_ROWS = _C_structured.finish_rows
+    _C_FINISH_ROWS: Any = _C_structured.finish_rows
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build
     _C_FINISH_ROWS = None

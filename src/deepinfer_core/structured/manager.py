@@ -531,6 +531,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 _COUNT_DEAD = _fastpath.COUNT_DEAD
 _REJECT = 255  # ByteFilter.REJECT
+_ByteFilter: Any  # None where the build predates it
 try:
     from deepinfer_core._C.structured import ByteFilter as _ByteFilter
 except (ImportError, AttributeError):  # pragma: no cover - depends on the build

@@ -62,7 +62,7 @@ class GenRequest:
 
 # SamplingParams fields -> the request field a user wrote (for the 400's "param")
 _PARAM_OF = {"so_args": "response_format", "stop": "stop", "stop_token_ids": "stop_token_ids"}
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
@@ -231,7 +231,8 @@ def parse_completion(body: Any, served: str, tokenizer: Any) -> GenRequest:
             "prompt: must be a string, a list of strings, a list of token ids or a list of such lists",
             "prompt",
         )
-    ids, texts = [], []
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if not p:
