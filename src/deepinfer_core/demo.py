@@ -35,7 +35,7 @@ def _build() -> None:
 
     info = dict(_C.core.build_info())
     std = int(info.get("cplusplus", 0)) // 100 % 100  # 201703 -> C++17
-    print(f"  C++ core deepinfer_core._C {getattr(_C, "__version__", "?")} ({info.get('compiler')}, C++{std}, release build: "
+    print(f"  C++ core deepinfer_core._C {getattr(_C, '__version__', '?')} ({info.get('compiler')}, C++{std}, release build: "
           f"{info.get('ndebug')}); components in C++: {', '.join(m for m in _C.submodules if m != 'core')}")
     print(f"  DEEPINFER_* switches: {get_envs()}")
 

@@ -87,7 +87,7 @@ def test_gpu_path_sizes_from_memory_with_fake_numbers() -> None:
                                memory=lambda: (70 * gib, 80 * gib), hidden_size=256, dtype_bytes=2)
     assert size.source == "memory" and cfg.max_num_seqs == sizing.GPU_MAX_NUM_SEQS
     assert cfg.num_blocks == sizing.FULL_FILLS_CAP * 256 * 64 + 1  # plenty of memory: the cap binds
-    with pytest.raises(ValueError, match="EngineConfig.gpu_memory_utilization"):
+    with pytest.raises(ValueError, match=r"EngineConfig\.gpu_memory_utilization"):
         sizing.resolve(_cfg(max_model_len=1024, gpu_memory_utilization=0.1), on_gpu=True, cost=lambda: cost,
                        memory=lambda: (70 * gib, 80 * gib), hidden_size=256, dtype_bytes=2)
 
