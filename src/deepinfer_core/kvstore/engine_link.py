@@ -130,7 +130,7 @@ class StoreLink:
         hashed or called; the fetch stops at the first block past ``read_timeout_s`` since it began."""
         g = self.guard
         if not g.allows(READ):
-            g.stats.skipped_reads += 1
+            g.skip(READ)
             return []
         budget = g.config.read_timeout_s
         t0 = time.monotonic()
@@ -168,7 +168,7 @@ class StoreLink:
         if to_block <= from_block:
             return
         if not g.allows(WRITE):
-            g.stats.skipped_writes += 1
+            g.skip(WRITE)
             return
         keys = self.keys(tokens[: to_block * self.block_size])
         todo = [i for i in range(from_block, to_block) if not g.exists(keys[i])]  # a failed lookup: write it

@@ -296,6 +296,15 @@ class StoreGuard:
                 self._workers.submit(self._probe, side)
             return b.state == "closed"
 
+    def skip(self, side: str) -> None:
+        """Count a call (or a caller's whole operation) not made because ``side``'s breaker is open."""
+        with self._lock:
+            self._breakers[side].skipped += 1
+            if side == READ:
+                self.stats.skipped_reads += 1
+            else:
+                self.stats.skipped_writes += 1
+
     def state(self, side: str) -> str:
         """"closed" (calls go through), "open" (skipped; waiting for the back-off) or "probing"."""
         return self._breakers[side].state
@@ -318,7 +327,7 @@ class StoreGuard:
             kind = classify(e)
             self._count("check", kind)
             log.warning("kvstore: the store did not answer at start (%s: %s, kind %r); the engine starts without "
-                        "it (every lookup a miss, no writes) and probes it every %.1f-%.0f s", type(e).__name__,
+                        "it (every lookup a miss, no writes) and probes it every %.3g-%.3g s", type(e).__name__,
                         _short(e), kind, self.config.backoff_s, self.config.max_backoff_s)
             with self._lock:
                 for b in self._breakers.values():
@@ -335,12 +344,7 @@ class StoreGuard:
     # ------------------------------------------------------------------ internals
     def _call(self, side: str, op: str, fn: Callable[..., Any], args: tuple, default: Any) -> Any:
         if not self.allows(side):
-            with self._lock:
-                self._breakers[side].skipped += 1
-                if side == READ:
-                    self.stats.skipped_reads += 1
-                else:
-                    self.stats.skipped_writes += 1
+            self.skip(side)
             return default
         try:
             out = fn(*args) if self._inline[side] else self._deadline(fn, args, self.config.timeout(side))
