@@ -5,7 +5,8 @@ redis-server this script starts on 127.0.0.1. Each round runs the same batch of 
 admission misses the GPU prefix index and B looks the prefix up in its store) on A, then on B; the
 metric is B's wall time per engine step over A's, median over rounds (the machine is shared: quote the
 ratio). Phases: Redis up (a healthy store's cost), SIGSTOPped (every call would wait for the socket
-timeout), killed (refused connections). In the two fault phases the first round of B opens the breaker
+timeout), resumed (SIGCONT: the breaker's probe finds it and the store is used again), killed (refused
+connections). In the two fault phases the first round of B opens the breaker
 (its extra time, the price of ``failure_threshold`` timeouts, is reported on its own); the rounds after
 it are the measurement. A CPU-time ratio (this process) is reported too: the wall ratio includes other
 users of the machine.
@@ -57,7 +58,8 @@ def main() -> None:
         cfg = {"model": "tiny-random", "seed": 0, "num_blocks": 1024, "block_size": 16, "max_num_seqs": args.batch}
         store = RedisKVStore(url=url)
         a = LLM(**cfg)
-        b = LLM(kv_store=store, **cfg)
+        # back-off capped at 2 s so the store is back in use soon after SIGCONT (the defaults: 1 s .. 30 s)
+        b = LLM(kv_store=store, kv_store_guard={"backoff_s": 0.5, "max_backoff_s": 2.0}, **cfg)
         sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         rng = np.random.default_rng(0)
 
@@ -65,19 +67,25 @@ def main() -> None:
             return [rng.integers(3, 259, args.prompt_len).tolist() for _ in range(args.batch)]
 
         guard = b.engine.prefix.link.guard
+        written = 0
         warm = batch()
         round_time(a, warm, sp)
         round_time(b, warm, sp)
-        for phase in ("up", "stopped", "killed"):
+        for phase in ("up", "stopped", "resumed", "killed"):
             if phase == "stopped":
                 os.kill(proc.pid, signal.SIGSTOP)
-            elif phase == "killed":
+            elif phase == "resumed":  # SIGCONT; the breaker's next probe finds the store again
                 os.kill(proc.pid, signal.SIGCONT)
+                end = time.monotonic() + 30
+                while not (guard.allows("read") and guard.allows("write")) and time.monotonic() < end:
+                    time.sleep(0.05)
+                log(f"resumed: breaker read={guard.state('read')} write={guard.state('write')}")
+            elif phase == "killed":
                 proc.kill()
                 proc.wait()
             p = {"phase": phase, "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": 16,
                  "model": "tiny-random float32", "store": "RedisKVStore(timeout_s=0.1)"}
-            if phase != "up":  # the round in which the breaker opens, on its own
+            if phase in ("stopped", "killed"):  # the round in which the breaker opens, on its own
                 prompts = batch()
                 wa, _, sa = round_time(a, prompts, sp)
                 wb, _, sb = round_time(b, prompts, sp)
@@ -97,6 +105,9 @@ def main() -> None:
             emit(BENCH, p, "step_ms_with_store", 1e3 * statistics.median(per_b), "ms")
             emit(BENCH, p, "step_time_ratio", statistics.median(wr), "ratio")
             emit(BENCH, p, "step_cpu_ratio", statistics.median(cr), "ratio")
+            if phase in ("up", "resumed"):  # the store is really in use: blocks written back in this phase
+                emit(BENCH, p, "written_blocks", b.engine.prefix.link.written_blocks - written, "blocks")
+            written = b.engine.prefix.link.written_blocks
             if phase != "up":
                 emit(BENCH, p, "store_calls_skipped", guard.stats.skipped_reads + guard.stats.skipped_writes, "calls")
         emit(BENCH, {"phase": "end"}, "kv_store_errors", sum(guard.stats.errors.values()), "errors")

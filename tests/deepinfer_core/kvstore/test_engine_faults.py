@@ -149,7 +149,7 @@ def engine(store, *, tight: bool, spec: bool, async_mode: bool, prompts, params)
 
 
 @pytest.mark.parametrize("backend", ["memory", "file", "redis"])
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_faults_cost_hits_never_requests(backend, request, data, caplog):
     caplog.set_level(logging.ERROR)  # the guard's warnings are expected here
@@ -324,7 +324,7 @@ def test_redis_killed_or_stopped_then_restarted(event, redis_server, seed, at, s
     caplog.set_level(logging.ERROR)
     redis_server.restart()  # a fresh server for each example
     store = RedisKVStore(url=redis_server.url, namespace=b"k" + uuid.uuid4().bytes + b":")
-    prompts, params = workload(seed, 4)
+    prompts, params = workload(seed, 3)
     llm = engine(store, tight=False, spec=spec, async_mode=False, prompts=prompts, params=params)
     g = llm.engine.prefix.link.guard
 
@@ -343,13 +343,10 @@ def test_redis_killed_or_stopped_then_restarted(event, redis_server, seed, at, s
         assert g.state("read") != "closed" and g.stats.total_errors >= 1
         kinds = set(g.stats.errors)
         assert kinds <= {"connection", "timeout"}, g.stats.errors
-        # with the breaker open a step costs no store call, so no store timeout
-        llm.engine.reset()
-        n = g.stats.total_errors + g.stats.skipped_reads
-        t0 = time.perf_counter()
-        drive(llm, prompts, params, tag="t")
-        assert time.perf_counter() - t0 < 30
-        assert g.stats.skipped_reads > 0 or g.stats.total_errors + g.stats.skipped_reads > n
+        # once the breaker is open a step makes no store call, so it waits for no store timeout: the
+        # calls that reached the dead store are the threshold's few (and off-path probes), the rest skipped
+        assert g.stats.skipped_reads + g.stats.skipped_writes > 0
+        assert g.stats.op_errors.get("get", 0) + g.stats.op_errors.get("exists", 0) <= 2 * FAST.failure_threshold
         check_free(llm)
     finally:
         if event == "stop":
