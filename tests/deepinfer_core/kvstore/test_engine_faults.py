@@ -60,14 +60,16 @@ def want(prompts, params) -> list[list[int]]:
     return [_WANT[k] for k in keys]
 
 
-def workload(seed: int, n_req: int, lo: int = 90, hi: int = 110):
+def workload(seed: int, n_req: int, lo: int = 80, hi: int = 96):
+    """Prompts on two shared prefixes (long enough to leave a hit past the exact decoder tail of 61
+    tokens), plus a short unrelated one in the same batches; small sizes keep CI fast."""
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(3, 259, int(rng.integers(lo, hi))).tolist() for _ in range(2)]
-    prompts = [prefixes[int(rng.integers(0, 2))] + rng.integers(3, 259, int(rng.integers(0, 20))).tolist()
+    prompts = [prefixes[int(rng.integers(0, 2))] + rng.integers(3, 259, int(rng.integers(0, 12))).tolist()
                for _ in range(n_req)]
     if n_req > 2:  # a short prompt that never reaches the store, in the same batches
-        prompts[-1] = rng.integers(3, 259, int(rng.integers(5, 40))).tolist()
-    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 8)), ignore_eos=True) for _ in prompts]
+        prompts[-1] = rng.integers(3, 259, int(rng.integers(5, 30))).tolist()
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 6)), ignore_eos=True) for _ in prompts]
     return prompts, params
 
 
@@ -122,7 +124,7 @@ def recovers(llm: LLM, seed: int) -> None:
     """With the store restored, new prompts are written back and, once the GPU index is gone, hit the store."""
     wait_closed(llm)
     link = llm.engine.prefix.link
-    prompts, params = workload(seed + 1, 2, 100, 110)
+    prompts, params = workload(seed + 1, 1, 90, 100)
     drive(llm, prompts, params, tag="w")
     written = link.written_blocks
     llm.engine.reset()  # an empty GPU index: only the store can serve the prefix now (the guard is kept)
@@ -149,12 +151,12 @@ def engine(store, *, tight: bool, spec: bool, async_mode: bool, prompts, params)
 
 
 @pytest.mark.parametrize("backend", ["memory", "file", "redis"])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_faults_cost_hits_never_requests(backend, request, data, caplog):
     caplog.set_level(logging.ERROR)  # the guard's warnings are expected here
     seed = data.draw(st.integers(0, 2**31), "seed")
-    prompts, params = workload(seed, data.draw(st.integers(2, 5), "n_req"))
+    prompts, params = workload(seed, data.draw(st.integers(2, 4), "n_req"))
     spec, tight, async_mode = data.draw(st.booleans(), "spec"), data.draw(st.booleans(), "tight"), data.draw(st.booleans(), "async")
     errors = data.draw(st.lists(st.sampled_from([e for e, _ in BACKEND_ERRORS]), min_size=1, max_size=4), "errors")
     modes = tuple(data.draw(st.lists(st.sampled_from(["raise", "raise", "slow", "late", "hang"]), min_size=1,
