@@ -59,9 +59,6 @@ def _fail(field: str, msg: str) -> ValueError:
     return ValueError(f"SamplingParams.{field}: {msg}")
 
 
-def _check(cond: bool, field: str, msg: str) -> None:
-    if not cond:
-        raise _fail(field, msg)
 
 
 def as_int(v: object, field: str, lo: int, hi: int) -> int:
@@ -73,22 +70,22 @@ def as_int(v: object, field: str, lo: int, hi: int) -> int:
     elif isinstance(v, numbers.Real):
         f = float(v)
         if not math.isfinite(f) or f != math.floor(f):
-            raise _fail(field, f"{v!r} must be an int in [{lo}, {hi}] (non-integral values are not rounded)")
+            raise _fail(field, f"{short_repr(v)} must be an int in [{lo}, {hi}] (non-integral values are not rounded)")
         i = int(f)
     else:
-        raise _fail(field, f"{v!r} ({type(v).__name__}) must be an int in [{lo}, {hi}]")
+        raise _fail(field, f"{short_repr(v)} ({type(v).__name__}) must be an int in [{lo}, {hi}]")
     if not lo <= i <= hi:
-        raise _fail(field, f"{i} must be in [{lo}, {hi}]")
+        raise _fail(field, f"{short_repr(i)} must be in [{lo}, {hi}]")
     return i
 
 
 def as_float(v: object, field: str) -> float:
     """``v`` as a finite Python float, or ValueError naming ``field``."""
     if isinstance(v, bool) or type(v).__name__ == "bool_" or not isinstance(v, numbers.Real):
-        raise _fail(field, f"{v!r} ({type(v).__name__}) must be a finite number")
+        raise _fail(field, f"{short_repr(v)} ({type(v).__name__}) must be a finite number")
     f = float(v)
     if not math.isfinite(f):
-        raise _fail(field, f"{v!r} must be finite")
+        raise _fail(field, f"{short_repr(v)} must be finite")
     return f
 
 
@@ -99,18 +96,18 @@ def _stop_strings(v: object) -> tuple[str, ...]:
     if isinstance(v, str):
         v = [v]
     if isinstance(v, bytes | bytearray | Mapping) or not hasattr(v, "__iter__"):
-        raise _fail("stop", f"{v!r} must be a str or a list of str")
+        raise _fail("stop", f"{short_repr(v)} must be a str or a list of str")
     out = tuple(v)
     for i, s in enumerate(out):
         if not isinstance(s, str) or not s:
-            raise _fail(f"stop[{i}]", f"{s!r} must be a non-empty str")
+            raise _fail(f"stop[{i}]", f"{short_repr(s)} must be a non-empty str")
     return out
 
 
 def _token_ids(v: object) -> tuple[int, ...]:
     """``stop_token_ids`` as a tuple of ints (any iterable of integers; not a str, bytes, dict or scalar)."""
     if isinstance(v, str | bytes | bytearray | memoryview | Mapping) or not hasattr(v, "__iter__"):
-        raise _fail("stop_token_ids", f"{v!r} must be a list of token ids (ints)")
+        raise _fail("stop_token_ids", f"{short_repr(v)} must be a list of token ids (ints)")
     out = []
     for i, t in enumerate(v):
         out.append(as_int(t, f"stop_token_ids[{i}]", 0, INT32_MAX))
@@ -149,45 +146,51 @@ class SamplingParams:
     output_kind: RequestOutputKind = attrs.field(default=RequestOutputKind.CUMULATIVE, converter=_output_kind)
 
     def __attrs_post_init__(self) -> None:
+        # Every message below is formatted only when its check fails (``raise _fail``, never a message
+        # built up front): a request's parameters may hold a 1 MB grammar, and a passing check must not
+        # pay for its repr. Values in messages go through ``short_repr``.
         put = object.__setattr__  # frozen: normalised values are written once, here
         t = as_float(self.temperature, "temperature")
-        _check(t >= 0.0, "temperature", f"{t} must be >= 0 (0 is greedy)")
+        if not t >= 0.0:
+            raise _fail("temperature", f"{t} must be >= 0 (0 is greedy)")
         if 0.0 < t < MIN_TEMPERATURE:
             log.warning("SamplingParams.temperature=%g is below %g, which overflows float32 logits / T; "
                         "using %g (vLLM's rule)", t, MIN_TEMPERATURE, MIN_TEMPERATURE)
             t = MIN_TEMPERATURE
         put(self, "temperature", t)
         p = as_float(self.top_p, "top_p")
-        _check(0.0 < p <= 1.0, "top_p", f"{p} must be in (0, 1]")
+        if not 0.0 < p <= 1.0:
+            raise _fail("top_p", f"{p} must be in (0, 1]")
         put(self, "top_p", p)
         k = as_int(self.top_k, "top_k", -1, INT64_MAX)
         put(self, "top_k", -1 if k == 0 else k)
         if self.max_tokens is not None:
             put(self, "max_tokens", as_int(self.max_tokens, "max_tokens", 1, INT32_MAX))
         put(self, "min_tokens", as_int(self.min_tokens, "min_tokens", 0, INT32_MAX))
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"{self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
-        _check(isinstance(self.ignore_eos, bool) or type(self.ignore_eos).__name__ == "bool_", "ignore_eos",
-               f"{self.ignore_eos!r} must be a bool")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"{self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+        if not (isinstance(self.ignore_eos, bool) or type(self.ignore_eos).__name__ == "bool_"):
+            raise _fail("ignore_eos", f"{short_repr(self.ignore_eos)} must be a bool")
         put(self, "ignore_eos", bool(self.ignore_eos))
-        _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
-               f"{self.include_stop_str_in_output!r} must be a bool")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise _fail("include_stop_str_in_output", f"{short_repr(self.include_stop_str_in_output)} must be a bool")
         if self.seed is not None:
             put(self, "seed", as_int(self.seed, "seed", 0, INT64_MAX))
         put(self, "n", as_int(self.n, "n", 1, MAX_N))
         if self.best_of is not None:
             b = as_int(self.best_of, "best_of", 1, MAX_N)
-            _check(b == self.n, "best_of", f"{b} is not supported unless equal to n={self.n}: ranking samples needs "
-                                           "log-probabilities, which the engine does not compute; use n")
+            if b != self.n:
+                raise _fail("best_of", f"{b} is not supported unless equal to n={self.n}: ranking samples needs "
+                                       "log-probabilities, which the engine does not compute; use n")
             put(self, "best_of", b)
         if self.so_args is not None:
             so = self.so_args
             # one constraint, plus optional engine options / preferred engine (checked in full by
             # deepinfer_core.structured.GrammarSpec when the request is added; it fails alone)
-            _check(isinstance(so, Mapping) and sum(k in SO_KINDS for k in so) == 1
-                   and all(k in SO_KINDS or k in ("options", "engine") for k in so), "so_args",
-                   f"must be a dict with exactly one key of {sorted(SO_KINDS)} (optionally 'options', "
-                   f"'engine'), got {short_repr(so)}")
+            if not (isinstance(so, Mapping) and sum(k in SO_KINDS for k in so) == 1
+                    and all(k in SO_KINDS or k in ("options", "engine") for k in so)):
+                raise _fail("so_args", f"must be a dict with exactly one key of {sorted(SO_KINDS)} (optionally "
+                            f"'options', 'engine'), got {short_repr(so)}")
 
     @property
     def greedy(self) -> bool:
@@ -195,9 +198,12 @@ class SamplingParams:
 
 
 def short_repr(v: object, n: int = 200) -> str:
-    """``repr`` cut to ``n`` characters (a huge or deeply nested value must not flood the message)."""
+    """``repr`` cut to ``n`` characters (a huge or deeply nested value must not flood the message). A str
+    or bytes is cut before its repr is built, so a 1 MB value costs O(n) here, not O(size)."""
+    if isinstance(v, str | bytes | bytearray) and len(v) > n:
+        return repr(v[:n]) + f"... ({len(v)} {'characters' if isinstance(v, str) else 'bytes'})"
     try:
         r = repr(v)
-    except (RecursionError, ValueError):
+    except (RecursionError, ValueError):  # ValueError: an int too large to convert to decimal
         return f"<{type(v).__name__}>"
     return r if len(r) <= n else r[:n] + "..."

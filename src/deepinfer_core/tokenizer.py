@@ -209,43 +209,39 @@ class V41Tokenizer(HFTokenizer):
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                     add_generation_prompt: bool = True, thinking: bool = False) -> list[int]:
         """Token ids of a conversation (``role`` in system / user / assistant / tool; an assistant message
-        may carry ``tool_calls`` [{"name", "arguments"}]). Text is always encoded as text."""
+        may carry ``tool_calls`` [{"name", "arguments"}]). Text is always encoded as text.
+
+        Every malformed input is a :class:`ChatError` naming its field and index (``messages[3].content``,
+        ``messages[1].tool_calls[0].arguments``, ``tools[2]``), found before anything is encoded."""
+        msgs = _check_chat(messages, tools)
         ids = self._c(BOS)
-        system = [m for m in messages if m.get("role") == "system"]
-        sys_text = "\n\n".join(_content(m, i) for i, m in enumerate(system))
+        sys_text = "\n\n".join(m.content for m in msgs if m.role == "system")
         if tools:
-            sys_text += ("\n\n" if sys_text else "") + "## Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
+            sys_text += ("\n\n" if sys_text else "") + "## Tools\n" + "\n".join(
+                json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
         ids += self.encode(sys_text)
         in_outputs = False
-        for i, m in enumerate(messages):
-            role = m.get("role")
-            if role == "system":
+        for m in msgs:
+            if m.role == "system":
                 continue
-            if role != "tool" and in_outputs:
+            if m.role != "tool" and in_outputs:
                 ids += self._c(OUTPUTS_END)
                 in_outputs = False
-            if role == "user":
-                ids += self._c(USER) + self.encode(_content(m, i))
-            elif role == "assistant":
-                ids += self._c(ASSISTANT) + self._c(END_THINK) + self.encode(_content(m, i, allow_empty=True))
-                calls = m.get("tool_calls") or []
-                if calls:
+            if m.role == "user":
+                ids += self._c(USER) + self.encode(m.content)
+            elif m.role == "assistant":
+                ids += self._c(ASSISTANT) + self._c(END_THINK) + self.encode(m.content)
+                if m.calls:
                     ids += self._c(CALLS_BEGIN)
-                    for j, c in enumerate(calls):
-                        if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
-                            raise ChatError(f"messages[{i}].tool_calls[{j}]: needs a 'name' string")
-                        args = c.get("arguments", "")
-                        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-                        ids += self._c(CALL_BEGIN) + self.encode(c["name"]) + self._c(TOOL_SEP) + self.encode(args) + self._c(CALL_END)
+                    for name, args in m.calls:
+                        ids += self._c(CALL_BEGIN) + self.encode(name) + self._c(TOOL_SEP) + self.encode(args) + self._c(CALL_END)
                     ids += self._c(CALLS_END)
                 ids += self._c(EOS)
-            elif role == "tool":
+            else:  # tool
                 if not in_outputs:
                     ids += self._c(OUTPUTS_BEGIN)
                     in_outputs = True
-                ids += self._c(OUTPUT_BEGIN) + self.encode(_content(m, i)) + self._c(OUTPUT_END)
-            else:
-                raise ChatError(f"messages[{i}].role={role!r}: must be one of 'system', 'user', 'assistant', 'tool'")
+                ids += self._c(OUTPUT_BEGIN) + self.encode(m.content) + self._c(OUTPUT_END)
         if in_outputs:
             ids += self._c(OUTPUTS_END)
         if add_generation_prompt:
@@ -276,10 +272,80 @@ class V41Tokenizer(HFTokenizer):
         return {"reasoning": self.decode(reasoning), "content": self.decode(ids), "tool_calls": calls}
 
 
-def _content(m: Mapping[str, Any], i: int, allow_empty: bool = False) -> str:
-    v = m.get("content")
-    if v is None and allow_empty:
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class _Msg:
+    __slots__ = ("calls", "content", "role")
+
+    def __init__(self, role: str, content: str, calls: list[tuple[str, str]]) -> None:
+        self.role, self.content, self.calls = role, content, calls
+
+
+def _kind(v: object) -> str:
+    return type(v).__name__
+
+
+def _text(v: object, where: str, *, allow_none: bool = False) -> str:
+    """``v`` as text that UTF-8 can encode, or a ChatError naming ``where``."""
+    if v is None and allow_none:
         return ""
     if not isinstance(v, str):
-        raise ChatError(f"messages[{i}].content: must be a string (got {type(v).__name__})")
+        raise ChatError(f"{where}: must be a string{' or None' if allow_none else ''} (got {_kind(v)})")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ChatError(f"{where}: not valid Unicode text (a lone surrogate at index {e.start})") from None
     return v
+
+
+def _json(v: object, where: str) -> str:
+    """A tool call's arguments or a tool schema as JSON text, or a ChatError naming ``where``."""
+    try:
+        return json.dumps(v, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:  # a set, bytes, NaN, a cycle, nesting too deep
+        raise ChatError(f"{where}: must be a JSON string or a JSON-serialisable value ({type(e).__name__}: "
+                        f"{str(e)[:200]})") from None
+
+
+def _check_chat(messages: object, tools: object) -> list[_Msg]:
+    """Validate a conversation before anything is encoded; the messages as (role, text, tool calls)."""
+    if isinstance(messages, str | bytes | bytearray | Mapping) or not isinstance(messages, Sequence):
+        raise ChatError(f"messages: must be a list of message dicts (got {_kind(messages)})")
+    if tools is not None:
+        if isinstance(tools, str | bytes | bytearray | Mapping) or not isinstance(tools, Sequence):
+            raise ChatError(f"tools: must be a list of tool dicts (got {_kind(tools)})")
+        for k, t in enumerate(tools):
+            if not isinstance(t, Mapping):
+                raise ChatError(f"tools[{k}]: must be a dict (got {_kind(t)})")
+            _text(_json(t, f"tools[{k}]"), f"tools[{k}]")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatError(f"messages[{i}]: must be a dict with 'role' and 'content' (got {_kind(m)})")
+        if "role" not in m:
+            raise ChatError(f"messages[{i}].role: missing; must be one of {', '.join(map(repr, ROLES))}")
+        role = m["role"]
+        if role not in ROLES:
+            small = role is None or isinstance(role, bool | float) or (isinstance(role, str) and len(role) <= 40) \
+                or (isinstance(role, int) and abs(role) < 10**30)
+            shown = repr(role) if small else f"<{_kind(role)}>"  # never a huge value's repr in the message
+            raise ChatError(f"messages[{i}].role={shown}: must be one of {', '.join(map(repr, ROLES))}")
+        content = _text(m.get("content"), f"messages[{i}].content", allow_none=role == "assistant")
+        calls: list[tuple[str, str]] = []
+        raw = m.get("tool_calls")
+        if raw and role != "assistant":
+            raise ChatError(f"messages[{i}].tool_calls: only an assistant message may carry tool calls (role {role!r})")
+        if raw:
+            if isinstance(raw, str | bytes | bytearray | Mapping) or not isinstance(raw, Sequence):
+                raise ChatError(f"messages[{i}].tool_calls: must be a list of {{'name', 'arguments'}} dicts (got {_kind(raw)})")
+            for j, c in enumerate(raw):
+                where = f"messages[{i}].tool_calls[{j}]"
+                if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
+                    raise ChatError(f"{where}: needs a 'name' string")
+                name = _text(c["name"], f"{where}.name")
+                args = c.get("arguments", "")
+                args = args if isinstance(args, str) else _json(args, f"{where}.arguments")
+                calls.append((name, _text(args, f"{where}.arguments")))
+        out.append(_Msg(role, content, calls))
+    return out

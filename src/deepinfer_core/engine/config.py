@@ -19,6 +19,22 @@ def _check(cond: bool, field: str, msg: str) -> None:
         raise ValueError(f"EngineConfig.{field}: {msg}")
 
 
+def _guard_config(v: object) -> object:
+    """``kv_store_guard``: None, a ``StoreGuardConfig``, or a dict of its fields (its errors name the field)."""
+    if v is None:
+        return None
+    from deepinfer_core.kvstore.guard import StoreGuardConfig
+
+    if isinstance(v, dict):
+        try:
+            return StoreGuardConfig(**v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"EngineConfig.kv_store_guard: {e}") from None
+    _check(isinstance(v, StoreGuardConfig), "kv_store_guard",
+           f"{type(v).__name__}: must be None, a kvstore.StoreGuardConfig or a dict of its fields")
+    return v
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -57,7 +73,9 @@ class EngineConfig:
     ``kv_store`` attaches an external ``protocols.KVBlockStore`` (docs/kvstore.md; needs
     ``prefix_caching``): a GPU prefix miss continues in the store block by block (fetched blocks, then
     the SWA state by replay), and finished blocks are written back, decode's too, under the TTL of
-    ``kv_store_traffic_class``.
+    ``kv_store_traffic_class``. A store fault is a miss or a skipped write, never a failed request:
+    ``kv_store_guard`` (a ``kvstore.StoreGuardConfig`` or a dict of its fields; None: its defaults) sets
+    the store calls' timeouts and the circuit breaker (docs/kvstore.md, "Faults").
     """
 
     model: str = "tiny"
@@ -84,6 +102,7 @@ class EngineConfig:
     swa_host_bytes: int = 256 << 20
     kv_store: object | None = attrs.field(default=None, eq=False, repr=False)
     kv_store_traffic_class: str = "chatbot"
+    kv_store_guard: object | None = attrs.field(default=None, converter=_guard_config)
 
     def __attrs_post_init__(self) -> None:
         _check(isinstance(self.model, str) and (self.model in MODELS or Path(self.model).is_dir()), "model",
@@ -125,6 +144,11 @@ class EngineConfig:
             _check(self.prefix_caching is True, "kv_store", "needs prefix_caching=True (the store continues its hits)")
         _check(isinstance(self.kv_store_traffic_class, str) and bool(self.kv_store_traffic_class),
                "kv_store_traffic_class", f"{self.kv_store_traffic_class!r}: must be a non-empty str (a TTL class)")
+        ttl = getattr(self.kv_store, "ttl", None)
+        known = getattr(ttl, "ttls_s", None)
+        if self.kv_store is not None and isinstance(known, dict):  # a class the store's TTL policy lacks fails now
+            _check(self.kv_store_traffic_class in known, "kv_store_traffic_class",
+                   f"{self.kv_store_traffic_class!r}: the store's TTL policy knows only {sorted(known)}")
         for name in ("quantize", "async_scheduling", "async_overlap", "speculative", "prefix_caching"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
         _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)

@@ -63,6 +63,9 @@ class PrefixStats:
     replayed_tokens: int = 0
     host_restores: int = 0
     encoder_replays: int = 0
+    # the external store's faults by kind (kvstore.KINDS), the engine's kv_store_errors: the live dict of
+    # its StoreGuard (GuardStats.errors; engine.prefix.link.guard.stats has the rest)
+    kv_store_errors: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -127,10 +130,11 @@ class PrefixCaching:
         ng = shared // self.bs
         lim = max(0, n - self.tail) // self.al * self.al  # the planner keeps no more: fetch nothing past it
         fetched = self.link.fetch(toks[:lim], ng) if self.link is not None and lim > shared else []
-        hit = shared + len(fetched) * self.bs  # the external store continues the GPU hit block by block
-        plan = plan_replay(self.cfg, n, hit, self.pending)
-        if plan.hit > 0 and self.store.has(dig[plan.hit // self.bs - 1], plan.hit):
-            plan = plan_replay(self.cfg, n, hit, self.pending, host_state=True)
+        # the external store continues the GPU hit block by block (a store fault is a miss: kvstore.guard)
+        plan = self._plan(n, shared + len(fetched) * self.bs, dig)
+        nb = plan.hit // self.bs
+        if nb > ng and not self.link.land(table[ng:nb], fetched[: nb - ng]):  # a failed swap-in is a miss too
+            plan = self._plan(n, shared, dig)
         if plan.hit < shared:  # the scheduler's cap is the planner's: a shared block is never recomputed
             raise RuntimeError(f"prefix caching: seq {seq} was admitted on {shared} shared tokens but the replay "
                                f"plan keeps only {plan.hit} (scheduler prefix_align / prefix_tail out of step)")
@@ -140,8 +144,6 @@ class PrefixCaching:
             return
         nb = plan.hit // self.bs
         ex = self.ex
-        if nb > ng:  # the rest of the hit came from the external store (docs/kvstore.md)
-            self.link.codec.write(table[ng:nb], fetched[: nb - ng])
         first = plan.steps[0]
         ctx = toks[max(0, first.start - self._ctx) : first.start]
         if first.kind == ENCODER_RESTORE:
@@ -161,6 +163,12 @@ class PrefixCaching:
         m[1] += plan.replayed_tokens
         log.debug("prefix hit seq %d: %d of %d tokens cached (%s), %d replayed", seq, plan.hit, n,
                   "host rings" if plan.encoder_restored else "encoder replayed", plan.replayed_tokens)
+
+    def _plan(self, n: int, hit: int, dig: list[bytes]) -> ReplayPlan:
+        plan = plan_replay(self.cfg, n, hit, self.pending)
+        if plan.hit > 0 and self.store.has(dig[plan.hit // self.bs - 1], plan.hit):
+            plan = plan_replay(self.cfg, n, hit, self.pending, host_state=True)
+        return plan
 
     def parts(self, seq: int, start: int, end: int) -> RowParts | None:
         """The split of a prefill row of a sequence with a replay plan (None: run it as planned)."""
@@ -338,8 +346,12 @@ def make_prefix_caching(engine: Any) -> PrefixCaching | None:
     if getattr(cfg, "kv_store", None) is not None:
         from deepinfer_core.kvstore import BlockCodec, StoreLink, config_key
 
+        guard = getattr(engine, "_kv_store_guard", None)  # kept across reset(): so is its breaker's state
         pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(engine.executor), cfg.block_size,
-                            extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class)
+                            extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class,
+                            guard=guard if guard is not None else getattr(cfg, "kv_store_guard", None))
+        engine._kv_store_guard = pc.link.guard
+        pc.stats.kv_store_errors = pc.link.guard.stats.errors
     return pc
 
 

@@ -9,11 +9,13 @@ the bytes of a block are the same whichever pool row it came from. torch is impo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from deepinfer_core.kvstore.record import block_keys
+from deepinfer_core.kvstore.guard import READ, WRITE, StoreGuard, StoreGuardConfig
+from deepinfer_core.kvstore.record import TTLPolicy, block_keys
 
 logger = logging.getLogger(__name__)
 
@@ -84,20 +86,38 @@ class BlockCodec:
 
 
 class StoreLink:
-    """A store attached to one engine: ``fetch`` after a GPU prefix miss, ``write_back`` of finished blocks.
+    """A store attached to one engine: ``fetch`` after a GPU prefix miss, ``land`` of the fetched blocks,
+    ``write_back`` of finished blocks.
 
     Keys are ``block_keys(tokens, block_size, extra_key)``; ``extra_key`` must name everything the KV
     depends on besides the tokens (model and weights, cache format), or two engines would share wrong KV.
+    Every store call goes through ``guard`` (a ``StoreGuard``, or one built from a ``StoreGuardConfig`` /
+    None), so a store fault is a miss or a skipped write and never raises here (docs/kvstore.md, "Faults").
+    Configuration errors are raised at construction: a traffic class the store's TTL policy does not
+    know, a store capacity below one block, a store that refuses the configuration at start.
     """
 
-    def __init__(self, store, codec: BlockCodec, block_size: int, *, extra_key: bytes, traffic_class: str = "chatbot") -> None:
+    def __init__(self, store, codec: BlockCodec, block_size: int, *, extra_key: bytes, traffic_class: str = "chatbot",
+                 guard: StoreGuard | StoreGuardConfig | None = None) -> None:
         if not isinstance(extra_key, bytes) or not extra_key:
             raise ValueError("extra_key: must be non-empty bytes naming the model, weights and cache format")
+        ttl = getattr(store, "ttl", None)
+        if isinstance(ttl, TTLPolicy):
+            ttl.ttl_ns(traffic_class)  # ValueError naming the known classes, now rather than at every put
+        cap = getattr(store, "capacity_bytes", None)
+        if isinstance(cap, int) and cap < codec.nbytes:
+            raise ValueError(f"capacity_bytes={cap}: the store holds less than one block of this engine "
+                             f"({codec.nbytes} bytes), so it could never hit")
         self.store = store
         self.codec = codec
         self.block_size = int(block_size)
         self.extra_key = extra_key
         self.traffic_class = traffic_class
+        if isinstance(guard, StoreGuard):
+            self.guard = guard  # an engine's reset keeps its guard: the breaker's state stays
+        else:
+            self.guard = StoreGuard(store, guard)
+            self.guard.check_store()
         self.fetched_blocks = 0
         self.written_blocks = 0
 
@@ -106,31 +126,58 @@ class StoreLink:
 
     def fetch(self, tokens: np.ndarray, from_block: int) -> list[np.ndarray]:
         """The stored blocks of ``tokens`` from block ``from_block`` on, up to the first miss (each hit is
-        touched, restarting its TTL)."""
+        touched, restarting its TTL). A store fault is a miss; with the read breaker open nothing is
+        hashed or called; the fetch stops at the first block past ``read_timeout_s`` since it began."""
+        g = self.guard
+        if not g.allows(READ):
+            g.skip(READ)
+            return []
+        budget = g.config.read_timeout_s
+        t0 = time.monotonic()
         out = []
         for k in self.keys(tokens)[from_block:]:
-            b = self.store.get(k)
+            if budget is not None and out and time.monotonic() - t0 > budget:
+                break
+            b = g.get(k)
             if b is None:
                 break
             if len(b) != self.codec.nbytes:  # another engine's layout under the same key: a miss
                 logger.warning("kvstore: block of %d bytes, this engine's are %d (miss)", len(b), self.codec.nbytes)
                 break
-            self.store.touch(k)
+            g.touch(k)  # best effort: a store that refuses writes still serves the hit
             out.append(np.frombuffer(b, np.uint8))
         self.fetched_blocks += len(out)
         return out
 
+    def land(self, block_ids, payloads) -> bool:
+        """Write fetched blocks into the pool rows ``block_ids`` (the swap-in). False if that failed: the
+        rows belong to the sequence alone, so the caller recomputes them (a miss)."""
+        try:
+            self.codec.write(block_ids, payloads)
+        except Exception as e:
+            self.guard.note_error("swap_in", e)
+            self.fetched_blocks -= len(payloads)
+            return False
+        return True
+
     def write_back(self, tokens: np.ndarray, table: np.ndarray, from_block: int, to_block: int) -> None:
-        """Store blocks [from_block, to_block) of ``tokens`` (held in pool rows ``table``) unless present."""
+        """Store blocks [from_block, to_block) of ``tokens`` (held in pool rows ``table``) unless present.
+        With the write breaker open nothing is hashed, copied or called; a failed put ends this call (the
+        blocks after it could not be hit without it)."""
+        g = self.guard
         if to_block <= from_block:
             return
+        if not g.allows(WRITE):
+            g.skip(WRITE)
+            return
         keys = self.keys(tokens[: to_block * self.block_size])
-        todo = [i for i in range(from_block, to_block) if not self.store.exists(keys[i])]
+        todo = [i for i in range(from_block, to_block) if not g.exists(keys[i])]  # a failed lookup: write it
         if not todo:
             return
         for i, data in zip(todo, self.codec.read(np.asarray(table)[todo])):
-            self.store.put(keys[i], data, traffic_class=self.traffic_class)
-        self.written_blocks += len(todo)
+            if not g.put(keys[i], data, traffic_class=self.traffic_class):
+                break
+            self.written_blocks += 1
 
 
 def config_key(cfg) -> bytes:

@@ -13,13 +13,17 @@ resolution (ns on ext4, xfs, tmpfs). Expired files are misses at once and remove
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import threading
 import uuid
 from pathlib import Path
 
 from deepinfer_core.kvstore import record
 from deepinfer_core.kvstore.record import Clock, StoreStats, TTLPolicy, as_payload, check_key, wall_clock_ns
+
+log = logging.getLogger(__name__)
 
 _SUFFIX = ".kvb"
 _TMP = ".tmp."
@@ -33,6 +37,7 @@ class FileKVStore(record.RecordReads):
     """
 
     chunk_bytes = 1 << 22  # one os.write at most (tests shrink it to crash writers between chunks)
+    call_timeout_s = None  # a hung mount blocks a call for ever: a StoreGuard gives each call a deadline
 
     def __init__(
         self, root: str | os.PathLike, ttl: TTLPolicy | None = None, *, fsync: bool = True, clock: Clock = wall_clock_ns
@@ -45,6 +50,12 @@ class FileKVStore(record.RecordReads):
         self.fsync = bool(fsync)
         self.clock = clock
         self.stats = StoreStats()  # per process; counters are best effort under threads
+
+    def check(self) -> None:
+        """At start (``StoreGuard.check_store``): the root is still a directory we can list."""
+        if not self.root.is_dir():
+            raise ValueError(f"root={str(self.root)!r}: must be a directory")
+        os.listdir(self.root)
 
     def path(self, key: bytes) -> Path:
         h = check_key(key).hex()
@@ -60,36 +71,43 @@ class FileKVStore(record.RecordReads):
         tmp = final.parent / f"{_TMP}{final.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for piece in pieces:
-                mv = memoryview(piece)
-                while len(mv):
-                    n = os.write(fd, mv[: self.chunk_bytes])
-                    mv = mv[n:]
-                    if _after_chunk is not None:  # test hook: lets a test crash a writer mid-block
-                        _after_chunk()
-            if self.fsync:
-                os.fsync(fd)
+            try:
+                for piece in pieces:
+                    mv = memoryview(piece)
+                    while len(mv):
+                        n = os.write(fd, mv[: self.chunk_bytes])
+                        mv = mv[n:]
+                        if _after_chunk is not None:  # test hook: lets a test crash a writer mid-block
+                            _after_chunk()
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            exp = self.clock() + ttl
+            os.utime(tmp, ns=(exp, exp))
+            os.replace(tmp, final)  # the commit point: atomic on POSIX filesystems
         except BaseException:
-            os.close(fd)
+            # a full disk, a directory or a file nobody may replace at ``final``: nothing was committed,
+            # and no temp file is left behind for ``sweep`` (or a full disk) to deal with
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        exp = self.clock() + ttl
-        os.utime(tmp, ns=(exp, exp))
-        os.replace(tmp, final)  # the commit point: atomic on POSIX filesystems
         self.stats.puts += 1
 
     # ---- reads
     def _read(self, key: bytes) -> tuple[str, bytes] | None:
         path = self.path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not block the read
         except FileNotFoundError:
             return None
         try:
             # The open fd pins this inode: a concurrent rename replaces the name, not our bytes, so the
             # mtime and the content we check below belong to one file.
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device where a block goes: damage, a miss
+                self.stats.corrupt += 1
+                log.warning("kvstore: %s is not a regular file (treated as a miss)", path)
+                return None
             if self.clock() >= st.st_mtime_ns:
                 self.stats.expired += 1
                 return None

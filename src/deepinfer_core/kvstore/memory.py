@@ -12,6 +12,8 @@ class InMemoryKVStore:
     """``KVBlockStore`` in process memory. ``capacity_bytes`` (None: unbounded) evicts least recently used
     blocks (a get or touch counts as a use), which is how the simulator models a finite store."""
 
+    call_timeout_s = 0.0  # no call waits on I/O: a StoreGuard calls it inline, without a deadline thread
+
     def __init__(
         self, ttl: TTLPolicy | None = None, *, capacity_bytes: int | None = None, clock: Clock = wall_clock_ns
     ) -> None:

@@ -4,17 +4,20 @@ The Q&A's path is 3FS -> host shared memory (asynchronously, ahead of the step t
 HBM. ``Prefetcher`` is the first hop: ``prefetch(keys)`` returns at once with a handle; worker threads
 read the blocks (file and Redis backends release the GIL in I/O) and land them as numpy uint8 arrays.
 A bound on bytes in flight keeps host memory in check: a batch waits for room before it reads more.
+A store fault is a miss, never an exception out of a batch.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from deepinfer_core.kvstore.guard import StoreGuard, StoreGuardConfig
 from deepinfer_core.kvstore.record import check_key
 
 logger = logging.getLogger(__name__)
@@ -24,7 +27,8 @@ class PrefetchBatch:
     """Blocks being fetched; ``result()`` gives one uint8 array (or None for a miss) per key, in order.
 
     The prefix use: only the leading run of hits is usable (a block's KV needs all blocks before it),
-    which ``leading_hits()`` returns."""
+    which ``leading_hits()`` returns. A read that failed is a miss (the prefetcher's ``StoreGuard``); with
+    a ``timeout``, a read still running when it expires is a miss too (its bytes are not waited for)."""
 
     def __init__(self, keys: list[bytes], futures: list[Future]) -> None:
         self.keys = keys
@@ -34,21 +38,35 @@ class PrefetchBatch:
         return all(f.done() for f in self._futures)
 
     def result(self, timeout: float | None = None) -> list[np.ndarray | None]:
-        return [f.result(timeout) for f in self._futures]
+        end = None if timeout is None else time.monotonic() + timeout
+        return [_get(f, end) for f in self._futures]
 
     def leading_hits(self, timeout: float | None = None) -> list[np.ndarray]:
+        end = None if timeout is None else time.monotonic() + timeout
         out = []
         for f in self._futures:
-            b = f.result(timeout)
+            b = _get(f, end)
             if b is None:
                 break
             out.append(b)
         return out
 
 
+def _get(f: Future, end: float | None) -> np.ndarray | None:
+    """A read's block, or None (a miss) if it is still running at ``end``."""
+    try:
+        return f.result(None if end is None else max(0.0, end - time.monotonic()))
+    except TimeoutError:
+        return None
+
+
 class Prefetcher:
     """Reads blocks of ``store`` on ``num_workers`` threads, at most ``max_inflight_bytes`` held by
-    unfinished reads (a read reserves ``expected_block_bytes`` until it knows its size)."""
+    unfinished reads (a read reserves ``expected_block_bytes`` until it knows its size).
+
+    Reads go through a ``StoreGuard`` (``store`` itself if it is one, else one without deadlines: the
+    reads are already off the caller's path, which bounds its wait with ``result(timeout)``), so a store
+    fault is a miss and its breaker skips a store that is down."""
 
     def __init__(
         self, store, *, num_workers: int = 4, max_inflight_bytes: int = 1 << 30, expected_block_bytes: int = 1 << 20
@@ -59,7 +77,8 @@ class Prefetcher:
                 raise ValueError(f"Prefetcher.{name}={v!r}: must be an int >= 1")
         if expected_block_bytes > max_inflight_bytes:
             raise ValueError("Prefetcher.expected_block_bytes: must be <= max_inflight_bytes")
-        self.store = store
+        self.store = store if isinstance(store, StoreGuard) else StoreGuard(
+            store, StoreGuardConfig(read_timeout_s=None, write_timeout_s=None))
         self.max_inflight_bytes = max_inflight_bytes
         self.expected_block_bytes = expected_block_bytes
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="kvstore-prefetch")

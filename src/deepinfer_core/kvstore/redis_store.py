@@ -18,7 +18,9 @@ from deepinfer_core.kvstore.record import Clock, StoreStats, TTLPolicy, as_paylo
 
 class RedisKVStore(record.RecordReads):
     """``KVBlockStore`` on a Redis server. ``client`` is a ``redis.Redis`` (binary mode, i.e. without
-    ``decode_responses``); or pass ``url`` ("redis://host:port/db") and one is made. ``namespace``
+    ``decode_responses``); or pass ``url`` ("redis://host:port/db") and one is made with socket and
+    connect timeouts of ``timeout_s`` (redis-py's default is 5 s, a whole step's budget many times over)
+    and no client-side retries (the engine's ``StoreGuard`` decides when to try again). ``namespace``
     prefixes every key so several stores (models, versions) can share a server."""
 
     def __init__(
@@ -29,16 +31,23 @@ class RedisKVStore(record.RecordReads):
         ttl: TTLPolicy | None = None,
         namespace: bytes = b"dkv:",
         clock: Clock = wall_clock_ns,
+        timeout_s: float = 0.1,
     ) -> None:
         if (client is None) == (url is None):
             raise ValueError("RedisKVStore: pass exactly one of client= or url=")
+        if not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and 0 < timeout_s <= 3600):
+            raise ValueError(f"timeout_s={timeout_s!r}: must be seconds in (0, 3600]")
         if client is None:
             from deepinfer_core.extras import require
 
             assert url is not None  # exactly one of the two was given
             # lazy: the client is only needed by this backend (the kvstore extra installs it)
             redis = require("redis", "the Redis KV store")
-            client = redis.Redis.from_url(url)
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                          retry=Retry(NoBackoff(), 0))
         if getattr(getattr(client, "connection_pool", None), "connection_kwargs", {}).get("decode_responses"):
             raise ValueError("client: must not use decode_responses=True (blocks are bytes)")
         if not isinstance(namespace, bytes):
@@ -48,6 +57,34 @@ class RedisKVStore(record.RecordReads):
         self.namespace = namespace
         self.clock = clock
         self.stats = StoreStats()
+
+    @property
+    def call_timeout_s(self) -> float | None:
+        """The client's own bound on a call (its socket and connect timeouts; None: unbounded), which
+        tells a ``StoreGuard`` whether it must add a deadline of its own."""
+        kw = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", None)
+        if not isinstance(kw, dict):
+            return None
+        t = [kw.get("socket_timeout"), kw.get("socket_connect_timeout")]
+        return None if any(x is None for x in t) else float(max(t))
+
+    def check(self) -> None:
+        """At start (``StoreGuard.check_store``): the server answers and has ``PEXPIRETIME`` (>= 7.0).
+        A refused password or an old server is a ValueError; a server that does not answer raises the
+        client's ConnectionError / TimeoutError (the guard then starts with the store off and probes)."""
+        import redis
+
+        try:
+            version = str(self.client.info("server").get("redis_version", "0"))
+        except redis.AuthenticationError as e:
+            raise ValueError(f"RedisKVStore: the server refused the credentials: {e}") from e
+        except redis.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e) or "NOPERM" in str(e):
+                raise ValueError(f"RedisKVStore: the server refused the credentials: {e}") from e
+            raise
+        major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
+        if major < 7:
+            raise ValueError(f"RedisKVStore: the server is Redis {version}; it needs >= 7.0 (PEXPIRETIME)")
 
     def _k(self, key: bytes) -> bytes:
         return self.namespace + check_key(key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -37,48 +38,99 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is missing on CI: .ci/run must install it (apt-get install -y redis-server)")
-        pytest.skip("redis-server binary not found (apt-get install -y redis-server; .ci/run installs it)")
-    import redis
+class RedisServer:
+    """A redis-server of its own on 127.0.0.1 (a free port, a temp dir, no persistence), stopped by its pid.
+    ``kill`` / ``stop`` (SIGSTOP) / ``cont`` / ``restart`` (same port) let a test take it down and back."""
 
-    d = tempfile.mkdtemp(prefix="dkv-redis-")
-    for _attempt in range(3):  # the free port may be taken between the probe and the server's bind
-        port = _free_port()
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "", "--appendonly", "no",
-             "--protected-mode", "no"],
+    def __init__(self) -> None:
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
+            if os.environ.get("CI"):
+                pytest.fail("redis-server is missing on CI: .ci/run must install it (apt-get install -y redis-server)")
+            pytest.skip("redis-server binary not found (apt-get install -y redis-server; .ci/run installs it)")
+        self.dir = tempfile.mkdtemp(prefix="dkv-redis-")
+        self.proc: subprocess.Popen | None = None
+        for _attempt in range(3):  # the free port may be taken between the probe and the server's bind
+            self.port = _free_port()
+            if self._spawn():
+                break
+        else:
+            pytest.fail("redis-server did not start and answer PING (3 attempts, 5 s each)")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _spawn(self) -> bool:
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        url = f"redis://127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(url)
-        up = False
-        for _ in range(200):
-            if proc.poll() is not None:
-                break
+        client = redis.Redis.from_url(self.url)
+        try:
+            for _ in range(200):
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    if client.ping():
+                        return True
+                except redis.ConnectionError:
+                    time.sleep(0.025)
+        finally:
+            client.close()
+        self.kill()
+        return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        """Killed (or stopped) and started again on the same port, empty."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.cont()
+        self.kill()
+        for _ in range(40):  # the port can linger a moment after the kill
+            if self._spawn():
+                return
+            time.sleep(0.05)
+        pytest.fail(f"redis-server did not restart on port {self.port}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.cont()
+            self.proc.terminate()
             try:
-                up = bool(client.ping())
-                break
-            except redis.ConnectionError:
-                time.sleep(0.025)
-        if up:
-            break
-        proc.kill()
-        proc.wait()
-    else:
-        pytest.fail("redis-server did not start and answer PING (3 attempts, 5 s each)")
-    client.close()
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    shutil.rmtree(d, ignore_errors=True)
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    server = RedisServer()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A server this test alone may kill, stop and restart."""
+    server = RedisServer()
+    yield server
+    server.close()
 
 
 def make_store(backend: str, clock, ttl: TTLPolicy, request, tmpdir: str | None = None):
