@@ -134,7 +134,7 @@ class StoreLink:
             return []
         budget = g.config.read_timeout_s
         t0 = time.monotonic()
-        out = []
+        out: list[np.ndarray] = []
         for k in self.keys(tokens)[from_block:]:
             if budget is not None and out and time.monotonic() - t0 > budget:
                 break

@@ -66,7 +66,8 @@ class RedisKVStore(record.RecordReads):
         if not isinstance(kw, dict):
             return None
         t = [kw.get("socket_timeout"), kw.get("socket_connect_timeout")]
-        return None if any(x is None for x in t) else float(max(t))
+        bounds = [float(x) for x in t if x is not None]
+        return None if len(bounds) < len(t) else max(bounds)
 
     def check(self) -> None:
         """At start (``StoreGuard.check_store``): the server answers and has ``PEXPIRETIME`` (>= 7.0).
