@@ -5,9 +5,10 @@ library's components; ``LLM`` is the offline API on top; ``RequestOutput`` is wh
 """
 
 from deepinfer_core.engine.config import EngineConfig
-from deepinfer_core.engine.engine import LLMEngine, StepStats
+from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.engine.llm import LLM
 from deepinfer_core.engine.outputs import RequestOutput
 from deepinfer_core.engine.requests import RequestError
+from deepinfer_core.engine.stats import StepStats
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestError", "RequestOutput", "StepStats"]

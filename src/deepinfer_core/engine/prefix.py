@@ -342,9 +342,3 @@ def make_prefix_caching(engine: Any) -> PrefixCaching | None:
                             extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class)
     return pc
 
-
-def known_tokens(engine: Any, seq: int) -> np.ndarray:
-    """A live sequence's tokens as the scheduler knows them: prompt + outputs applied so far."""
-    req = engine._by_seq[seq]
-    out = engine.scheduler.output_token_ids(req.request_id)
-    return np.asarray([*req.prompt_token_ids, *out], dtype=np.int64)
