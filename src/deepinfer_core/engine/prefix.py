@@ -139,20 +139,10 @@ class PrefixCaching:
             self._seq[seq] = _Seq(toks, dig, None, True)
             return
         nb = plan.hit // self.bs
-        ex = self.ex
         if nb > ng:  # the rest of the hit came from the external store (docs/kvstore.md)
             self.link.codec.write(table[ng:nb], fetched[: nb - ng])
-        first = plan.steps[0]
-        ctx = toks[max(0, first.start - self._ctx) : first.start]
-        if first.kind == ENCODER_RESTORE:
-            rings = self.store.get(dig[nb - 1], plan.hit)
-            ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)  # type: ignore[attr-defined]
-            self.stats.host_restores += 1
-        else:
-            assert first.kind == ENCODER_REPLAY
-            ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)  # type: ignore[attr-defined]
-            self.stats.encoder_replays += 1
-        exact_enc = plan.encoder_restored or first.start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
+        self._rebuild_encoder(plan, toks, dig[nb - 1], slot, table)
+        exact_enc = plan.encoder_restored or plan.steps[0].start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
         self._seq[seq] = _Seq(toks, dig, plan, exact_enc, published=plan.hit)
         self.stats.hits += 1
         self.stats.cached_tokens += plan.hit
@@ -245,8 +235,6 @@ class PrefixCaching:
         (placeholders filled); ``slots(seq_ids)``: state slots; ``known(seq)``: a sequence's tokens;
         ``cached``: the plan's per-row shared hit (-1: not an admission; None: rows at 0 are admissions).
         """
-        from deepinfer_core.model.batch import BatchError, ForwardBatch
-
         out = StepRows(rows=rows, start=start.astype(np.int64).copy(), ntok=ntok.astype(np.int64).copy(),
                        tok_mask=np.ones(tokens.shape[0], bool), floor=np.zeros(start.shape[0], np.int64),
                        snap=np.zeros(start.shape[0], np.int64))
@@ -274,25 +262,36 @@ class PrefixCaching:
             out.start[r], out.ntok[r] = p.encoder_end, s0 + n - p.encoder_end
             out.floor[r] = p.floor if out.ntok[r] else 0
             out.snap[r] = x if x > p.encoder_end else 0
-        if enc:
-            er = np.asarray([e[0] for e in enc])
-            parts = [tokens[off[r] + a - int(start[r]) : off[r] + b - int(start[r])] for r, a, b, _ in enc]
-            b = ForwardBatch(token_ids=np.concatenate(parts), query_lens=[e[2] - e[1] for e in enc],
-                             start_pos=[e[1] for e in enc], block_tables=tables[er], state_slots=slots(seq_ids[er]),
-                             num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
-                             snapshot_pos=[e[3] for e in enc])
-            try:
-                res = self.ex.execute(b)  # type: ignore[attr-defined]
-            except BatchError as e:
-                if e.request is None:
-                    raise
-                out.failed.append((int(seq_ids[er[e.request]]), f"encoder-only prefill refused: {e}"))
-                out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
-                return out
-            for i, (r, _, e_end, x) in enumerate(enc):
-                self.publish(int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64))
+        if enc and not self._run_encoder(out, enc, tokens, off, start, tables, seq_ids, slots):
+            return out
         out.rows = np.asarray([r for r in rows.tolist() if out.ntok[r] > 0], np.int64)
         return out
+
+    def _run_encoder(self, out: StepRows, enc: list[tuple[int, int, int, int]], tokens: np.ndarray, off: np.ndarray,
+                     start: np.ndarray, tables: np.ndarray, seq_ids: np.ndarray,
+                     slots: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """The step's encoder-only parts ``enc`` ((plan row, start, end, snapshot) each) in one executor
+        call, their rings published; False when the executor refused one (failed in ``out``, its row
+        dropped)."""
+        from deepinfer_core.model.batch import BatchError, ForwardBatch
+
+        er = np.asarray([e[0] for e in enc])
+        parts = [tokens[off[r] + a - int(start[r]) : off[r] + b - int(start[r])] for r, a, b, _ in enc]
+        b = ForwardBatch(token_ids=np.concatenate(parts), query_lens=[e[2] - e[1] for e in enc],
+                         start_pos=[e[1] for e in enc], block_tables=tables[er], state_slots=slots(seq_ids[er]),
+                         num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
+                         snapshot_pos=[e[3] for e in enc])
+        try:
+            res = self.ex.execute(b)  # type: ignore[attr-defined]
+        except BatchError as e:
+            if e.request is None:
+                raise
+            out.failed.append((int(seq_ids[er[e.request]]), f"encoder-only prefill refused: {e}"))
+            out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
+            return False
+        for i, (r, _, e_end, x) in enumerate(enc):
+            self.publish(int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64))
+        return True
 
     def after(self, out: StepRows, rows: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray,
               snapshots: dict[int, torch.Tensor], known: Callable[[int], np.ndarray], fed: np.ndarray) -> None:
@@ -317,6 +316,20 @@ class PrefixCaching:
     def drop(self, seq: int) -> None:
         """The sequence stopped (preempted or finished): forget its plan (its metrics stay until taken)."""
         self._seq.pop(seq, None)
+
+    def _rebuild_encoder(self, plan: ReplayPlan, toks: np.ndarray, digest: bytes, slot: int,
+                         table: np.ndarray) -> None:
+        """The encoder rings at the hit: restored from the host store, or replayed (the plan's first step)."""
+        first = plan.steps[0]
+        ctx = toks[max(0, first.start - self._ctx) : first.start]
+        if first.kind == ENCODER_RESTORE:
+            rings = self.store.get(digest, plan.hit)
+            self.ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)  # type: ignore[attr-defined]
+            self.stats.host_restores += 1
+        else:
+            assert first.kind == ENCODER_REPLAY
+            self.ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)  # type: ignore[attr-defined]
+            self.stats.encoder_replays += 1
 
     def take_metrics(self, seq: int) -> tuple[int, int]:
         """(cached_tokens, replayed_tokens) of a finished sequence, summed over its (re)starts."""
