@@ -22,11 +22,11 @@ import torch
 from deepinfer_core.engine.outputs import ERROR
 from deepinfer_core.engine.overlap import Launched, PendingStep, StepTokens, batch_feed, fill_holes
 from deepinfer_core.engine.prefix import PrefixCaching, StepRows
-from deepinfer_core.engine.request_table import EndHow, RequestTable
+from deepinfer_core.engine.request_table import RequestTable
 from deepinfer_core.engine.sample import TokenSampler
+from deepinfer_core.engine.spec_rows import SpecRows
 from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.stats import StepStats
-from deepinfer_core.engine.structured_spec import VerifyMasks
 from deepinfer_core.kv import StatePool
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput, ModelExecutor
 from deepinfer_core.model.decode_step import DeviceTokens, TokenFeed, h2d
@@ -77,7 +77,8 @@ class StepRunner:
         self.batch_invariant = batch_invariant
         self.apply_mask = apply_mask
         self._snapshots: dict[int, torch.Tensor] = {}  # the last execute's encoder-ring snapshots, by request
-        self._verify_masks: VerifyMasks | None = None  # this step's grammar masks of verify rows
+        # the speculative side of a step (verify seeds and grammar masks, verified rows collected)
+        self.spec = SpecRows(drafts, table, sampler, state_pool, apply_mask) if drafts is not None else None
         self._feed_ok: dict[Any, bool] = {}  # execute function -> takes a feed (takes_feed)
 
     # ------------------------------------------------------------------ run
@@ -182,7 +183,7 @@ class StepRunner:
                 rows = np.delete(rows, e.request)
                 continue
             finally:
-                self._spec_masks_off()
+                SpecRows.masks_off(self.executor.spec)
             self.stats.execute_s += time.perf_counter() - t0
             return _Executed(rows, keep_row, batch, logits, spec)
         return None
@@ -197,10 +198,10 @@ class StepRunner:
         if pre is not None:
             tok_keep &= pre.tok_mask
             spec_kw.update(decoder_floor=pre.floor[rows], snapshot_pos=pre.snap[rows])
-        if self.drafts is not None:
+        if self.spec is not None:
             temp = np.where(w.spec_row[rows], self.table.seqs.temperature[w.ix[rows]], 0.0)
             spec_kw.update(verify_lens=nd[rows], draft=w.spec_row[rows], temperature=temp)
-            self._spec_masks(w, rows)
+            self.spec.masks_on(self.executor.spec, plan, rows, w.spec_row, w.tokens, w.ntok, w.ix)
         batch = ForwardBatch(token_ids=w.tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
                              block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(plan.seq_ids[rows]),
                              num_logits=plan.sample[rows] + nd[rows], **spec_kw)
@@ -225,7 +226,10 @@ class StepRunner:
         else:
             sampled[srows] = self.sampler.sample_rows(lg, seq, ix, pos)
         self.stats.tokens_sampled += int(srows.size)
-        got = self._collect(w, ex) if self.drafts is not None else {}
+        got: dict[int, list[int]] = {}
+        if self.spec is not None:
+            got = self.spec.collect(plan, rows, w.spec_row, ex.spec, w.tokens, w.ntok, w.ix)
+            self.stats.tokens_sampled += sum(len(r) for r in got.values())
         return sampled, pending, got
 
     def _publish_prefix(self, w: _Work, ex: _Executed) -> None:
@@ -326,72 +330,6 @@ class StepRunner:
         """A row of a structured request: its grammar mask needs the previous token on the host."""
         s = self.table.seqs
         return self.table.grammars.manager is not None and bool(s.structured[s.ix(plan.seq_ids)].any())
-
-    # ------------------------------------------------------------------ speculative decoding
-    def _spec_masks(self, w: _Work, rows: np.ndarray) -> None:
-        """Before the executor verifies: grammar masks for structured spec rows, and every spec row's seed
-        (verification keyed by (seed, position)); engine/structured_spec.py, SpecState.counter_seeds."""
-        spec = self.executor.spec
-        self._verify_masks = None
-        self._spec_masks_off()  # nothing of an earlier step's (e.g. one that raised) may stay
-        if spec is None:
-            return
-        plan, seqs = w.plan, self.table.seqs
-        sr = rows[w.spec_row[rows]]
-        if sr.size == 0:
-            return
-        slots = self.state_pool.slots(plan.seq_ids[sr])
-        spec.counter_seeds = {int(sl): int(seqs.seed[w.ix[i]]) for sl, i in zip(slots.tolist(), sr.tolist())}
-        con = [(int(sl), int(i)) for sl, i in zip(slots.tolist(), sr.tolist()) if seqs.structured[w.ix[i]]]
-        if not con:
-            return
-        ends = np.cumsum(w.ntok)
-        items = []
-        for sl, i in con:
-            k = int(plan.num_drafts[i])
-            items.append((sl, self.table.by_seq[int(plan.seq_ids[i])].request_id, w.tokens[ends[i] - k : ends[i]].tolist()))
-        g = self.table.grammars.manager
-        vm = VerifyMasks(g, self.apply_mask)
-        vm.build(items)
-        for rid in vm.dead:  # its row 0 allows nothing: the scheduler fails it on this step's token
-            assert g is not None
-            self.table.end(self.table.reqs[str(rid)], str(g.finish_reason(rid)),
-                           "grammar dead end: no token can continue", EndHow.BY_TOKEN)
-        self._verify_masks = vm
-        spec.logits_hook = vm.hook
-
-    def _spec_masks_off(self) -> None:
-        spec = self.executor.spec
-        if spec is not None:
-            spec.logits_hook = None
-            spec.counter_seeds = None
-
-    def _collect(self, w: _Work, ex: _Executed) -> dict[int, list[int]]:
-        """Executor-verified rows: [accepted drafts..., next token] per plan row; keep the new drafts."""
-        book, seqs, plan, out = self.drafts, self.table.seqs, w.plan, ex.spec
-        assert book is not None
-        ends = np.cumsum(w.ntok)
-        got: dict[int, list[int]] = {}
-        for j, i in enumerate(ex.rows.tolist()):
-            if not w.spec_row[i]:
-                continue
-            k, a, seq = int(plan.num_drafts[i]), int(out["num_accepted"][j]), int(plan.seq_ids[i])
-            row = [*w.tokens[ends[i] - k : ends[i] - k + a].tolist(), int(out["next_token"][j])]
-            req = self.table.by_seq[seq]
-            if self._verify_masks is not None and req.request_id in self._verify_masks.dead:
-                row = [-1]  # the grammar allows no token: the scheduler fails the request (ended in _spec_masks)
-            elif seqs.structured[w.ix[i]]:
-                self.sampler.grammar_commit(req, row)
-            if row[-1] >= 0:
-                self.sampler.feed_stops(req, row)
-            got[i] = row
-            book.verified += k
-            book.accepted += a
-            book.store(seq, out["drafts"][j], out["draft_confidence"][j])
-            seqs.last_token[w.ix[i]] = row[-1]
-            seqs.n_out[w.ix[i]] += len(row)
-            self.stats.tokens_sampled += len(row)
-        return got
 
     # ------------------------------------------------------------------ the executor call
     def _execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> tuple[torch.Tensor, dict[str, np.ndarray]]:

@@ -156,10 +156,10 @@ def test_collaborators_declare_their_state_in_init() -> None:
 
 def test_collaborators_take_typed_arguments() -> None:
     """The engine's collaborators get explicit, typed constructor arguments: none typed ``Any``."""
-    from deepinfer_core.engine import output_builder, request_table, run, sample, step_order
+    from deepinfer_core.engine import output_builder, request_table, run, sample, spec_rows, step_order
 
     classes = [request_table.RequestTable, sample.TokenSampler, run.StepRunner, output_builder.OutputBuilder,
-               step_order.SyncOrder, step_order.AsyncOrder, step_order.OverlapOrder]
+               step_order.SyncOrder, step_order.AsyncOrder, step_order.OverlapOrder, spec_rows.SpecRows]
     for cls in classes:
         hints = typing.get_type_hints(cls.__init__)
         params = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
