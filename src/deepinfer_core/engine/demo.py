@@ -63,7 +63,7 @@ def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutpu
         structured = False
     if not structured:
         keep = [i for i, sp in enumerate(params) if sp.so_args is None]
-        prompts, params, labels = ([x[i] for i in keep] for x in (prompts, params, labels))
+        prompts, params, labels = [prompts[i] for i in keep], [params[i] for i in keep], [labels[i] for i in keep]
         print(f"  (the regex and choice requests are left out: {install_hint('structured')} adds them)")
     # The empty prompt is refused on purpose and shown below: keep the engine's warning about it quiet.
     eng_log = logging.getLogger("deepinfer_core.engine")
@@ -101,6 +101,7 @@ def _exact_and_speculative(prompts: list[str], params: list[SamplingParams], out
     spec = LLM(seed=0, dtype="float64", quantize=False, num_blocks=32, max_num_seqs=2, speculative=True)
     so = spec.generate(prompts[:1], params[:1], use_tqdm=False)[0]
     book = spec.engine.drafts
+    assert book is not None  # speculative=True
     note = " (a rejected draft costs only its verify slot: the tokens are the same either way)"
     print(f"  speculative=True: same greedy tokens: {so.token_ids == o.token_ids}; {book.accepted} of "
           f"{book.verified} drafts accepted, {spec.engine.stats.steps} steps instead of "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -42,6 +42,9 @@ from deepinfer_core.swa import (
     plan_replay,
 )
 from deepinfer_core.swa import prefix_digests as _digests
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +341,7 @@ class PrefixCaching:
         return int(c), int(r)
 
 
-def make_prefix_caching(engine: Any) -> PrefixCaching | None:
+def make_prefix_caching(engine: LLMEngine) -> PrefixCaching | None:
     """The engine's prefix caching per its config (None: off, or a model without a CED decoder)."""
     cfg, mc = engine.config, engine.model_config
     if not cfg.prefix_caching or mc.encoder_layers >= mc.num_hidden_layers:
