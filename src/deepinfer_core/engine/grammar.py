@@ -27,7 +27,8 @@ class Grammars:
         if self.manager is None:
             from deepinfer_core.structured import StructuredOutputManager, make_backend
 
-            self.manager = StructuredOutputManager(make_backend(self.backend, self.tokenizer,
-                                                                vocab_size=self.vocab_size))
+            self.manager = StructuredOutputManager(
+                make_backend(self.backend, self.tokenizer, vocab_size=self.vocab_size)
+            )
             log.debug("engine: grammar manager built (%s backend)", self.backend)
         return self.manager

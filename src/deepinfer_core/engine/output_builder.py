@@ -20,8 +20,12 @@ from deepinfer_core.scheduler import FinishedRequest, FinishReason
 
 log = logging.getLogger(__name__)
 
-_REASONS = {FinishReason.STOP: STOP, FinishReason.LENGTH: LENGTH, FinishReason.ABORT: ABORT,
-            FinishReason.FAILED: ERROR}
+_REASONS = {
+    FinishReason.STOP: STOP,
+    FinishReason.LENGTH: LENGTH,
+    FinishReason.ABORT: ABORT,
+    FinishReason.FAILED: ERROR,
+}
 
 
 @attrs.define
@@ -49,19 +53,37 @@ class OutputBuilder:
     def has_ready(self, request_id: str) -> bool:
         return any(o.request_id == request_id for o in self.ready)
 
-    def failed(self, request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...], error: str | None,
-               reason: str = ERROR) -> None:
+    def failed(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        error: str | None,
+        reason: str = ERROR,
+    ) -> None:
         """A request that ended outside the scheduler (bad input, a grammar that did not compile, an abort
         while compiling): its output is returned by the next ``step``."""
         if error is not None:
             log.warning("request %r failed: %s", request_id, error)
-        self.ready.append(RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                                        finish_reason=reason, error=error))
+        self.ready.append(
+            RequestOutput(
+                request_id=request_id,
+                prompt=prompt,
+                prompt_token_ids=prompt_token_ids,
+                finish_reason=reason,
+                error=error,
+            )
+        )
 
     def reset_output(self, req: EngineRequest, error: str) -> RequestOutput:
         """A live request failed by ``LLMEngine.reset``."""
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             finish_reason=ERROR, error=error)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            finish_reason=ERROR,
+            error=error,
+        )
 
     def finished(self, fr: FinishedRequest, gone: Retired) -> RequestOutput:
         """The output of a request the scheduler reported: the engine's own reason (``EngineRequest.reason``,
@@ -78,8 +100,17 @@ class OutputBuilder:
         text = None
         if hit is not None and stops is not None:  # the text ends at the stop string (vLLM's rule)
             ids, text = ids[: hit.tokens], stops.text()
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             text=self.tokenizer.decode(ids) if text is None else text, token_ids=ids,
-                             finish_reason=reason, error=error, num_preemptions=fr.num_preemptions,
-                             cached_tokens=gone.cached_tokens, replayed_tokens=gone.replayed_tokens,
-                             stop_reason=hit.stop if hit is not None else None, metrics=gone.metrics)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=self.tokenizer.decode(ids) if text is None else text,
+            token_ids=ids,
+            finish_reason=reason,
+            error=error,
+            num_preemptions=fr.num_preemptions,
+            cached_tokens=gone.cached_tokens,
+            replayed_tokens=gone.replayed_tokens,
+            stop_reason=hit.stop if hit is not None else None,
+            metrics=gone.metrics,
+        )

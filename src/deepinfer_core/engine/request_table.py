@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class EndHow(enum.Enum):
-    """When an end decided by the engine reaches the scheduler."""
+    """When an end decided by the engine reaches the scheduler. ``AFTER_UPDATE`` and ``BY_TOKEN`` are for
+    ends decided from a token of the step about to be applied (while it is sampled, verified or landed):
+    that step's ``Scheduler.update`` is what carries them out."""
 
     NOW = enum.auto()  # aborted in the scheduler now; its next ``update`` reports it
     AFTER_UPDATE = enum.auto()  # this step's tokens are applied first (they count), then it is aborted
@@ -42,9 +44,17 @@ class RequestTable:
     """Requests by id (``reqs``) and by seq id (``by_seq``), the per-sequence arrays (``seqs``), the
     constrained requests still compiling, and each request's stop strings."""
 
-    def __init__(self, scheduler: Scheduler, state_pool: StatePool, drafts: DraftBook | None,
-                 prefix: PrefixCaching | None, grammars: Grammars, outputs: OutputBuilder, tokenizer: Tokenizer,
-                 seed: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        state_pool: StatePool,
+        drafts: DraftBook | None,
+        prefix: PrefixCaching | None,
+        grammars: Grammars,
+        outputs: OutputBuilder,
+        tokenizer: Tokenizer,
+        seed: int,
+    ) -> None:
         self.scheduler = scheduler
         self.state_pool = state_pool
         self.drafts = drafts
@@ -71,8 +81,9 @@ class RequestTable:
         rid, sp = req.request_id, req.params
         self.reqs[rid] = req
         if sp.stop:
-            self.stops[rid] = StopStrings(sp.stop, self._token_bytes(), include=sp.include_stop_str_in_output,
-                                          min_tokens=sp.min_tokens)
+            self.stops[rid] = StopStrings(
+                sp.stop, self._token_bytes(), include=sp.include_stop_str_in_output, min_tokens=sp.min_tokens
+            )
         if sp.so_args is None:
             self._queue(req)
             return
@@ -91,8 +102,11 @@ class RequestTable:
             self.grammars.get().add_request(req.request_id, so_args)
         except ImportError as e:
             # a MissingExtraError already names the extra to install (deepinfer_core.extras)
-            hint = "" if "deepinfer-components[" in str(e) else \
-                " (install the structured extra: pip install \"deepinfer-components[structured]\")"
+            hint = (
+                ""
+                if "deepinfer-components[" in str(e)
+                else ' (install the structured extra: pip install "deepinfer-components[structured]")'
+            )
             return f"SamplingParams.so_args: {e}{hint}"
         except RecursionError:
             return "SamplingParams.so_args: nested too deeply to compile"
@@ -126,13 +140,20 @@ class RequestTable:
             self.compiling.remove(rid)
             req = self.reqs[rid]
             if g.finish_reason(rid) is not None:
-                self.end(req, str(g.finish_reason(rid)), f"SamplingParams.so_args: invalid grammar: {g.error(rid)}")
+                self.end(
+                    req, str(g.finish_reason(rid)), f"SamplingParams.so_args: invalid grammar: {g.error(rid)}"
+                )
             else:
                 self._queue(req)
 
     # ------------------------------------------------------------------ out
-    def end(self, req: EngineRequest, reason: str | None = None, error: str | None = None,
-            how: EndHow = EndHow.NOW) -> bool:
+    def end(
+        self,
+        req: EngineRequest,
+        reason: str | None = None,
+        error: str | None = None,
+        how: EndHow = EndHow.NOW,
+    ) -> bool:
         """End a live request from the engine's side: the one place that does. ``reason`` / ``error`` (when
         ``reason`` is given) are what its output reports, whatever the scheduler says. A request that never
         reached the scheduler is reported by the next ``step`` (an abort unless ``reason`` says otherwise).
@@ -171,8 +192,9 @@ class RequestTable:
         self.stops.pop(rid, None)
         if req.structured and self.grammars.manager is not None:
             self.grammars.manager.remove_request(rid)
-        self.outputs.failed(rid, req.prompt, req.prompt_token_ids, req.error,
-                            req.reason if req.reason is not None else ABORT)
+        self.outputs.failed(
+            rid, req.prompt, req.prompt_token_ids, req.error, req.reason if req.reason is not None else ABORT
+        )
 
     def _release(self, seq: int) -> None:
         """No more rows of ``seq`` will run: mark it dead and return its state slot and drafts."""

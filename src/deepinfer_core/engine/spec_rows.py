@@ -24,8 +24,14 @@ log = logging.getLogger(__name__)
 class SpecRows:
     """Verify rows around the executor call: ``masks_on`` / ``masks_off`` and ``collect``."""
 
-    def __init__(self, book: DraftBook, table: RequestTable, sampler: TokenSampler, state_pool: StatePool,
-                 apply_mask: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        book: DraftBook,
+        table: RequestTable,
+        sampler: TokenSampler,
+        state_pool: StatePool,
+        apply_mask: Callable[..., Any],
+    ) -> None:
         self.book = book
         self.table = table
         self.sampler = sampler
@@ -33,8 +39,16 @@ class SpecRows:
         self.apply_mask = apply_mask
         self.verify_masks: VerifyMasks | None = None  # this step's grammar masks of verify rows
 
-    def masks_on(self, spec: SpecState | None, plan: Plan, rows: np.ndarray, spec_row: np.ndarray,
-                 tokens: np.ndarray, ntok: np.ndarray, ix: np.ndarray) -> None:
+    def masks_on(
+        self,
+        spec: SpecState | None,
+        plan: Plan,
+        rows: np.ndarray,
+        spec_row: np.ndarray,
+        tokens: np.ndarray,
+        ntok: np.ndarray,
+        ix: np.ndarray,
+    ) -> None:
         """Before the executor verifies: grammar masks for structured spec rows, and every spec row's seed
         (verification keyed by (seed, position)); engine/structured_spec.py, SpecState.counter_seeds."""
         self.verify_masks = None
@@ -54,14 +68,24 @@ class SpecRows:
         items = []
         for sl, i in con:
             k = int(plan.num_drafts[i])
-            items.append((sl, self.table.by_seq[int(plan.seq_ids[i])].request_id, tokens[ends[i] - k : ends[i]].tolist()))
+            items.append(
+                (
+                    sl,
+                    self.table.by_seq[int(plan.seq_ids[i])].request_id,
+                    tokens[ends[i] - k : ends[i]].tolist(),
+                )
+            )
         g = self.table.grammars.manager
         vm = VerifyMasks(g, self.apply_mask)
         vm.build(items)
         for rid in vm.dead:  # its row 0 allows nothing: the scheduler fails it on this step's token
             assert g is not None
-            self.table.end(self.table.reqs[str(rid)], str(g.finish_reason(rid)),
-                           "grammar dead end: no token can continue", EndHow.BY_TOKEN)
+            self.table.end(
+                self.table.reqs[str(rid)],
+                str(g.finish_reason(rid)),
+                "grammar dead end: no token can continue",
+                EndHow.BY_TOKEN,
+            )
         self.verify_masks = vm
         spec.logits_hook = vm.hook
 
@@ -71,8 +95,16 @@ class SpecRows:
             spec.logits_hook = None
             spec.counter_seeds = None
 
-    def collect(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, out: dict[str, np.ndarray],
-                tokens: np.ndarray, ntok: np.ndarray, ix: np.ndarray) -> dict[int, list[int]]:
+    def collect(
+        self,
+        plan: Plan,
+        rows: np.ndarray,
+        spec_row: np.ndarray,
+        out: dict[str, np.ndarray],
+        tokens: np.ndarray,
+        ntok: np.ndarray,
+        ix: np.ndarray,
+    ) -> dict[int, list[int]]:
         """Executor-verified rows (``out``: the executor's DSpark outputs for the batch of ``rows``):
         [accepted drafts..., next token] per plan row; keep the new drafts."""
         book, seqs = self.book, self.table.seqs

@@ -18,5 +18,7 @@ class StepStats:
     tokens_sampled: int = 0
     verify_rows: int = 0  # decode rows that verified drafts
     overlap_steps: int = 0  # launched before the previous step's tokens were read (engine/overlap.py)
-    host_wait_steps: int = 0  # async steps that waited for the previous tokens first (structured rows, host Engram)
+    host_wait_steps: int = (
+        0  # async steps that waited for the previous tokens first (structured rows, host Engram)
+    )
     land_wait_s: float = 0.0  # host time blocked on a step's tokens after the next one was launched

@@ -127,7 +127,9 @@ class OverlapOrder:
         if step.pending is not None:
             self.stats.overlap_steps += 1
         t0 = time.perf_counter()
-        done = self.runner.land(prev)  # this step is queued behind the previous one: now read that one's tokens
+        done = self.runner.land(
+            prev
+        )  # this step is queued behind the previous one: now read that one's tokens
         self.stats.land_wait_s += time.perf_counter() - t0
         return [done]
 

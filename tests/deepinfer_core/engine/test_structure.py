@@ -75,8 +75,11 @@ def _mixed(package: str) -> list[tuple[str, list[str]]]:
     """Classes of ``package`` with more than one base class from this library that is not a Protocol."""
     out = []
     for cls in _package_classes(package):
-        ours = [b.__name__ for b in cls.__bases__
-                if b.__module__.startswith("deepinfer_core") and not getattr(b, "_is_protocol", False)]
+        ours = [
+            b.__name__
+            for b in cls.__bases__
+            if b.__module__.startswith("deepinfer_core") and not getattr(b, "_is_protocol", False)
+        ]
         if len(ours) > 1:
             out.append((f"{cls.__module__}.{cls.__qualname__}", ours))
     return out
@@ -85,14 +88,20 @@ def _mixed(package: str) -> list[tuple[str, list[str]]]:
 def test_no_mixin_classes_in_engine() -> None:
     assert not _mixed("deepinfer_core.engine")
     # and no engine class is built on another engine class: collaborators are owned, not inherited
-    inherited = [(c.__qualname__, b.__qualname__) for c in _package_classes("deepinfer_core.engine")
-                 for b in c.__bases__ if b.__module__.startswith("deepinfer_core.engine")
-                 and not getattr(b, "_is_protocol", False)]
+    inherited = [
+        (c.__qualname__, b.__qualname__)
+        for c in _package_classes("deepinfer_core.engine")
+        for b in c.__bases__
+        if b.__module__.startswith("deepinfer_core.engine") and not getattr(b, "_is_protocol", False)
+    ]
     assert not inherited
 
 
-@pytest.mark.xfail(strict=True, reason="ModelExecutor(ValidationMixin, ReplayMixin): the executor's typed state "
-                   "is #31 part 1 (model/); drop this mark when it lands")
+@pytest.mark.xfail(
+    strict=True,
+    reason="ModelExecutor(ValidationMixin, ReplayMixin): the executor's typed state "
+    "is #31 part 1 (model/); drop this mark when it lands",
+)
 def test_no_mixin_classes_in_model() -> None:
     assert not _mixed("deepinfer_core.model")
 
@@ -101,14 +110,26 @@ def _store_targets(path: Path) -> list[tuple[str, int]]:
     """(what, line) of every write to a sequence's ``dead`` flag and to a request's ``reason`` / ``error``."""
     hits = []
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, ast.AugAssign | ast.AnnAssign) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign | ast.AnnAssign)
+            else []
+        )
         for t in targets:
             for el in t.elts if isinstance(t, ast.Tuple) else [t]:
-                if isinstance(el, ast.Subscript) and isinstance(el.value, ast.Attribute) and el.value.attr == "dead":
+                if (
+                    isinstance(el, ast.Subscript)
+                    and isinstance(el.value, ast.Attribute)
+                    and el.value.attr == "dead"
+                ):
                     hits.append(("dead[...]", el.lineno))
-                if isinstance(el, ast.Attribute) and el.attr in ("reason", "error") and \
-                        not (isinstance(el.value, ast.Name) and el.value.id == "self"):
+                if (
+                    isinstance(el, ast.Attribute)
+                    and el.attr in ("reason", "error")
+                    and not (isinstance(el.value, ast.Name) and el.value.id == "self")
+                ):
                     hits.append((f".{el.attr}", el.lineno))
     return hits
 
@@ -116,8 +137,12 @@ def _store_targets(path: Path) -> list[tuple[str, int]]:
 def test_one_function_ends_a_request() -> None:
     """Only ``RequestTable`` marks a sequence dead or sets a request's reason / error (``end``, and the
     release / reset paths beside it); every other module ends a request by calling ``end``."""
-    stray = {p.name: h for p in _engine_files() if p.name not in ("request_table.py", "requests.py")
-             if (h := _store_targets(p))}
+    stray = {
+        p.name: h
+        for p in _engine_files()
+        if p.name not in ("request_table.py", "requests.py")
+        if (h := _store_targets(p))
+    }
     assert not stray, f"requests ended outside RequestTable.end: {stray}"
     src = (ENGINE / "request_table.py").read_text()
     assert src.count("def end(") == 1
@@ -131,8 +156,12 @@ def _self_attrs(cls: ast.ClassDef) -> tuple[set[str], set[str]]:
         if not isinstance(fn, ast.FunctionDef):
             continue
         for node in ast.walk(fn):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
-                    isinstance(node.value, ast.Name) and node.value.id == "self":
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 (init if fn.name == "__init__" else other).add(node.attr)
     return init, other
 
@@ -146,9 +175,14 @@ def test_collaborators_declare_their_state_in_init() -> None:
             if isinstance(node, ast.ClassDef):
                 init, other = _self_attrs(node)
                 if node.name == "LLMEngine":
-                    build = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "_build")
-                    init |= {n.attr for n in ast.walk(build) if isinstance(n, ast.Attribute)
-                             and isinstance(n.ctx, ast.Store)}
+                    build = next(
+                        f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "_build"
+                    )
+                    init |= {
+                        n.attr
+                        for n in ast.walk(build)
+                        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                    }
                 if init and other - init:
                     undeclared.append((p.name, node.name, sorted(other - init)))
     assert not undeclared
@@ -158,8 +192,16 @@ def test_collaborators_take_typed_arguments() -> None:
     """The engine's collaborators get explicit, typed constructor arguments: none typed ``Any``."""
     from deepinfer_core.engine import output_builder, request_table, run, sample, spec_rows, step_order
 
-    classes = [request_table.RequestTable, sample.TokenSampler, run.StepRunner, output_builder.OutputBuilder,
-               step_order.SyncOrder, step_order.AsyncOrder, step_order.OverlapOrder, spec_rows.SpecRows]
+    classes = [
+        request_table.RequestTable,
+        sample.TokenSampler,
+        run.StepRunner,
+        output_builder.OutputBuilder,
+        step_order.SyncOrder,
+        step_order.AsyncOrder,
+        step_order.OverlapOrder,
+        spec_rows.SpecRows,
+    ]
     for cls in classes:
         hints = typing.get_type_hints(cls.__init__)
         params = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
@@ -172,8 +214,11 @@ def test_the_engine_owns_one_step_order_per_mode() -> None:
     """sync / async / overlap are three classes behind one Protocol, chosen once, not flags in the step."""
     from deepinfer_core.engine import step_order
 
-    for mode, cls in (("sync", step_order.SyncOrder), ("async", step_order.AsyncOrder),
-                      ("overlap", step_order.OverlapOrder)):
+    for mode, cls in (
+        ("sync", step_order.SyncOrder),
+        ("async", step_order.AsyncOrder),
+        ("overlap", step_order.OverlapOrder),
+    ):
         assert cls.name == mode
         for name in ("land_before", "feed", "land_after"):
             assert callable(getattr(cls, name))
