@@ -16,7 +16,7 @@ has a row in it (its grammar mask depends on the previous token), or the executo
 tokens (Engram tables on the host or sharded: the row ids are hashed from host tokens; logged once at
 start). Stats: ``StepStats.overlap_steps`` / ``host_wait_steps``. Rows launched for a request that ended
 when the previous step landed (a stop, EOS, length, an abort, a failed row) run but their tokens are
-dropped here (the request is dead or gone by then), so nothing is reported twice or lost; the scheduler
+dropped when they land (``StepRunner.land``: the request is dead or gone by then), so nothing is reported twice or lost; the scheduler
 ignores rows of ended requests, as it does in the plain async mode. docs/engine.md ("Asynchronous overlap").
 """
 
