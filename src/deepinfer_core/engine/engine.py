@@ -153,7 +153,10 @@ class LLMEngine:
             max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
             async_mode=self.step_mode != "sync",
             preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()]))
-        self.prefix: PrefixCaching | None = make_prefix_caching(self)  # prefix caching + SWA bounded replay (docs/swa.md)
+        # prefix caching + SWA bounded replay (docs/swa.md)
+        self.prefix: PrefixCaching | None = make_prefix_caching(
+            cfg, self.model_config, self.kv_pool, self._executor, self._scheduler,
+            keep_default=self.envs.yoco_prefill_keep_tokens, pending_drafts=self.num_speculative_tokens)
         self.requests = RequestTable(self._scheduler, self.state_pool, self.drafts, self.prefix, self.grammars,
                                      self.outputs, self.tokenizer, cfg.seed)
         self.sampler = TokenSampler(self.requests, self.grammars, self.tokenizer, self.vocab_size, self._sample_op,

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
+from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.kv import PagedKVPool, PrefixIndex
+from deepinfer_core.model import ModelExecutor
+from deepinfer_core.model.config import ModelConfig
+from deepinfer_core.scheduler import Scheduler
 from deepinfer_core.swa import (
     ENCODER_REPLAY,
     ENCODER_RESTORE,
@@ -42,9 +46,6 @@ from deepinfer_core.swa import (
     plan_replay,
 )
 from deepinfer_core.swa import prefix_digests as _digests
-
-if TYPE_CHECKING:
-    from deepinfer_core.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -341,20 +342,22 @@ class PrefixCaching:
         return int(c), int(r)
 
 
-def make_prefix_caching(engine: LLMEngine) -> PrefixCaching | None:
-    """The engine's prefix caching per its config (None: off, or a model without a CED decoder)."""
-    cfg, mc = engine.config, engine.model_config
-    if not cfg.prefix_caching or mc.encoder_layers >= mc.num_hidden_layers:
+def make_prefix_caching(cfg: EngineConfig, model_cfg: ModelConfig, pool: PagedKVPool, executor: ModelExecutor,
+                        scheduler: Scheduler, *, keep_default: int, pending_drafts: int) -> PrefixCaching | None:
+    """The engine's prefix caching per its config (None: off, or a model without a CED decoder).
+    ``keep_default``: the SWA keep when ``cfg.swa_keep_tokens`` is unset (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS);
+    ``pending_drafts``: the drafts a step may verify (the tail a hit always leaves to compute grows by them)."""
+    if not cfg.prefix_caching or model_cfg.encoder_layers >= model_cfg.num_hidden_layers:
         return None
-    keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else engine.envs.yoco_prefill_keep_tokens
-    pc = PrefixCaching(engine.kv_pool, engine.executor, mc, block_size=cfg.block_size, mode=cfg.swa_replay,
-                       keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=engine.num_speculative_tokens)
+    keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else keep_default
+    pc = PrefixCaching(pool, executor, model_cfg, block_size=cfg.block_size, mode=cfg.swa_replay,
+                       keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=pending_drafts)
     # admissions share cached blocks up to the largest hit the planner keeps (its tail left new)
-    engine.scheduler.set_prefix_sharing(pc.al, pc.tail)
-    if getattr(cfg, "kv_store", None) is not None:
+    scheduler.set_prefix_sharing(pc.al, pc.tail)
+    if cfg.kv_store is not None:
         from deepinfer_core.kvstore import BlockCodec, StoreLink, config_key
 
-        pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(engine.executor), cfg.block_size,
+        pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(executor), cfg.block_size,
                             extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class)
     return pc
 
