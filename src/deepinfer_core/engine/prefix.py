@@ -97,7 +97,7 @@ class RowParts:
 class PrefixCaching:
     """Prefix caching for one engine (one pool, one executor)."""
 
-    def __init__(self, pool: PagedKVPool, executor: Any, model_cfg: Any, *, block_size: int, mode: str,
+    def __init__(self, pool: PagedKVPool, executor: ModelExecutor, model_cfg: ModelConfig, *, block_size: int, mode: str,
                  keep: int, host_bytes: int, pending_drafts: int) -> None:
         self.index = PrefixIndex(pool)
         self.ex = executor
@@ -286,7 +286,7 @@ class PrefixCaching:
                          num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
                          snapshot_pos=[e[3] for e in enc])
         try:
-            res = self.ex.execute(b)  # type: ignore[attr-defined]
+            res = self.ex.execute(b)
         except BatchError as e:
             if e.request is None:
                 raise
@@ -328,11 +328,11 @@ class PrefixCaching:
         ctx = toks[max(0, first.start - self._ctx) : first.start]
         if first.kind == ENCODER_RESTORE:
             rings = self.store.get(digest, plan.hit)
-            self.ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)  # type: ignore[attr-defined]
+            self.ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)
             self.stats.host_restores += 1
         else:
             assert first.kind == ENCODER_REPLAY
-            self.ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)  # type: ignore[attr-defined]
+            self.ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)
             self.stats.encoder_replays += 1
 
     def take_metrics(self, seq: int) -> tuple[int, int]:
