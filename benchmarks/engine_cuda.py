@@ -187,7 +187,7 @@ def starved_seconds(prof: Any, min_gap_us: float) -> float:
 
 class StepMarks:
     """Timing events on the stream around each step's device work (from the executor's ``execute`` to the
-    end of ``LLMEngine._run``: the executor's launches and the sampler's). The GPU reaches a step's start event only once it is done with everything
+    end of ``StepRunner.run``: the executor's launches and the sampler's). The GPU reaches a step's start event only once it is done with everything
     queued before it, so ``start[k + 1] - end[k]`` is the time the stream sat empty between step k's last
     queued work and step k + 1's first (zero when the host had queued step k + 1 in time). Gaps between
     kernels inside a step (a graph's own launch gaps, the eager Engram fetch) and host work inside
@@ -195,11 +195,11 @@ class StepMarks:
     counts everything, ``idle_starved_pct`` every device gap of >= 10 us, wherever it falls."""
 
     def __init__(self, eng: LLMEngine) -> None:
-        self.eng, self.orig, self.orig_ex = eng, eng._run, eng.executor.execute
+        self.eng, self.orig, self.orig_ex = eng, eng.runner.run, eng.executor.execute
         self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         start: list[torch.cuda.Event | None] = [None]
 
-        def executed(*a: Any, **kw: Any) -> Any:  # the step's device work starts here, not at _run's entry
+        def executed(*a: Any, **kw: Any) -> Any:  # the step's device work starts here, not at run's entry
             if start[0] is None:
                 start[0] = torch.cuda.Event(enable_timing=True)
                 start[0].record()
@@ -215,11 +215,11 @@ class StepMarks:
                     e.record()
                     self.spans.append((start[0], e))
 
-        eng._run = marked  # type: ignore[method-assign]
+        eng.runner.run = marked  # type: ignore[method-assign]
         eng.executor.execute = executed  # type: ignore[method-assign]
 
     def remove(self) -> None:
-        self.eng._run = self.orig  # type: ignore[method-assign]
+        self.eng.runner.run = self.orig  # type: ignore[method-assign]
         self.eng.executor.execute = self.orig_ex  # type: ignore[method-assign]
 
     def idle_between_pct(self) -> float:

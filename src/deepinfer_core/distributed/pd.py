@@ -168,7 +168,7 @@ class PromptEngine:
 
     def _take(self, fr: Any) -> None:
         eng = self.engine
-        req = eng._reqs[fr.request_id]
+        req = eng.requests.reqs[fr.request_id]
         ex = eng.executor
         slot = int(eng.state_pool.slots([req.seq])[0])
         n = len(req.prompt_token_ids)
@@ -231,7 +231,7 @@ class _SnapshotExecutor:
 
     def execute(self, batch: Any) -> Any:
         eng = self._owner.engine
-        live = [r for r in eng._reqs.values() if r.seq >= 0 and eng.state_pool.contains(r.seq)]
+        live = [r for r in eng.requests.reqs.values() if r.seq >= 0 and eng.state_pool.contains(r.seq)]
         rid_of = dict(zip(eng.state_pool.slots([r.seq for r in live]).tolist(), live)) if live else {}
         # the engine's prefix cache may ask for snapshots of its own (to publish rings): keep those, add
         # ours where the row asks for none; a row wanting two positions hands its full state instead

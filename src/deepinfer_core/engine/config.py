@@ -105,11 +105,20 @@ class EngineConfig:
     kv_store_guard: object | None = attrs.field(default=None, converter=_guard_config)
 
     def __attrs_post_init__(self) -> None:
+        # one group after another: the first bad field found is the one reported
+        self._check_choices()
+        self._check_sizes()
+        self._check_options()
+        self._check_switches()
+
+    def _check_choices(self) -> None:
         _check(isinstance(self.model, str) and (self.model in MODELS or Path(self.model).is_dir()), "model",
                f"{self.model!r}: must be one of {list(MODELS)} or a checkpoint directory (no downloads here)")
         _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"{self.seed!r}: must be an int in [0, 2**63)")
         _check(self.backend in BACKENDS, "backend", f"{self.backend!r}: must be one of {list(BACKENDS)}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r}: must be one of {list(DTYPES)}")
+
+    def _check_sizes(self) -> None:
         # upper bounds: the C++ core's int32 ids and counts (a larger value would wrap, not fail)
         _check(_is_int(self.block_size) and 1 <= self.block_size <= 2**20, "block_size",
                f"{self.block_size!r}: must be an int in [1, 2**20]")
@@ -125,6 +134,8 @@ class EngineConfig:
                "max_num_batched_tokens", f"{self.max_num_batched_tokens!r}: must be an int in [1, 32768]")
         _check(_is_int(self.max_model_len) and 2 <= self.max_model_len <= 2**31 - 1, "max_model_len",
                f"{self.max_model_len!r}: must be an int in [2, 2**31 - 1]")
+
+    def _check_options(self) -> None:
         _check(self.structured_backend in GRAMMAR_BACKENDS, "structured_backend",
                f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
         _check(self.preemption_policy in PREEMPTION_POLICIES, "preemption_policy",
@@ -136,6 +147,8 @@ class EngineConfig:
                "or an int in [1, 2**20]")
         _check(_is_int(self.swa_host_bytes) and 0 <= self.swa_host_bytes <= 2**48, "swa_host_bytes",
                f"{self.swa_host_bytes!r}: must be an int in [0, 2**48] (bytes of host memory for SWA rings)")
+
+    def _check_switches(self) -> None:
         if self.kv_store is not None:
             from deepinfer_core.protocols.kvstore import KVBlockStore
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_core.extras import MissingExtraError, install_hint
 from deepinfer_core.structured import require_any_engine
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine import LLM, RequestOutput
+    from deepinfer_core.sampling_params import SamplingParams
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -20,13 +25,24 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def demo() -> None:
-    from deepinfer_core.display import printable, printable_completion
     from deepinfer_core.engine import LLM
-    from deepinfer_core.sampling_params import SamplingParams
 
     # LLM pins torch to one CPU thread while it works (num_threads=1, the default): the tiny model is
     # dispatch-bound, so more threads only contend.
     llm = LLM(seed=0, num_blocks=128, max_num_seqs=8, async_scheduling=True)
+    prompts, params, outs = _batch(llm)
+    _exact_and_speculative(prompts, params, outs)
+    st = llm.engine.stats
+    print(f"  the batch took {st.steps} steps: {st.execute_s:.2f} s running the model, "
+          f"{st.schedule_s + st.build_s + st.sample_s + st.update_s:.3f} s in the engine around it "
+          f"(scheduling, batch building, masks, sampling)")
+
+
+def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutput]]:
+    """Five requests batched together (the structured ones when the extra is installed)."""
+    from deepinfer_core.display import printable, printable_completion
+    from deepinfer_core.sampling_params import SamplingParams
+
     what = {"tiny": "the shipped checkpoint, trained on Python sources: code prompts read best",
             "tiny-random": "random weights: the text is noise by design"}.get(llm.config.model, "a checkpoint directory")
     print(f"  model {llm.config.model!r} ({what}), {llm.config.dtype}, FP4/FP8 KV caches; 5 requests batched "
@@ -48,8 +64,7 @@ def demo() -> None:
         structured = False
     if not structured:
         keep = [i for i, sp in enumerate(params) if sp.so_args is None]
-        prompts, labels = [prompts[i] for i in keep], [labels[i] for i in keep]
-        params = [params[i] for i in keep]
+        prompts, params, labels = [prompts[i] for i in keep], [params[i] for i in keep], [labels[i] for i in keep]
         print(f"  (the regex and choice requests are left out: {install_hint('structured')} adds them)")
     # The empty prompt is refused on purpose and shown below: keep the engine's warning about it quiet.
     eng_log = logging.getLogger("deepinfer_core.engine")
@@ -67,6 +82,12 @@ def demo() -> None:
                   f"ended by {o.finish_reason})")
         else:
             print(f"  {label:26s} {p!r} -> refused alone, as it should be: {o.error}")
+    return prompts, params, outs
+
+
+def _exact_and_speculative(prompts: list[str], params: list[SamplingParams], outs: list[RequestOutput]) -> None:
+    from deepinfer_core.engine import LLM
+
     # Exact mode (float64, unquantised caches): the engine's greedy tokens are the argmax of the
     # cache-free full forward, token for token.
     exact = LLM(seed=0, dtype="float64", quantize=False, num_blocks=32, max_num_seqs=2)
@@ -88,10 +109,6 @@ def demo() -> None:
     print(f"  speculative=True: same greedy tokens: {so.token_ids == o.token_ids}; {book.accepted} of "
           f"{book.verified} drafts accepted, {spec.engine.stats.steps} steps instead of "
           f"{exact.engine.stats.steps}{note}")
-    st = llm.engine.stats
-    print(f"  the batch took {st.steps} steps: {st.execute_s:.2f} s running the model, "
-          f"{st.schedule_s + st.build_s + st.sample_s + st.update_s:.3f} s in the engine around it "
-          f"(scheduling, batch building, masks, sampling)")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,24 @@
 """``LLMEngine``: the step loop wiring the components through their public APIs.
 
-One step: ``Scheduler.schedule()`` -> a ``ForwardBatch`` built from the plan's arrays (placeholders filled
-from each sequence's last sampled token, state slots from the ``StatePool``) -> ``ModelExecutor.execute``
--> grammar bitmask (``StructuredOutputManager`` + ``apply_token_bitmask``) -> ``sample`` (counter-based
-RNG keyed by request seed and position) -> ``Scheduler.update`` -> finished requests become
-``RequestOutput`` s. With ``async_scheduling`` the next plan is made before the previous step's tokens
-are applied (one step ahead), exactly as the scheduler's contract allows; with ``async_overlap`` (the
-default) the next step is also launched before the previous step's tokens are read, its placeholder
-inputs fed from them on the device (engine/overlap.py).
+One step (``LLMEngine.step``), each stage owned by one object:
+
+1. schedule: ``Scheduler.schedule()`` (the ``DraftBook``'s verify lengths asked first);
+2. land the previous step when this one cannot be launched behind it (the ``StepOrder``: sync, async or
+   overlap, chosen once at construction, engine/step_order.py);
+3. run: ``StepRunner.run`` builds the ``ForwardBatch`` from the plan's arrays (placeholders filled from each
+   sequence's last sampled token, state slots from the ``StatePool``), calls ``ModelExecutor.execute`` and
+   has the ``TokenSampler`` mask (grammar bitmask, min_tokens bans) and sample (counter-based RNG keyed by
+   request seed and position); with the overlap the tokens stay on the device;
+4. land: the ``StepOrder`` hands back the steps whose tokens are applied now (``StepRunner.land``);
+5. update: ``Scheduler.update``; the ``OutputBuilder`` notes each streamed request's new tokens, the
+   ``RequestTable`` retires the finished requests and the ``OutputBuilder`` builds their final outputs;
+6. outputs: ``OutputBuilder.collect`` turns the step into one ``RequestOutput`` per request that produced
+   tokens or ended, as its ``output_kind`` asks (streamed, engine/output_builder.py).
+
+With ``async_scheduling`` the next plan is made before the previous step's tokens are applied (one step
+ahead), exactly as the scheduler's contract allows; with ``async_overlap`` (the default) the next step is
+also launched before the previous step's tokens are read, its placeholder inputs fed from them on the
+device (engine/overlap.py). docs/architecture.md ("The engine's step") draws the stages.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -24,70 +35,40 @@ import torch
 
 from deepinfer_core.engine import sizing
 from deepinfer_core.engine.config import EngineConfig
+from deepinfer_core.engine.grammar import Grammars
 from deepinfer_core.engine.output_builder import OutputBuilder
-from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, RequestOutput
-from deepinfer_core.engine.overlap import PendingStep
+from deepinfer_core.engine.outputs import RequestOutput
+from deepinfer_core.engine.overlap import Launched, StepTokens
 from deepinfer_core.engine.parallel_sampling import SampleGroups
-from deepinfer_core.engine.prefix import make_prefix_caching
-from deepinfer_core.engine.requests import (
-    EngineRequest,
-    RequestError,
-    SeqTable,
-    derived_seed,
-    normalize_params,
-    normalize_prompt,
-)
+from deepinfer_core.engine.prefix import PrefixCaching, make_prefix_caching
+from deepinfer_core.engine.request_table import RequestTable
+from deepinfer_core.engine.requests import EngineRequest, RequestError, normalize_params, normalize_prompt
 from deepinfer_core.engine.run import StepRunner
-from deepinfer_core.engine.sample import RowSampler
+from deepinfer_core.engine.sample import TokenSampler
 from deepinfer_core.engine.speculative import DraftBook
-from deepinfer_core.engine.stops import StopStrings
-from deepinfer_core.engine.structured_spec import VerifyMasks
+from deepinfer_core.engine.stats import StepStats
+from deepinfer_core.engine.step_order import StepOrder, make_step_order
 from deepinfer_core.envs import Envs, get_envs
 from deepinfer_core.kv import PagedKVPool, StatePool
-from deepinfer_core.model import (
-    DeepSeekV41,
-    ModelExecutor,
-)
+from deepinfer_core.model import DeepSeekV41, ModelExecutor
 from deepinfer_core.model.checkpoint import load_model
 from deepinfer_core.sampling_params import RequestOutputKind
-from deepinfer_core.scheduler import (
-    FinishedRequest,
-    FinishReason,
-    Plan,
-    PreemptionPolicy,
-    Request,
-    Scheduler,
-    SchedulerConfig,
-)
+from deepinfer_core.scheduler import Plan, PreemptionPolicy, Scheduler, SchedulerConfig
 from deepinfer_core.spec import make_policy
 from deepinfer_core.tokenizer import ByteTokenizer
 from deepinfer_kernels import get_backend
 
+if TYPE_CHECKING:
+    from deepinfer_core.kvstore.guard import StoreGuard
+
+__all__ = ["LLMEngine", "StepStats"]
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-_REASONS = {FinishReason.STOP: STOP, FinishReason.LENGTH: LENGTH, FinishReason.ABORT: ABORT,
-            FinishReason.FAILED: ERROR}
 
 
-@attrs.define
-class StepStats:
-    """Cumulative wall time per stage (seconds) and counts; the benchmark reads the ratios."""
-
-    steps: int = 0
-    schedule_s: float = 0.0
-    build_s: float = 0.0
-    execute_s: float = 0.0
-    sample_s: float = 0.0  # mask + sample + grammar advance
-    update_s: float = 0.0
-    tokens_sampled: int = 0
-    verify_rows: int = 0  # decode rows that verified drafts
-    overlap_steps: int = 0  # launched before the previous step's tokens were read (engine/overlap.py)
-    host_wait_steps: int = 0  # async steps that waited for the previous tokens first (structured rows, host Engram)
-    land_wait_s: float = 0.0  # host time blocked on a step's tokens after the next one was launched
-
-
-class LLMEngine(StepRunner, RowSampler):
+class LLMEngine:
     """The reference engine: the tiny model on one rank, requests in, ``RequestOutput`` s out.
 
     ``add_request`` never raises for a bad request: the request fails alone and its ``RequestOutput``
@@ -99,6 +80,14 @@ class LLMEngine(StepRunner, RowSampler):
     in progress). Recovery: an unexpected error inside a step fails the requests of that step's batch
     (their outputs carry the error) and the engine keeps serving the rest; ``abort_all`` ends every live
     request and ``reset`` rebuilds the scheduler and pools (docs/engine.md).
+
+    Owned collaborators (docs/architecture.md, "The engine's step"): ``requests`` (``RequestTable``: the
+    live requests and the one way one ends), ``sampler`` (``TokenSampler``), ``runner`` (``StepRunner``),
+    ``order`` (``StepOrder``: sync / async / overlap), ``outputs`` (``OutputBuilder``: final and streamed
+    outputs), ``groups`` (``SampleGroups``: n > 1) and ``grammars`` (the lazily built grammar manager).
+    ``reset`` rebuilds the pools, the scheduler and the per-run collaborators; the executor, the grammar
+    manager, the output builder, the KV store's guard and ``stats`` outlive it. ``AsyncLLM`` (async_llm.py)
+    and ``LLM`` (llm.py) run on top of ``add_request`` / ``step``.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None,
@@ -115,8 +104,7 @@ class LLMEngine(StepRunner, RowSampler):
                                         or num_threads < 1):
             raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
         self.num_threads = num_threads
-        if num_threads is not None and torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
+        self._pin_threads()
         self.config = cfg = config if config is not None else EngineConfig()
         self.envs = envs if envs is not None else get_envs()
         self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
@@ -135,36 +123,38 @@ class LLMEngine(StepRunner, RowSampler):
             self.drafts = DraftBook(make_policy(self.envs.enable_mtp_varlen, self.num_speculative_tokens),
                                     self.num_speculative_tokens)
         self._lock = threading.RLock()
-        self.config = cfg = self._sized(cfg)  # num_blocks / max_num_seqs left None: from the device's memory
-        self.executor = self._make_executor(cfg.num_blocks, cfg.max_num_seqs)
-        for switch in ("fused_attention", "fused_moe", "fused_head"):  # unset: the executor's default
-            if (on := getattr(self.envs, switch)) is not None:
-                setattr(self.executor, switch, on and self.executor.sync_free)
-        self._build_scheduler()
-        self._sample = self.backend.op("sample")
+        # num_blocks / max_num_seqs left None: from the device's memory (engine/sizing.py), before the executor
+        self.config, size = self._sized(cfg)
+        self.num_blocks, self.max_num_seqs = size.num_blocks, size.max_num_seqs  # the pool's resolved sizes
+        self._executor = self._build_executor()
+        self._sample_op = self.backend.op("sample")
         self._apply_mask = self.backend.op("apply_token_bitmask")
-        self._grammar: Any = None  # StructuredOutputManager, built on the first constrained request
-        self._serial = 0
-        self._failed: list[RequestOutput] = []  # failed before reaching the scheduler
-        # streamed outputs (engine/output_builder.py): what each step returns, per request
-        self.output_builder = OutputBuilder(self._token_bytes)
-        self.groups = SampleGroups(self)  # parallel sampling (SamplingParams.n)
-        self._clear_tables()
-        self.stats = StepStats()
-        # the asynchronous overlap (engine/overlap.py): on with async scheduling unless the executor must
-        # read every step's tokens on the host before the next (drafts: synchronous scheduling anyway)
-        self._overlap = self.scheduler.config.async_mode and cfg.async_overlap
-        self._feed_ok: dict[Any, bool] = {}  # execute function -> takes a feed (_takes_feed)
-        if self._overlap and not self.executor.token_feed_ok:
-            log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
-                     "placed %r); every step waits for the previous step's tokens", self.executor.engram_placement)
-            self._overlap = False
-        if self.drafts is not None:
-            log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
-                     self.num_speculative_tokens, type(self.drafts.policy).__name__)
+        self.grammars = Grammars(cfg.structured_backend, self.tokenizer, self.vocab_size)
+        self.outputs = OutputBuilder(self.tokenizer)
+        self._kv_store_guard: StoreGuard | None = None  # kept across reset(): so is its breaker's state
+        self._stats = StepStats()
+        self.step_mode = self._step_mode()  # "sync" / "async" / "overlap": the StepOrder's, fixed here
+        self._build()
         log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
-                 "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, cfg.num_blocks,
-                 cfg.block_size, cfg.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+                 "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, self.num_blocks,
+                 cfg.block_size, self.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+
+    def _pin_threads(self) -> None:
+        """torch's CPU threads to ``num_threads`` (at construction, and at a ``step`` that finds them changed)."""
+        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+
+    def _sized(self, cfg: EngineConfig) -> tuple[EngineConfig, sizing.PoolSize]:
+        """``cfg`` with the pool's sizes (engine/sizing.py), and those sizes: on the GPU from the memory
+        left after the weights, the per-block / per-slot bytes from two small probe executors' own accounting."""
+        def memory() -> tuple[int, int]:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.mem_get_info(self.device)
+
+        return sizing.resolve(cfg, on_gpu=self.device.type == "cuda",
+                              cost=lambda: sizing.probe_cache_bytes(self._make_executor), memory=memory,
+                              hidden_size=self.model_config.hidden_size,
+                              dtype_bytes=next(self.model.parameters()).element_size())
 
     def _make_executor(self, num_blocks: int, num_slots: int) -> ModelExecutor:
         cfg = self.config
@@ -174,46 +164,59 @@ class LLMEngine(StepRunner, RowSampler):
                              cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue,
                              draft_context=self.num_speculative_tokens > 0)
 
-    def _sized(self, cfg: EngineConfig) -> EngineConfig:
-        """``cfg`` with the pool's sizes (engine/sizing.py): on the GPU from the memory left after the weights,
-        the per-block / per-slot bytes from two small probe executors' own accounting."""
-        on_gpu = self.device.type == "cuda"
+    def _build_executor(self) -> ModelExecutor:
+        ex = self._make_executor(self.num_blocks, self.max_num_seqs)
+        for switch in ("fused_attention", "fused_moe", "fused_head"):  # unset: the executor's default
+            if (on := getattr(self.envs, switch)) is not None:
+                setattr(ex, switch, on and ex.sync_free)
+        return ex
 
-        def memory() -> tuple[int, int]:
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.mem_get_info(self.device)
-
-        cfg, _ = sizing.resolve(cfg, on_gpu=on_gpu, cost=lambda: sizing.probe_cache_bytes(self._make_executor),
-                                memory=memory, hidden_size=self.model_config.hidden_size,
-                                dtype_bytes=next(self.model.parameters()).element_size())
-        return cfg
-
-    def _build_scheduler(self) -> None:
-        """Fresh pools and scheduler (at start, and by ``reset``)."""
+    def _step_mode(self) -> str:
+        """sync (no async scheduling: always with drafts), async, or overlap (engine/overlap.py): on with
+        async scheduling unless the executor must read every step's tokens on the host before the next."""
         cfg = self.config
-        self.kv_pool = PagedKVPool(cfg.num_blocks, cfg.block_size)
-        self.state_pool = StatePool(cfg.max_num_seqs)
-        self.scheduler = Scheduler(self.kv_pool, SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
-            # a verify row's next position depends on how many drafts are accepted, so with drafts the
-            # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
-            async_mode=cfg.async_scheduling and self.drafts is None,
-            preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()]))
-        self.prefix = make_prefix_caching(self)  # prefix caching + SWA bounded replay (docs/swa.md)
+        if self.drafts is not None:
+            log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
+                     self.num_speculative_tokens, type(self.drafts.policy).__name__)
+        # a verify row's next position depends on how many drafts are accepted, so with drafts the
+        # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
+        if not cfg.async_scheduling or self.drafts is not None:
+            return "sync"
+        if cfg.async_overlap and not self._executor.token_feed_ok:
+            log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
+                     "placed %r); every step waits for the previous step's tokens", self._executor.engram_placement)
+            return "async"
+        return "overlap" if cfg.async_overlap else "async"
 
-    def _clear_tables(self) -> None:
-        """Empty per-request tables (at start, and by ``reset``)."""
-        self._reqs: dict[str, EngineRequest] = {}
-        self._by_seq: dict[int, EngineRequest] = {}
-        self._seqs = SeqTable()
-        self._compiling: list[str] = []  # constrained requests whose grammar is still compiling
-        self._inflight: tuple[Plan, Any] | None = None
-        self._to_abort: list[str] = []  # ended by the engine in a step; aborted after its update
+    def _build(self) -> None:
+        """Fresh pools, scheduler and per-run collaborators (at start, and by ``reset``)."""
+        cfg = self.config
+        self.kv_pool = PagedKVPool(self.num_blocks, cfg.block_size)
+        self.state_pool = StatePool(self.max_num_seqs)
+        self._scheduler = Scheduler(self.kv_pool, SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
+            async_mode=self.step_mode != "sync",
+            preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()]))
+        # prefix caching + SWA bounded replay (docs/swa.md)
+        self.prefix: PrefixCaching | None = make_prefix_caching(
+            cfg, self.model_config, self.kv_pool, self._executor, self._scheduler,
+            keep_default=self.envs.yoco_prefill_keep_tokens, pending_drafts=self.num_speculative_tokens,
+            guard=self._kv_store_guard)
+        if self.prefix is not None and self.prefix.link is not None:
+            self._kv_store_guard = self.prefix.link.guard
+        self.requests = RequestTable(self._scheduler, self.state_pool, self.drafts, self.prefix, self.grammars,
+                                     self.outputs, cfg.seed)
+        # n > 1: samples 1..n-1 of a prompt of a block or more wait for sample 0's prefill (prefix caching)
+        self.groups = SampleGroups(self.requests, self.outputs,
+                                   hold_min_prompt=cfg.block_size if self.prefix is not None else None)
+        self.sampler = TokenSampler(self.requests, self.grammars, self.tokenizer, self.vocab_size, self._sample_op,
+                                    self._apply_mask)
+        self.runner = StepRunner(self._executor, self.state_pool, self.prefix, self.drafts, self.requests,
+                                 self.sampler, self._stats, batch_invariant=self.batch_invariant,
+                                 apply_mask=self._apply_mask)
+        self.order: StepOrder = make_step_order(self.step_mode, self.runner, self._stats)
         self._idle_steps = 0
-        self._stops: dict[str, StopStrings] = {}  # requests with stop strings (engine/stops.py)
-        self._verify_masks: VerifyMasks | None = None  # this step's grammar masks of verify rows
-        self.groups.held.clear()  # n > 1 samples not queued yet (engine/parallel_sampling.py)
 
     def _spec_tokens(self) -> int:
         cfg = self.config
@@ -230,6 +233,33 @@ class LLMEngine(StepRunner, RowSampler):
                              f"{self.envs.max_backtracking_tokens} (rejected drafts are rolled back)")
         return n
 
+    # ------------------------------------------------------------------ swappable parts
+    # The distributed engines install wrappers over the executor and the scheduler after construction and
+    # benchmarks replace ``stats``: each setter hands the new object to the collaborators that hold it.
+    @property
+    def executor(self) -> ModelExecutor:
+        return self._executor
+
+    @executor.setter
+    def executor(self, ex: ModelExecutor) -> None:
+        self._executor = self.runner.executor = ex
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, s: Scheduler) -> None:
+        self._scheduler = self.requests.scheduler = s
+
+    @property
+    def stats(self) -> StepStats:
+        return self._stats
+
+    @stats.setter
+    def stats(self, st: StepStats) -> None:
+        self._stats = self.runner.stats = self.order.stats = st
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None, *,
                     output_kind: RequestOutputKind | None = None) -> None:
@@ -243,196 +273,89 @@ class LLMEngine(StepRunner, RowSampler):
         with self._lock:
             if self.is_live(request_id):
                 raise ValueError(f"request_id={request_id!r}: already live")
-            text = prompt if isinstance(prompt, str) else None
-            try:
-                text, ids = normalize_prompt(prompt, self.tokenizer)
-                sp = normalize_params(params, self.vocab_size)
-                if len(ids) >= self.config.max_model_len:
-                    raise RequestError(f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
-                                       f"{self.config.max_model_len} (prompts are never truncated)")
-                if sp.max_tokens is None:  # vLLM's rule: as many as the context leaves
-                    sp = attrs.evolve(sp, max_tokens=self.config.max_model_len - len(ids))
-            except RequestError as e:
-                self._fail_early(request_id, text if isinstance(text, str) else None, (), str(e))
+            req = self._parse(request_id, prompt, params)
+            if req is None:
                 return
-            except Exception as e:  # a hostile value must fail its request, not the caller
-                self._fail_early(request_id, None, (), f"prompt / sampling_params: {type(e).__name__}: {e}")
+            if req.params.n > 1:  # its n samples (engine/parallel_sampling.py)
+                self.groups.add(req, output_kind)
                 return
-            if sp.n > 1:
-                self.groups.add(request_id, text, ids, sp, output_kind)
-                return
-            self.output_builder.add(request_id, text, ids, sp, output_kind)
-            self._add_one(EngineRequest(request_id, text, ids, sp))
+            self.outputs.add(request_id, req.prompt, req.prompt_token_ids, req.params, output_kind)
+            self.requests.add(req)
 
-    def _add_one(self, req: EngineRequest) -> None:
-        """A validated request to its stop strings, its grammar (compiling) or the scheduler."""
-        request_id, sp = req.request_id, req.params
-        self._reqs[request_id] = req
-        if sp.stop:
-            self._stops[request_id] = StopStrings(sp.stop, self._token_bytes(), include=sp.include_stop_str_in_output,
-                                                  min_tokens=sp.min_tokens)
-        if sp.so_args is not None:
-            try:
-                self._grammar_manager().add_request(request_id, sp.so_args)
-            except ImportError as e:
-                # a MissingExtraError already names the extra to install (deepinfer_core.extras)
-                hint = "" if "deepinfer-components[" in str(e) else \
-                    " (install the structured extra: pip install \"deepinfer-components[structured]\")"
-                self._drop_early(req, f"SamplingParams.so_args: {e}{hint}")
-                return
-            except RecursionError:
-                self._drop_early(req, "SamplingParams.so_args: nested too deeply to compile")
-                return
-            except Exception as e:  # the library's own message, as the request's error
-                msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                self._drop_early(req, f"SamplingParams.so_args: {msg}")
-                return
-            req.structured = True
-            self._compiling.append(request_id)  # queued once its grammar has compiled
-            return
-        self._queue(req)
+    def _parse(self, request_id: str, prompt: object, params: Any) -> EngineRequest | None:
+        """The engine's record of a valid request; None (its output queued) for an invalid one."""
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            text, ids = normalize_prompt(prompt, self.tokenizer)
+            sp = normalize_params(params, self.vocab_size)
+            if len(ids) >= self.config.max_model_len:
+                raise RequestError(f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
+                                   f"{self.config.max_model_len} (prompts are never truncated)")
+            if sp.max_tokens is None:  # vLLM's rule: as many as the context leaves
+                sp = attrs.evolve(sp, max_tokens=self.config.max_model_len - len(ids))
+        except RequestError as e:
+            self.outputs.failed(request_id, text if isinstance(text, str) else None, (), str(e))
+            return None
+        except Exception as e:  # a hostile value must fail its request, not the caller
+            self.outputs.failed(request_id, None, (), f"prompt / sampling_params: {type(e).__name__}: {e}")
+            return None
+        return EngineRequest(request_id, text, ids, sp)
 
     def abort(self, request_id: str) -> bool:
         """End a live request; it is reported (finish_reason "abort") by a later ``step``. Its state slot
         and KV blocks are returned at once (the scheduler may admit a waiting request in the next step)."""
         with self._lock:
-            if self.output_builder.is_group(request_id):  # n > 1: every sample
+            if self.outputs.is_group(request_id):  # n > 1: every sample
                 return self.groups.abort(request_id)
-            req = self._reqs.get(request_id)
-            if req is None:
-                return False
-            if req.seq < 0:  # still compiling its grammar
-                self._compiling.remove(request_id)
-                self._drop_early(req, None, ABORT)
-                return True
-            return self._end(req)
+            req = self.requests.reqs.get(request_id)
+            return req is not None and self.requests.end(req)
 
     def abort_all(self) -> int:
         """Abort every live request (reported by the next ``step`` s); returns how many. Afterwards every
         KV block and state slot is free."""
         with self._lock:
             held = sum(self.abort(rid) for rid in list(self.groups.held))  # n > 1: their held samples too
-            return held + sum(self.abort(rid) for rid in list(self._reqs))
+            return held + sum(self.abort(rid) for rid in list(self.requests.reqs))
 
     def reset(self, reason: str = "engine reset") -> list[RequestOutput]:
         """Fail every live request with ``error=reason`` and rebuild the scheduler and pools from scratch:
         the way back from a state that a failed step could not repair. Returns the failed requests'
         outputs (and any not yet collected)."""
         with self._lock:
-            out, self._failed = self._failed, []
-            for req in list(self._reqs.values()):
-                out.append(RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                                         prompt_token_ids=req.prompt_token_ids, finish_reason=ERROR, error=reason))
-                if req.structured and self._grammar is not None:
-                    self._grammar.remove_request(req.request_id)
+            out = self.outputs.take_ready()
+            out += [self.outputs.reset_output(req, reason) for req in self.requests.fail_all(reason)]
+            out += self.groups.fail_held(reason)
             if self.drafts is not None:
                 self.drafts.clear()
-            out += self.groups.fail_held(reason)
-            self._build_scheduler()
-            self.executor.resolve_fed(drop=True)  # an in-flight step's tokens are never read
-            self._clear_tables()
+            self._build()
+            self._executor.resolve_fed(drop=True)  # an in-flight step's tokens are never read
             log.warning("engine reset (%s): %d live requests failed", reason, len(out))
-            out = self.output_builder.collect(out, lambda rid: None, lambda rid: ())
-            self.output_builder.clear()
+            out = self.outputs.collect(out, lambda rid: None, lambda rid: ())  # n > 1: grouped back
+            self.outputs.clear()
             return out
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._failed or self._compiling or self.groups.held or self.scheduler.has_unfinished())
+            return bool(self.outputs.ready or self.requests.compiling or self.groups.held
+                        or self.scheduler.has_unfinished())
 
     def is_live(self, request_id: str) -> bool:
         """Added and not yet reported by ``step``."""
         with self._lock:
-            return (request_id in self._reqs or self.output_builder.is_group(request_id)
-                    or any(o.request_id == request_id for o in self._failed))
+            return (request_id in self.requests.reqs or self.outputs.is_group(request_id)
+                    or self.outputs.has_ready(request_id))
 
     def hand_back(self, outputs: list[RequestOutput]) -> None:
         """Outputs taken out of ``step`` by a caller they do not belong to (``LLM.generate`` stepping an
         engine that another thread also feeds): the next ``step`` returns them."""
         if outputs:
             with self._lock:
-                self._failed.extend(outputs)
+                self.outputs.ready.extend(outputs)
 
     @property
     def num_live(self) -> int:
         """Requests added and not yet reported by ``step``."""
-        return len(self._reqs) + len(self._failed) + self.groups.num_held
-
-    def _grammar_manager(self) -> Any:
-        if self._grammar is None:
-            from deepinfer_core.structured import StructuredOutputManager, make_backend
-
-            self._grammar = StructuredOutputManager(make_backend(self.config.structured_backend, self.tokenizer,
-                                                                 vocab_size=self.vocab_size))
-        return self._grammar
-
-    def _fail_early(self, rid: str, text: str | None, ids: tuple[int, ...], msg: str | None,
-                    reason: str = ERROR) -> None:
-        if msg is not None:
-            log.warning("request %r failed: %s", rid, msg)
-        self._failed.append(RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, finish_reason=reason,
-                                          error=msg))
-
-    def _token_bytes(self) -> list[bytes]:
-        if getattr(self, "_tok_bytes", None) is None:
-            self._tok_bytes = list(self.tokenizer.token_bytes())
-        return self._tok_bytes
-
-    def _drop_early(self, req: EngineRequest, msg: str | None, reason: str = ERROR) -> None:
-        del self._reqs[req.request_id]
-        self._stops.pop(req.request_id, None)
-        if req.structured and self._grammar is not None:
-            self._grammar.remove_request(req.request_id)
-        self._fail_early(req.request_id, req.prompt, req.prompt_token_ids, msg, reason)
-
-    def _queue(self, req: EngineRequest) -> None:
-        """Hand a request to the scheduler (which checks lengths and pool fit)."""
-        try:
-            self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.params))
-        except (ValueError, TypeError, OverflowError) as e:
-            self._drop_early(req, str(e).replace(f"request {req.request_id!r}: ", ""))
-            return
-        req.seq = self.scheduler.seq_id(req.request_id)
-        sp = req.params
-        seed = sp.seed if sp.seed is not None else derived_seed(self.config.seed, self._serial)
-        self._serial += 1
-        self._seqs.add(req.seq, sp, seed, req.structured)
-        self._by_seq[req.seq] = req
-
-    def _admit_compiled(self) -> None:
-        """Queue constrained requests whose grammar is ready; fail those whose grammar did not compile."""
-        if not self._compiling:
-            return
-        g = self._grammar
-        # nothing else to run: wait a little for a compile instead of spinning
-        ready = g.ready(self._compiling) if self.scheduler.has_unfinished() else g.wait(self._compiling, 0.05)
-        for rid in ready:
-            self._compiling.remove(rid)
-            req = self._reqs[rid]
-            if g.finish_reason(rid) is not None:
-                self._drop_early(req, f"SamplingParams.so_args: invalid grammar: {g.error(rid)}",
-                                 str(g.finish_reason(rid)))
-            else:
-                self._queue(req)
-
-    def _end(self, req: EngineRequest, reason: str | None = None, error: str | None = None) -> bool:
-        """End a queued or running request from the engine's side: its later rows are dropped, its state
-        slot and drafts are returned now (before the scheduler can give its seat to a waiting request),
-        and the scheduler frees its blocks and reports it at the next ``update``."""
-        if reason is not None:
-            req.reason, req.error = reason, error
-        self._release(req.seq)
-        return self.scheduler.abort(req.request_id)
-
-    def _release(self, seq: int) -> None:
-        """No more rows of ``seq`` will run: mark it dead and return its state slot and drafts."""
-        self._seqs.dead[self._seqs.row(seq)] = True
-        if self.state_pool.contains(seq):
-            self.state_pool.release(seq)
-        if self.drafts is not None:
-            self.drafts.drop(seq)
-        if self.prefix is not None:
-            self.prefix.drop(seq)
+        return len(self.requests) + len(self.outputs.ready) + self.groups.num_held
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -444,137 +367,59 @@ class LLMEngine(StepRunner, RowSampler):
         this step's batch (``error`` says what happened) and the engine serves the rest; if even that is
         impossible the engine ``reset`` s itself and fails every live request."""
         with self._lock:
-            if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
-                torch.set_num_threads(self.num_threads)
+            self._pin_threads()
             try:
                 finals = self._step()
             except Exception as e:  # the engine must outlive a failed step
                 log.exception("engine: step failed; the engine resets")
                 return self.reset(f"engine step failed and the engine was reset: {type(e).__name__}: {e}")
-            return self.output_builder.collect(finals, self._live_info, self.scheduler.output_token_ids)
-
-    def _live_info(self, rid: str) -> tuple[int, int | None] | None:
-        """(output tokens in the scheduler, stop-string token cap) of a live request (the builder's truth)."""
-        req = self._reqs.get(rid)
-        if req is None or req.seq < 0:
-            return None
-        try:
-            n = self.scheduler.request_info(rid)["output_len"]
-        except (KeyError, ValueError):  # ended in the scheduler, reported at the next update
-            return None
-        stops = self._stops.get(rid)
-        return n, (stops.hit.tokens if stops is not None and stops.hit is not None else None)
+            return self.outputs.collect(finals, self.requests.live_info, self.scheduler.output_token_ids)
 
     def _step(self) -> list[RequestOutput]:
-        self._admit_compiled()
-        if self.groups.held:
-            self.groups.admit_held()
-        out, self._failed = self._failed, []
-        sched, st = self.scheduler, self.stats
-        if not sched.has_unfinished():
+        """The step's final outputs (ended requests'); ``step`` adds the streamed ones."""
+        self.requests.admit_compiled()  # constrained requests whose grammar compiled
+        self.groups.admit_held()  # n > 1 samples waiting for their first sample's prefill
+        out = self.outputs.take_ready()  # requests that failed before reaching the scheduler
+        if not self.scheduler.has_unfinished():
             return out
-        t0 = time.perf_counter()
-        ask = self.drafts.ask(self._by_seq) if self.drafts is not None else None
-        plan = sched.schedule() if ask is None else sched.schedule(draft_seq_ids=ask[0], draft_counts=ask[1])
-        st.schedule_s += time.perf_counter() - t0
-        prev, self._inflight = self._inflight, None
-        # overlap: this step launches before the in-flight one lands, unless it needs a host token value
-        overlap = self._overlap and plan.num_rows > 0 and self._takes_feed() and not self._needs_host_tokens(plan)
-        if prev is not None and not (overlap and isinstance(prev[1], PendingStep)):
-            # async: apply the previous step's tokens after planning this one (and before running it)
-            if overlap is False and plan.num_rows and isinstance(prev[1], PendingStep):
-                st.host_wait_steps += 1
-            out += self._update(prev[0], self._land_step(*prev))
-            prev = None
+        plan = self._schedule()  # 1. schedule
+        for done in self.order.land_before(plan):  # 2. the previous step lands first unless this one overlaps it
+            out += self._update(done)
         if plan.num_rows == 0:
-            out += self._update(plan, np.zeros(0, np.int32))
-            self._idle_steps += 1
-            if self._idle_steps > 1000:
-                raise RuntimeError("engine: 1000 idle steps in a row with requests pending (scheduler stuck)")
-            return out
-        self._idle_steps = 0
-        pend = prev[1] if prev is not None else None
-        try:
-            sampled = self._run(plan, pend, overlap)
-        except Exception as e:  # fail this batch's requests, keep the engine
-            log.exception("engine: step %d failed; its batch's requests fail", plan.step_id)
-            sampled = self._fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}")
-        st.steps += 1
-        st.overlap_steps += isinstance(sampled, PendingStep) and prev is not None
-        st.verify_rows += int((plan.num_drafts > 0).sum())
-        if prev is not None:  # this step is queued behind the previous one: now read that one's tokens
-            t0 = time.perf_counter()
-            toks = self._land_step(*prev)
-            st.land_wait_s += time.perf_counter() - t0
-            out += self._update(prev[0], toks)
-        if self.scheduler.config.async_mode:
-            self._inflight = (plan, sampled)
-        else:
-            assert not isinstance(sampled, PendingStep)  # the overlap's pending steps exist in async mode only
-            out += self._update(plan, sampled)
+            return out + self._idle(plan)
+        prev, overlap = self.order.feed(plan)
+        step = self.runner.run(plan, prev, overlap)  # 3. build, execute, sample (or launch: tokens on the device)
+        for done in self.order.land_after(step):  # 4. the steps whose tokens are on the host now
+            out += self._update(done)  # 5. update the requests, build the finished ones' outputs
         return out
 
-    def _fail_plan(self, plan: Plan, msg: str) -> np.ndarray:
-        """End every live request with a row in ``plan`` (error ``msg``); the tokens to ``update`` it with."""
-        for seq in np.unique(plan.seq_ids).tolist():
-            req = self._by_seq.get(int(seq))
-            if req is not None and req.reason is None:
-                self._end(req, ERROR, msg)
-        return np.full(plan.num_rows, -1, np.int32)
-
-    def _update(self, plan: Plan, sampled: np.ndarray | tuple[np.ndarray, np.ndarray]) -> list[RequestOutput]:
+    def _schedule(self) -> Plan:
         t0 = time.perf_counter()
-        ended = self.scheduler.update(plan, *sampled) if isinstance(sampled, tuple) else self.scheduler.update(plan, sampled)
-        self.output_builder.note(plan, sampled, self._rid_of_seq)
-        outs = [self._finish(fr) for fr in ended]
-        # the engine's own ends (a grammar that accepted its end under ignore_eos) take effect once the
-        # token that ended them is applied
-        for rid in self._to_abort:
-            req = self._reqs.get(rid)
-            if req is not None:
-                self._end(req)
-        self._to_abort.clear()
-        self.stats.update_s += time.perf_counter() - t0
+        ask = self.drafts.ask(self.requests.by_seq) if self.drafts is not None else None
+        sched = self.scheduler
+        plan = sched.schedule() if ask is None else sched.schedule(draft_seq_ids=ask[0], draft_counts=ask[1])
+        self._stats.schedule_s += time.perf_counter() - t0
+        if plan.num_rows:
+            self._idle_steps = 0
+        return plan
+
+    def _idle(self, plan: Plan) -> list[RequestOutput]:
+        """A plan with no rows (e.g. every request waits for blocks): update it; refuse to spin forever."""
+        out = self._update(Launched(plan, StepTokens(np.zeros(0, np.int32))))
+        self._idle_steps += 1
+        if self._idle_steps > 1000:
+            raise RuntimeError("engine: 1000 idle steps in a row with requests pending (scheduler stuck)")
+        return out
+
+    def _update(self, done: Launched) -> list[RequestOutput]:
+        """Apply a landed step's tokens: the scheduler's update, the streamed requests' new tokens noted
+        (their requests still in the table), then the final outputs of the requests that finished, then
+        the engine's own ends that waited for this step's tokens."""
+        assert done.tokens is not None, "only landed steps are applied"
+        t0 = time.perf_counter()
+        ended = done.tokens.update(self.scheduler, done.plan)
+        self.outputs.note(done.plan, done.tokens.tokens, done.tokens.counts, self.requests.rid_of_seq)
+        outs = [self.outputs.finished(fr, self.requests.retire(fr)) for fr in ended]
+        self.requests.end_deferred()
+        self._stats.update_s += time.perf_counter() - t0
         return outs
-
-    def _rid_of_seq(self, seq: int) -> str | None:
-        req = self._by_seq.get(seq)
-        return None if req is None else req.request_id
-
-    def _finish(self, fr: FinishedRequest) -> RequestOutput:
-        req = self._reqs.pop(fr.request_id)
-        seq = req.seq
-        self._release(seq)
-        self._seqs.remove(seq)
-        del self._by_seq[seq]
-        metrics: dict[str, Any] = {}
-        if req.structured:
-            try:
-                metrics = self._grammar.metrics(req.request_id)  # e.g. which grammar engine served it
-            except Exception:  # never lose the output over its metrics
-                log.exception("request %r: grammar metrics unavailable", req.request_id)
-            self._grammar.remove_request(req.request_id)
-        stops = self._stops.pop(req.request_id, None)
-        hit = stops.hit if stops is not None else None
-        reason = req.reason if req.reason is not None else _REASONS.get(fr.finish_reason, ERROR)
-        error = req.error
-        if fr.finish_reason is FinishReason.FAILED and error is None:
-            error = "the sampler returned no valid token for this request"
-        if error is not None:
-            log.warning("request %r failed: %s", req.request_id, error)
-        ids = fr.output_token_ids
-        cached, replayed = self.prefix.take_metrics(seq) if self.prefix is not None else (0, 0)
-        metrics.update(arrival_time=req.arrival, last_token_time=time.monotonic(), num_generated_tokens=len(fr.output_token_ids))
-        if self.drafts is not None:
-            metrics.update(drafts_verified=req.drafts_verified, drafts_accepted=req.drafts_accepted)
-        text = None
-        if hit is not None and stops is not None:  # the text ends at the stop string (vLLM's rule)
-            ids, text = ids[: hit.tokens], stops.text()
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             text=self.tokenizer.decode(ids) if text is None else text, token_ids=ids,
-                             finish_reason=reason, error=error, num_preemptions=fr.num_preemptions, cached_tokens=cached, replayed_tokens=replayed,
-                             stop_reason=hit.stop if hit is not None else None, metrics=metrics)
-
-    def _fail_row(self, seq: int, msg: str) -> None:
-        """End a running request from inside a step (its later rows are dropped)."""
-        self._end(self._by_seq[seq], ERROR, msg)

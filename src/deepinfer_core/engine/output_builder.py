@@ -1,9 +1,17 @@
-"""Streamed outputs: the engine's step results turned into per-request ``RequestOutput`` s.
+"""The engine's output side: every ``RequestOutput`` the engine returns is built here.
 
-``OutputBuilder`` is owned by ``LLMEngine``. The engine tells it three things: a request arrived
-(``add``), a scheduler update applied some plan's tokens (``note``), a request ended (its final, cumulative
-``RequestOutput`` from the engine, in ``collect``). At the end of a step ``collect`` returns one output per
-request that produced tokens or ended in the step, shaped by the request's ``output_kind``:
+``OutputBuilder`` is owned by ``LLMEngine`` and has two jobs:
+
+- **Final outputs**: a request the scheduler reported finished becomes its cumulative final output
+  (``finished``, from what ``RequestTable.retire`` collected), one that ended outside the scheduler (bad
+  input, a grammar that did not compile, an abort before it was queued) one with ``error`` / the reason
+  (``failed``, queued in ``ready`` for the next step; outputs handed back by a caller they did not belong
+  to wait there too), a request failed by ``LLMEngine.reset`` one from ``reset_output``.
+- **Streaming**: the engine tells it that a request arrived (``add``; ``group`` for n > 1), that a
+  scheduler update applied some plan's tokens (``note``, from ``LLMEngine._update`` while the requests
+  are still in the table) and, through ``collect`` at the end of each step, which requests ended (their
+  final outputs). ``collect`` returns one output per request that produced tokens or ended in the step,
+  shaped by the request's ``output_kind``:
 
 - **Tokens**: the scheduler's own count of output tokens (``output_len``) is the truth; the tokens of
   the noted rows are used when they account for it exactly, otherwise the tokens are read back from the
@@ -32,8 +40,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from deepinfer_core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.engine.outputs import ABORT, ERROR, LENGTH, STOP, CompletionOutput, RequestOutput
+from deepinfer_core.engine.requests import EngineRequest
+from deepinfer_core.engine.stops import StopStrings
+from deepinfer_core.protocols import Tokenizer
 from deepinfer_core.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer_core.scheduler import FinishedRequest, FinishReason, Plan
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +53,24 @@ CUM, DELTA, FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, Reque
 # (output_len, stop-string token cap or None) of a live request, None when it is not live
 LiveInfo = Callable[[str], "tuple[int, int | None] | None"]
 ReadBack = Callable[[str], Sequence[int]]  # a live request's output tokens, from the scheduler
+RidOf = Callable[[int], "str | None"]  # a live sequence's request id
+_REASONS = {
+    FinishReason.STOP: STOP,
+    FinishReason.LENGTH: LENGTH,
+    FinishReason.ABORT: ABORT,
+    FinishReason.FAILED: ERROR,
+}
+
+
+@attrs.define
+class Retired:
+    """What a request left behind when the engine forgot it (``RequestTable.retire``)."""
+
+    req: EngineRequest
+    stops: StopStrings | None
+    metrics: dict[str, Any]
+    cached_tokens: int
+    replayed_tokens: int
 
 
 class IncrementalText:
@@ -134,17 +164,97 @@ class _Group:
 
 
 class OutputBuilder:
-    """Per-request streaming state of one engine (see the module docstring)."""
+    """The engine's ``RequestOutput`` s: final ones, the queue of ready ones, and the per-request
+    streaming state (see the module docstring)."""
 
-    def __init__(
-        self, token_bytes: Callable[[], Sequence[bytes]], clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._token_bytes = token_bytes
+    def __init__(self, tokenizer: Tokenizer, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokenizer = tokenizer
         self.clock = clock
+        self.ready: list[RequestOutput] = []  # failed before reaching the scheduler, or handed back
+        self._tok_bytes: list[bytes] | None = None
         self._tracks: dict[str, _Track] = {}  # streamed requests and every sample of a group
         self._groups: dict[str, _Group] = {}  # n > 1 parents
         self._notes: dict[str, list[int]] = {}  # request id -> tokens of rows applied this step
         self._order: list[_Track | _Group] = []  # touched this step, in order
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes (the tokenizer's, read once): the stop strings' and the text streams'."""
+        if self._tok_bytes is None:
+            self._tok_bytes = list(self.tokenizer.token_bytes())
+        return self._tok_bytes
+
+    # ------------------------------------------------------------------ final outputs
+    def take_ready(self) -> list[RequestOutput]:
+        out, self.ready = self.ready, []
+        return out
+
+    def has_ready(self, request_id: str) -> bool:
+        return any(o.request_id == request_id for o in self.ready)
+
+    def failed(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        error: str | None,
+        reason: str = ERROR,
+    ) -> None:
+        """A request that ended outside the scheduler (bad input, a grammar that did not compile, an abort
+        while compiling or held): its output is returned by the next ``step``."""
+        if error is not None:
+            log.warning("request %r failed: %s", request_id, error)
+        self.ready.append(
+            RequestOutput(
+                request_id=request_id,
+                prompt=prompt,
+                prompt_token_ids=prompt_token_ids,
+                finish_reason=reason,
+                error=error,
+            )
+        )
+
+    def reset_output(self, req: EngineRequest, error: str) -> RequestOutput:
+        """A live (or held) request failed by ``LLMEngine.reset``."""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            finish_reason=ERROR,
+            error=error,
+        )
+
+    def finished(self, fr: FinishedRequest, gone: Retired) -> RequestOutput:
+        """The final output of a request the scheduler reported: the engine's own reason
+        (``EngineRequest.reason``, set when the engine ended it) wins over the scheduler's; a stop string
+        cuts the text. ``collect`` marks its stream final with it."""
+        req, stops = gone.req, gone.stops
+        hit = stops.hit if stops is not None else None
+        reason = req.reason if req.reason is not None else _REASONS.get(fr.finish_reason, ERROR)
+        error = req.error
+        if fr.finish_reason is FinishReason.FAILED and error is None:
+            error = "the sampler returned no valid token for this request"
+        if error is not None:
+            log.warning("request %r failed: %s", req.request_id, error)
+        ids = fr.output_token_ids
+        metrics = {**gone.metrics, "arrival_time": req.arrival, "last_token_time": self.clock(),
+                   "num_generated_tokens": len(ids)}
+        text = None
+        if hit is not None and stops is not None:  # the text ends at the stop string (vLLM's rule)
+            ids, text = ids[: hit.tokens], stops.text()
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=self.tokenizer.decode(ids) if text is None else text,
+            token_ids=ids,
+            finish_reason=reason,
+            error=error,
+            num_preemptions=fr.num_preemptions,
+            cached_tokens=gone.cached_tokens,
+            replayed_tokens=gone.replayed_tokens,
+            stop_reason=hit.stop if hit is not None else None,
+            metrics=metrics,
+        )
 
     # ------------------------------------------------------------------ requests
     def add(
@@ -169,7 +279,7 @@ class OutputBuilder:
             prompt,
             prompt_ids,
             kind if g is None else g.kind,
-            IncrementalText(self._token_bytes(), hold),
+            IncrementalText(self.token_bytes(), hold),
             self.clock() if g is None else g.arrival,
             group=g,
             index=index,
@@ -199,6 +309,7 @@ class OutputBuilder:
         return [] if g is None else [t.rid for t in g.tracks]
 
     def clear(self) -> None:
+        """Forget every stream (``LLMEngine.reset``, after its outputs were collected)."""
         self._tracks.clear()
         self._groups.clear()
         self._notes.clear()
@@ -209,24 +320,19 @@ class OutputBuilder:
         return len(self._tracks) + len(self._groups)
 
     # ------------------------------------------------------------------ the step
-    def note(
-        self,
-        plan: Any,
-        sampled: np.ndarray | tuple[np.ndarray, np.ndarray],
-        rid_of: Callable[[int], str | None],
-    ) -> None:
-        """A scheduler update applied ``sampled`` to ``plan``: remember each streamed request's tokens
-        (checked against the scheduler's count in ``collect``)."""
+    def note(self, plan: Plan, tokens: np.ndarray, counts: np.ndarray | None, rid_of: RidOf) -> None:
+        """A scheduler update applied ``tokens`` (one per plan row, or with ``counts`` flat tokens and a
+        count per row) to ``plan``: remember each streamed request's tokens (checked against the
+        scheduler's count in ``collect``)."""
         if not self._tracks:
             return
-        if isinstance(sampled, tuple):  # speculation: flat tokens, a count per row
-            flat, counts = sampled
+        if counts is not None:  # speculation: flat tokens, a count per row
             ends = np.cumsum(counts)
             rows = np.flatnonzero(counts > 0)
-            per_row = {int(r): flat[ends[r] - counts[r] : ends[r]].tolist() for r in rows.tolist()}
+            per_row = {int(r): tokens[ends[r] - counts[r] : ends[r]].tolist() for r in rows.tolist()}
         else:
             rows = np.flatnonzero(plan.sample > 0)
-            per_row = {int(r): [int(sampled[r])] for r in rows.tolist()}
+            per_row = {int(r): [int(tokens[r])] for r in rows.tolist()}
         seqs = plan.seq_ids
         for r, toks in per_row.items():
             rid = rid_of(int(seqs[r]))
@@ -255,10 +361,11 @@ class OutputBuilder:
             self._advance(t, got, t.text_dec.feed(got) if cap is None else "", now)
         out: list[RequestOutput] = []
         for f in finals:
-            t = self._tracks.pop(f.request_id, None)
-            if t is None:
+            t = self._tracks.get(f.request_id) if f.finished else None
+            if t is None:  # untracked, or an output handed back (LLMEngine.hand_back): as it is
                 out.append(f)
                 continue
+            del self._tracks[f.request_id]
             self._end(t, f, now)
         order, self._order = self._order, []
         for x in order:

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 import torch
 
+from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.kv import PagedKVPool, PrefixIndex
+from deepinfer_core.model.config import ModelConfig
+from deepinfer_core.protocols import ModelExecutor
+from deepinfer_core.scheduler import Scheduler
 from deepinfer_core.swa import (
     ENCODER_REPLAY,
     ENCODER_RESTORE,
@@ -42,6 +46,9 @@ from deepinfer_core.swa import (
     plan_replay,
 )
 from deepinfer_core.swa import prefix_digests as _digests
+
+if TYPE_CHECKING:
+    from deepinfer_core.kvstore.guard import StoreGuard
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +103,7 @@ class RowParts:
 class PrefixCaching:
     """Prefix caching for one engine (one pool, one executor)."""
 
-    def __init__(self, pool: PagedKVPool, executor: Any, model_cfg: Any, *, block_size: int, mode: str,
+    def __init__(self, pool: PagedKVPool, executor: ModelExecutor, model_cfg: ModelConfig, *, block_size: int, mode: str,
                  keep: int, host_bytes: int, pending_drafts: int) -> None:
         self.index = PrefixIndex(pool)
         self.ex = executor
@@ -143,18 +150,8 @@ class PrefixCaching:
             self._seq[seq] = _Seq(toks, dig, None, True)
             return
         nb = plan.hit // self.bs
-        ex = self.ex
-        first = plan.steps[0]
-        ctx = toks[max(0, first.start - self._ctx) : first.start]
-        if first.kind == ENCODER_RESTORE:
-            rings = self.store.get(dig[nb - 1], plan.hit)
-            ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)
-            self.stats.host_restores += 1
-        else:
-            assert first.kind == ENCODER_REPLAY
-            ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)
-            self.stats.encoder_replays += 1
-        exact_enc = plan.encoder_restored or first.start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
+        self._rebuild_encoder(plan, toks, dig[nb - 1], slot, table)
+        exact_enc = plan.encoder_restored or plan.steps[0].start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
         self._seq[seq] = _Seq(toks, dig, plan, exact_enc, published=plan.hit)
         self.stats.hits += 1
         self.stats.cached_tokens += plan.hit
@@ -253,8 +250,6 @@ class PrefixCaching:
         (placeholders filled); ``slots(seq_ids)``: state slots; ``known(seq)``: a sequence's tokens;
         ``cached``: the plan's per-row shared hit (-1: not an admission; None: rows at 0 are admissions).
         """
-        from deepinfer_core.model.batch import BatchError, ForwardBatch
-
         out = StepRows(rows=rows, start=start.astype(np.int64).copy(), ntok=ntok.astype(np.int64).copy(),
                        tok_mask=np.ones(tokens.shape[0], bool), floor=np.zeros(start.shape[0], np.int64),
                        snap=np.zeros(start.shape[0], np.int64))
@@ -282,25 +277,36 @@ class PrefixCaching:
             out.start[r], out.ntok[r] = p.encoder_end, s0 + n - p.encoder_end
             out.floor[r] = p.floor if out.ntok[r] else 0
             out.snap[r] = x if x > p.encoder_end else 0
-        if enc:
-            er = np.asarray([e[0] for e in enc])
-            parts = [tokens[off[r] + a - int(start[r]) : off[r] + b - int(start[r])] for r, a, b, _ in enc]
-            b = ForwardBatch(token_ids=np.concatenate(parts), query_lens=[e[2] - e[1] for e in enc],
-                             start_pos=[e[1] for e in enc], block_tables=tables[er], state_slots=slots(seq_ids[er]),
-                             num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
-                             snapshot_pos=[e[3] for e in enc])
-            try:
-                res = self.ex.execute(b)
-            except BatchError as e:
-                if e.request is None:
-                    raise
-                out.failed.append((int(seq_ids[er[e.request]]), f"encoder-only prefill refused: {e}"))
-                out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
-                return out
-            for i, (r, _, e_end, x) in enumerate(enc):
-                self.publish(int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64))
+        if enc and not self._run_encoder(out, enc, tokens, off, start, tables, seq_ids, slots):
+            return out
         out.rows = np.asarray([r for r in rows.tolist() if out.ntok[r] > 0], np.int64)
         return out
+
+    def _run_encoder(self, out: StepRows, enc: list[tuple[int, int, int, int]], tokens: np.ndarray, off: np.ndarray,
+                     start: np.ndarray, tables: np.ndarray, seq_ids: np.ndarray,
+                     slots: Callable[[np.ndarray], np.ndarray]) -> bool:
+        """The step's encoder-only parts ``enc`` ((plan row, start, end, snapshot) each) in one executor
+        call, their rings published; False when the executor refused one (failed in ``out``, its row
+        dropped)."""
+        from deepinfer_core.model.batch import BatchError, ForwardBatch
+
+        er = np.asarray([e[0] for e in enc])
+        parts = [tokens[off[r] + a - int(start[r]) : off[r] + b - int(start[r])] for r, a, b, _ in enc]
+        b = ForwardBatch(token_ids=np.concatenate(parts), query_lens=[e[2] - e[1] for e in enc],
+                         start_pos=[e[1] for e in enc], block_tables=tables[er], state_slots=slots(seq_ids[er]),
+                         num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
+                         snapshot_pos=[e[3] for e in enc])
+        try:
+            res = self.ex.execute(b)
+        except BatchError as e:
+            if e.request is None:
+                raise
+            out.failed.append((int(seq_ids[er[e.request]]), f"encoder-only prefill refused: {e}"))
+            out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
+            return False
+        for i, (r, _, e_end, x) in enumerate(enc):
+            self.publish(int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64))
+        return True
 
     def after(self, out: StepRows, rows: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray,
               snapshots: dict[int, torch.Tensor], known: Callable[[int], np.ndarray], fed: np.ndarray) -> None:
@@ -326,6 +332,20 @@ class PrefixCaching:
         """The sequence stopped (preempted or finished): forget its plan (its metrics stay until taken)."""
         self._seq.pop(seq, None)
 
+    def _rebuild_encoder(self, plan: ReplayPlan, toks: np.ndarray, digest: bytes, slot: int,
+                         table: np.ndarray) -> None:
+        """The encoder rings at the hit: restored from the host store, or replayed (the plan's first step)."""
+        first = plan.steps[0]
+        ctx = toks[max(0, first.start - self._ctx) : first.start]
+        if first.kind == ENCODER_RESTORE:
+            rings = self.store.get(digest, plan.hit)
+            self.ex.restore_encoder(slot, plan.hit, torch.from_numpy(rings), ctx)
+            self.stats.host_restores += 1
+        else:
+            assert first.kind == ENCODER_REPLAY
+            self.ex.replay_encoder(slot, toks[first.start : first.end], first.start, table, ctx)
+            self.stats.encoder_replays += 1
+
     def take_metrics(self, seq: int) -> tuple[int, int]:
         """(cached_tokens, replayed_tokens) of a finished sequence, summed over its (re)starts."""
         self._seq.pop(seq, None)
@@ -333,30 +353,27 @@ class PrefixCaching:
         return int(c), int(r)
 
 
-def make_prefix_caching(engine: Any) -> PrefixCaching | None:
-    """The engine's prefix caching per its config (None: off, or a model without a CED decoder)."""
-    cfg, mc = engine.config, engine.model_config
-    if not cfg.prefix_caching or mc.encoder_layers >= mc.num_hidden_layers:
+def make_prefix_caching(cfg: EngineConfig, model_cfg: ModelConfig, pool: PagedKVPool, executor: ModelExecutor,
+                        scheduler: Scheduler, *, keep_default: int, pending_drafts: int,
+                        guard: StoreGuard | None = None) -> PrefixCaching | None:
+    """The engine's prefix caching per its config (None: off, or a model without a CED decoder).
+    ``keep_default``: the SWA keep when ``cfg.swa_keep_tokens`` is unset (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS);
+    ``pending_drafts``: the drafts a step may verify (the tail a hit always leaves to compute grows by them);
+    ``guard``: the ``kvstore.StoreGuard`` to keep (None: one built from ``cfg.kv_store_guard``)."""
+    if not cfg.prefix_caching or model_cfg.encoder_layers >= model_cfg.num_hidden_layers:
         return None
-    keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else engine.envs.yoco_prefill_keep_tokens
-    pc = PrefixCaching(engine.kv_pool, engine.executor, mc, block_size=cfg.block_size, mode=cfg.swa_replay,
-                       keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=engine.num_speculative_tokens)
+    keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else keep_default
+    pc = PrefixCaching(pool, executor, model_cfg, block_size=cfg.block_size, mode=cfg.swa_replay,
+                       keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=pending_drafts)
     # admissions share cached blocks up to the largest hit the planner keeps (its tail left new)
-    engine.scheduler.set_prefix_sharing(pc.al, pc.tail)
-    if getattr(cfg, "kv_store", None) is not None:
+    scheduler.set_prefix_sharing(pc.al, pc.tail)
+    if cfg.kv_store is not None:
         from deepinfer_core.kvstore import BlockCodec, StoreLink, config_key
 
-        guard = getattr(engine, "_kv_store_guard", None)  # kept across reset(): so is its breaker's state
-        pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(engine.executor), cfg.block_size,
+        # ``guard``: the previous run's (an engine's reset keeps it, and so its breaker's state)
+        pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(executor), cfg.block_size,
                             extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class,
-                            guard=guard if guard is not None else getattr(cfg, "kv_store_guard", None))
-        engine._kv_store_guard = pc.link.guard
+                            guard=guard if guard is not None else cfg.kv_store_guard)  # type: ignore[arg-type]
         pc.stats.kv_store_errors = pc.link.guard.stats.errors
     return pc
 
-
-def known_tokens(engine: Any, seq: int) -> np.ndarray:
-    """A live sequence's tokens as the scheduler knows them: prompt + outputs applied so far."""
-    req = engine._by_seq[seq]
-    out = engine.scheduler.output_token_ids(req.request_id)
-    return np.asarray([*req.prompt_token_ids, *out], dtype=np.int64)

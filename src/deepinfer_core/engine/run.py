@@ -1,167 +1,259 @@
 """The engine's model side of a step: a plan's rows -> ``ForwardBatch`` -> ``ModelExecutor.execute`` ->
 sampled tokens (and, with DSpark, the verified rows' accepted drafts).
 
-A mixin of :class:`~deepinfer_core.engine.engine.LLMEngine` (it uses the engine's pools, tables and
-executor); the request lifecycle and the step loop stay in ``engine.py``, masking and sampling are in
-``sample.py``.
+``StepRunner`` is owned by the engine: ``run`` turns one plan into a ``Launched`` step (its tokens on the
+host, or with the asynchronous overlap still on the device) and ``land`` brings a launched step's tokens to
+the host. Masking and sampling are the ``TokenSampler``'s (engine/sample.py); a request that fails inside
+the step is ended through ``RequestTable.end``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from deepinfer_core.device_tokens import DeviceTokens, TokenFeed, h2d
-from deepinfer_core.engine.overlap import Overlap, PendingStep
-from deepinfer_core.engine.prefix import known_tokens
+from deepinfer_core.engine.outputs import ERROR
+from deepinfer_core.engine.overlap import Launched, PendingStep, StepTokens, batch_feed, fill_holes
+from deepinfer_core.engine.prefix import PrefixCaching, StepRows
+from deepinfer_core.engine.request_table import RequestTable
+from deepinfer_core.engine.sample import TokenSampler
+from deepinfer_core.engine.spec_rows import SpecRows
 from deepinfer_core.engine.speculative import DraftBook
-from deepinfer_core.engine.structured_spec import VerifyMasks
+from deepinfer_core.engine.stats import StepStats
+from deepinfer_core.kv import StatePool
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
+from deepinfer_core.protocols import ModelExecutor
 from deepinfer_core.scheduler import Plan, StepType
 
-log = logging.getLogger("deepinfer_core.engine.engine")
+log = logging.getLogger(__name__)
 
 
-class StepRunner(Overlap):
-    """Batch build, execution and draft collection for one plan (``_run``)."""
+@attrs.define
+class _Work:
+    """One plan's arrays while the runner builds, executes and samples it."""
 
-    # attributes of the engine this mixin reads (set by LLMEngine.__init__)
-    stats: Any
-    drafts: DraftBook | None
-    executor: Any
-    state_pool: Any
-    batch_invariant: bool
-    _seqs: Any
-    _reqs: dict
-    _by_seq: dict
-    _grammar: Any
-    _apply_mask: Any
-    prefix: Any
-    _snapshots: Any
-    # the engine's methods this mixin calls (LLMEngine and RowSampler define them)
-    _fail_row: Callable[[int, str], None]
-    _sample_rows: Callable[..., np.ndarray]
-    _sample_device: Callable[..., torch.Tensor]
-    _grammar_commit: Callable[..., bool]
+    plan: Plan
+    ix: np.ndarray  # each row's place in the per-sequence arrays (SeqTable.ix)
+    ntok: np.ndarray  # int64 tokens per row
+    tokens: np.ndarray  # int64 flat tokens, placeholders and drafts filled in
+    spec_row: np.ndarray  # rows whose token comes from the executor (greedy verify / draft)
+    fed_pos: np.ndarray  # flat token positions fed on the device from the in-flight step
+    fed_src: np.ndarray  # their rows in ``prev``'s tokens
+    prev: PendingStep | None
+    pre: StepRows | None = None  # prefix caching: what the main batch runs of each row
 
-    def _run(self, plan: Plan, prev: PendingStep | None = None,
-             overlap: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray] | PendingStep:
-        """Execute ``plan`` and sample. Returns one token per plan row (0 for rows that sample nothing),
-        or with speculation (flat tokens, count per row): a verify row yields its accepted drafts and
-        the executor's next token. ``overlap`` (engine/overlap.py): the tokens stay on the device (a
-        :class:`PendingStep`, landed by the caller); placeholders sampled by the in-flight step ``prev``
-        are fed from it on the device."""
-        st, seqs, book = self.stats, self._seqs, self.drafts
+
+@attrs.define
+class _Executed:
+    """The executor's answer for the rows it ran."""
+
+    rows: np.ndarray  # plan rows in the batch (request i of the batch is row rows[i])
+    keep_row: np.ndarray  # bool per plan row: in the batch
+    batch: ForwardBatch
+    logits: torch.Tensor
+    spec: dict[str, np.ndarray]  # DSpark outputs (empty without drafts)
+
+
+class StepRunner:
+    """Batch build, execution, sampling and draft collection for one plan (``run``), and landing (``land``)."""
+
+    def __init__(self, executor: ModelExecutor, state_pool: StatePool, prefix: PrefixCaching | None,
+                 drafts: DraftBook | None, table: RequestTable, sampler: TokenSampler, stats: StepStats, *,
+                 batch_invariant: bool, apply_mask: Callable[..., Any]) -> None:
+        self.executor = executor
+        self.state_pool = state_pool
+        self.prefix = prefix
+        self.drafts = drafts
+        self.table = table
+        self.sampler = sampler
+        self.stats = stats
+        self.batch_invariant = batch_invariant
+        self.apply_mask = apply_mask
+        self._snapshots: dict[int, torch.Tensor] = {}  # the last execute's encoder-ring snapshots, by request
+        # the speculative side of a step (verify seeds and grammar masks, verified rows collected)
+        self.spec = SpecRows(drafts, table, sampler, state_pool, apply_mask) if drafts is not None else None
+        self._feed_ok: dict[Any, bool] = {}  # execute function -> takes a feed (takes_feed)
+
+    # ------------------------------------------------------------------ run
+    def run(self, plan: Plan, prev: PendingStep | None = None, overlap: bool = False) -> Launched:
+        """Execute ``plan`` and sample. ``overlap`` (engine/overlap.py): the tokens stay on the device (a
+        ``PendingStep``, landed later); placeholders sampled by the in-flight step ``prev`` are fed from it
+        on the device. Never raises: an unexpected error fails the requests of this batch alone."""
+        try:
+            step = self._run(plan, prev, overlap)
+        except Exception as e:  # fail this batch's requests, keep the engine
+            log.exception("engine: step %d failed; its batch's requests fail", plan.step_id)
+            step = Launched(plan, self.fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}"))
+        self.stats.steps += 1
+        self.stats.verify_rows += int((plan.num_drafts > 0).sum())
+        return step
+
+    def _run(self, plan: Plan, prev: PendingStep | None, overlap: bool) -> Launched:
         t0 = time.perf_counter()
-        for rid in plan.preempted:  # its caches restart at position 0 when it is admitted again
-            seq = self._reqs[rid].seq if rid in self._reqs else -1
-            if seq >= 0 and self.state_pool.contains(seq):
-                self.state_pool.release(seq)
-            if seq >= 0 and book is not None:
-                book.drop(seq)  # the executor forgets its drafts when the slot restarts
-            if seq >= 0 and self.prefix is not None:
-                self.prefix.drop(seq)  # it re-hits its own prefix when it is admitted again
-        seq_ids = plan.seq_ids
-        ix = seqs.ix(seq_ids)  # each row's place in the per-sequence arrays
+        self._forget_preempted(plan)
+        seqs = self.table.seqs
+        ix = seqs.ix(plan.seq_ids)
         ntok = plan.num_tokens.astype(np.int64)
         tokens = plan.token_ids.astype(np.int64)
-        if book is not None:
-            book.fill(plan, tokens, seq_ids)
+        if self.drafts is not None:
+            self.drafts.fill(plan, tokens, plan.seq_ids)
         # one step ahead: placeholders are the token the previous step sampled for that sequence (on
         # the host, or with the overlap still on the device: fed_pos / fed_src)
-        fed_pos, fed_src = self._fill_holes(tokens, seq_ids, ix, ntok, prev)
-        # only a sequence's first chunk (an admission: new, or recomputed after preemption; it starts
-        # after its shared prefix hit) needs a slot; every later row holds one already, so this is no
-        # per-row loop in decode steps
-        for r in np.flatnonzero((plan.cached >= 0) & ~seqs.dead[ix]).tolist():
-            seq = int(seq_ids[r])
-            if not self.state_pool.contains(seq) and self.state_pool.acquire(seq) is None:
-                # cannot happen while slots are returned before seats (see _end); fail it alone if it does
-                log.error("engine: no free state slot for seq %d (%d slots)", seq, self.state_pool.num_slots)
-                self._fail_row(seq, f"no free state slot ({self.state_pool.num_slots} slots)")
+        fed_pos, fed_src = fill_holes(tokens, plan.seq_ids, ix, ntok, seqs.last_token, prev)
+        spec_row = (plan.sample > 0) & (DraftBook.eligible(seqs, ix) if self.drafts is not None else False)
+        w = _Work(plan, ix, ntok, tokens, spec_row, fed_pos, fed_src, prev)
+        self._acquire_slots(w)
         rows = np.flatnonzero(~seqs.dead[ix])  # rows of requests that already ended are discarded
-        pre = None  # prefix caching: hit tokens skipped, encoder-only parts run, the tail's decoder floor
         if self.prefix is not None and rows.size:
-            pre = self.prefix.prepare(plan.step_type == StepType.PREFILL, rows, seq_ids, plan.start, ntok, tokens,
-                                      plan.block_tables, self.state_pool.slots, lambda q: known_tokens(self, q),
-                                      plan.cached)
-            for seq, msg in pre.failed:
-                self._fail_row(seq, msg)
-            rows = pre.rows
-        sampled = np.zeros(plan.num_rows, np.int32)
-        nd = plan.num_drafts.astype(np.int64)
-        # rows whose token comes from the executor (greedy verify / draft); the rest sample here
-        spec_row = (plan.sample > 0) & (DraftBook.eligible(seqs, ix) if book is not None else False)
-        got: dict[int, list[int]] = {}
-        pending: PendingStep | None = None
+            w.pre = self._prepare_prefix(w, rows)
+            rows = w.pre.rows
+        res = self._execute_rows(w, rows, t0)
+        if res is None:  # no row left to run
+            return Launched(plan, self._step_tokens(plan, np.zeros(plan.num_rows, np.int32), {}))
+        t0 = time.perf_counter()
+        sampled, pending, got = self._sample(w, res, overlap)
+        if w.pre is not None:
+            self._publish_prefix(w, res)
+        self.stats.sample_s += time.perf_counter() - t0
+        if pending is not None:
+            return Launched(plan, pending=pending)
+        return Launched(plan, self._step_tokens(plan, sampled, got))
+
+    def _forget_preempted(self, plan: Plan) -> None:
+        """A preempted sequence's caches restart at position 0 when it is admitted again."""
+        for rid in plan.preempted:
+            req = self.table.reqs.get(rid)
+            seq = req.seq if req is not None else -1
+            if seq < 0:
+                continue
+            if self.state_pool.contains(seq):
+                self.state_pool.release(seq)
+            if self.drafts is not None:
+                self.drafts.drop(seq)  # the executor forgets its drafts when the slot restarts
+            if self.prefix is not None:
+                self.prefix.drop(seq)  # it re-hits its own prefix when it is admitted again
+
+    def _acquire_slots(self, w: _Work) -> None:
+        """A state slot for each admission. Only a sequence's first chunk (new, or recomputed after
+        preemption; it starts after its shared prefix hit) needs one; every later row holds one already,
+        so this is no per-row loop in decode steps."""
+        plan, pool = w.plan, self.state_pool
+        for r in np.flatnonzero((plan.cached >= 0) & ~self.table.seqs.dead[w.ix]).tolist():
+            seq = int(plan.seq_ids[r])
+            if not pool.contains(seq) and pool.acquire(seq) is None:
+                # cannot happen while slots are returned before seats (RequestTable.end); fail it alone if it does
+                log.error("engine: no free state slot for seq %d (%d slots)", seq, pool.num_slots)
+                self._fail_row(seq, f"no free state slot ({pool.num_slots} slots)")
+
+    def _prepare_prefix(self, w: _Work, rows: np.ndarray) -> StepRows:
+        """Prefix caching: hit tokens skipped, encoder-only parts run, the tail's decoder floor."""
+        assert self.prefix is not None
+        plan = w.plan
+        pre = self.prefix.prepare(plan.step_type == StepType.PREFILL, rows, plan.seq_ids, plan.start, w.ntok,
+                                  w.tokens, plan.block_tables, self.state_pool.slots, self.table.known_tokens,
+                                  plan.cached)
+        for seq, msg in pre.failed:
+            self._fail_row(seq, msg)
+        return pre
+
+    def _execute_rows(self, w: _Work, rows: np.ndarray, t0: float) -> _Executed | None:
+        """Build the batch of ``rows`` and execute it. A request the executor refuses (``BatchError``)
+        fails alone and the other rows are built and executed again (nothing was written); None when no
+        row is left."""
         while rows.size:
-            keep_row = np.zeros(plan.num_rows, bool)  # a mask of ``rows`` (np.isin's sort: not needed)
+            keep_row = np.zeros(w.plan.num_rows, bool)  # a mask of ``rows`` (np.isin's sort: not needed)
             keep_row[rows] = True
-            tok_keep = np.repeat(keep_row, ntok)
-            qn, qs = (ntok, plan.start) if pre is None else (pre.ntok, pre.start)
-            spec_kw: dict[str, Any] = {}
-            if pre is not None:
-                tok_keep &= pre.tok_mask
-                spec_kw.update(decoder_floor=pre.floor[rows], snapshot_pos=pre.snap[rows])
-            if book is not None:
-                spec_kw.update(verify_lens=nd[rows], draft=spec_row[rows],
-                               temperature=np.where(spec_row[rows], seqs.temperature[ix[rows]], 0.0))
-                self._spec_masks(plan, rows, spec_row, tokens, ntok, ix)
-            batch = ForwardBatch(token_ids=tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
-                                 block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(seq_ids[rows]),
-                                 num_logits=plan.sample[rows] + nd[rows], **spec_kw)
-            feed = self._batch_feed(fed_pos, fed_src, tok_keep, prev)
-            st.build_s += time.perf_counter() - t0
+            batch, tok_keep = self._batch(w, rows, keep_row)
+            feed = batch_feed(w.fed_pos, w.fed_src, tok_keep, w.prev)
+            self.stats.build_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             try:
-                logits, spec_out = self._execute(batch, feed)
-            except BatchError as e:  # one bad request: fail it, rerun the others (nothing was written)
-                self._spec_masks_off()
+                logits, spec = self._execute(batch, feed)
+            except BatchError as e:  # one bad request: fail it, rerun the others
                 if e.request is None:
                     raise
-                self._fail_row(int(seq_ids[rows[e.request]]), f"executor refused the request: {e}")
+                self._fail_row(int(w.plan.seq_ids[rows[e.request]]), f"executor refused the request: {e}")
                 rows = np.delete(rows, e.request)
                 continue
-            self._spec_masks_off()
-            st.execute_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            last = np.cumsum(batch.num_logits) - 1  # each request's last logits row
-            plain = np.flatnonzero((plan.sample[rows] > 0) & ~spec_row[rows])
-            srows = rows[plain]
-            lg = logits[h2d(last[plain], logits.device)]
-            pos = plan.context_lens[srows].astype(np.int64)
-            if overlap:  # the tokens stay on the device; engine/overlap.py lands them after the next launch
-                tok_t = self._sample_device(lg, seq_ids[srows], ix[srows], pos)
-                pending = PendingStep(srows.astype(np.int64), seq_ids[srows].astype(np.int64), DeviceTokens(tok_t),
-                                      plan.num_rows)
-            else:
-                sampled[srows] = self._sample_rows(lg, seq_ids[srows], ix[srows], pos)
-            if book is not None:
-                got = self._collect(plan, rows, spec_row, spec_out, tokens, ntok, ix)
-            if pre is not None:  # publish completed exact blocks and the encoder rings at their end
-                starts = np.concatenate(([0], np.cumsum(ntok)[:-1])).astype(np.int64)
-                first = tokens[starts]
-                if fed_pos.size and prev is not None:  # fed from the device: its value (waits for prev only)
-                    r_fed = np.searchsorted(starts, fed_pos).clip(max=starts.size - 1)
-                    at_start = starts[r_fed] == fed_pos  # a placeholder is a row's first token
-                    r_fed, src = r_fed[at_start], fed_src[at_start]
-                    need = (pre.snap[r_fed] > 0) if pre.decode else np.ones(r_fed.shape, bool)
-                    need &= keep_row[r_fed]  # == np.isin(r_fed, rows): r_fed are plan rows
-                    if need.any():  # after this step's launch: the device is busy meanwhile
-                        first[r_fed[need]] = prev.tokens.host()[src[need]]
-                self.prefix.after(pre, rows, seq_ids, plan.block_tables, self._snapshots,
-                                  lambda q: known_tokens(self, q), first)
-            st.sample_s += time.perf_counter() - t0
-            break
-        if pending is not None:
-            return pending
-        if book is None:
-            return sampled
+            finally:
+                SpecRows.masks_off(self.executor.spec)
+            self.stats.execute_s += time.perf_counter() - t0
+            return _Executed(rows, keep_row, batch, logits, spec)
+        return None
+
+    def _batch(self, w: _Work, rows: np.ndarray, keep_row: np.ndarray) -> tuple[ForwardBatch, np.ndarray]:
+        """The ``ForwardBatch`` of ``rows`` and the mask of the plan's flat tokens it keeps."""
+        plan, pre = w.plan, w.pre
+        nd = plan.num_drafts.astype(np.int64)
+        tok_keep = np.repeat(keep_row, w.ntok)
+        qn, qs = (w.ntok, plan.start) if pre is None else (pre.ntok, pre.start)
+        spec_kw: dict[str, Any] = {}
+        if pre is not None:
+            tok_keep &= pre.tok_mask
+            spec_kw.update(decoder_floor=pre.floor[rows], snapshot_pos=pre.snap[rows])
+        if self.spec is not None:
+            temp = np.where(w.spec_row[rows], self.table.seqs.temperature[w.ix[rows]], 0.0)
+            spec_kw.update(verify_lens=nd[rows], draft=w.spec_row[rows], temperature=temp)
+            self.spec.masks_on(self.executor.spec, plan, rows, w.spec_row, w.tokens, w.ntok, w.ix)
+        batch = ForwardBatch(token_ids=w.tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
+                             block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(plan.seq_ids[rows]),
+                             num_logits=plan.sample[rows] + nd[rows], **spec_kw)
+        return batch, tok_keep
+
+    def _sample(self, w: _Work, res: _Executed,
+                overlap: bool) -> tuple[np.ndarray, PendingStep | None, dict[int, list[int]]]:
+        """Sample the plain rows (on the host, or with ``overlap`` left on the device) and collect the
+        executor-verified rows: (tokens per plan row, the pending device tokens, verified rows' tokens)."""
+        plan, rows = w.plan, res.rows
+        sampled = np.zeros(plan.num_rows, np.int32)
+        last = np.cumsum(res.batch.num_logits) - 1  # each request's last logits row
+        plain = np.flatnonzero((plan.sample[rows] > 0) & ~w.spec_row[rows])
+        srows = rows[plain]
+        lg = res.logits[h2d(last[plain], res.logits.device)]
+        pos = plan.context_lens[srows].astype(np.int64)
+        seq, ix = plan.seq_ids[srows], w.ix[srows]
+        pending = None
+        if overlap:  # the tokens stay on the device; engine/overlap.py lands them after the next launch
+            tok_t = self.sampler.sample_device(lg, seq, ix, pos)
+            pending = PendingStep(srows.astype(np.int64), seq.astype(np.int64), DeviceTokens(tok_t), plan.num_rows)
+        else:
+            sampled[srows] = self.sampler.sample_rows(lg, seq, ix, pos)
+        self.stats.tokens_sampled += int(srows.size)
+        got: dict[int, list[int]] = {}
+        if self.spec is not None:
+            got = self.spec.collect(plan, rows, w.spec_row, res.spec, w.tokens, w.ntok, w.ix)
+            self.stats.tokens_sampled += sum(len(r) for r in got.values())
+        return sampled, pending, got
+
+    def _publish_prefix(self, w: _Work, res: _Executed) -> None:
+        """Publish completed exact blocks and the encoder rings at their end (engine/prefix.py)."""
+        assert self.prefix is not None and w.pre is not None
+        plan, pre, prev = w.plan, w.pre, w.prev
+        starts = np.concatenate(([0], np.cumsum(w.ntok)[:-1])).astype(np.int64)
+        first = w.tokens[starts]
+        if w.fed_pos.size and prev is not None:  # fed from the device: its value (waits for prev only)
+            r_fed = np.searchsorted(starts, w.fed_pos).clip(max=starts.size - 1)
+            at_start = starts[r_fed] == w.fed_pos  # a placeholder is a row's first token
+            r_fed, src = r_fed[at_start], w.fed_src[at_start]
+            need = (pre.snap[r_fed] > 0) if pre.decode else np.ones(r_fed.shape, bool)
+            need &= res.keep_row[r_fed]  # == np.isin(r_fed, rows): r_fed are plan rows
+            if need.any():  # after this step's launch: the device is busy meanwhile
+                first[r_fed[need]] = prev.tokens.host()[src[need]]
+        self.prefix.after(pre, res.rows, plan.seq_ids, plan.block_tables, self._snapshots,
+                          self.table.known_tokens, first)
+
+    def _step_tokens(self, plan: Plan, sampled: np.ndarray, got: dict[int, list[int]]) -> StepTokens:
+        """The step's tokens as ``Scheduler.update`` takes them; with drafts, flat tokens and a count per row."""
+        if self.drafts is None:
+            return StepTokens(sampled)
         flat: list[int] = []
         counts = np.zeros(plan.num_rows, np.int32)
         for i in range(plan.num_rows):
@@ -171,75 +263,77 @@ class StepRunner(Overlap):
             elif plan.sample[i]:  # sampled here, or a dropped row (its request ended: the token is ignored)
                 flat.append(int(sampled[i]))
                 counts[i] = 1
-        return np.asarray(flat, np.int32), counts
+        return StepTokens(np.asarray(flat, np.int32), counts)
 
-    def _spec_masks(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, tokens: np.ndarray,
-                    ntok: np.ndarray, ix: np.ndarray) -> None:
-        """Before the executor verifies: grammar masks for structured spec rows, and every spec row's seed
-        (verification keyed by (seed, position)); engine/structured_spec.py, SpecState.counter_seeds."""
-        spec = self.executor.spec
-        self._verify_masks = None
-        self._spec_masks_off()  # nothing of an earlier step's (e.g. one that raised) may stay
-        if spec is None:
-            return
-        sr = rows[spec_row[rows]]
-        if sr.size == 0:
-            return
-        slots = self.state_pool.slots(plan.seq_ids[sr])
-        spec.counter_seeds = {int(sl): int(self._seqs.seed[ix[i]]) for sl, i in zip(slots.tolist(), sr.tolist())}
-        con = [(int(sl), int(i)) for sl, i in zip(slots.tolist(), sr.tolist()) if self._seqs.structured[ix[i]]]
-        if not con:
-            return
-        ends = np.cumsum(ntok)
-        items = []
-        for sl, i in con:
-            k = int(plan.num_drafts[i])
-            items.append((sl, self._by_seq[int(plan.seq_ids[i])].request_id, tokens[ends[i] - k : ends[i]].tolist()))
-        vm = VerifyMasks(self._grammar, self._apply_mask)
-        vm.build(items)
-        for rid in vm.dead:
-            req = self._reqs[rid]
-            req.reason, req.error = str(self._grammar.finish_reason(rid)), "grammar dead end: no token can continue"
-        self._verify_masks = vm
-        spec.logits_hook = vm.hook
+    # ------------------------------------------------------------------ failures
+    def _fail_row(self, seq: int, msg: str) -> None:
+        """End a running request from inside a step (its later rows are dropped)."""
+        self.table.end(self.table.by_seq[seq], ERROR, msg)
 
-    def _spec_masks_off(self) -> None:
-        spec = self.executor.spec
-        if spec is not None:
-            spec.logits_hook = None
-            spec.counter_seeds = None
+    def fail_plan(self, plan: Plan, msg: str) -> StepTokens:
+        """End every live request with a row in ``plan`` (error ``msg``); the tokens to ``update`` it with."""
+        for seq in np.unique(plan.seq_ids).tolist():
+            req = self.table.by_seq.get(int(seq))
+            if req is not None and req.reason is None:
+                self.table.end(req, ERROR, msg)
+        return StepTokens(np.full(plan.num_rows, -1, np.int32))
 
-    def _collect(self, plan: Plan, rows: np.ndarray, spec_row: np.ndarray, out: dict[str, np.ndarray],
-                 tokens: np.ndarray, ntok: np.ndarray, ix: np.ndarray) -> dict[int, list[int]]:
-        """Executor-verified rows: [accepted drafts..., next token] per plan row; keep the new drafts."""
-        book, seqs = self.drafts, self._seqs
-        assert book is not None
-        ends = np.cumsum(ntok)
-        got: dict[int, list[int]] = {}
-        for j, i in enumerate(rows.tolist()):
-            if not spec_row[i]:
-                continue
-            k, a, seq = int(plan.num_drafts[i]), int(out["num_accepted"][j]), int(plan.seq_ids[i])
-            row = [*tokens[ends[i] - k : ends[i] - k + a].tolist(), int(out["next_token"][j])]
-            req = self._by_seq[seq]
-            if self._verify_masks is not None and req.request_id in self._verify_masks.dead:
-                row = [-1]  # the grammar allows no token: the scheduler fails the request (reason set)
-                seqs.dead[ix[i]] = True
-            elif seqs.structured[ix[i]]:
-                self._grammar_commit(req, int(ix[i]), row)
-            if row[-1] >= 0:
-                self._feed_stops(req, int(ix[i]), row)
-            got[i] = row
-            book.verified += k
-            book.accepted += a
-            req.drafts_verified += k
-            req.drafts_accepted += a
-            book.store(seq, out["drafts"][j], out["draft_confidence"][j])
-            seqs.last_token[ix[i]] = row[-1]
-            seqs.n_out[ix[i]] += len(row)
-            self.stats.tokens_sampled += len(row)
-        return got
+    # ------------------------------------------------------------------ landing (engine/overlap.py)
+    def land(self, step: Launched) -> Launched:
+        """``step`` with its tokens on the host: a pending step waits for its tokens (its event only) and
+        the host side of sampling runs for the rows whose request is still live; a failure to get them (a
+        device error surfacing at the wait) fails that step's batch alone, as a failed step does."""
+        if step.pending is None:
+            return step  # ran synchronously (or failed): its tokens are already host values
+        try:
+            return Launched(step.plan, self._land(step.pending))
+        except Exception as e:
+            log.exception("engine: step %d failed when its tokens were read; its batch's requests fail",
+                          step.plan.step_id)
+            return Launched(step.plan, self.fail_plan(step.plan, f"engine step failed: {type(e).__name__}: {e}"))
 
+    def _land(self, pend: PendingStep) -> StepTokens:
+        host = pend.tokens.host()
+        self.executor.resolve_fed()  # before the next step can restart a slot (ModelExecutor.resolve_fed)
+        s = self.table.seqs
+        out = np.zeros(pend.num_rows, np.int32)
+        if pend.rows.size == 0:
+            return StepTokens(out)
+        ix = s.ix(pend.seqs)  # looked up now: the table may have compacted since the launch
+        live = ~s.dead[ix]  # a request ended since the launch (stop, EOS, abort, failure): token dropped
+        rows, lix, ltok = pend.rows[live], ix[live], host[live]
+        out[rows] = ltok
+        s.last_token[lix] = ltok
+        if self.table.stops:
+            for q, t in zip(pend.seqs[live].tolist(), ltok.tolist()):
+                if t >= 0:
+                    self.sampler.feed_stops(self.table.by_seq[q], [t])
+        return StepTokens(out)
+
+    def takes_feed(self) -> bool:
+        """Whether the executor's ``execute`` takes ``feed``: a wrapper installed over it later (the
+        distributed engines' lock-step executors) that does not keeps the plain async order (logged once)."""
+        fn = self.executor.execute
+        key = getattr(fn, "__func__", fn)
+        ok = self._feed_ok.get(key)
+        if ok is None:
+            params: Mapping[str, inspect.Parameter]
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                params = {}
+            ok = self._feed_ok[key] = "feed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+            if not ok:
+                log.info("engine: async overlap off: the executor's execute (%s) takes no device token feed",
+                         getattr(key, "__qualname__", key))
+        return ok
+
+    def needs_host_tokens(self, plan: Plan) -> bool:
+        """A row of a structured request: its grammar mask needs the previous token on the host."""
+        s = self.table.seqs
+        return self.table.grammars.manager is not None and bool(s.structured[s.ix(plan.seq_ids)].any())
+
+    # ------------------------------------------------------------------ the executor call
     def _execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """Logits of the sampled rows, request by request, and the DSpark outputs (numpy; empty when
         nothing drafts or verifies). ``feed``: batch tokens still on the device (engine/overlap.py)."""
@@ -247,19 +341,7 @@ class StepRunner(Overlap):
         if not self.batch_invariant or batch.num_requests == 1:
             outs = [self.executor.execute(batch, **kw)]
         else:
-            # batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch
-            self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
-            off = batch.offsets
-            outs = []
-            for i in range(batch.num_requests):
-                sl = slice(i, i + 1)
-                opt = {n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
-                       for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")}
-                one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[sl],
-                                   start_pos=batch.start_pos[sl], block_tables=batch.block_tables[sl],
-                                   state_slots=batch.state_slots[sl], num_logits=batch.num_logits[sl], **opt)
-                sub = {} if feed is None else {"feed": feed.sub(int(off[i]), int(off[i + 1]))}
-                outs.append(self.executor.execute(one, **sub))
+            outs = self._execute_each(batch, feed)
         logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
         self._snapshots = (outs[0].snapshots if len(outs) == 1
                            else {i: o.snapshots[0] for i, o in enumerate(outs) if o.snapshots})
@@ -269,6 +351,22 @@ class StepRunner(Overlap):
                 parts = [_spec_field(o, name, batch.num_requests if len(outs) == 1 else 1) for o in outs]
                 spec[name] = np.concatenate(parts)
         return logits, spec
+
+    def _execute_each(self, batch: ForwardBatch, feed: TokenFeed | None) -> list[ForwardOutput]:
+        """Batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch."""
+        self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
+        off = batch.offsets
+        outs = []
+        for i in range(batch.num_requests):
+            sl = slice(i, i + 1)
+            opt = {n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
+                   for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")}
+            one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[sl],
+                               start_pos=batch.start_pos[sl], block_tables=batch.block_tables[sl],
+                               state_slots=batch.state_slots[sl], num_logits=batch.num_logits[sl], **opt)
+            sub = {} if feed is None else {"feed": feed.sub(int(off[i]), int(off[i + 1]))}
+            outs.append(self.executor.execute(one, **sub))
+        return outs
 
 
 def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:

@@ -1,123 +1,128 @@
 """The engine's token side of a step: min_tokens bans and grammar masks on the logits, the batch-invariant
 sampler, then each constrained request's grammar advanced and its stop strings fed.
 
-A mixin of :class:`~deepinfer_core.engine.engine.LLMEngine`; see ``run.py`` for the model side.
+``TokenSampler`` is owned by the engine and called by ``StepRunner`` (engine/run.py); a request that its
+grammar or a stop string ends is ended through ``RequestTable.end``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from deepinfer_core.device_tokens import h2d
+from deepinfer_core.engine.grammar import Grammars
 from deepinfer_core.engine.outputs import ERROR, STOP, VIOLATION
+from deepinfer_core.engine.request_table import EndHow, RequestTable
 from deepinfer_core.engine.requests import EngineRequest
+from deepinfer_core.protocols import Tokenizer
 from deepinfer_kernels.ops.sampling import greedy_tokens
 
-log = logging.getLogger("deepinfer_core.engine.engine")
+log = logging.getLogger(__name__)
 
 
-class RowSampler:
-    """``_sample_rows`` and the grammar / stop-string bookkeeping around it."""
+class TokenSampler:
+    """``sample_rows`` (host tokens) / ``sample_device`` (the overlap's device tokens) and the grammar /
+    stop-string bookkeeping around them."""
 
-    # attributes of the engine this mixin reads (set by LLMEngine.__init__)
-    stats: Any
-    tokenizer: Any
-    vocab_size: int
-    _seqs: Any
-    _reqs: dict
-    _by_seq: dict
-    _grammar: Any
-    _to_abort: list
-    _sample: Any
-    _apply_mask: Any
-    _stops: dict[str, Any]
+    def __init__(self, table: RequestTable, grammars: Grammars, tokenizer: Tokenizer, vocab_size: int,
+                 sample_op: Callable[..., torch.Tensor], apply_mask_op: Callable[..., Any]) -> None:
+        self.table = table
+        self.grammars = grammars
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.sample_op = sample_op
+        self.apply_mask = apply_mask_op
 
-    def _sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars.
         ``seq``: the rows' seq ids; ``ix``: their places in the per-sequence arrays."""
-        s = self._seqs
+        s = self.table.seqs
         n = seq.shape[0]
         if n == 0:
             return np.zeros(0, np.int32)
-        self._ban_early(logits, seq, ix)
+        self.ban_early(logits, seq, ix)
         con = np.flatnonzero(s.structured[ix])
         failed = np.zeros(n, bool)  # rows whose grammar raised: they fail alone
         dead_end = np.zeros(0, np.int64)
         if con.size:
             full, dead_end = self._grammar_masks(seq, con, n, failed)
-            self._apply_mask(logits, full, torch.as_tensor(con))
+            self.apply_mask(logits, full, torch.as_tensor(con))
         tok = self._draw(logits, ix, positions).cpu().numpy().astype(np.int64)
-        for r in dead_end.tolist():  # the grammar allows no token: the request ends (FAILED -> reason below)
-            req = self._by_seq[int(seq[r])]
-            req.reason, req.error = str(self._grammar.finish_reason(req.request_id)), "grammar dead end: no token can continue"
-            tok[r] = -1  # the scheduler fails the request on a negative token
-            s.dead[ix[r]] = True  # a row already planned one step ahead is dropped
+        g = self.grammars.manager
+        for r in dead_end.tolist():  # the grammar allows no token: the scheduler fails it on a negative token
+            req = self.table.by_seq[int(seq[r])]
+            assert g is not None
+            self.table.end(req, str(g.finish_reason(req.request_id)), "grammar dead end: no token can continue",
+                           EndHow.BY_TOKEN)
+            tok[r] = -1
         tok[failed] = -1
         s.last_token[ix] = tok
         s.n_out[ix] += 1
-        self.stats.tokens_sampled += n
         for r in con.tolist():
-            t = int(tok[r])
-            if t < 0:
-                continue
-            req = self._by_seq[int(seq[r])]
-            g = self._grammar
-            try:
-                g.advance(req.request_id, [t])
-                why = g.finish_reason(req.request_id)
-            except Exception as e:  # a grammar library error fails that request alone
-                req.reason, req.error = ERROR, f"SamplingParams.so_args: grammar library error: {e}"
+            if tok[r] >= 0 and not self._advance(self.table.by_seq[int(seq[r])], int(tok[r])):
                 tok[r] = -1
-                s.dead[ix[r]] = True
-                continue
-            if why is None:
-                continue
-            s.dead[ix[r]] = True  # the grammar is done: a row already planned one step ahead is dropped
-            # the grammar accepted its end: EOS was sampled, which the scheduler stops on unless
-            # ignore_eos; then the engine ends it itself once this token is applied
-            if req.params.ignore_eos or str(why) != STOP:
-                req.reason = str(why)
-                if str(why) == VIOLATION:  # the document check failed: say what it found
-                    req.error = f"SamplingParams.so_args: {g.error(req.request_id)}"
-                elif str(why) != STOP:
-                    lib = g.error(req.request_id)  # the library's own message, when it failed itself
-                    req.error = f"grammar: {why}" if not lib else f"SamplingParams.so_args: grammar library error: {lib}"
-                    if lib:
-                        req.reason = ERROR
-                self._to_abort.append(req.request_id)
-        if self._stops:
+        if self.table.stops:
             for r in range(n):
                 if tok[r] >= 0:
-                    self._feed_stops(self._by_seq[int(seq[r])], int(ix[r]), [int(tok[r])])
+                    self.feed_stops(self.table.by_seq[int(seq[r])], [int(tok[r])])
         return tok.astype(np.int32)
 
-    def _sample_device(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """``_sample_rows`` for the asynchronous overlap: the tokens stay a device tensor (never read back
+    def _advance(self, req: EngineRequest, t: int) -> bool:
+        """One sampled token into the request's grammar; False when the grammar library failed (the
+        request fails on this token). A grammar that ended here ends its request."""
+        g = self.grammars.manager
+        assert g is not None
+        try:
+            g.advance(req.request_id, [t])
+            why = g.finish_reason(req.request_id)
+        except Exception as e:  # a grammar library error fails that request alone
+            self.table.end(req, ERROR, f"SamplingParams.so_args: grammar library error: {e}", EndHow.BY_TOKEN)
+            return False
+        if why is None:
+            return True
+        # the grammar accepted its end: EOS was sampled, which the scheduler stops on unless ignore_eos;
+        # then the engine ends it itself once this token is applied
+        if not (req.params.ignore_eos or str(why) != STOP):
+            self.table.end(req, how=EndHow.BY_TOKEN)
+            return True
+        reason, error = str(why), None
+        if str(why) == VIOLATION:  # the document check failed: say what it found
+            error = f"SamplingParams.so_args: {g.error(req.request_id)}"
+        elif str(why) != STOP:
+            lib = g.error(req.request_id)  # the library's own message, when it failed itself
+            error = f"grammar: {why}" if not lib else f"SamplingParams.so_args: grammar library error: {lib}"
+            if lib:
+                reason = ERROR
+        self.table.end(req, reason, error, EndHow.AFTER_UPDATE)
+        return True
+
+    def sample_device(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """``sample_rows`` for the asynchronous overlap: the tokens stay a device tensor (never read back
         here). Only for rows that need no host token value before the next step: no grammar (the caller
         keeps structured steps synchronous). The host side (last token, stop strings) runs when the
-        tokens land (``Overlap._land``); the counts move now, so the next step's min_tokens bans see
+        tokens land (``engine/overlap.py``); the counts move now, so the next step's min_tokens bans see
         this token as sampled, exactly as in the synchronous path."""
-        self._ban_early(logits, seq, ix)
+        self.ban_early(logits, seq, ix)
         tok_t = self._draw(logits, ix, positions)
-        self._seqs.n_out[ix] += 1
-        self.stats.tokens_sampled += seq.shape[0]
+        self.table.seqs.n_out[ix] += 1
         return tok_t
 
-    def _ban_early(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray) -> None:
+    def ban_early(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray) -> None:
         """EOS and stop tokens may not end the text before min_tokens: one indexed write for every such
         row, its indices copied without a stream synchronisation (the step may still be running)."""
-        s = self._seqs
+        s = self.table.seqs
         early = np.flatnonzero(s.n_out[ix] < s.min_tokens[ix])
         if early.size == 0:
             return
         rr: list[int] = []
         cc: list[int] = []
         for r in early.tolist():
-            req = self._by_seq[int(seq[r])]
+            req = self.table.by_seq[int(seq[r])]
             ban = ([] if req.params.ignore_eos else [self.tokenizer.eos_token_id]) + list(req.params.stop_token_ids)
             rr += [r] * len(ban)
             cc += ban
@@ -126,44 +131,42 @@ class RowSampler:
 
     def _draw(self, logits: torch.Tensor, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """One token per (masked) logits row, on the logits' device: no host synchronisation."""
-        s, dev = self._seqs, logits.device
+        s, dev = self.table.seqs, logits.device
         if (s.temperature[ix] > 0).any():
-            return self._sample(logits, h2d(s.temperature[ix], dev), h2d(s.top_k[ix], dev),
-                                h2d(s.top_p[ix], dev), h2d(s.seed[ix], dev), h2d(positions, dev))
+            return self.sample_op(logits, h2d(s.temperature[ix], dev), h2d(s.top_k[ix], dev),
+                                  h2d(s.top_p[ix], dev), h2d(s.seed[ix], dev), h2d(positions, dev))
         # every row greedy (known on the host): the sampler's argmax without its full sort and RNG
         return greedy_tokens(logits)
 
-    def _feed_stops(self, req: EngineRequest, ixr: int, toks: list[int]) -> None:
+    def feed_stops(self, req: EngineRequest, toks: list[int]) -> None:
         """Stop strings (engine/stops.py): a match ends the request once these tokens are applied."""
-        stops = self._stops.get(req.request_id)
+        stops = self.table.stops.get(req.request_id)
         if stops is None or stops.hit is not None or req.reason is not None:  # already ending otherwise
             return
         if stops.feed(toks) is not None:
-            req.reason = STOP
-            self._seqs.dead[ixr] = True  # a row already planned one step ahead is dropped
-            self._to_abort.append(req.request_id)
+            self.table.end(req, STOP, None, EndHow.AFTER_UPDATE)
 
-    def _grammar_commit(self, req: EngineRequest, ixr: int, toks: list[int]) -> bool:
-        """A verify row's tokens into the request's grammar (as ``_sample_rows`` does for one token);
+    def grammar_commit(self, req: EngineRequest, toks: list[int]) -> bool:
+        """A verify row's tokens into the request's grammar (as ``sample_rows`` does for one token);
         False when the request ended here."""
-        g = self._grammar
+        g = self.grammars.manager
+        assert g is not None
         try:
             g.advance(req.request_id, toks)
             why = g.finish_reason(req.request_id)
         except Exception as e:  # a grammar library error fails that request alone
-            self._seqs.dead[ixr] = True
-            req.reason, req.error = ERROR, f"SamplingParams.so_args: grammar library error: {e}"
-            self._to_abort.append(req.request_id)
+            self.table.end(req, ERROR, f"SamplingParams.so_args: grammar library error: {e}", EndHow.AFTER_UPDATE)
             return False
         if why is None:
             return True
-        self._seqs.dead[ixr] = True
         if req.params.ignore_eos or str(why) != STOP:
-            req.reason = str(why)
+            error = None
             if str(why) != STOP:
                 lib = g.error(req.request_id)
-                req.error = f"SamplingParams.so_args: {lib}" if lib else f"grammar: {why}"
-            self._to_abort.append(req.request_id)
+                error = f"SamplingParams.so_args: {lib}" if lib else f"grammar: {why}"
+            self.table.end(req, str(why), error, EndHow.AFTER_UPDATE)
+        else:
+            self.table.end(req, how=EndHow.BY_TOKEN)
         return False
 
     def _grammar_masks(self, seq: np.ndarray, con: np.ndarray, n: int,
@@ -171,8 +174,9 @@ class RowSampler:
         """Bitmask rows for the constrained rows ``con`` (others allow all) and the dead-end rows. The
         batch is filled in one call; if the library raises, row by row, so only the failing requests
         fail (marked in ``failed``, their rows allow nothing)."""
-        g = self._grammar
-        rids = [self._by_seq[int(q)].request_id for q in seq[con]]
+        g = self.grammars.manager
+        assert g is not None
+        rids = [self.table.by_seq[int(q)].request_id for q in seq[con]]
         try:
             masks = g.fill_bitmask([(rid, ()) for rid in rids])
             full = torch.full((n, masks.bitmask.shape[1]), -1, dtype=torch.int32)
@@ -186,9 +190,8 @@ class RowSampler:
             try:
                 m = g.fill_bitmask([(rid, ())])
             except Exception as e:
-                req = self._reqs[rid]
-                req.reason, req.error = ERROR, f"SamplingParams.so_args: grammar library error: {e}"
-                self._seqs.dead[self._seqs.row(req.seq)] = True
+                self.table.end(self.table.reqs[rid], ERROR, f"SamplingParams.so_args: grammar library error: {e}",
+                               EndHow.BY_TOKEN)
                 failed[r] = True
                 full[r] = 0
                 continue

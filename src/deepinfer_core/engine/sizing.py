@@ -20,6 +20,7 @@ from collections.abc import Callable
 import attrs
 
 from deepinfer_core.engine.config import EngineConfig
+from deepinfer_core.protocols import ModelExecutor
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,13 @@ class PoolSize:
     source: str  # "config", "default" or "memory"
 
 
-def probe_cache_bytes(make_executor: Callable[[int, int], object]) -> CacheBytes:
+def probe_cache_bytes(make_executor: Callable[[int, int], ModelExecutor]) -> CacheBytes:
     """Per-block and per-slot bytes from the executor's ``cache_bytes()`` at (2, 1), (3, 1) and (2, 2)
     (blocks, slots); ``make_executor(num_blocks, num_slots)`` builds one."""
 
     def total(n: int, s: int) -> int:
         ex = make_executor(n, s)
-        return int(sum(ex.cache_bytes().values()))  # type: ignore[attr-defined]
+        return int(sum(ex.cache_bytes().values()))
 
     base = total(2, 1)
     return CacheBytes(per_block=total(3, 1) - base, per_slot=total(2, 2) - base)

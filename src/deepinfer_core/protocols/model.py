@@ -89,6 +89,10 @@ class ModelExecutor(Protocol):
         """Record device-fed tokens in the host token context once they are known (``drop``: forget them)."""
         ...
 
+    def cache_bytes(self) -> dict[str, int]:
+        """Device bytes held by each cache kind (the engine sizes its pool from two probe executors')."""
+        ...
+
     def restore_encoder(self, slot: int, pos: int, rings: Any, context: Any) -> None:
         """Put persisted encoder SWA rings of a ``pos``-token prefix into ``slot`` (SWA bounded replay);
         ``context``: the tokens before ``pos``."""

@@ -54,7 +54,7 @@ def wait_idle(llm: AsyncLLM, timeout: float = 30.0) -> None:
     time.sleep(0.05)  # a step in progress (the idle check races it) finishes
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1
     assert eng.state_pool.num_free_slots == eng.config.max_num_seqs
-    assert len(eng._seqs) == 0 and eng.output_builder.num_tracked == 0 and llm.num_streams == 0
+    assert len(eng.requests.seqs) == 0 and eng.outputs.num_tracked == 0 and llm.num_streams == 0
 
 
 actor = st.fixed_dictionaries(

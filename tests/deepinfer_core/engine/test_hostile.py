@@ -161,7 +161,7 @@ def _check_clean(eng: LLMEngine) -> None:
     assert not eng.has_unfinished()
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1
     assert eng.state_pool.num_free_slots == eng.config.max_num_seqs
-    assert eng.num_live == 0 and len(eng._seqs) == 0 and not eng._by_seq and not eng._compiling
+    assert eng.num_live == 0 and len(eng.requests.seqs) == 0 and not eng.requests.by_seq and not eng.requests.compiling
     assert eng.scheduler.num_live == 0 and not eng.scheduler._seq_of and not eng.scheduler._id_of
     if eng.drafts is not None:
         assert not eng.drafts._tokens

@@ -50,7 +50,7 @@ def reference(reqs: list[tuple[str, list[int], SamplingParams]]) -> dict:
 def all_free(eng: LLMEngine) -> None:
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1
     assert eng.state_pool.num_free_slots == eng.config.max_num_seqs
-    assert eng.num_live == 0 and len(eng._seqs) == 0
+    assert eng.num_live == 0 and len(eng.requests.seqs) == 0
     assert not eng.executor.state.fed  # every device-fed ring entry was resolved
 
 
@@ -84,7 +84,7 @@ def run(eng: LLMEngine, reqs: list) -> dict:
 def test_overlap_equals_sync(sampled: bool, limits: dict) -> None:
     reqs = workload(3 + sampled, 10, sampled)
     eng = engine(**limits)
-    assert eng._overlap
+    assert eng.step_mode == "overlap"
     got = run(eng, reqs)
     assert got == reference(reqs)
     assert eng.stats.overlap_steps > eng.stats.steps // 2  # most steps launched ahead of the previous one's read
@@ -108,7 +108,7 @@ def test_preemption_is_exercised() -> None:
 def test_overlap_equals_plain_async_and_off_switch() -> None:
     reqs = workload(9, 8, True)
     on, off = engine(), engine(async_overlap=False)
-    assert on._overlap and not off._overlap
+    assert on.step_mode == "overlap" and off.step_mode == "async"
     assert run(on, reqs) == run(off, reqs)
     assert off.stats.overlap_steps == 0
 
@@ -218,15 +218,15 @@ def test_structured_rows_run_synchronously() -> None:
     reqs = workload(2, 4, False)
     reqs.append(("j", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=16, so_args={"regex": "[a-c]{3,5}"})))
     eng = engine()
-    real, seen = eng._run, []
+    real, seen = eng.runner.run, []
 
     def spy(plan, prev=None, overlap=False):  # every step with a structured row runs synchronously
-        s = eng._seqs
+        s = eng.requests.seqs
         if s.structured[s.ix(plan.seq_ids)].any():
             seen.append(overlap)
         return real(plan, prev, overlap)
 
-    eng._run = spy
+    eng.runner.run = spy  # type: ignore[method-assign]
     got = run(eng, reqs)
     assert got == reference(reqs)
     assert seen and not any(seen)

@@ -106,19 +106,19 @@ def test_a_hit_shares_the_cached_blocks() -> None:
 
     def step_until(rid: str, status: int) -> None:  # scheduler status: 0 waiting, 1 prefilling, 2 decoding
         for _ in range(100):
-            if eng._reqs[rid].seq >= 0 and eng.scheduler.request_info(rid)["status"] >= status:
+            if eng.requests.reqs[rid].seq >= 0 and eng.scheduler.request_info(rid)["status"] >= status:
                 return
             outs.update({o.request_id: o for o in eng.step() if o.finished})
         raise AssertionError(f"{rid} never reached status {status}")
 
     eng.add_request("a", prompts[0], params)
     step_until("a", 2)
-    a = eng._reqs["a"].seq
+    a = eng.requests.reqs["a"].seq
     free = pool.num_free_blocks
     ta0 = len(pool.block_table(a))
     eng.add_request("b", prompts[1], params)
     step_until("b", 1)
-    b = eng._reqs["b"].seq
+    b = eng.requests.reqs["b"].seq
     ta, tb = pool.block_table(a), pool.block_table(b)
     nh = cap // bs
     assert tb[:nh].tolist() == ta[:nh].tolist()  # the same blocks, not copies

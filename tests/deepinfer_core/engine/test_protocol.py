@@ -21,6 +21,6 @@ def test_engine_and_its_components_satisfy_protocols() -> None:
 def test_grammar_backend_satisfies_protocol() -> None:
     eng = LLMEngine()
     eng.add_request("r", "x", {"max_tokens": 2, "so_args": {"regex": "[a-z]"}})
-    assert isinstance(eng._grammar_manager()._backend, P.GrammarBackend)
+    assert isinstance(eng.grammars.get()._backend, P.GrammarBackend)
     eng.abort("r")
     assert [o.finish_reason for o in eng.step() if o.finished] == ["abort"]

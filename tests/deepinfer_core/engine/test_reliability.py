@@ -21,7 +21,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 def _all_free(eng: LLMEngine) -> None:
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1
     assert eng.state_pool.num_free_slots == eng.config.max_num_seqs
-    assert eng.num_live == 0 and len(eng._seqs) == 0
+    assert eng.num_live == 0 and len(eng.requests.seqs) == 0
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -26,9 +26,9 @@ def rss_mib() -> float:
 
 
 def table_sizes(eng: LLMEngine) -> dict[str, int]:
-    s = {"reqs": len(eng._reqs), "by_seq": len(eng._by_seq), "seq_rows": eng._seqs.capacity,
-         "sched_ids": len(eng.scheduler._seq_of) + len(eng.scheduler._id_of), "failed": len(eng._failed),
-         "compiling": len(eng._compiling)}
+    s = {"reqs": len(eng.requests.reqs), "by_seq": len(eng.requests.by_seq), "seq_rows": eng.requests.seqs.capacity,
+         "sched_ids": len(eng.scheduler._seq_of) + len(eng.scheduler._id_of), "failed": len(eng.outputs.ready),
+         "compiling": len(eng.requests.compiling)}
     if eng.drafts is not None:
         s["drafts"] = len(eng.drafts._tokens) + len(eng.drafts._conf)
     return s

@@ -52,7 +52,7 @@ def run_stream(eng: LLMEngine, reqs: dict[str, tuple[str, SamplingParams]]) -> d
 def all_free(eng: LLMEngine) -> None:
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1  # block 0 is the pool's null block
     assert eng.state_pool.num_free_slots == eng.state_pool.num_slots
-    assert eng.num_live == 0 and eng.output_builder.num_tracked == 0
+    assert eng.num_live == 0 and eng.outputs.num_tracked == 0
 
 
 @given(data=st.binary(max_size=60), cuts=st.lists(st.integers(0, 60), max_size=12), hold=st.integers(0, 5))
@@ -235,7 +235,7 @@ def test_parallel_samples_share_prompt_blocks_by_refcount(pair: tuple[LLMEngine,
     seen = False
     while eng.has_unfinished():
         eng.step()
-        seqs = [r.seq for r in eng._reqs.values() if r.seq >= 0 and eng.kv_pool.contains(r.seq)]
+        seqs = [r.seq for r in eng.requests.reqs.values() if r.seq >= 0 and eng.kv_pool.contains(r.seq)]
         if len(seqs) == 3:
             tabs = [list(eng.kv_pool.block_table(s)) for s in seqs]
             shared = [b for b in tabs[0] if all(b in t for t in tabs[1:])]

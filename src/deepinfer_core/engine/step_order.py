@@ -1,0 +1,145 @@
+"""When a step's tokens are applied relative to the next step's launch: the engine's step order, chosen
+once at construction (``make_step_order``).
+
+- ``SyncOrder`` (``async_scheduling=False``, and always with drafts): each step's tokens are applied right
+  after it ran.
+- ``AsyncOrder`` (``async_scheduling``, overlap off): step N+1 is planned before step N's tokens are
+  applied; they are applied before N+1 is built (its placeholders are filled from them on the host).
+- ``OverlapOrder`` (``async_overlap``, the default): step N+1 is also launched before step N's tokens are
+  read, its placeholders fed from them on the device (engine/overlap.py); a step that needs a host token
+  value first (a structured row, an executor that takes no device feed) waits for them as ``AsyncOrder``.
+
+The engine's step calls, in order: ``land_before(plan)`` (steps whose tokens it must apply before ``plan``
+is built), ``feed(plan)`` (the in-flight step to feed from and whether to leave this step's tokens on the
+device) and ``land_after(step)`` (steps whose tokens it applies now). Every step handed back is landed
+(``StepRunner.land``: tokens on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from deepinfer_core.engine.overlap import Launched, PendingStep
+from deepinfer_core.engine.run import StepRunner
+from deepinfer_core.engine.stats import StepStats
+from deepinfer_core.scheduler import Plan
+
+log = logging.getLogger(__name__)
+
+
+class StepOrder(Protocol):
+    """The order of launching a step and applying its tokens (see the module docstring)."""
+
+    name: str
+    stats: StepStats
+
+    def land_before(self, plan: Plan) -> list[Launched]:
+        """Landed steps whose tokens are applied before ``plan`` is built."""
+        ...
+
+    def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
+        """(the in-flight step whose device tokens feed ``plan``'s placeholders, whether ``plan``'s own
+        tokens stay on the device)."""
+        ...
+
+    def land_after(self, step: Launched) -> list[Launched]:
+        """``step`` just ran: the landed steps whose tokens are applied now, in order."""
+        ...
+
+
+class SyncOrder:
+    """Each step's tokens are applied right after it runs."""
+
+    name = "sync"
+
+    def __init__(self, runner: StepRunner, stats: StepStats) -> None:
+        self.runner = runner
+        self.stats = stats
+
+    def land_before(self, plan: Plan) -> list[Launched]:
+        return []
+
+    def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
+        return None, False
+
+    def land_after(self, step: Launched) -> list[Launched]:
+        return [self.runner.land(step)]
+
+
+class AsyncOrder:
+    """One step ahead: a step's tokens are applied after the next step is planned, before it is built."""
+
+    name = "async"
+
+    def __init__(self, runner: StepRunner, stats: StepStats) -> None:
+        self.runner = runner
+        self.stats = stats
+        self.inflight: Launched | None = None
+
+    def land_before(self, plan: Plan) -> list[Launched]:
+        prev, self.inflight = self.inflight, None
+        return [] if prev is None else [self.runner.land(prev)]
+
+    def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
+        return None, False
+
+    def land_after(self, step: Launched) -> list[Launched]:
+        self.inflight = step
+        return []
+
+
+class OverlapOrder:
+    """One step ahead, launched before the previous step's tokens are read (engine/overlap.py)."""
+
+    name = "overlap"
+
+    def __init__(self, runner: StepRunner, stats: StepStats) -> None:
+        self.runner = runner
+        self.stats = stats
+        self.inflight: Launched | None = None
+        self._prev: Launched | None = None  # the in-flight step the current one is launched behind
+        self._overlap = False  # the current step launches before ``_prev`` lands
+
+    def land_before(self, plan: Plan) -> list[Launched]:
+        r = self.runner
+        # this step launches before the in-flight one lands, unless it needs a host token value
+        self._overlap = plan.num_rows > 0 and r.takes_feed() and not r.needs_host_tokens(plan)
+        prev, self.inflight, self._prev = self.inflight, None, None
+        if prev is None:
+            return []
+        if self._overlap and prev.pending is not None:
+            self._prev = prev
+            return []
+        if plan.num_rows and prev.pending is not None:
+            self.stats.host_wait_steps += 1
+        return [r.land(prev)]
+
+    def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
+        return (self._prev.pending if self._prev is not None else None), self._overlap
+
+    def land_after(self, step: Launched) -> list[Launched]:
+        prev, self._prev = self._prev, None
+        self.inflight = step
+        if prev is None:
+            return []
+        if step.pending is not None:
+            self.stats.overlap_steps += 1
+        t0 = time.perf_counter()
+        done = self.runner.land(
+            prev
+        )  # this step is queued behind the previous one: now read that one's tokens
+        self.stats.land_wait_s += time.perf_counter() - t0
+        return [done]
+
+
+def make_step_order(mode: str, runner: StepRunner, stats: StepStats) -> StepOrder:
+    """The order for ``mode`` ("sync", "async" or "overlap")."""
+    if mode == "sync":
+        return SyncOrder(runner, stats)
+    if mode == "async":
+        return AsyncOrder(runner, stats)
+    if mode == "overlap":
+        return OverlapOrder(runner, stats)
+    raise ValueError(f"step order: {mode!r}: must be 'sync', 'async' or 'overlap'")
