@@ -41,7 +41,8 @@ from deepinfer_core.model.layers.packing import is_block, is_packed, pack_parts
 # so an executor turns it on for its own steps only
 # (on, row mask or None): rows whose mask is False (a CUDA graph's padded rows) are left out of the counts
 _STATIC: contextvars.ContextVar[tuple[bool, torch.Tensor | None]] = contextvars.ContextVar(
-    "moe_static", default=(False, None))
+    "moe_static", default=(False, None)
+)
 # grouped GEMMs in static mode where torch._grouped_mm applies (a switch for the tests: off = dense)
 GROUPED_MM = True
 # static mode's grouped products take the shared expert as one more group (SGLang's shared-experts fusion):
@@ -86,8 +87,13 @@ def _torch_grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 
 
 def _grouped_ok(x: torch.Tensor) -> bool:
-    return (GROUPED_MM and hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return (
+        GROUPED_MM
+        and hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
 
 
 @fusable
@@ -126,7 +132,9 @@ class SlotPlacement:
         cnt = np.stack([np.bincount(row, minlength=experts) for row in p2l])
         if (cnt == 0).any():
             lay, e = (int(v) for v in np.argwhere(cnt == 0)[0])
-            raise ValueError(f"phy2log: layer {lay} has no slot for expert {e}; every expert needs >= 1 replica")
+            raise ValueError(
+                f"phy2log: layer {lay} has no slot for expert {e}; every expert needs >= 1 replica"
+            )
         if logcnt is not None:
             lc = np.asarray(logcnt.cpu() if isinstance(logcnt, torch.Tensor) else logcnt)
             if lc.shape != cnt.shape or not (lc == cnt).all():
@@ -145,11 +153,22 @@ class SlotPlacement:
             for lay in range(layers):
                 for e in range(experts):
                     got = l2p[lay, e, : cnt[lay, e]]
-                    if sorted(got.tolist()) != np.flatnonzero(p2l[lay] == e).tolist() or (l2p[lay, e, cnt[lay, e]:] != -1).any():
-                        raise ValueError(f"log2phy: layer {lay} expert {e} lists slots {l2p[lay, e].tolist()}, "
-                                         f"phy2log puts it at {np.flatnonzero(p2l[lay] == e).tolist()}")
-        return [SlotPlacement(torch.from_numpy(p2l[i].astype(np.int64)), torch.from_numpy(l2p[i]),
-                              torch.from_numpy(cnt[i].astype(np.int64))) for i in range(layers)]
+                    if (
+                        sorted(got.tolist()) != np.flatnonzero(p2l[lay] == e).tolist()
+                        or (l2p[lay, e, cnt[lay, e] :] != -1).any()
+                    ):
+                        raise ValueError(
+                            f"log2phy: layer {lay} expert {e} lists slots {l2p[lay, e].tolist()}, "
+                            f"phy2log puts it at {np.flatnonzero(p2l[lay] == e).tolist()}"
+                        )
+        return [
+            SlotPlacement(
+                torch.from_numpy(p2l[i].astype(np.int64)),
+                torch.from_numpy(l2p[i]),
+                torch.from_numpy(cnt[i].astype(np.int64)),
+            )
+            for i in range(layers)
+        ]
 
 
 def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -164,7 +183,12 @@ def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
 RANK_TOPK_MAX_EXPERTS = 64
 
 
-_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_BITS = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 
 
 def _order_key(v: torch.Tensor) -> torch.Tensor:
@@ -203,8 +227,15 @@ def rank_topk(v: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @fusable
-def _route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scoring: str, norm_topk: bool,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    scoring: str,
+    norm_topk: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     scores = route_scores(x @ gate.t(), scoring)
     if torch.compiler.is_compiling() and gate.shape[0] <= RANK_TOPK_MAX_EXPERTS:
         ids = rank_topk(scores + bias, k)  # traced for the glue: fused (see rank_topk)
@@ -216,8 +247,9 @@ def _route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scor
     return ids, w * scale
 
 
-def _placement(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _placement(
+    flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(counted tokens per expert [E], each pair's place in the expert-sorted order [P], group end offsets
     int32 [E] over every computed row) of the (token, k) pairs' experts ``flat`` [P]."""
     # the stable sort by expert as a counting sort (E is small): a pair's place is the pairs of lower
@@ -246,8 +278,9 @@ def _dispatch(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None)
 
 
 @fusable
-def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None, shared_rows: int = 0
-                   ) -> tuple[torch.Tensor, ...]:
+def _dispatch_rows(
+    flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None, shared_rows: int = 0
+) -> tuple[torch.Tensor, ...]:
     """:func:`_dispatch` as the static MoE uses it: (counts, the token of each sorted row [P], each pair's
     sorted row ``place`` [P], offsets). The token is scattered here (one kernel with the sort's last step)
     rather than divided out of the order afterwards (one more launch a layer). ``shared_rows`` = n > 0:
@@ -263,8 +296,9 @@ def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | 
 
 
 @fusable
-def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: int,
-             shared: torch.Tensor | None = None) -> torch.Tensor:
+def _combine(
+    y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: int, shared: torch.Tensor | None = None
+) -> torch.Tensor:
     """Expert outputs in sorted order back to (token, k) order by a gather at each pair's sorted row, weighted,
     the k slots summed in k order: the products and sums of weighting the sorted rows and scattering them
     back (the form before, by ``order``), as one gather-reduce instead of a weighting, a scatter and a sum.
@@ -329,16 +363,25 @@ class MoE(nn.Module):
     def _can_fuse_shared(self) -> bool:
         """Whether the shared expert can be one more group of the routed products (:data:`FUSE_SHARED`):
         one shared expert of the routed width, clamped as they are."""
-        return (FUSE_SHARED and self.shared and self.s_w1.shape == self.w1.shape[1:]
-                and self.shared_limit == self.limit)
+        return (
+            FUSE_SHARED
+            and self.shared
+            and self.s_w1.shape == self.w1.shape[1:]
+            and self.shared_limit == self.limit
+        )
 
     @torch.no_grad()
     def _pack_with_shared(self) -> None:
         """:meth:`pack_gate_up` with the shared expert as block E of [E + 1, 2I, D] and [E + 1, D, I] tensors:
         w1 / w3 are ``[:E]``'s halves and s_w1 / s_w3 block E's, w2 is ``[:E]`` and s_w2 block E (views)."""
         e, i = self.n_experts, self.w1.shape[1]
-        all13 = torch.cat((torch.cat((self.w1.data, self.w3.data), 1),
-                           torch.cat((self.s_w1.data, self.s_w3.data), 0)[None]), 0)
+        all13 = torch.cat(
+            (
+                torch.cat((self.w1.data, self.w3.data), 1),
+                torch.cat((self.s_w1.data, self.s_w3.data), 0)[None],
+            ),
+            0,
+        )
         all2 = torch.cat((self.w2.data, self.s_w2.data[None]), 0)
         self.w1.data, self.w3.data = all13[:e, :i], all13[:e, i:]
         self.s_w1.data, self.s_w3.data = all13[e, :i], all13[e, i:]
@@ -352,8 +395,12 @@ class MoE(nn.Module):
         if a13 is None or a2 is None:
             return None
         e = self.n_experts
-        if (is_packed(a13[:e], (self.w1, self.w3), 1) and is_packed(a13[e], (self.s_w1, self.s_w3), 0)
-                and is_block(self.w2, a2[:e]) and is_block(self.s_w2, a2[e])):
+        if (
+            is_packed(a13[:e], (self.w1, self.w3), 1)
+            and is_packed(a13[e], (self.s_w1, self.s_w3), 0)
+            and is_block(self.w2, a2[:e])
+            and is_block(self.s_w2, a2[e])
+        ):
             return a13, a2
         self._all13 = self._all2 = None
         return None
@@ -450,7 +497,9 @@ class MoE(nn.Module):
             out = out + self._shared(x)
         return out, counts
 
-    def _forward_static(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_static(
+        self, x: torch.Tensor, row_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with fixed shapes and no host synchronisation (static mode)."""
         n, e, k = x.shape[0], self.n_experts, self.top_k
         ids, w = self.route(x)
@@ -476,7 +525,8 @@ class MoE(nn.Module):
             return _combine(y, w, place, n, k, self._shared(x) if self.shared else None), counts
         else:
             counts = _dispatch_rows(flat, e, k, row_mask)[0]
-            wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
+            # top-k ids are distinct: a scatter, no accumulation
+            wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)
             out = torch.zeros_like(x)
             for j in range(e):
                 h = clamped_swiglu(x @ self.w1[j].t(), x @ self.w3[j].t(), self.limit)
