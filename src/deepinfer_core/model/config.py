@@ -190,6 +190,14 @@ class ModelConfig:
         self._validate_part2()
 
     def _validate_layers(self) -> None:
+        # in dependency order: the per-layer lists, the KV sharing groups they define, then the encoder /
+        # decoder split and the candidate source, which must be sources of those groups
+        self._validate_layer_lists()
+        self._validate_sharing_groups()
+        self._validate_encoder_split()
+
+    def _validate_layer_lists(self) -> None:
+        """compress_ratios' length and entries; the KV / index source lists' ids and ratios."""
         n, cr = self.num_hidden_layers, self.compress_ratios
         if len(cr) not in (n, n + self.num_nextn_predict_layers):
             raise self._err(
@@ -216,6 +224,11 @@ class ModelConfig:
                 "index_source_layer_ids",
                 f"must contain every KV source layer (missing {sorted(missing)}): a Full layer owns indexer keys",
             )
+
+    def _validate_sharing_groups(self) -> None:
+        """Each compressed layer shares the KV of a source at or before it, of its own ratio, with no
+        SWA-only layer in between."""
+        n, cr = self.num_hidden_layers, self.compress_ratios
         for layer in range(n):
             if cr[layer] == 0:
                 continue
@@ -236,7 +249,11 @@ class ModelConfig:
                         "compress_ratios",
                         f"SWA-only layer {between} lies inside the sharing group of source {src}",
                     )
-        enc = self.encoder_layers
+
+    def _validate_encoder_split(self) -> None:
+        """The CED encoder / decoder split (the decoder has one KV source, its first layer) and the
+        candidate source layer."""
+        n, enc = self.num_hidden_layers, self.encoder_layers
         if not 0 < enc <= n:
             raise self._err("num_encoder_layers", f"must be in (0, {n}]")
         if enc < n:
