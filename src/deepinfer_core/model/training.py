@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, mask_scores, select_topk
-from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.model.model import AttendFn, DeepSeekV41
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,21 @@ def batched_forward(
     """Logits [B, T, V], expert counts [layers, experts] and {layer: output state [B*T, D]} for ``capture``.
 
     ``tokens`` [B, T]: B independent sequences, each starting at position 0 (no cache)."""
-    cfg = model.cfg
     b, t = tokens.shape
-    dev = tokens.device
+    attend = _batched_attend(model, b, t, tokens.device)
+    if engram_rows is None:
+        engram_rows = engram_rows_batched(model, tokens)
+    # run_layers fills a state for every key it is given
+    caps = cast(dict[int, torch.Tensor], dict.fromkeys(capture)) if capture else None
+    hidden, counts = model.run_layers(tokens.reshape(-1), attend, capture=caps, engram_rows=engram_rows)
+    return model.logits(hidden).view(b, t, -1), counts, caps or {}
+
+
+def _batched_attend(model: DeepSeekV41, b: int, t: int, dev: torch.device) -> AttendFn:
+    """The layers' attention over B sequences of T tokens from position 0, rows in sequence order: each
+    layer's compressed entries, indexer keys, selections and candidate pools, kept per layer for the later
+    layers that share them (a fresh state per forward, hence a closure)."""
+    cfg = model.cfg
     pos = torch.arange(t, device=dev).repeat(b)  # [N]
     win = cfg.sliding_window
     comp: dict[int, torch.Tensor] = {}
@@ -125,12 +137,7 @@ def batched_forward(
         kb = comp[src][bidx[:, None], ids]  # [N, k, d]
         return sink_attention(q, ka, ma, kb, valid, a.attn_sink, a.scale)
 
-    if engram_rows is None:
-        engram_rows = engram_rows_batched(model, tokens)
-    # run_layers fills a state for every key it is given
-    caps = cast(dict[int, torch.Tensor], dict.fromkeys(capture)) if capture else None
-    hidden, counts = model.run_layers(tokens.reshape(-1), attend, capture=caps, engram_rows=engram_rows)
-    return model.logits(hidden).view(b, t, -1), counts, caps or {}
+    return attend
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
