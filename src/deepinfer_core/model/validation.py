@@ -143,47 +143,54 @@ def validate_rows(st: ExecutorState, b: ForwardBatch) -> None:
         if slot in slots_seen:
             raise BatchError(i, "state_slots", f"{slot} is also used by request {slots_seen[slot]}")
         slots_seen[slot] = i
-        end = int(st.slot_end[slot])
-        if s < 0 or (s > 0 and not end - st.backtrack <= s <= end):
-            raise BatchError(
-                i,
-                "start_pos",
-                f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
-                f"(restart) or [{max(end - st.backtrack, 0)}, {end}] (rollback <= {st.backtrack})",
-            )
-        f = 0 if b.decoder_floor is None else int(b.decoder_floor[i])
-        if not 0 <= f <= s:
-            raise BatchError(i, "decoder_floor", f"{f}: must be in [0, start_pos={s}]")
-        if s > 0 and st.encoder_only[slot] and not b.encoder_only and f < s:
-            raise BatchError(
-                i,
-                "start_pos",
-                f"{s}: slot {slot} holds an encoder-only prefix, whose decoder "
-                "SWA rings are empty; continue with encoder_only steps, restart at 0, or set "
-                "decoder_floor = start_pos (bounded replay)",
-            )
-        if 0 < s < st.min_start[slot]:
-            raise BatchError(
-                i,
-                "start_pos",
-                f"{s}: slot {slot} was restored at {int(st.min_start[slot])}; no rollback below it",
-            )
+        _check_start(st, b, i, s, slot)
         x = 0 if b.snapshot_pos is None else int(b.snapshot_pos[i])
         if x and not s < x <= s + n:
             raise BatchError(i, "snapshot_pos", f"{x}: must be 0 (none) or in ({s}, {s + n}]")
         if st.min_ratio:
-            need = st.blocks_needed(s + n)
-            row = b.block_tables[i]
-            if row.shape[0] < need:
-                raise BatchError(
-                    i, "block_tables", f"{row.shape[0]} blocks, {need} needed for {s + n} tokens"
-                )
-            used = row[:need]
-            if (used <= 0).any() or (used >= st.num_blocks).any():
-                raise BatchError(
-                    i,
-                    "block_tables",
-                    f"first {need} ids must be in [1, {st.num_blocks}) (0 is the null block)",
-                )
+            _check_blocks(st, b.block_tables[i], i, s + n)
         if st.spec is not None:
             st.spec.validate(b, i, toks, s, slot, k)
+
+
+def _check_start(st: ExecutorState, b: ForwardBatch, i: int, s: int, slot: int) -> None:
+    """Request ``i``'s start position against what its state slot holds, and its decoder floor."""
+    end = int(st.slot_end[slot])
+    if s < 0 or (s > 0 and not end - st.backtrack <= s <= end):
+        raise BatchError(
+            i,
+            "start_pos",
+            f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
+            f"(restart) or [{max(end - st.backtrack, 0)}, {end}] (rollback <= {st.backtrack})",
+        )
+    f = 0 if b.decoder_floor is None else int(b.decoder_floor[i])
+    if not 0 <= f <= s:
+        raise BatchError(i, "decoder_floor", f"{f}: must be in [0, start_pos={s}]")
+    if s > 0 and st.encoder_only[slot] and not b.encoder_only and f < s:
+        raise BatchError(
+            i,
+            "start_pos",
+            f"{s}: slot {slot} holds an encoder-only prefix, whose decoder "
+            "SWA rings are empty; continue with encoder_only steps, restart at 0, or set "
+            "decoder_floor = start_pos (bounded replay)",
+        )
+    if 0 < s < st.min_start[slot]:
+        raise BatchError(
+            i,
+            "start_pos",
+            f"{s}: slot {slot} was restored at {int(st.min_start[slot])}; no rollback below it",
+        )
+
+
+def _check_blocks(st: ExecutorState, row: np.ndarray, i: int, total: int) -> None:
+    """Request ``i``'s block table ``row`` covers the blocks ``total`` tokens need, with valid ids."""
+    need = st.blocks_needed(total)
+    if row.shape[0] < need:
+        raise BatchError(i, "block_tables", f"{row.shape[0]} blocks, {need} needed for {total} tokens")
+    used = row[:need]
+    if (used <= 0).any() or (used >= st.num_blocks).any():
+        raise BatchError(
+            i,
+            "block_tables",
+            f"first {need} ids must be in [1, {st.num_blocks}) (0 is the null block)",
+        )
