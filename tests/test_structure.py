@@ -46,6 +46,8 @@ ALLOWED_CLASSES = {
     "client and builds the one it serves (its whole job, as vLLM's api_server builds AsyncLLM)",
     ("entrypoints", "deepinfer_core.engine.async_llm", "EngineDeadError"): "the engine's error type, caught to "
     "answer the requests it hits with a 500 while the server stays up",
+    ("entrypoints", "deepinfer_core.engine.outputs", "RequestOutput"): "plain data: what the engine streams, "
+    "turned into OpenAI response objects",
 }
 
 
