@@ -10,6 +10,11 @@
    ``distributed``: the only places that know every concrete class), the tour (``demo.py`` modules,
    ``cli``) and the neutral modules (``protocols``, ``envs``, ``batch``, ``device_tokens``, ...) are exempt.
    Functions and constants may cross (``tests/test_imports.py`` keeps the import graph acyclic).
+3. ``model/`` reaches no private attribute of another object (below).
+4. Size (issue #31, the guide's "past ~500 lines a file asks to be split, past ~60 lines a function"): in the
+   packages of ``SIZE_CHECKED``, every function or method is under ``MAX_FUNCTION_LINES`` lines (def line to
+   last line, as ``ast`` counts them, decorators not included) and no file is over ``MAX_FILE_LINES`` lines,
+   measured on the ``ruff format``-ed source.
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ ALLOWED_CLASSES = {
     ("model", "deepinfer_core.engram", "EngramHasher"): "the Engram n-gram hash (an algorithm, no seam): the "
     "model hashes its tokens with it to address the tables it reaches through the EngramTable protocol",
     ("model", "deepinfer_core.kv.planner", "KVModelConfig"): "plain data: the KV planner's view of a config",
+    ("entrypoints", "deepinfer_core.engine.async_llm", "AsyncLLM"): "the HTTP front end is the asyncio engine's "
+    "client and builds the one it serves (its whole job, as vLLM's api_server builds AsyncLLM)",
+    ("entrypoints", "deepinfer_core.engine.async_llm", "EngineDeadError"): "the engine's error type, caught to "
+    "answer the requests it hits with a 500 while the server stays up",
+    ("entrypoints", "deepinfer_core.engine.outputs", "RequestOutput"): "plain data: what the engine streams, "
+    "turned into OpenAI response objects",
 }
 
 
@@ -220,3 +231,43 @@ def test_model_reaches_no_private_attribute_of_another_object() -> None:
                 continue
             bad.append(f"{_rel(p)}:{n.lineno}: .{n.attr} of {ast.unparse(owner)}")
     assert not bad, "\n".join(bad)
+
+
+# ---- rule 4: function and file sizes (issue #31), on the formatted source
+SIZE_CHECKED = ("model",)  # packages of deepinfer_core held to the limits
+MAX_FUNCTION_LINES = 59  # "under 60"
+MAX_FILE_LINES = 500
+
+
+def _oversized(path: Path, text: str) -> list[str]:
+    """What in one source file breaks rule 4: ``path:line: name is N lines`` per function, and the file."""
+    bad = []
+    n_lines = len(text.splitlines())
+    if n_lines > MAX_FILE_LINES:
+        bad.append(f"{path}: {n_lines} lines (> {MAX_FILE_LINES}): move a coherent part to its own module")
+    for n in ast.walk(ast.parse(text, str(path))):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (n.end_lineno or n.lineno) - n.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                bad.append(f"{path}:{n.lineno}: {n.name} is {length} lines (> {MAX_FUNCTION_LINES})")
+    return bad
+
+
+@pytest.mark.parametrize("package", SIZE_CHECKED)
+def test_functions_and_files_stay_small(package: str) -> None:
+    bad = []
+    for p in sorted((CORE / package).rglob("*.py")):
+        bad += _oversized(Path(_rel(p)), p.read_text())
+    assert not bad, "\n".join(bad)
+
+
+def test_size_rule_sees_a_long_function_and_a_long_file() -> None:
+    """The checker itself: a function one line over the limit and a file one line over are reported, and
+    ones exactly at the limits are not (nested functions and methods count on their own)."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    at_limit = f"def f():\n{body}"
+    assert _oversized(Path("a.py"), at_limit) == []
+    over = f"class C:\n    def g(self):\n        y = 0\n{body.replace('    ', '        ')}"
+    assert [m.split(": ")[1].split(" is")[0] for m in _oversized(Path("a.py"), over)] == ["g"]
+    assert _oversized(Path("a.py"), "x = 1\n" * MAX_FILE_LINES) == []
+    assert len(_oversized(Path("a.py"), "x = 1\n" * (MAX_FILE_LINES + 1))) == 1

@@ -66,12 +66,20 @@ class CacheFormats:
     def make(cls, head_dim: int, index_dim: int, quantize: bool, dtype: torch.dtype) -> CacheFormats:
         """FP4 / FP8 / MXFP4 as released when ``quantize``; else exact raw bytes of ``dtype``."""
         if not quantize:
-            return cls(main=NativeFormat(head_dim, dtype), swa=NativeFormat(head_dim, dtype),
-                       index=NativeFormat(index_dim, dtype), quantized=False)
+            return cls(
+                main=NativeFormat(head_dim, dtype),
+                swa=NativeFormat(head_dim, dtype),
+                index=NativeFormat(index_dim, dtype),
+                quantized=False,
+            )
         from deepinfer_core.kv import formats as F
 
-        return cls(main=F.get_format("fp4", head_dim), swa=F.get_format("fp8", head_dim),
-                   index=F.get_format("mxfp4", index_dim), quantized=True)
+        return cls(
+            main=F.get_format("fp4", head_dim),
+            swa=F.get_format("fp8", head_dim),
+            index=F.get_format("mxfp4", index_dim),
+            quantized=True,
+        )
 
 
 def roundtrip(fmt: CacheFormat, x: torch.Tensor) -> torch.Tensor:

@@ -45,12 +45,16 @@ def resolve_model(name: str) -> Path | None:
         return None
     p = TINY_DIR if name == "tiny" else Path(name)
     if not p.is_dir():
-        raise CheckpointError(f"model={name!r}: not a built-in model {list(BUILTIN_MODELS)} nor a checkpoint directory")
+        raise CheckpointError(
+            f"model={name!r}: not a built-in model {list(BUILTIN_MODELS)} nor a checkpoint directory"
+        )
     for f in ("config.json", "tokenizer.json"):
         if not (p / f).is_file():
             raise CheckpointError(f"{f}: missing from checkpoint directory {p}")
     if not (p / INDEX_FILE).is_file() and not (p / "model.safetensors").is_file():
-        raise CheckpointError(f"{INDEX_FILE}: missing from checkpoint directory {p} (nor is there a model.safetensors)")
+        raise CheckpointError(
+            f"{INDEX_FILE}: missing from checkpoint directory {p} (nor is there a model.safetensors)"
+        )
     return p
 
 
@@ -70,8 +74,10 @@ def load_tokenizer(path: Path | None, vocab_size: int) -> Any:
     except Exception as e:  # the tokenizers library raises a bare Exception on a corrupt file
         raise ConfigError(f"{file}: not a usable tokenizer.json ({' '.join(str(e).split())[:300]})") from None
     if tok.vocab_size > vocab_size:
-        raise ConfigError(f"{path / 'config.json'}: vocab_size={vocab_size}: the tokenizer ({file}) has "
-                          f"{tok.vocab_size} tokens; the model must cover them")
+        raise ConfigError(
+            f"{path / 'config.json'}: vocab_size={vocab_size}: the tokenizer ({file}) has "
+            f"{tok.vocab_size} tokens; the model must cover them"
+        )
     return tok
 
 
@@ -82,13 +88,19 @@ def _decoded(path: str, mtime: float) -> tuple[tuple[str, torch.Tensor], ...]:
     return tuple(iter_checkpoint(path))
 
 
-def load_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               progress: bool = False) -> tuple[DeepSeekV41, Any]:
+def load_model(
+    name: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> tuple[DeepSeekV41, Any]:
     """(model, tokenizer) of a built-in name or a checkpoint directory (module docstring)."""
     path = resolve_model(name)
     if path is None:
         cfg = tiny_config()
-        items: Any = iter_model(DeepSeekV41.from_config(cfg, seed=seed))  # drawn on the CPU: same on every device
+        # drawn on the CPU: same on every device
+        items: Any = iter_model(DeepSeekV41.from_config(cfg, seed=seed))
     else:
         cfg = ModelConfig.from_pretrained(path)
         if path == TINY_DIR:

@@ -17,8 +17,18 @@ import attrs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LAYER_FULL", "LAYER_REINDEX", "LAYER_REUSE", "LAYER_SWA", "MODEL_TYPES", "ConfigError", "ModelConfig",
-           "check_architecture", "flash_config", "tiny_config"]
+__all__ = [
+    "LAYER_FULL",
+    "LAYER_REINDEX",
+    "LAYER_REUSE",
+    "LAYER_SWA",
+    "MODEL_TYPES",
+    "ConfigError",
+    "ModelConfig",
+    "check_architecture",
+    "flash_config",
+    "tiny_config",
+]
 
 # Role of a layer in its sharing group.
 LAYER_SWA = "swa"  # compress ratio 0: sliding window only
@@ -54,8 +64,10 @@ def check_architecture(d: Mapping[str, Any]) -> None:
     if mt is not None and mt not in MODEL_TYPES:
         archs = d.get("architectures")
         also = f", architectures {archs}" if isinstance(archs, list) and archs else ""
-        raise ConfigError(f"model_type: unsupported architecture (model_type {mt!r}{also}; this library runs "
-                          f"DeepSeek-V4.1, model_type one of {list(MODEL_TYPES)})")
+        raise ConfigError(
+            f"model_type: unsupported architecture (model_type {mt!r}{also}; this library runs "
+            f"DeepSeek-V4.1, model_type one of {list(MODEL_TYPES)})"
+        )
 
 
 def _tuple_int(v: Any) -> tuple[int, ...]:
@@ -152,7 +164,10 @@ class ModelConfig:
         if not 0 < self.qk_rope_head_dim <= self.head_dim or self.qk_rope_head_dim % 2:
             raise self._err("qk_rope_head_dim", f"must be even and in (0, head_dim={self.head_dim}]")
         if self.qk_rope_head_dim > self.index_head_dim:
-            raise self._err("qk_rope_head_dim", f"must be <= index_head_dim={self.index_head_dim} (the indexer ropes the same dims)")
+            raise self._err(
+                "qk_rope_head_dim",
+                f"must be <= index_head_dim={self.index_head_dim} (the indexer ropes the same dims)",
+            )
         if self.num_attention_heads % self.o_groups:
             raise self._err("o_groups", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.num_experts_per_tok > self.n_routed_experts:
@@ -175,13 +190,27 @@ class ModelConfig:
         self._validate_part2()
 
     def _validate_layers(self) -> None:
+        # in dependency order: the per-layer lists, the KV sharing groups they define, then the encoder /
+        # decoder split and the candidate source, which must be sources of those groups
+        self._validate_layer_lists()
+        self._validate_sharing_groups()
+        self._validate_encoder_split()
+
+    def _validate_layer_lists(self) -> None:
+        """compress_ratios' length and entries; the KV / index source lists' ids and ratios."""
         n, cr = self.num_hidden_layers, self.compress_ratios
         if len(cr) not in (n, n + self.num_nextn_predict_layers):
-            raise self._err("compress_ratios", f"length must be num_hidden_layers={n} (+ num_nextn_predict_layers={self.num_nextn_predict_layers})")
+            raise self._err(
+                "compress_ratios",
+                f"length must be num_hidden_layers={n} (+ num_nextn_predict_layers={self.num_nextn_predict_layers})",
+            )
         if any(r < 0 for r in cr):
             raise self._err("compress_ratios", "entries must be >= 0")
         if any(r != 0 for r in cr[n:]):
-            raise self._err("compress_ratios", "draft-stage entries (after num_hidden_layers) must be 0: drafter blocks are SWA only")
+            raise self._err(
+                "compress_ratios",
+                "draft-stage entries (after num_hidden_layers) must be 0: drafter blocks are SWA only",
+            )
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):
             ids = getattr(self, name)
             if list(ids) != sorted(set(ids)) or any(not 0 <= i < n for i in ids):
@@ -191,33 +220,64 @@ class ModelConfig:
                     raise self._err(name, f"layer {i} has compress ratio 0 and cannot be a KV/index source")
         missing = set(self.kv_source_layer_ids) - set(self.index_source_layer_ids)
         if missing:
-            raise self._err("index_source_layer_ids", f"must contain every KV source layer (missing {sorted(missing)}): a Full layer owns indexer keys")
+            raise self._err(
+                "index_source_layer_ids",
+                f"must contain every KV source layer (missing {sorted(missing)}): a Full layer owns indexer keys",
+            )
+
+    def _validate_sharing_groups(self) -> None:
+        """Each compressed layer shares the KV of a source at or before it, of its own ratio, with no
+        SWA-only layer in between."""
+        n, cr = self.num_hidden_layers, self.compress_ratios
         for layer in range(n):
             if cr[layer] == 0:
                 continue
             src = self.kv_source_of(layer)
             if src is None:
-                raise self._err("kv_source_layer_ids", f"layer {layer} (compress ratio {cr[layer]}) has no KV source at or before it")
+                raise self._err(
+                    "kv_source_layer_ids",
+                    f"layer {layer} (compress ratio {cr[layer]}) has no KV source at or before it",
+                )
             if cr[src] != cr[layer]:
-                raise self._err("compress_ratios", f"layer {layer} has ratio {cr[layer]} but its KV source {src} has {cr[src]}")
+                raise self._err(
+                    "compress_ratios",
+                    f"layer {layer} has ratio {cr[layer]} but its KV source {src} has {cr[src]}",
+                )
             for between in range(src, layer):
                 if cr[between] == 0:
-                    raise self._err("compress_ratios", f"SWA-only layer {between} lies inside the sharing group of source {src}")
-        enc = self.encoder_layers
+                    raise self._err(
+                        "compress_ratios",
+                        f"SWA-only layer {between} lies inside the sharing group of source {src}",
+                    )
+
+    def _validate_encoder_split(self) -> None:
+        """The CED encoder / decoder split (the decoder has one KV source, its first layer) and the
+        candidate source layer."""
+        n, enc = self.num_hidden_layers, self.encoder_layers
         if not 0 < enc <= n:
             raise self._err("num_encoder_layers", f"must be in (0, {n}]")
         if enc < n:
             if enc not in self.kv_source_layer_ids:
-                raise self._err("num_encoder_layers", "the first decoder layer must be a KV source (the CED global KV source)")
+                raise self._err(
+                    "num_encoder_layers",
+                    "the first decoder layer must be a KV source (the CED global KV source)",
+                )
             if any(s > enc for s in self.kv_source_layer_ids):
-                raise self._err("kv_source_layer_ids", f"the decoder has one KV source (layer {enc}); found later ones")
+                raise self._err(
+                    "kv_source_layer_ids", f"the decoder has one KV source (layer {enc}); found later ones"
+                )
         c = self.candidate_source_layer_id
         if c is not None and c not in self.kv_source_layer_ids:
-            raise self._err("candidate_source_layer_id", "must be a KV source layer (a Full layer scores the candidate blocks)")
+            raise self._err(
+                "candidate_source_layer_id",
+                "must be a KV source layer (a Full layer scores the candidate blocks)",
+            )
 
     def _validate_part2(self) -> None:
         n = self.num_hidden_layers
-        if any(not 0 <= i < n for i in self.engram_layer_ids) or list(self.engram_layer_ids) != sorted(set(self.engram_layer_ids)):
+        if any(not 0 <= i < n for i in self.engram_layer_ids) or list(self.engram_layer_ids) != sorted(
+            set(self.engram_layer_ids)
+        ):
             raise self._err("engram_layer_ids", f"must be strictly increasing layer ids in [0, {n})")
         if self.engram_max_ngram < 2:
             raise self._err("engram_max_ngram", "must be >= 2")
@@ -228,8 +288,14 @@ class ModelConfig:
         if self.engram_layer_ids:
             if self.engram_n_heads < 1 or self.engram_head_dim < 1:
                 raise self._err("engram_n_heads", "engram_n_heads and engram_head_dim must be >= 1")
-            if len(self.engram_table_sizes) not in (1, self.engram_max_ngram - 1) or min(self.engram_table_sizes) < 2:
-                raise self._err("engram_table_sizes", f"give one base size >= 2 or one per order 2..{self.engram_max_ngram}")
+            if (
+                len(self.engram_table_sizes) not in (1, self.engram_max_ngram - 1)
+                or min(self.engram_table_sizes) < 2
+            ):
+                raise self._err(
+                    "engram_table_sizes",
+                    f"give one base size >= 2 or one per order 2..{self.engram_max_ngram}",
+                )
             if not 0 <= self.engram_pad_id < self.vocab_size:
                 raise self._err("engram_pad_id", f"must be in [0, vocab_size={self.vocab_size})")
         if self.num_nextn_predict_layers:
@@ -296,8 +362,9 @@ class ModelConfig:
         """
         from deepinfer_core.kv.planner import KVModelConfig
 
-        return KVModelConfig.from_hf_config(self.to_dict(), backtracking=backtracking,
-                                            num_persisted_layers=self.encoder_layers, **overrides)
+        return KVModelConfig.from_hf_config(
+            self.to_dict(), backtracking=backtracking, num_persisted_layers=self.encoder_layers, **overrides
+        )
 
     # ---------------------------------------------------------------- I/O
     @classmethod
@@ -351,7 +418,9 @@ class ModelConfig:
             raise ConfigError(f"{p}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(self, recurse=False).items()}
+        return {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(self, recurse=False).items()
+        }
 
     def save_pretrained(self, path: str | Path) -> Path:
         p = Path(path)

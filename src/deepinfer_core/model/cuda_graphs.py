@@ -103,11 +103,14 @@ class GraphKey:
     batch: int
     width: int
     entries: tuple[tuple[int, int], ...]  # (ratio, padded entry count), by ratio
-    body: tuple[bool, ...] = ()  # the executor's BODY_FLAGS: each opt-in kernel is another body, its own graph
+    body: tuple[
+        bool, ...
+    ] = ()  # the executor's BODY_FLAGS: each opt-in kernel is another body, its own graph
 
 
-def host_inputs(b: ForwardBatch, floors: np.ndarray, bucket: int, width: int,
-                engram_ids: np.ndarray | None = None) -> np.ndarray:
+def host_inputs(
+    b: ForwardBatch, floors: np.ndarray, bucket: int, width: int, engram_ids: np.ndarray | None = None
+) -> np.ndarray:
     """The int64 host image of a padded step's inputs: tokens, positions, slots, floors (2 per row),
     valid, then the block tables [bucket, width] (zero-padded columns), flat; with ``engram_ids``
     ([L, R, C] hashed Engram row ids) those last, padded to [L, bucket, C] (padded rows repeat row 0's)."""
@@ -129,19 +132,34 @@ def fetch_in_graph(st: ExecutorState) -> bool:
     table is the model's own on the executor's device (a gather kernel; host or sharded tables fetch
     outside, and the rows are copied in). Saves a pinned copy, the gather and a copy outside the graph,
     and their launches on the host, every step."""
-    return bool(st.cfg.engram_layer_ids) and all(device_local(t, st.device) for t in st.engram_tables.values())
+    return bool(st.cfg.engram_layer_ids) and all(
+        device_local(t, st.device) for t in st.engram_tables.values()
+    )
 
 
-def static_inputs(d: torch.Tensor, n: int, w: int, entries: dict[int, int], engram: dict[int, torch.Tensor],
-                  id_shape: tuple[int, int, int] | None = None) -> DecodeInputs:
+def static_inputs(
+    d: torch.Tensor,
+    n: int,
+    w: int,
+    entries: dict[int, int],
+    engram: dict[int, torch.Tensor],
+    id_shape: tuple[int, int, int] | None = None,
+) -> DecodeInputs:
     """A step's inputs as views into the flat int64 buffer ``d`` laid out by :func:`host_inputs` (``n``
     rows, tables ``w`` wide); ``id_shape`` [L, n, C]: the image ends with Engram row ids (``engram``
     then stays empty), else ``engram`` holds the rows."""
     t_end = 6 * n + n * w
-    return DecodeInputs(tokens=d[:n], positions=d[n : 2 * n], slots=d[2 * n : 3 * n],
-                        floors=d[3 * n : 5 * n].view(n, 2), valid=d[5 * n : 6 * n],
-                        tables=d[6 * n : t_end].view(n, w), engram=engram, entries=entries,
-                        engram_ids=None if id_shape is None else d[t_end:].view(id_shape))
+    return DecodeInputs(
+        tokens=d[:n],
+        positions=d[n : 2 * n],
+        slots=d[2 * n : 3 * n],
+        floors=d[3 * n : 5 * n].view(n, 2),
+        valid=d[5 * n : 6 * n],
+        tables=d[6 * n : t_end].view(n, w),
+        engram=engram,
+        entries=entries,
+        engram_ids=None if id_shape is None else d[t_end:].view(id_shape),
+    )
 
 
 def _engram_width(st: ExecutorState, lid: int) -> int:
@@ -167,8 +185,14 @@ class _Graph:
         self.turn = 0
         d = self.dev_buf
         # padded rows keep whatever Engram rows the buffer last held (finite; their outputs are dropped)
-        engram = {} if fetch_ids else {lid: torch.zeros(n, _engram_width(st, lid), dtype=st.dtype,
-                                                        device=dev) for lid in cfg.engram_layer_ids}
+        engram = (
+            {}
+            if fetch_ids
+            else {
+                lid: torch.zeros(n, _engram_width(st, lid), dtype=st.dtype, device=dev)
+                for lid in cfg.engram_layer_ids
+            }
+        )
         self.inp = static_inputs(d, n, w, dict(key.entries), engram, self.id_shape if fetch_ids else None)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: StepOutputs | None = None
@@ -210,8 +234,13 @@ class _Graph:
 class DecodeGraphs:
     """Captured decode steps of one executor, one per :class:`GraphKey`; :meth:`run` replays."""
 
-    def __init__(self, st: ExecutorState, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 entry_quantum: int = ENTRY_QUANTUM, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(
+        self,
+        st: ExecutorState,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        entry_quantum: int = ENTRY_QUANTUM,
+        max_graphs: int = MAX_GRAPHS,
+    ) -> None:
         if entry_quantum < 1:
             raise ValueError(f"entry_quantum={entry_quantum}: must be >= 1")
         if max_graphs < 1:
@@ -237,12 +266,21 @@ class DecodeGraphs:
         n = bucket_for(b.num_requests, self.buckets)
         if n is None:
             return None
-        return GraphKey(n, width_bucket(b.block_tables.shape[1]),
-                        tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
-                        body_flags(self.st))
+        return GraphKey(
+            n,
+            width_bucket(b.block_tables.shape[1]),
+            tuple(sorted((r, round_up(e, self.quantum)) for r, e in entries.items())),
+            body_flags(self.st),
+        )
 
-    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_ids: torch.Tensor | None,
-            tokens: torch.Tensor | None = None) -> StepOutputs | None:
+    def run(
+        self,
+        b: ForwardBatch,
+        floors: np.ndarray,
+        entries: dict[int, int],
+        engram_ids: torch.Tensor | None,
+        tokens: torch.Tensor | None = None,
+    ) -> StepOutputs | None:
         """(logits [R, V], expert counts, target-layer states [R, D] each) of a pure-decode step, or None
         when no bucket holds the batch (the caller runs it eagerly). ``engram_ids``: the step's hashed
         Engram row ids [L, R, C] (host or device; None without Engram layers), fetched inside the graph
@@ -273,8 +311,14 @@ class DecodeGraphs:
                 self._capture(g)
             except Exception as e:  # an op that synchronises or cannot be captured: this key stays eager
                 self.failed.add(key)
-                log.warning("cuda graph capture of %s failed (%s: %s); its steps run eagerly (%d keys failed)",
-                            key, type(e).__name__, e, len(self.failed), exc_info=len(self.failed) == 1)
+                log.warning(
+                    "cuda graph capture of %s failed (%s: %s); its steps run eagerly (%d keys failed)",
+                    key,
+                    type(e).__name__,
+                    e,
+                    len(self.failed),
+                    exc_info=len(self.failed) == 1,
+                )
                 self.graphs.pop(key, None)
                 return None  # the warm-up ran the step: its writes are idempotent, the caller reruns it
         else:

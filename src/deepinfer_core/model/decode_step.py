@@ -51,8 +51,14 @@ class GraphRunner(Protocol):
     """Replays pure-decode steps from captured graphs (``cuda_graphs.DecodeGraphs``; a protocol: that
     module imports this one)."""
 
-    def run(self, b: ForwardBatch, floors: np.ndarray, entries: dict[int, int], engram_ids: torch.Tensor | None,
-            tokens: torch.Tensor | None = None) -> StepOutputs | None: ...
+    def run(
+        self,
+        b: ForwardBatch,
+        floors: np.ndarray,
+        entries: dict[int, int],
+        engram_ids: torch.Tensor | None,
+        tokens: torch.Tensor | None = None,
+    ) -> StepOutputs | None: ...
 
 
 @attrs.define
@@ -74,11 +80,21 @@ class DecodeInputs:
 
 def is_pure_decode(b: ForwardBatch) -> bool:
     """One new token and one logits row per request, nothing else asked of the step (drafting after it
-    is allowed: the drafter runs eagerly on the replay's outputs)."""
-    return (not b.encoder_only and not b.capture_layers and bool((b.query_lens == 1).all())
-            and bool((b.num_logits == 1).all())
-            and (b.verify_lens is None or not b.verify_lens.any())
-            and (b.snapshot_pos is None or not b.snapshot_pos.any()))
+    is allowed: the drafter runs eagerly on the replay's outputs).
+
+    Snapshots are allowed too: a one-token row's snapshot position can only be ``start + 1`` (the batch
+    validates ``snapshot_pos`` in ``(start, start + query_len]``), the ring state right after the step, which
+    ``take_snapshots`` copies after the replay as it does after an eager row step. With prefix caching a
+    decode row asks for one at every block boundary; in a batch of requests that started together that is
+    every ``block_size``-th step, which used to run eagerly (at B = 64 on the tiny model ~9 ms a step on
+    average, more than the graph's own time)."""
+    return (
+        not b.encoder_only
+        and not b.capture_layers
+        and bool((b.query_lens == 1).all())
+        and bool((b.num_logits == 1).all())
+        and (b.verify_lens is None or not b.verify_lens.any())
+    )
 
 
 def entries_needed(st: ExecutorState, positions: np.ndarray) -> dict[int, int]:
@@ -104,8 +120,14 @@ def slot_of(tables: torch.Tensor, ent: torch.Tensor, r: int, m: int, bs: int) ->
 
 
 @fusable
-def window_index(positions: torch.Tensor, slots: torch.Tensor, floors: torch.Tensor, valid: torch.Tensor | None,
-                 w: int, rl: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def window_index(
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    floors: torch.Tensor,
+    valid: torch.Tensor | None,
+    w: int,
+    rl: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(SWA ring slot of each row's new key [N] (-1 on padded rows), ring slots of its window [N, W],
     the window's masks [N, W] against the encoder / decoder floors, the row each row's compressor-state
     write takes its values from [N] (padded rows: row 0; None without padding))."""
@@ -121,8 +143,9 @@ def window_index(positions: torch.Tensor, slots: torch.Tensor, floors: torch.Ten
 
 
 @fusable
-def ring_index(positions: torch.Tensor, slots: torch.Tensor, src_row: torch.Tensor | None, cring: int,
-               r: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_index(
+    positions: torch.Tensor, slots: torch.Tensor, src_row: torch.Tensor | None, cring: int, r: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressor-state ring slot each row writes [N] (a padded row: row 0's, see :func:`window_index`),
     ring slots of each row's group of ``r`` tokens [N, r]), for a ring of ``cring`` per slot."""
     tgt = slots * cring + positions % cring
@@ -131,8 +154,9 @@ def ring_index(positions: torch.Tensor, slots: torch.Tensor, src_row: torch.Tens
 
 
 @fusable
-def entry_index(positions: torch.Tensor, tables: torch.Tensor, valid: torch.Tensor | None, e: int, r: int, m: int,
-                bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def entry_index(
+    positions: torch.Tensor, tables: torch.Tensor, valid: torch.Tensor | None, e: int, r: int, m: int, bs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One ratio's entries for a step that scores ``e`` of them: (visible count [N], slots of entries
     0..e-1 [N, e], which of them each row sees [N, e], the entry a row's group completes [N] (clamped to
     >= 0), its slot [N] (-1 when the row completes no group or is padded))."""
@@ -149,14 +173,30 @@ def entry_index(positions: torch.Tensor, tables: torch.Tensor, valid: torch.Tens
     return visible, table, ent < visible[:, None], last, torch.where(done, put[:, 0], -1)
 
 
-
 class RowAttention:
     """One layer's attention for every row of a row-path step (an ``attend.AttendPath``). Index tensors
     that every layer of the step shares (same rows) are built once a step, in ``pools["index"]``."""
 
-    def __init__(self, st: ExecutorState, lid: int, a: Attention, x: torch.Tensor, inp: DecodeInputs, sel: dict,
-                 pools: dict, valid: torch.Tensor | None) -> None:
-        self.st, self.lid, self.a, self.inp, self.sel, self.pools, self.valid = st, lid, a, inp, sel, pools, valid
+    def __init__(
+        self,
+        st: ExecutorState,
+        lid: int,
+        a: Attention,
+        x: torch.Tensor,
+        inp: DecodeInputs,
+        sel: dict,
+        pools: dict,
+        valid: torch.Tensor | None,
+    ) -> None:
+        self.st, self.lid, self.a, self.inp, self.sel, self.pools, self.valid = (
+            st,
+            lid,
+            a,
+            inp,
+            sel,
+            pools,
+            valid,
+        )
         self.cfg = st.cfg
         self.n = x.shape[0]
         # the projections of x (query latent, SWA key, compressor state, indexer weights) as one packed GEMM
@@ -165,8 +205,11 @@ class RowAttention:
         self.memo: dict[tuple, Any] = pools.setdefault("index", {})
         self.ring = st.swa[lid]
         self.swa_put, self.ring_slots, mask_enc, mask_dec, self.src_row = self.once(
-            ("swa",), lambda: window_index(inp.positions, inp.slots, inp.floors, valid, self.cfg.sliding_window,
-                                           st.swa_ring))
+            ("swa",),
+            lambda: window_index(
+                inp.positions, inp.slots, inp.floors, valid, self.cfg.sliding_window, st.swa_ring
+            ),
+        )
         self.enc = int(lid >= self.cfg.encoder_layers)
         self.mask_a = mask_dec if self.enc else mask_enc
         # the fused attention reads one key buffer: window and top-k keys gathered into it (no concatenation)
@@ -183,8 +226,12 @@ class RowAttention:
         inp, r = self.inp, self.r
         if r not in inp.entries:
             return None
-        return self.once(("entries", r), lambda: entry_index(inp.positions, inp.tables, self.valid, inp.entries[r],
-                                                             r, self.m, self.st.block_size))
+        return self.once(
+            ("entries", r),
+            lambda: entry_index(
+                inp.positions, inp.tables, self.valid, inp.entries[r], r, self.m, self.st.block_size
+            ),
+        )
 
     def window_keys(self) -> torch.Tensor:
         return self.st.gather(self.ring, self.ring_slots, "swa", self.cfg.head_dim)
@@ -202,8 +249,9 @@ class RowAttention:
         if r > 1:
             cs, cring = st.comp_state[self.lid], st.comp_ring[self.lid]
             flat_cs = cs.view(-1, cs.shape[-1])
-            tgt, grp = self.once(("ring", cring, r), lambda: ring_index(inp.positions, inp.slots, self.src_row,
-                                                                         cring, r))
+            tgt, grp = self.once(
+                ("ring", cring, r), lambda: ring_index(inp.positions, inp.slots, self.src_row, cring, r)
+            )
             # padded rows repeat row 0's write (same index, same values: no race)
             flat_cs[tgt] = state if self.src_row is None else state[self.src_row]
             gs = flat_cs[grp]  # [N, r, width]
@@ -214,8 +262,12 @@ class RowAttention:
         _, _, _, ent, slots = idx
         dm = a.compressor.state_dim
         st.store(st.kv[self.lid], a.compressor.pool_groups(gs[..., :dm], ent, a.inv_freq), slots, "main")
-        st.store(st.index_keys[self.lid], a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq), slots,
-                 "index")
+        st.store(
+            st.index_keys[self.lid],
+            a.index_compressor.pool_groups(gs[..., dm:], ent, a.inv_freq),
+            slots,
+            "index",
+        )
 
     def select(self) -> None:
         cfg, a, src = self.cfg, self.a, self.src
@@ -225,8 +277,9 @@ class RowAttention:
         assert idx is not None
         visible, ent_slots, seen = idx[:3]
         ik = self.st.gather(self.st.index_keys[src], ent_slots, "index", cfg.index_head_dim)
-        self.sel[self.lid] = pick_entries(cfg, self.lid, mask_scores(index_scores(qi, wi, ik), seen), visible,
-                                          self.pools, "rows")
+        self.sel[self.lid] = pick_entries(
+            cfg, self.lid, mask_scores(index_scores(qi, wi, ik), seen), visible, self.pools, "rows"
+        )
 
     def topk_slots(self, isrc: int, ids: torch.Tensor) -> torch.Tensor:
         # the index source scored this ratio's E entries (ids in [0, E)): a gather from the entry table
@@ -254,14 +307,29 @@ class RowAttention:
         return attention(st, self.a, self.q, self.window_keys(), self.mask_a, kb, ok)
 
 
-def attend_rows(st: ExecutorState, lid: int, a: Attention, x: torch.Tensor, inp: DecodeInputs, sel: dict,
-                pools: dict, valid: torch.Tensor | None) -> torch.Tensor:
+def attend_rows(
+    st: ExecutorState,
+    lid: int,
+    a: Attention,
+    x: torch.Tensor,
+    inp: DecodeInputs,
+    sel: dict,
+    pools: dict,
+    valid: torch.Tensor | None,
+) -> torch.Tensor:
     """Layer ``lid``'s attention for every row of the step (the row path's ``attend``)."""
     return attend_layer(a.kind, RowAttention(st, lid, a, x, inp, sel, pools, valid))
 
 
-def attention(st: ExecutorState, a: Attention, q: torch.Tensor, k_a: torch.Tensor, mask_a: torch.Tensor,
-              kb: torch.Tensor | None, ok: torch.Tensor | None) -> torch.Tensor:
+def attention(
+    st: ExecutorState,
+    a: Attention,
+    q: torch.Tensor,
+    k_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    kb: torch.Tensor | None,
+    ok: torch.Tensor | None,
+) -> torch.Tensor:
     """The layer's attention over the gathered window (and top-k) keys: :func:`sink_attention`, or with
     ``fused_attention`` the backend's ``sink_attention_rows`` (one kernel; same contract)."""
     if st.fused_attention and st.backend is not None:
@@ -278,14 +346,23 @@ def step_contexts(st: ExecutorState, valid: torch.Tensor | None) -> contextlib.E
     fused = be.op("mhc_sinkhorn") if (st.fused_sinkhorn or st.fuse_glue) and be is not None else None
     grouped = be.op("moe_grouped_gemm") if st.fused_moe and be is not None else None
     stack = contextlib.ExitStack()
-    for ctx in (static_shapes(on=st.sync_free, row_mask=valid), sinkhorn_impl(fused), grouped_gemm_impl(grouped),
-                cached_angles(), fused_glue(st.fuse_glue)):
+    for ctx in (
+        static_shapes(on=st.sync_free, row_mask=valid),
+        sinkhorn_impl(fused),
+        grouped_gemm_impl(grouped),
+        cached_angles(),
+        fused_glue(st.fuse_glue),
+    ):
         stack.enter_context(ctx)
     return stack
 
 
-def decode_body(st: ExecutorState, inp: DecodeInputs, capture_ids: tuple[int, ...] = (),
-                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+def decode_body(
+    st: ExecutorState,
+    inp: DecodeInputs,
+    capture_ids: tuple[int, ...] = (),
+    logit_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """The device part of a row-path step: (logits of ``logit_rows`` (all rows when None), expert counts,
     {layer: output state [N, D]} for ``capture_ids``). Reads only ``inp``; no host synchronisation."""
     valid = None if inp.valid is None else inp.valid > 0
@@ -296,8 +373,11 @@ def decode_body(st: ExecutorState, inp: DecodeInputs, capture_ids: tuple[int, ..
     rows = inp.engram if inp.engram_ids is None else engram_fetch(st, inp.engram_ids)
     with step_contexts(st, valid):
         hidden, counts = st.model.run_layers(
-            inp.tokens, lambda lid, a, x: attend_rows(st, lid, a, x, inp, sel, pools, valid), capture=capture,
-            engram_rows=rows)
+            inp.tokens,
+            lambda lid, a, x: attend_rows(st, lid, a, x, inp, sel, pools, valid),
+            capture=capture,
+            engram_rows=rows,
+        )
     h = hidden if logit_rows is None else hidden[logit_rows]
     if st.fused_head and st.backend is not None:
         # the LM head as the grouped GEMM kernel with one group (the offsets on the device: a fill, no host
@@ -307,11 +387,13 @@ def decode_body(st: ExecutorState, inp: DecodeInputs, capture_ids: tuple[int, ..
     return st.model.logits(h), counts, capture
 
 
-def execute_rows(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None = None,
-                 graphs: GraphRunner | None = None) -> ForwardOutput:
+def execute_rows(
+    st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None = None, graphs: GraphRunner | None = None
+) -> ForwardOutput:
     """A validated row-path step; a pure-decode batch replays a captured graph when ``graphs`` is given
     and a bucket holds it. ``feed``: input tokens still on the device (the previous step's samples),
     written into the token input after its host copy."""
+
     def put(arr: np.ndarray) -> torch.Tensor:  # no stream synchronisation (torch syncs blocking copies)
         return h2d(arr, st.device, np.int64)
 
@@ -333,10 +415,16 @@ def execute_rows(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None = No
         captured: dict[int, torch.Tensor] = {}
     else:
         req_of_row = np.repeat(np.arange(b.num_requests), b.query_lens)
-        inp = DecodeInputs(tokens=put(b.token_ids) if tok_t is None else tok_t, positions=put(pos),
-                           slots=put(slots_np), floors=put(floors_np), valid=None,
-                           tables=put(b.block_tables[req_of_row]),
-                           engram={} if ids is None else engram_fetch(st, ids), entries=entries)
+        inp = DecodeInputs(
+            tokens=put(b.token_ids) if tok_t is None else tok_t,
+            positions=put(pos),
+            slots=put(slots_np),
+            floors=put(floors_np),
+            valid=None,
+            tables=put(b.block_tables[req_of_row]),
+            engram={} if ids is None else engram_fetch(st, ids),
+            entries=entries,
+        )
         rows_t = None if rows.shape[0] == b.num_tokens else put(rows)
         logits, counts, caps = decode_body(st, inp, (*b.capture_layers, *targets), rows_t)
         captured = {lid: caps[lid] if rows_t is None else caps[lid][rows_t] for lid in b.capture_layers}
@@ -348,5 +436,12 @@ def execute_rows(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None = No
         st.spec.write_context([caps[lid] for lid in targets], put(pos), put(slots_np), keep)
         spec_out = st.spec.step(b, logits)
     req_of = np.repeat(np.arange(b.num_requests), b.num_logits)
-    return ForwardOutput(logits=logits, logit_rows=rows, request_of_logit=req_of, expert_counts=counts,
-                         captured=captured, snapshots=st.take_snapshots(b), **(spec_out or {}))
+    return ForwardOutput(
+        logits=logits,
+        logit_rows=rows,
+        request_of_logit=req_of,
+        expert_counts=counts,
+        captured=captured,
+        snapshots=st.take_snapshots(b),
+        **(spec_out or {}),
+    )

@@ -93,7 +93,8 @@ class DSparkDrafter(nn.Module):
         self.w_cond = nn.Parameter(torch.empty(d, d))
         # typed as what it holds (an nn.ModuleList indexes and iterates as Module)
         self.stages: list[DraftStage] = nn.ModuleList(  # type: ignore[assignment]
-            DraftStage(cfg, k) for k in range(cfg.num_nextn_predict_layers))
+            DraftStage(cfg, k) for k in range(cfg.num_nextn_predict_layers)
+        )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_in = nn.Parameter(torch.empty(v, r))  # W1: previous token -> rank-r code
         self.markov_out = nn.Parameter(torch.empty(v, r))  # W2 (as rows): code -> vocab bias
@@ -105,7 +106,9 @@ class DSparkDrafter(nn.Module):
         def rnd(p: torch.Tensor, scale: float) -> None:
             p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) * scale)
 
-        for n in [self.fuse_norm, self.norm] + [m for s in self.stages for m in (s.attn_norm, s.ctx_norm, s.ffn_norm)]:
+        for n in [self.fuse_norm, self.norm] + [
+            m for s in self.stages for m in (s.attn_norm, s.ctx_norm, s.ffn_norm)
+        ]:
             n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen, device=gen.device))
         for p in (self.w_fuse, self.w_cond, self.markov_out):
             rnd(p, 1 / math.sqrt(p.shape[-1]))
@@ -122,8 +125,15 @@ class DSparkDrafter(nn.Module):
         return self.fuse_norm(torch.cat(list(layer_states), dim=-1)) @ self.w_fuse.t()
 
     # ---------------------------------------------------------------- the block
-    def run_block(self, model: DraftTarget, y: torch.Tensor, q: torch.Tensor, cond: torch.Tensor,
-                  ctx_keys: Sequence[torch.Tensor], ctx_mask: torch.Tensor) -> torch.Tensor:
+    def run_block(
+        self,
+        model: DraftTarget,
+        y: torch.Tensor,
+        q: torch.Tensor,
+        cond: torch.Tensor,
+        ctx_keys: Sequence[torch.Tensor],
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Normed block states [R, B, D]. ``y`` [R] at positions ``q`` [R]; ``cond`` [R, D] = f_(q-1);
         ``ctx_keys[s]`` [R, W, d] stage s's context keys with validity ``ctx_mask`` [R, W]."""
         r, b = y.shape[0], self.block
@@ -143,8 +153,14 @@ class DSparkDrafter(nn.Module):
             h = h + st.mlp(st.ffn_norm(h))
         return self.norm(h).view(r, b, -1)
 
-    def heads(self, model: DraftTarget, hidden: torch.Tensor, y: torch.Tensor, temperature: torch.Tensor,
-              generator: torch.Generator | None = None) -> DraftResult:
+    def heads(
+        self,
+        model: DraftTarget,
+        hidden: torch.Tensor,
+        y: torch.Tensor,
+        temperature: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> DraftResult:
         """Drafts, confidences and draft distributions; rows with temperature 0 are greedy."""
         # probabilities and confidences in >= float32 (a bf16 model's drafts feed a lossless verify)
         cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -172,8 +188,14 @@ class DSparkDrafter(nn.Module):
 
     # ---------------------------------------------------------------- the oracle
     @torch.no_grad()
-    def draft_full(self, model: DraftTarget, prefix: torch.Tensor, y: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None) -> DraftResult:
+    def draft_full(
+        self,
+        model: DraftTarget,
+        prefix: torch.Tensor,
+        y: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> DraftResult:
         """Drafts after ``prefix`` (positions 0..q-1) with accepted token ``y`` at q, from a cache-free
         target forward: the ground truth of the executor's cached drafting."""
         q = prefix.shape[0]
@@ -187,7 +209,18 @@ class DSparkDrafter(nn.Module):
             k[valid] = st.context_keys(feat[kp[valid]], kp[valid])
             keys.append(k[None])
         dev = prefix.device
-        hidden = self.run_block(model, torch.tensor([y], device=dev), torch.tensor([q], device=dev), feat[q - 1 :],
-                                keys, valid[None])
-        return self.heads(model, hidden, torch.tensor([y], device=dev),
-                          torch.tensor([temperature], dtype=feat.dtype, device=dev), generator)
+        hidden = self.run_block(
+            model,
+            torch.tensor([y], device=dev),
+            torch.tensor([q], device=dev),
+            feat[q - 1 :],
+            keys,
+            valid[None],
+        )
+        return self.heads(
+            model,
+            hidden,
+            torch.tensor([y], device=dev),
+            torch.tensor([temperature], dtype=feat.dtype, device=dev),
+            generator,
+        )

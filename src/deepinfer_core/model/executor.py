@@ -99,7 +99,6 @@ class ModelExecutor:
     caches (``kv``, ``swa``, ...) are that object's fields, read and written through the executor.
     """
 
-
     model: _StateField[DeepSeekV41] = _StateField()
     cfg: _StateField[ModelConfig] = _StateField()
     device: _StateField[torch.device] = _StateField()
@@ -134,17 +133,34 @@ class ModelExecutor:
     prefill_budget: _StateField[int] = _StateField()
     prefill_index_op: _StateField[bool] = _StateField()
 
-    def __init__(self, model: DeepSeekV41, num_blocks: int, block_size: int, num_state_slots: int,
-                 backtrack_tokens: int = 6, quantize: bool = True, backend: Backend | None = None,
-                 engram_placement: str = "local", engram_group: object | None = None, seed: int = 0,
-                 cuda_graphs: bool = True, cuda_graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 fuse_glue: bool = False, draft_context: bool = True) -> None:
-        for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1),
-                            ("num_state_slots", num_state_slots, 1), ("backtrack_tokens", backtrack_tokens, 0)):
+    def __init__(
+        self,
+        model: DeepSeekV41,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int,
+        backtrack_tokens: int = 6,
+        quantize: bool = True,
+        backend: Backend | None = None,
+        engram_placement: str = "local",
+        engram_group: object | None = None,
+        seed: int = 0,
+        cuda_graphs: bool = True,
+        cuda_graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        fuse_glue: bool = False,
+        draft_context: bool = True,
+    ) -> None:
+        for name, v, lo in (
+            ("num_blocks", num_blocks, 2),
+            ("block_size", block_size, 1),
+            ("num_state_slots", num_state_slots, 1),
+            ("backtrack_tokens", backtrack_tokens, 0),
+        ):
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
-        self.state = st = make_state(model, num_blocks, block_size, num_state_slots, backtrack_tokens, quantize,
-                                     backend)
+        self.state = st = make_state(
+            model, num_blocks, block_size, num_state_slots, backtrack_tokens, quantize, backend
+        )
         # with a backend on a CUDA device, row-path steps run sync-free (decode_step) and pure-decode
         # batches replay CUDA graphs bucketed by batch size (cuda_graphs; the switch: DEEPINFER_CUDA_GRAPHS)
         st.sync_free = backend is not None and st.device.type == "cuda"
@@ -157,8 +173,11 @@ class ModelExecutor:
         # as its ``moe_grouped_gemm``; the LM head as that kernel with one group (a [V, D] weight stream).
         # On by default where the model's shapes run the kernels (model.fused_kernels)
         defaults = kernel_defaults(model, backend, st.sync_free)
-        st.fused_attention, st.fused_moe, st.fused_head = (defaults["fused_attention"], defaults["fused_moe"],
-                                                           defaults["fused_head"])
+        st.fused_attention, st.fused_moe, st.fused_head = (
+            defaults["fused_attention"],
+            defaults["fused_moe"],
+            defaults["fused_head"],
+        )
         self._graphs: DecodeGraphs | None = None
         # Engram: the tables of the chosen placement
         st.engram_tables = make_engram_tables(model, engram_placement, engram_group)
@@ -206,8 +225,10 @@ class ModelExecutor:
         tokens of the batch that are still on the device (``batch.token_ids`` holds valid placeholders
         there), the engine's asynchronous overlap; needs :attr:`token_feed_ok`."""
         if feed is not None and not self.token_feed_ok:
-            raise ValueError("feed: this executor cannot take device tokens (host / sharded Engram tables or a "
-                             "drafter context); read them back first")
+            raise ValueError(
+                "feed: this executor cannot take device tokens (host / sharded Engram tables or a "
+                "drafter context); read them back first"
+            )
         st = self.state
         validation.validate(st, batch)
         self._begin_step(batch)
@@ -233,7 +254,9 @@ class ModelExecutor:
                 fs = batch.state_slots[up]
                 st.floor[fs, 1] = np.maximum(st.floor[fs, 1], batch.decoder_floor[up])
         sp = batch.snapshot_pos
-        st.snap_at = {} if sp is None or not sp.any() else {i: int(x) for i, x in enumerate(sp.tolist()) if x > 0}
+        st.snap_at = (
+            {} if sp is None or not sp.any() else {i: int(x) for i, x in enumerate(sp.tolist()) if x > 0}
+        )
         st.snaps = {}
 
     # ------------------------------------------------------------------ Engram rows and token context
@@ -270,13 +293,16 @@ class ModelExecutor:
         """A copy of the slot's encoder SWA rings, uint8 [encoder layers, ring, bytes]."""
         return replay.encoder_rings(self.state, slot)
 
-    def restore_encoder(self, slot: int, pos: int, rings: torch.Tensor | np.ndarray, context: np.ndarray) -> None:
+    def restore_encoder(
+        self, slot: int, pos: int, rings: torch.Tensor | np.ndarray, context: np.ndarray
+    ) -> None:
         """Put persisted encoder rings (from ``snapshots`` / :meth:`encoder_rings` at ``pos``) into ``slot``
         (``replay.restore_encoder``)."""
         replay.restore_encoder(self.state, slot, pos, rings, context)
 
-    def replay_encoder(self, slot: int, token_ids: np.ndarray, start: int, block_table: np.ndarray,
-                       context: np.ndarray) -> None:
+    def replay_encoder(
+        self, slot: int, token_ids: np.ndarray, start: int, block_table: np.ndarray, context: np.ndarray
+    ) -> None:
         """Rebuild ``slot``'s encoder rings at ``start + len(token_ids)`` by running those tokens through the
         encoder with every window truncated to them (``replay.replay_encoder``)."""
         replay.replay_encoder(self.state, slot, token_ids, start, block_table, context)

@@ -39,12 +39,18 @@ def kernel_defaults(model: DeepSeekV41, backend: Backend | None, sync_free: bool
     d = cfg.head_dim
     q = empty(1, cfg.num_attention_heads, d)
     # one key buffer per layer: the window, plus the top-k entries on compressed layers
-    keys = {cfg.sliding_window + (0 if cfg.layer_kind(lid) == LAYER_SWA else cfg.index_topk)
-            for lid in range(cfg.num_hidden_layers)}
+    keys = {
+        cfg.sliding_window + (0 if cfg.layer_kind(lid) == LAYER_SWA else cfg.index_topk)
+        for lid in range(cfg.num_hidden_layers)
+    }
     attn = all(sink_attention.kernel_takes(q, empty(1, k, d), None) for k in keys)
     moe = [layer.ffn for layer in model.layers if hasattr(layer.ffn, "w1")]
     experts = bool(moe) and all(
-        grouped_gemm.kernel_takes(empty(1, f.w1.shape[2]), empty(f.w1.shape[0], 2 * f.w1.shape[1], f.w1.shape[2]))
-        and grouped_gemm.kernel_takes(empty(1, f.w2.shape[2]), f.w2) for f in moe)
+        grouped_gemm.kernel_takes(
+            empty(1, f.w1.shape[2]), empty(f.w1.shape[0], 2 * f.w1.shape[1], f.w1.shape[2])
+        )
+        and grouped_gemm.kernel_takes(empty(1, f.w2.shape[2]), f.w2)
+        for f in moe
+    )
     head = grouped_gemm.kernel_takes(empty(1, cfg.hidden_size), model.head_weight[None])
     return {"fused_attention": attn, "fused_moe": experts, "fused_head": head}

@@ -45,8 +45,9 @@ SPLIT_GEMM = True
 
 # the Sinkhorn used by MHCResidual in this context: None = :func:`sinkhorn`; the executor's sync-free
 # decode path may set a fused kernel (the ``mhc_sinkhorn`` op, same contract) with :func:`sinkhorn_impl`
-_SINKHORN: contextvars.ContextVar[Callable[[torch.Tensor, int], torch.Tensor] | None] = contextvars.ContextVar(
-    "mhc_sinkhorn", default=None)
+_SINKHORN: contextvars.ContextVar[Callable[[torch.Tensor, int], torch.Tensor] | None] = (
+    contextvars.ContextVar("mhc_sinkhorn", default=None)
+)
 
 
 @contextlib.contextmanager
@@ -91,8 +92,9 @@ def split_bf16(phi: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, (p - hi.to(torch.float32)).to(torch.bfloat16)))
 
 
-def _raw(state: torch.Tensor, phi: torch.Tensor | None, split: torch.Tensor | None, cd: torch.dtype, eps: float
-         ) -> torch.Tensor:
+def _raw(
+    state: torch.Tensor, phi: torch.Tensor | None, split: torch.Tensor | None, cd: torch.dtype, eps: float
+) -> torch.Tensor:
     """``RMSNorm(state.flatten()) @ phi^T`` per sublayer, [T, S, k] in ``cd``: from ``phi`` [S, k, C] (the
     reference form: normalise, then a ``cd`` product), or, for a bfloat16 ``state``, from ``split`` =
     :func:`split_bf16` (phi) [h, S, k, C] (the decode graph's form, see :data:`SPLIT_GEMM`)."""
@@ -108,7 +110,8 @@ def _raw(state: torch.Tensor, phi: torch.Tensor | None, split: torch.Tensor | No
     s = state.reshape(t, c)
     w = split.reshape(h * sub * k, c)
     if s.is_cuda:
-        y = torch.mm(s, w.t(), out_dtype=torch.float32)  # cuBLAS bf16 tensor cores, float32 accumulate and out
+        # cuBLAS bf16 tensor cores, float32 accumulate and out
+        y = torch.mm(s, w.t(), out_dtype=torch.float32)
     else:  # the same products (exact in float32) through a float32 GEMM: how the CPU tests run this form
         y = s.to(torch.float32) @ w.to(torch.float32).t()
     y = y.view(t, h, sub, k)
@@ -116,8 +119,15 @@ def _raw(state: torch.Tensor, phi: torch.Tensor | None, split: torch.Tensor | No
     return (y[:, 0] if h == 1 else y[:, 0] + y[:, 1]) * r[:, :, None]
 
 
-def _logits(state: torch.Tensor, phi: torch.Tensor | None, alpha: torch.Tensor, bias: torch.Tensor, n: int,
-            eps: float, split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _logits(
+    state: torch.Tensor,
+    phi: torch.Tensor | None,
+    alpha: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    eps: float,
+    split: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, S, n], post [T, S, n]) in the state's dtype and the Sinkhorn logits [T, S, n, n] in the
     coefficient dtype, for the S sublayers whose ``phi`` [S, k, n * D], ``alpha`` [S, 3], ``bias`` [S, k]
     are given (``split``: phi as :func:`split_bf16`, used instead of ``phi`` for a bfloat16 state)."""
@@ -136,9 +146,17 @@ _mhc_logits = fusable(_logits)  # fused glue around a Sinkhorn kernel
 
 
 @fusable
-def _mhc_coefficients(state: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, n: int,
-                      iters: int, eps: float, sk: Callable[[torch.Tensor, int], torch.Tensor] | None,
-                      split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mhc_coefficients(
+    state: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    iters: int,
+    eps: float,
+    sk: Callable[[torch.Tensor, int], torch.Tensor] | None,
+    split: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_logits` then the Sinkhorn (``sk``, None: :func:`sinkhorn`): (pre, post, res [T, S, n, n]),
     all in the state's dtype."""
     pre, post, logits = _logits(state, phi, alpha, bias, n, eps, split)
@@ -184,8 +202,15 @@ def _mix_in_norm(pre: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, e
 
 
 @fusable
-def _mix_out_in_norm(res: torch.Tensor, state: torch.Tensor, post: torch.Tensor, out: torch.Tensor,
-                     pre: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _mix_out_in_norm(
+    res: torch.Tensor,
+    state: torch.Tensor,
+    post: torch.Tensor,
+    out: torch.Tensor,
+    pre: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(:func:`_mix_out`, the next sublayer's :func:`_mix_in_norm` of it)."""
     new = _mix_out(res, state, post, out)
     return new, rms_norm(_mix_in(pre, new), weight, eps)
@@ -249,11 +274,15 @@ class MHCResidual(nn.Module):
             pre, post, logits = _mhc_logits(state, phi, alpha, bias, self.n, self.eps, split)
             res = sk(logits, self.iters)
         else:
-            pre, post, res = _mhc_coefficients(state, phi, alpha, bias, self.n, self.iters, self.eps, sk, split)
+            pre, post, res = _mhc_coefficients(
+                state, phi, alpha, bias, self.n, self.iters, self.eps, sk, split
+            )
         for i, sub in enumerate(subs):
             self._pending[(layer, sub)] = (pre[:, i], post[:, i], res[:, i])
 
-    def coefficients(self, state: torch.Tensor, layer: int, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def coefficients(
+        self, state: torch.Tensor, layer: int, sub: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, n], post [T, n], res [T, n, n]) of one sublayer for streams ``state`` (tests, docs)."""
         self._coefficients(state, layer, (sub,))
         return self._pending.pop((layer, sub))
@@ -272,16 +301,21 @@ class MHCResidual(nn.Module):
     def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
         return _mix_in(self._pre(state, layer_id, sub), state)
 
-    def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+    def sublayer_output(
+        self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int
+    ) -> torch.Tensor:
         _, post, res = self._pending.pop((layer_id, sub))
         return _mix_out(res, state, post, out)
 
-    def sublayer_input_normed(self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm) -> torch.Tensor:
+    def sublayer_input_normed(
+        self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+    ) -> torch.Tensor:
         """``norm(sublayer_input(...))``, one compiled function under the fused glue."""
         return _mix_in_norm(self._pre(state, layer_id, sub), state, norm.weight, norm.eps)
 
-    def handover(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def handover(
+        self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(``sublayer_output`` of ``sub``, ``sublayer_input_normed`` of ``sub + 1`` of the new state):
         one compiled function when the next sublayer's coefficients are already known (single pass)."""
         nxt = (layer_id, sub + 1)

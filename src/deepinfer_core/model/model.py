@@ -52,10 +52,15 @@ class Residual(Protocol):
 
     def begin(self, h: torch.Tensor) -> torch.Tensor: ...
     def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor: ...
-    def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor: ...
-    def sublayer_input_normed(self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm) -> torch.Tensor: ...
-    def handover(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
-                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def sublayer_output(
+        self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int
+    ) -> torch.Tensor: ...
+    def sublayer_input_normed(
+        self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+    ) -> torch.Tensor: ...
+    def handover(
+        self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def collapse(self, state: torch.Tensor) -> torch.Tensor: ...
     def end(self, state: torch.Tensor) -> torch.Tensor: ...
 
@@ -70,15 +75,20 @@ class PlainResidual(nn.Module):
     def sublayer_input(self, state: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
         return state
 
-    def sublayer_output(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int) -> torch.Tensor:
+    def sublayer_output(
+        self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int
+    ) -> torch.Tensor:
         return state + out
 
-    def sublayer_input_normed(self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm) -> torch.Tensor:
+    def sublayer_input_normed(
+        self, state: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+    ) -> torch.Tensor:
         """``norm(sublayer_input(...))`` (mHC fuses the two)."""
         return norm(state)
 
-    def handover(self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def handover(
+        self, state: torch.Tensor, out: torch.Tensor, layer_id: int, sub: int, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(``sublayer_output`` of ``sub``, ``sublayer_input_normed`` of ``sub + 1``) (mHC fuses them)."""
         new = state + out
         return new, norm(new)
@@ -113,10 +123,13 @@ class DeepSeekV41(nn.Module):
         # mypy reads as Tensor | Module)
         self.layers: list[Block] = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))  # type: ignore[assignment]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.head = (
+            None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        )
         self.residual: Residual = MHCResidual(cfg) if cfg.hc_mult > 1 else PlainResidual()
         self.engram: dict[str, EngramLayer] = nn.ModuleDict(  # type: ignore[assignment]  # as self.layers
-            {str(i): EngramLayer(cfg, i) for i in cfg.engram_layer_ids})
+            {str(i): EngramLayer(cfg, i) for i in cfg.engram_layer_ids}
+        )
         self.drafter = DSparkDrafter(cfg) if cfg.num_nextn_predict_layers else None
         self._engram_hasher: Any = None
         self._engram_tables: dict[int, Any] | None = None
@@ -141,8 +154,14 @@ class DeepSeekV41(nn.Module):
         return out
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", init_on_device: bool = False) -> DeepSeekV41:
+    def from_config(
+        cls,
+        cfg: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        init_on_device: bool = False,
+    ) -> DeepSeekV41:
         """A model with seeded random weights (no files needed).
 
         Weights are drawn on the CPU by default, so a seed gives the same model on every device;
@@ -162,7 +181,10 @@ class DeepSeekV41(nn.Module):
         gen = torch.Generator(device=device).manual_seed(seed)
         self.embed.copy_(torch.randn(self.embed.shape, generator=gen, device=gen.device))
         if self.head is not None:
-            self.head.copy_(torch.randn(self.head.shape, generator=gen, device=gen.device) / math.sqrt(self.cfg.hidden_size))
+            self.head.copy_(
+                torch.randn(self.head.shape, generator=gen, device=gen.device)
+                / math.sqrt(self.cfg.hidden_size)
+            )
         for n in [self.norm] + [m for b in self.layers for m in (b.attn_norm, b.ffn_norm)]:
             n.weight.copy_(1 + 0.1 * torch.randn(n.weight.shape, generator=gen, device=gen.device))
         for b in self.layers:
@@ -183,10 +205,18 @@ class DeepSeekV41(nn.Module):
             from deepinfer_core.engram import EngramConfig, EngramHasher
 
             c = self.cfg
-            self._engram_hasher = EngramHasher(EngramConfig(
-                layer_ids=c.engram_layer_ids, max_ngram=c.engram_max_ngram, heads_per_order=c.engram_n_heads,
-                table_sizes=c.engram_table_sizes, vocab_size=c.vocab_size, pad_id=c.engram_pad_id,
-                seed=c.engram_seed, head_dim=c.engram_head_dim))
+            self._engram_hasher = EngramHasher(
+                EngramConfig(
+                    layer_ids=c.engram_layer_ids,
+                    max_ngram=c.engram_max_ngram,
+                    heads_per_order=c.engram_n_heads,
+                    table_sizes=c.engram_table_sizes,
+                    vocab_size=c.vocab_size,
+                    pad_id=c.engram_pad_id,
+                    seed=c.engram_seed,
+                    head_dim=c.engram_head_dim,
+                )
+            )
         return self._engram_hasher
 
     @property
@@ -201,8 +231,10 @@ class DeepSeekV41(nn.Module):
             for lid in c.engram_layer_ids:
                 rows = h.num_rows(lid)
                 if rows * c.engram_head_dim > _MAX_RANDOM_TABLE_VALUES:
-                    raise ValueError(f"engram_table_sizes={c.engram_table_sizes}: layer {lid}'s table has {rows:,} "
-                                     "rows, too big to draw at random; give real tables with set_engram_tables()")
+                    raise ValueError(
+                        f"engram_table_sizes={c.engram_table_sizes}: layer {lid}'s table has {rows:,} "
+                        "rows, too big to draw at random; give real tables with set_engram_tables()"
+                    )
                 g = torch.Generator().manual_seed(c.engram_seed * 1000003 + lid)
                 vals = torch.randn(rows, c.engram_head_dim, generator=g)
                 tables[lid] = local_table(vals.to(torch.bfloat16), None, out_dtype=torch.float32)
@@ -216,30 +248,44 @@ class DeepSeekV41(nn.Module):
             raise ValueError(f"tables: keys {sorted(tables)}, expected the Engram layers {sorted(want)}")
         for lid, t in tables.items():
             if t.num_rows != self.engram_hasher.num_rows(lid) or t.row_dim != self.cfg.engram_head_dim:
-                raise ValueError(f"tables[{lid}]: {t.num_rows} x {t.row_dim}, expected "
-                                 f"{self.engram_hasher.num_rows(lid)} x {self.cfg.engram_head_dim}")
+                raise ValueError(
+                    f"tables[{lid}]: {t.num_rows} x {t.row_dim}, expected "
+                    f"{self.engram_hasher.num_rows(lid)} x {self.cfg.engram_head_dim}"
+                )
         self._engram_tables = dict(tables)
 
-    def engram_rows(self, token_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                    context: torch.Tensor | None = None, tables: Mapping[int, Any] | None = None) -> dict[int, torch.Tensor]:
+    def engram_rows(
+        self,
+        token_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        tables: Mapping[int, Any] | None = None,
+    ) -> dict[int, torch.Tensor]:
         """{layer: fetched rows [T, orders * heads * head_dim]} in the model dtype. ``cu_seqlens`` /
         ``context`` as in ``EngramHasher.hash`` (context continues sequences across steps); ``tables``
         defaults to :attr:`engram_tables` (the executor passes its placement's tables)."""
         if not self.cfg.engram_layer_ids:
             return {}
         h = self.engram_hasher
-        rows = h.hash(token_ids.cpu(), None if cu_seqlens is None else cu_seqlens.cpu(),
-                      None if context is None else context.cpu())
+        rows = h.hash(
+            token_ids.cpu(),
+            None if cu_seqlens is None else cu_seqlens.cpu(),
+            None if context is None else context.cpu(),
+        )
         return self.engram_fetch(rows, tables)
 
-    def engram_fetch(self, rows: torch.Tensor, tables: Mapping[int, Any] | None = None) -> dict[int, torch.Tensor]:
+    def engram_fetch(
+        self, rows: torch.Tensor, tables: Mapping[int, Any] | None = None
+    ) -> dict[int, torch.Tensor]:
         """{layer: rows [T, row_dim]} in the model dtype for hashed row ids [L, T, columns] (the output of
         ``EngramHasher.hash`` / ``hash_host``), from ``tables`` (default :attr:`engram_tables`)."""
         tabs = self.engram_tables if tables is None else tables
         h = self.engram_hasher
         dt, dev = self.embed.dtype, self.embed.device
-        return {lid: _to_device(tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(rows.shape[1], -1), dev, dt)
-                for lid in self.cfg.engram_layer_ids}
+        return {
+            lid: _to_device(tabs[lid].fetch(rows[h.layer_index(lid)]).reshape(rows.shape[1], -1), dev, dt)
+            for lid in self.cfg.engram_layer_ids
+        }
 
     # ------------------------------------------------------------------ expert placement
     def set_expert_placement(self, phy2log: Any, log2phy: Any = None, logcnt: Any = None) -> None:
@@ -252,15 +298,22 @@ class DeepSeekV41(nn.Module):
             for b in self.layers:
                 b.ffn.placement = None
             return
-        places = SlotPlacement.from_eplb(phy2log, log2phy, logcnt, self.cfg.num_hidden_layers, self.cfg.n_routed_experts)
+        places = SlotPlacement.from_eplb(
+            phy2log, log2phy, logcnt, self.cfg.num_hidden_layers, self.cfg.n_routed_experts
+        )
         dev = self.embed.device
         for b, p in zip(self.layers, places):
             b.ffn.placement = p.to(dev)
 
     # ------------------------------------------------------------------ shared layer loop
-    def run_layers(self, token_ids: torch.Tensor, attend: AttendFn, source_only: AttendFn | None = None,
-                   capture: dict[int, torch.Tensor] | None = None,
-                   engram_rows: Mapping[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        token_ids: torch.Tensor,
+        attend: AttendFn,
+        source_only: AttendFn | None = None,
+        capture: dict[int, torch.Tensor] | None = None,
+        engram_rows: Mapping[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states [N, D] (after the final norm) and expert counts [layers, experts].
 
         With ``source_only`` (CED prefix prefill), the loop stops at the first decoder layer: that
@@ -336,7 +389,9 @@ class DeepSeekV41(nn.Module):
                 if cfg.uses_candidates(lid):
                     sc = mask_scores(sc, pools[src])
                 if lid == cfg.candidate_source_layer_id:
-                    pools[lid] = candidate_pool(sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                    pools[lid] = candidate_pool(
+                        sc, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
+                    )
                 sel[lid] = topk_mask(sc, cfg.index_topk)
             isrc = cfg.index_source_of(lid)
             assert isrc is not None

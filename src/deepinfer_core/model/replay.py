@@ -51,20 +51,30 @@ def copy_blocks(st: ExecutorState, src: np.ndarray, dst: np.ndarray) -> None:
     s = torch.as_tensor(np.asarray(src, dtype=np.int64), device=st.device)
     d = torch.as_tensor(np.asarray(dst, dtype=np.int64), device=st.device)
     if s.shape != d.shape or s.dim() != 1:
-        raise BatchError(None, "block_tables", f"src {tuple(s.shape)} and dst {tuple(d.shape)}: need equal 1-D")
-    if s.numel() and (min(int(s.min()), int(d.min())) < 1 or max(int(s.max()), int(d.max())) >= st.num_blocks):
+        raise BatchError(
+            None, "block_tables", f"src {tuple(s.shape)} and dst {tuple(d.shape)}: need equal 1-D"
+        )
+    if s.numel() and (
+        min(int(s.min()), int(d.min())) < 1 or max(int(s.max()), int(d.max())) >= st.num_blocks
+    ):
         raise BatchError(None, "block_tables", f"block ids must be in [1, {st.num_blocks})")
     for t in (*st.kv.values(), *st.index_keys.values()):
         t[d] = t[s]
+
 
 def encoder_rings(st: ExecutorState, slot: int) -> torch.Tensor:
     """A copy of the slot's encoder SWA rings, uint8 [encoder layers, ring, bytes]."""
     return torch.stack([st.swa[lid][slot].clone() for lid in range(st.cfg.encoder_layers)])
 
+
 def seed_slot(st: ExecutorState, slot: int, pos: int, context: np.ndarray) -> None:
     """The slot now holds a prefix of ``pos`` tokens whose last tokens are ``context`` (Engram n-gram
     context), nothing in its decoder rings, and may not roll back below ``pos``."""
-    ctx = np.asarray(context, dtype=np.int64)[-min(len(context), st.tok_ring):] if len(context) else np.zeros(0, np.int64)
+    ctx = (
+        np.asarray(context, dtype=np.int64)[-min(len(context), st.tok_ring) :]
+        if len(context)
+        else np.zeros(0, np.int64)
+    )
     p = np.arange(pos - ctx.shape[0], pos)
     st.tokens[slot] = -1
     st.tokens[slot, p % st.tok_ring] = ctx
@@ -74,6 +84,7 @@ def seed_slot(st: ExecutorState, slot: int, pos: int, context: np.ndarray) -> No
     st.min_start[slot] = pos
     if st.spec is not None:
         st.spec.restart(slot)
+
 
 def check_seed(st: ExecutorState, slot: int, pos: int, context: np.ndarray) -> None:
     if not 0 <= slot < st.num_slots:
@@ -86,8 +97,11 @@ def check_seed(st: ExecutorState, slot: int, pos: int, context: np.ndarray) -> N
     if st.cfg.encoder_layers >= st.cfg.num_hidden_layers:
         raise BatchError(None, "encoder_only", "needs a model with a decoder (CED split)")
 
+
 @torch.no_grad()
-def restore_encoder(st: ExecutorState, slot: int, pos: int, rings: torch.Tensor | np.ndarray, context: np.ndarray) -> None:
+def restore_encoder(
+    st: ExecutorState, slot: int, pos: int, rings: torch.Tensor | np.ndarray, context: np.ndarray
+) -> None:
     """Put persisted encoder rings (from ``snapshots`` / :meth:`encoder_rings` at ``pos``) into ``slot``:
     it then holds an encoder-only prefix of ``pos`` tokens (continue with encoder_only steps or a step
     with decoder_floor = pos). ``context``: the tokens before ``pos`` (at least the n-gram order - 1)."""
@@ -101,9 +115,16 @@ def restore_encoder(st: ExecutorState, slot: int, pos: int, rings: torch.Tensor 
     seed_slot(st, slot, pos, context)
     st.floor[slot, 0] = max(0, pos - st.cfg.sliding_window + 1)
 
+
 @torch.no_grad()
-def replay_encoder(st: ExecutorState, slot: int, token_ids: np.ndarray, start: int, block_table: np.ndarray,
-                   context: np.ndarray) -> None:
+def replay_encoder(
+    st: ExecutorState,
+    slot: int,
+    token_ids: np.ndarray,
+    start: int,
+    block_table: np.ndarray,
+    context: np.ndarray,
+) -> None:
     """Rebuild ``slot``'s encoder rings at ``start + len(token_ids)`` by running those tokens through the
     encoder with every window truncated to them (bounded replay of the encoder; exact when the span
     is the whole dependency span). Reads the cached block KV of ``block_table``, writes no block.
@@ -115,13 +136,24 @@ def replay_encoder(st: ExecutorState, slot: int, token_ids: np.ndarray, start: i
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise BatchError(None, "start_pos", f"{start!r}: must be an int >= 0")
     check_seed(st, slot, start + n, context)
-    b = ForwardBatch(token_ids=toks, query_lens=[n], start_pos=[start], block_tables=np.asarray(block_table)[None],
-                     state_slots=[slot], num_logits=[0], encoder_only=True)
+    b = ForwardBatch(
+        token_ids=toks,
+        query_lens=[n],
+        start_pos=[start],
+        block_tables=np.asarray(block_table)[None],
+        state_slots=[slot],
+        num_logits=[0],
+        encoder_only=True,
+    )
     if toks.min() < 0 or toks.max() >= st.cfg.vocab_size:
         raise BatchError(0, "token_ids", f"values must be in [0, vocab_size={st.cfg.vocab_size})")
-    if st.min_ratio and (b.block_tables.shape[1] < st.blocks_needed(start + n)
-                           or (b.block_tables[0, : st.blocks_needed(start + n)] <= 0).any()):
-        raise BatchError(0, "block_tables", f"needs {st.blocks_needed(start + n)} valid blocks for {start + n} tokens")
+    if st.min_ratio and (
+        b.block_tables.shape[1] < st.blocks_needed(start + n)
+        or (b.block_tables[0, : st.blocks_needed(start + n)] <= 0).any()
+    ):
+        raise BatchError(
+            0, "block_tables", f"needs {st.blocks_needed(start + n)} valid blocks for {start + n} tokens"
+        )
     if start > 0:
         seed_slot(st, slot, start, context)
     st.floor[slot, 0] = start
@@ -133,9 +165,12 @@ def replay_encoder(st: ExecutorState, slot: int, token_ids: np.ndarray, start: i
     rows = engram_rows(st, b, tokens)
     st.no_block_writes = True
     try:
-        st.model.run_layers(tokens, lambda lid, a, x: attend_prefill(st, lid, a, x, positions, reqs, sel, pools),
-                              source_only=lambda lid, a, x: x, engram_rows=rows)
+        st.model.run_layers(
+            tokens,
+            lambda lid, a, x: attend_prefill(st, lid, a, x, positions, reqs, sel, pools),
+            source_only=lambda lid, a, x: x,
+            engram_rows=rows,
+        )
     finally:
         st.no_block_writes = False
     seed_slot(st, slot, start + n, np.concatenate((np.asarray(context, np.int64), toks)))
-

@@ -33,8 +33,14 @@ class SpecHost(Protocol):
     num_slots: int
     swa_ring: int
 
-    def ring_store(self, ring: torch.Tensor, x: torch.Tensor, x_bytes: torch.Tensor | None,
-                    states: torch.Tensor, positions: torch.Tensor) -> None: ...
+    def ring_store(
+        self,
+        ring: torch.Tensor,
+        x: torch.Tensor,
+        x_bytes: torch.Tensor | None,
+        states: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None: ...
 
 
 class SpecState:
@@ -45,8 +51,10 @@ class SpecState:
         self.ex, self.drafter = ex, d
         self.block = d.block
         n, ring = ex.num_slots, ex.swa_ring
-        self.swa = [torch.zeros(n, ring, ex.fmt.swa.bytes_per_token, dtype=torch.uint8, device=ex.device)
-                    for _ in d.stages]
+        self.swa = [
+            torch.zeros(n, ring, ex.fmt.swa.bytes_per_token, dtype=torch.uint8, device=ex.device)
+            for _ in d.stages
+        ]
         self.feat = torch.zeros(n, ring, ex.cfg.hidden_size, dtype=ex.dtype, device=ex.device)
         self.tokens = np.full((n, self.block), -1, np.int64)
         self.pos = np.full(n, -1, np.int64)  # position of the accepted token the drafts follow
@@ -76,19 +84,34 @@ class SpecState:
         if v == 0:
             return
         if s == 0:
-            raise BatchError(i, "verify_lens", f"{v}: a sequence (re)starting at position 0 has no drafts to verify")
+            raise BatchError(
+                i, "verify_lens", f"{v}: a sequence (re)starting at position 0 has no drafts to verify"
+            )
         if not 0 < v < n or v > self.block:
             raise BatchError(i, "verify_lens", f"{v}: must be in [0, min(query_lens - 1, {self.block})]")
         if k < v + 1:
             raise BatchError(i, "num_logits", f"{k}: verifying {v} drafts needs >= {v + 1} logits rows")
         at = s + n - v - 1
-        if self.pos[slot] != at or self.y[slot] != toks[n - v - 1] or (self.tokens[slot, :v] != toks[n - v :]).any():
-            raise BatchError(i, "verify_lens", f"the last {v} tokens at position {at + 1} are not the drafts this "
-                             f"executor made for slot {slot} (made after position {int(self.pos[slot])})")
+        if (
+            self.pos[slot] != at
+            or self.y[slot] != toks[n - v - 1]
+            or (self.tokens[slot, :v] != toks[n - v :]).any()
+        ):
+            raise BatchError(
+                i,
+                "verify_lens",
+                f"the last {v} tokens at position {at + 1} are not the drafts this "
+                f"executor made for slot {slot} (made after position {int(self.pos[slot])})",
+            )
 
     # ------------------------------------------------------------------ context rings
-    def write_context(self, layer_states: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
-                      keep: torch.Tensor) -> None:
+    def write_context(
+        self,
+        layer_states: list[torch.Tensor],
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> None:
         """Fused features and each stage's context keys of the processed rows ``keep`` into the rings."""
         feat = self.drafter.features(layer_states)[keep]
         pos, sl = positions[keep], slots[keep]
@@ -134,8 +157,9 @@ class SpecState:
             self._draft(b, out, idx, j, vl, acc, nxt, torch.zeros_like(temp) if keyed else temp)
         return out
 
-    def _verify(self, b: ForwardBatch, logits: torch.Tensor, idx: np.ndarray, vl: np.ndarray,
-                temp: torch.Tensor) -> tuple[Any, bool]:
+    def _verify(
+        self, b: ForwardBatch, logits: torch.Tensor, idx: np.ndarray, vl: np.ndarray, temp: torch.Tensor
+    ) -> tuple[Any, bool]:
         """(``spec.verify``'s result for rows ``idx``, whether it ran keyed by (seed, position))."""
         from deepinfer_core.spec import verify
 
@@ -162,12 +186,23 @@ class SpecState:
         cs = self.counter_seeds
         if cs is not None and all(int(b.state_slots[i]) in cs for i in idx):
             seeds = torch.as_tensor([cs[int(b.state_slots[i])] for i in idx], dtype=torch.int64, device=dev)
-            first = torch.as_tensor(b.start_pos[idx] + b.query_lens[idx] - vl[idx], dtype=torch.int64, device=dev)
+            first = torch.as_tensor(
+                b.start_pos[idx] + b.query_lens[idx] - vl[idx], dtype=torch.int64, device=dev
+            )
             return verify(dtok, probs, tp, lengths, None, greedy=greedy, seeds=seeds, positions=first), True
         return verify(dtok, probs, tp, lengths, self.gen, greedy=greedy), False
 
-    def _draft(self, b: ForwardBatch, out: dict[str, torch.Tensor], idx: np.ndarray, j: np.ndarray, vl: np.ndarray,
-               acc: torch.Tensor, nxt: torch.Tensor, temp: torch.Tensor) -> None:
+    def _draft(
+        self,
+        b: ForwardBatch,
+        out: dict[str, torch.Tensor],
+        idx: np.ndarray,
+        j: np.ndarray,
+        vl: np.ndarray,
+        acc: torch.Tensor,
+        nxt: torch.Tensor,
+        temp: torch.Tensor,
+    ) -> None:
         """The next draft block for rows ``idx[j]`` (after their accepted / sampled token), into ``out``."""
         ex, dev = self.ex, self.ex.device
         ii = idx[j]

@@ -212,6 +212,7 @@ def make_state(
         model, fmt, num_blocks, block_size, num_state_slots, backtrack_tokens
     )
     tok_ring = max(swa_ring, cfg.engram_max_ngram - 1 + backtrack_tokens)
+    min_ratio, src_ratios, entry_ratios = _compress_ratios(cfg)
     return ExecutorState(
         model=model,
         cfg=cfg,
@@ -229,15 +230,9 @@ def make_state(
         backtrack=backtrack_tokens,
         swa_ring=swa_ring,
         tok_ring=tok_ring,
-        min_ratio=min((r for r in cfg.compress_ratios[:n_layers] if r > 0), default=0),
-        src_ratios=sorted({cfg.ratio(s) for s in cfg.kv_source_layer_ids if cfg.ratio(s) > 0}),
-        entry_ratios=tuple(
-            dict.fromkeys(
-                cfg.ratio(lid)
-                for lid in range(n_layers)
-                if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX)
-            )
-        ),
+        min_ratio=min_ratio,
+        src_ratios=src_ratios,
+        entry_ratios=entry_ratios,
         swa=[
             torch.zeros(num_state_slots, swa_ring, fmt.swa.bytes_per_token, dtype=torch.uint8, device=dev)
             for _ in range(n_layers)
@@ -252,6 +247,20 @@ def make_state(
         min_start=np.zeros(num_state_slots, np.int64),
         tokens=np.full((num_state_slots, tok_ring), -1, np.int64),
     )
+
+
+def _compress_ratios(cfg: ModelConfig) -> tuple[int, list[int], tuple[int, ...]]:
+    """(the smallest compress ratio of the model's layers (0: none), the KV source layers' distinct ratios
+    ascending, the distinct ratios of the layers that select entries (Full / Reindex) in layer order)."""
+    n_layers = cfg.num_hidden_layers
+    min_ratio = min((r for r in cfg.compress_ratios[:n_layers] if r > 0), default=0)
+    src_ratios = sorted({cfg.ratio(s) for s in cfg.kv_source_layer_ids if cfg.ratio(s) > 0})
+    entry_ratios = tuple(
+        dict.fromkeys(
+            cfg.ratio(lid) for lid in range(n_layers) if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX)
+        )
+    )
+    return min_ratio, src_ratios, entry_ratios
 
 
 def _paged_caches(

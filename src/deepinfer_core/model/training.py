@@ -27,11 +27,18 @@ import torch.nn.functional as F
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, LAYER_SWA
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import candidate_pool, mask_scores, select_topk
-from deepinfer_core.model.model import DeepSeekV41
+from deepinfer_core.model.model import AttendFn, DeepSeekV41
 
 log = logging.getLogger(__name__)
 
-__all__ = ["balance_experts_", "batched_forward", "drafter_block", "drafter_loss", "engram_rows_batched", "lm_loss"]
+__all__ = [
+    "balance_experts_",
+    "batched_forward",
+    "drafter_block",
+    "drafter_loss",
+    "engram_rows_batched",
+    "lm_loss",
+]
 
 
 def _windows(k: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +51,9 @@ def _windows(k: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
     return win.reshape(b * t, w, d), valid.reshape(b * t, w)
 
 
-def engram_rows_batched(model: DeepSeekV41, tokens: torch.Tensor,
-                        tables: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+def engram_rows_batched(
+    model: DeepSeekV41, tokens: torch.Tensor, tables: Mapping[int, torch.Tensor] | None = None
+) -> dict[int, torch.Tensor]:
     """{layer: rows [B*T, row_dim]} for ``tokens`` [B, T] (one sequence a row). ``tables`` ({layer:
     values [rows, head_dim]} on the tokens' device) defaults to the model's tables' values; hashing runs
     on the tokens' device."""
@@ -62,14 +70,30 @@ def engram_rows_batched(model: DeepSeekV41, tokens: torch.Tensor,
     return out
 
 
-def batched_forward(model: DeepSeekV41, tokens: torch.Tensor, capture: Sequence[int] | None = None,
-                    engram_rows: Mapping[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+def batched_forward(
+    model: DeepSeekV41,
+    tokens: torch.Tensor,
+    capture: Sequence[int] | None = None,
+    engram_rows: Mapping[int, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Logits [B, T, V], expert counts [layers, experts] and {layer: output state [B*T, D]} for ``capture``.
 
     ``tokens`` [B, T]: B independent sequences, each starting at position 0 (no cache)."""
-    cfg = model.cfg
     b, t = tokens.shape
-    dev = tokens.device
+    attend = _batched_attend(model, b, t, tokens.device)
+    if engram_rows is None:
+        engram_rows = engram_rows_batched(model, tokens)
+    # run_layers fills a state for every key it is given
+    caps = cast(dict[int, torch.Tensor], dict.fromkeys(capture)) if capture else None
+    hidden, counts = model.run_layers(tokens.reshape(-1), attend, capture=caps, engram_rows=engram_rows)
+    return model.logits(hidden).view(b, t, -1), counts, caps or {}
+
+
+def _batched_attend(model: DeepSeekV41, b: int, t: int, dev: torch.device) -> AttendFn:
+    """The layers' attention over B sequences of T tokens from position 0, rows in sequence order: each
+    layer's compressed entries, indexer keys, selections and candidate pools, kept per layer for the later
+    layers that share them (a fresh state per forward, hence a closure)."""
+    cfg = model.cfg
     pos = torch.arange(t, device=dev).repeat(b)  # [N]
     win = cfg.sliding_window
     comp: dict[int, torch.Tensor] = {}
@@ -113,12 +137,7 @@ def batched_forward(model: DeepSeekV41, tokens: torch.Tensor, capture: Sequence[
         kb = comp[src][bidx[:, None], ids]  # [N, k, d]
         return sink_attention(q, ka, ma, kb, valid, a.attn_sink, a.scale)
 
-    if engram_rows is None:
-        engram_rows = engram_rows_batched(model, tokens)
-    # run_layers fills a state for every key it is given
-    caps = cast(dict[int, torch.Tensor], dict.fromkeys(capture)) if capture else None
-    hidden, counts = model.run_layers(tokens.reshape(-1), attend, capture=caps, engram_rows=engram_rows)
-    return model.logits(hidden).view(b, t, -1), counts, caps or {}
+    return attend
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -134,8 +153,9 @@ def balance_experts_(model: DeepSeekV41, counts: torch.Tensor, rate: float = 1e-
         blk.ffn.gate_bias.add_(rate * torch.sign(c.mean() - c))
 
 
-def drafter_block(model: DeepSeekV41, tokens: torch.Tensor, caps: Mapping[int, torch.Tensor]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def drafter_block(
+    model: DeepSeekV41, tokens: torch.Tensor, caps: Mapping[int, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The drafter's block states at every anchor q in [1, T - block] of every row of ``tokens`` [B, T]:
     (row ids [R], anchors [R], accepted tokens y [R], normed block states [R, block, D]), R = B (T - block),
     anchors in row-major order. Same maths as :meth:`DSparkDrafter.draft_full` for each anchor."""
@@ -162,8 +182,13 @@ def drafter_block(model: DeepSeekV41, tokens: torch.Tensor, caps: Mapping[int, t
     return rows_b, rows_q, y, dr.run_block(model, y, rows_q, cond, keys, mask)
 
 
-def drafter_loss(model: DeepSeekV41, tokens: torch.Tensor, target_next: torch.Tensor, caps: Mapping[int, torch.Tensor],
-                 conf_weight: float = 0.2) -> tuple[torch.Tensor, dict[str, Any]]:
+def drafter_loss(
+    model: DeepSeekV41,
+    tokens: torch.Tensor,
+    target_next: torch.Tensor,
+    caps: Mapping[int, torch.Tensor],
+    conf_weight: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Loss of the drafter on every anchor of ``tokens`` [B, T] (the target's greedy predictions
     ``target_next`` [B, T]: row i is the token the target puts after position i; ``caps``: the target
     layers' output states [B*T, D], from :func:`batched_forward`, detached).
@@ -191,5 +216,10 @@ def drafter_loss(model: DeepSeekV41, tokens: torch.Tensor, target_next: torch.Te
         acc = right.float().mean(0)
         cond_acc = (right & earlier).float().sum(0) / earlier.float().sum(0).clamp(min=1)
         accepted = torch.cumprod(right.long(), 1).sum(1).float().mean()
-    return ce + conf_weight * bce, {"ce": float(ce.detach()), "bce": float(bce.detach()), "acc": acc.tolist(),
-                                    "cond_acc": cond_acc.tolist(), "accepted": float(accepted)}
+    return ce + conf_weight * bce, {
+        "ce": float(ce.detach()),
+        "bce": float(bce.detach()),
+        "acc": acc.tolist(),
+        "cond_acc": cond_acc.tolist(),
+        "accepted": float(accepted),
+    }

@@ -28,7 +28,9 @@ def validate(st: ExecutorState, b: ForwardBatch) -> None:
     if b.block_tables.ndim != 2 or b.block_tables.shape[0] != r:
         raise BatchError(None, "block_tables", f"shape {b.block_tables.shape}, expected ({r}, W)")
     if b.encoder_only and (st.cfg.encoder_layers >= st.cfg.num_hidden_layers or b.num_logits.any()):
-        raise BatchError(None, "encoder_only", "needs a model with a decoder (CED split) and num_logits all 0")
+        raise BatchError(
+            None, "encoder_only", "needs a model with a decoder (CED split) and num_logits all 0"
+        )
     bad = [lid for lid in b.capture_layers if not 0 <= lid < st.cfg.num_hidden_layers]
     if bad:
         raise BatchError(None, "capture_layers", f"{bad} outside [0, {st.cfg.num_hidden_layers})")
@@ -38,9 +40,15 @@ def validate(st: ExecutorState, b: ForwardBatch) -> None:
         a = getattr(b, name)
         if a is not None and a.shape != (r,):
             raise BatchError(None, name, f"shape {a.shape}, expected ({r},) (one per request)")
-    if st.spec is None and ((b.verify_lens is not None and b.verify_lens.any()) or (b.draft is not None and b.draft.any())):
-        raise BatchError(None, "draft", "this executor does not draft: the model has no drafter "
-                         "(num_nextn_predict_layers = 0) or it was built with draft_context=False")
+    if st.spec is None and (
+        (b.verify_lens is not None and b.verify_lens.any()) or (b.draft is not None and b.draft.any())
+    ):
+        raise BatchError(
+            None,
+            "draft",
+            "this executor does not draft: the model has no drafter "
+            "(num_nextn_predict_layers = 0) or it was built with draft_context=False",
+        )
     if b.temperature is not None and not (np.isfinite(b.temperature) & (b.temperature >= 0)).all():
         i = int(np.flatnonzero(~(np.isfinite(b.temperature) & (b.temperature >= 0)))[0])
         raise BatchError(i, "temperature", f"{b.temperature[i]}: must be finite and >= 0 (0 = greedy)")
@@ -51,8 +59,14 @@ def validate(st: ExecutorState, b: ForwardBatch) -> None:
                 want = want | (b.verify_lens > 0)
             off = b.offsets
             for i in np.flatnonzero(want).tolist():
-                st.spec.validate(b, i, b.token_ids[off[i] : off[i + 1]], int(b.start_pos[i]),
-                                   int(b.state_slots[i]), int(b.num_logits[i]))
+                st.spec.validate(
+                    b,
+                    i,
+                    b.token_ids[off[i] : off[i + 1]],
+                    int(b.start_pos[i]),
+                    int(b.state_slots[i]),
+                    int(b.num_logits[i]),
+                )
         return
     validate_rows(st, b)
 
@@ -60,8 +74,12 @@ def validate(st: ExecutorState, b: ForwardBatch) -> None:
 def rows_ok(st: ExecutorState, b: ForwardBatch) -> bool:
     """Every per-request rule of :func:`validate_rows` at once (numpy, no per-request loop): True when
     all hold; False sends the batch to the loop, which names the first bad request and field."""
-    n, s, slot, k = (b.query_lens.astype(np.int64), b.start_pos.astype(np.int64),
-                     b.state_slots.astype(np.int64), b.num_logits.astype(np.int64))
+    n, s, slot, k = (
+        b.query_lens.astype(np.int64),
+        b.start_pos.astype(np.int64),
+        b.state_slots.astype(np.int64),
+        b.num_logits.astype(np.int64),
+    )
     if (n < 1).any() or ((k < 0) | (k > n)).any() or ((slot < 0) | (slot >= st.num_slots)).any():
         return False
     seen = np.zeros(st.num_slots, bool)  # slots are in range here: a mark per slot, no sort (np.unique)
@@ -87,7 +105,9 @@ def rows_ok(st: ExecutorState, b: ForwardBatch) -> bool:
     if st.min_ratio:
         total, last = s + n, np.full(s.shape, -1, np.int64)
         for ratio in st.src_ratios:  # blocks_needed, vectorised
-            last = np.maximum(last, np.where(total >= ratio, (total // ratio - 1) * ratio // st.min_ratio, -1))
+            last = np.maximum(
+                last, np.where(total >= ratio, (total // ratio - 1) * ratio // st.min_ratio, -1)
+            )
         need = np.where(last >= 0, last // st.block_size + 1, 0)
         bt = b.block_tables
         if need.size and int(need.max()) > bt.shape[1]:
@@ -105,7 +125,12 @@ def validate_rows(st: ExecutorState, b: ForwardBatch) -> None:
     off = b.offsets
     v = st.cfg.vocab_size
     for i in range(r):
-        n, s, slot, k = (int(b.query_lens[i]), int(b.start_pos[i]), int(b.state_slots[i]), int(b.num_logits[i]))
+        n, s, slot, k = (
+            int(b.query_lens[i]),
+            int(b.start_pos[i]),
+            int(b.state_slots[i]),
+            int(b.num_logits[i]),
+        )
         if n < 1:
             raise BatchError(i, "query_lens", f"{n}: must be >= 1")
         toks = b.token_ids[off[i] : off[i + 1]]
@@ -118,31 +143,54 @@ def validate_rows(st: ExecutorState, b: ForwardBatch) -> None:
         if slot in slots_seen:
             raise BatchError(i, "state_slots", f"{slot} is also used by request {slots_seen[slot]}")
         slots_seen[slot] = i
-        end = int(st.slot_end[slot])
-        if s < 0 or (s > 0 and not end - st.backtrack <= s <= end):
-            raise BatchError(i, "start_pos", f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
-                             f"(restart) or [{max(end - st.backtrack, 0)}, {end}] (rollback <= {st.backtrack})")
-        f = 0 if b.decoder_floor is None else int(b.decoder_floor[i])
-        if not 0 <= f <= s:
-            raise BatchError(i, "decoder_floor", f"{f}: must be in [0, start_pos={s}]")
-        if s > 0 and st.encoder_only[slot] and not b.encoder_only and f < s:
-            raise BatchError(i, "start_pos", f"{s}: slot {slot} holds an encoder-only prefix, whose decoder "
-                             "SWA rings are empty; continue with encoder_only steps, restart at 0, or set "
-                             "decoder_floor = start_pos (bounded replay)")
-        if 0 < s < st.min_start[slot]:
-            raise BatchError(i, "start_pos", f"{s}: slot {slot} was restored at {int(st.min_start[slot])}; "
-                             "no rollback below it")
+        _check_start(st, b, i, s, slot)
         x = 0 if b.snapshot_pos is None else int(b.snapshot_pos[i])
         if x and not s < x <= s + n:
             raise BatchError(i, "snapshot_pos", f"{x}: must be 0 (none) or in ({s}, {s + n}]")
         if st.min_ratio:
-            need = st.blocks_needed(s + n)
-            row = b.block_tables[i]
-            if row.shape[0] < need:
-                raise BatchError(i, "block_tables", f"{row.shape[0]} blocks, {need} needed for {s + n} tokens")
-            used = row[:need]
-            if (used <= 0).any() or (used >= st.num_blocks).any():
-                raise BatchError(i, "block_tables", f"first {need} ids must be in [1, {st.num_blocks}) (0 is the null block)")
+            _check_blocks(st, b.block_tables[i], i, s + n)
         if st.spec is not None:
             st.spec.validate(b, i, toks, s, slot, k)
 
+
+def _check_start(st: ExecutorState, b: ForwardBatch, i: int, s: int, slot: int) -> None:
+    """Request ``i``'s start position against what its state slot holds, and its decoder floor."""
+    end = int(st.slot_end[slot])
+    if s < 0 or (s > 0 and not end - st.backtrack <= s <= end):
+        raise BatchError(
+            i,
+            "start_pos",
+            f"{s}: slot {slot} holds positions up to {end}; allowed 0 "
+            f"(restart) or [{max(end - st.backtrack, 0)}, {end}] (rollback <= {st.backtrack})",
+        )
+    f = 0 if b.decoder_floor is None else int(b.decoder_floor[i])
+    if not 0 <= f <= s:
+        raise BatchError(i, "decoder_floor", f"{f}: must be in [0, start_pos={s}]")
+    if s > 0 and st.encoder_only[slot] and not b.encoder_only and f < s:
+        raise BatchError(
+            i,
+            "start_pos",
+            f"{s}: slot {slot} holds an encoder-only prefix, whose decoder "
+            "SWA rings are empty; continue with encoder_only steps, restart at 0, or set "
+            "decoder_floor = start_pos (bounded replay)",
+        )
+    if 0 < s < st.min_start[slot]:
+        raise BatchError(
+            i,
+            "start_pos",
+            f"{s}: slot {slot} was restored at {int(st.min_start[slot])}; no rollback below it",
+        )
+
+
+def _check_blocks(st: ExecutorState, row: np.ndarray, i: int, total: int) -> None:
+    """Request ``i``'s block table ``row`` covers the blocks ``total`` tokens need, with valid ids."""
+    need = st.blocks_needed(total)
+    if row.shape[0] < need:
+        raise BatchError(i, "block_tables", f"{row.shape[0]} blocks, {need} needed for {total} tokens")
+    used = row[:need]
+    if (used <= 0).any() or (used >= st.num_blocks).any():
+        raise BatchError(
+            i,
+            "block_tables",
+            f"first {need} ids must be in [1, {st.num_blocks}) (0 is the null block)",
+        )

@@ -45,7 +45,15 @@ from deepinfer_core.model.model import DeepSeekV41
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightsError", "iter_checkpoint", "iter_model", "load_state", "load_weights", "quantize_weights_", "save_weights"]
+__all__ = [
+    "WeightsError",
+    "iter_checkpoint",
+    "iter_model",
+    "load_state",
+    "load_weights",
+    "quantize_weights_",
+    "save_weights",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 FP8_BLOCK = 32
@@ -58,8 +66,26 @@ _SHARED = re.compile(r"^layers\.(\d+)\.ffn\.s_(w[123])$")
 # dense matrices stored FP8: every linear (the drafter's fuse / condition / MLP and the Engram projections
 # too), the mHC projections, the embedding and the head (that is what keeps the shipped tiny checkpoint
 # under 8 MiB); routers, norms, sinks, biases and the drafter's Markov / confidence heads stay plain
-_FP8_LEAVES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "wgate", "wq", "weights_proj", "w_fuse", "w_cond", "w1", "w2", "w3",
-               "w_v", "w_k", "phi", "embed", "head")
+_FP8_LEAVES = (
+    "wq_a",
+    "wq_b",
+    "wkv",
+    "wo_a",
+    "wo_b",
+    "wgate",
+    "wq",
+    "weights_proj",
+    "w_fuse",
+    "w_cond",
+    "w1",
+    "w2",
+    "w3",
+    "w_v",
+    "w_k",
+    "phi",
+    "embed",
+    "head",
+)
 
 
 class WeightsError(ValueError):
@@ -79,9 +105,13 @@ def _entries(model: DeepSeekV41, fp8: bool, mxfp4: bool) -> list[_Entry]:
     for name, p in model.named_parameters():
         if m := _EXPERT.match(name):
             for e in range(p.shape[0]):
-                out.append(_Entry(f"layers.{m[1]}.ffn.experts.{e}.{m[2]}", name, e, "mxfp4" if mxfp4 else "plain"))
+                out.append(
+                    _Entry(f"layers.{m[1]}.ffn.experts.{e}.{m[2]}", name, e, "mxfp4" if mxfp4 else "plain")
+                )
         elif m := _SHARED.match(name):
-            out.append(_Entry(f"layers.{m[1]}.ffn.shared_experts.{m[2]}", name, None, "fp8" if fp8 else "plain"))
+            out.append(
+                _Entry(f"layers.{m[1]}.ffn.shared_experts.{m[2]}", name, None, "fp8" if fp8 else "plain")
+            )
         elif name.rsplit(".", 1)[-1] in _FP8_LEAVES and p.dim() >= 2:
             out.append(_Entry(name, name, None, "fp8" if fp8 else "plain"))
         else:
@@ -165,8 +195,14 @@ def quantize_weights_(model: DeepSeekV41, fp8: bool = True, mxfp4: bool = True) 
 
 # ---------------------------------------------------------------- save / load
 @torch.no_grad()
-def save_weights(model: DeepSeekV41, path: str | Path, fp8: bool = True, mxfp4: bool = True,
-                 max_shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None) -> Path:
+def save_weights(
+    model: DeepSeekV41,
+    path: str | Path,
+    fp8: bool = True,
+    mxfp4: bool = True,
+    max_shard_bytes: int = 2 << 30,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write config.json, shards ``model-0000i-of-0000n.safetensors`` and the index file."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +226,9 @@ def save_weights(model: DeepSeekV41, path: str | Path, fp8: bool = True, mxfp4: 
         for key, t in tensors.items():
             weight_map[key] = fname
             total += t.numel() * t.element_size()
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     return out
 
 
@@ -203,8 +241,10 @@ def _open_shard(file: Path) -> Iterator[Any]:
             yield f
     except (SafetensorError, OSError) as e:
         size = file.stat().st_size if file.exists() else 0
-        raise WeightsError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())}; "
-                           f"{size} bytes: truncated or corrupt?)") from None
+        raise WeightsError(
+            f"{file}: not a readable safetensors file ({' '.join(str(e).split())}; "
+            f"{size} bytes: truncated or corrupt?)"
+        ) from None
 
 
 def _weight_map(path: Path) -> dict[str, str]:
@@ -240,7 +280,9 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             names = set(f.keys())
             for key in sorted(keys):
                 if key not in names:
-                    raise WeightsError(f"{key}: listed in the index under {shard} but not in that file ({root / shard})")
+                    raise WeightsError(
+                        f"{key}: listed in the index under {shard} but not in that file ({root / shard})"
+                    )
                 if key.endswith(".scale"):
                     continue
                 raw = f.get_tensor(key)
@@ -249,7 +291,14 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                     if wm[scale_key] != shard:
                         raise WeightsError(f"{scale_key}: must be in the same shard as {key}")
                     sc = f.get_tensor(scale_key)
-                    yield key, (fp8_dequantize(raw, sc) if raw.dtype == torch.float8_e4m3fn else mxfp4_dequantize(raw, sc))
+                    yield (
+                        key,
+                        (
+                            fp8_dequantize(raw, sc)
+                            if raw.dtype == torch.float8_e4m3fn
+                            else mxfp4_dequantize(raw, sc)
+                        ),
+                    )
                 else:
                     yield key, raw
 
@@ -263,7 +312,9 @@ def iter_model(model: DeepSeekV41) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_state(model: DeepSeekV41, items: Iterable[tuple[str, torch.Tensor]], progress: bool = False) -> DeepSeekV41:
+def load_state(
+    model: DeepSeekV41, items: Iterable[tuple[str, torch.Tensor]], progress: bool = False
+) -> DeepSeekV41:
     """Fill ``model``'s parameters from (checkpoint key, value) pairs (:func:`iter_checkpoint`,
     :func:`iter_model`), copying each as it comes. Unexpected, misshapen and missing tensors raise
     :class:`WeightsError` naming them."""
@@ -277,7 +328,9 @@ def load_state(model: DeepSeekV41, items: Iterable[tuple[str, torch.Tensor]], pr
             raise WeightsError(f"{key}: unexpected tensor (no such parameter in the model)")
         dst = _tensor_of(model, e)
         if val.numel() != dst.numel() or (val.dim() == dst.dim() and val.shape != dst.shape):
-            raise WeightsError(f"{key}: shape {tuple(val.shape)} does not match parameter {e.param} {tuple(dst.shape)}")
+            raise WeightsError(
+                f"{key}: shape {tuple(val.shape)} does not match parameter {e.param} {tuple(dst.shape)}"
+            )
         dst.copy_(val.reshape(dst.shape).to(dst.dtype))
         seen.add(e.key)
         bar.update(1)

@@ -47,3 +47,38 @@ def test_default_cuda_engine_replays_graphs() -> None:
             g = ex.graphs()
             assert not g.failed and g.captures >= 1 and g.replays >= 8
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_boundary_snapshots_replay_graphs_and_serve_follow_ups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows that cross a block boundary ask for an encoder-ring snapshot (prefix caching): those
+    steps replay the graph too (no eager decode step after the warm-ups), and a follow-up turn that hits
+    the published snapshots gets the reference backend's tokens (exact caches, float64)."""
+    from deepinfer_core.model import decode_step
+
+    calls = {"body": 0}
+    real = decode_step.decode_body
+
+    def counted(*a: object, **kw: object) -> object:
+        calls["body"] += 1
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_step, "decode_body", counted)
+    seed = random.randrange(2**31)
+    prompts = random_prompts(seed, 3, 20, 30)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # crosses 2-3 boundaries of 16
+    kw = {"model": "tiny-random", "seed": seed % 1000, "dtype": "float64", "quantize": False, "num_blocks": 128,
+          "max_num_seqs": 4}
+    outs = {}
+    for backend in ("reference", "cuda"):
+        llm = LLM(backend=backend, **kw)
+        first = llm.generate(prompts, sp, use_tqdm=False)
+        if backend == "cuda":
+            g = llm.engine.executor.graphs()
+            # every body call is a warm-up or capture (2 per captured key) or a prefill-free eager step: none
+            assert not g.failed and calls["body"] == 2 * g.captures, (calls, g.captures, g.replays)
+        enc = llm.engine.tokenizer.encode
+        follow = [list(enc(p)) + list(o.token_ids) + list(enc(p[:8])) for p, o in zip(prompts, first)]
+        second = llm.generate(follow, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        outs[backend] = ([o.token_ids for o in first], [o.token_ids for o in second])
+    assert outs["cuda"] == outs["reference"], f"seed {seed}"

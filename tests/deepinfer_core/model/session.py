@@ -14,10 +14,19 @@ from deepinfer_core.model.model import DeepSeekV41
 class Session:
     """Sequences named by id; each gets a slot from a kv.StatePool and blocks from a kv.PagedKVPool."""
 
-    def __init__(self, model: DeepSeekV41, quantize: bool = False, num_blocks: int = 128, block_size: int = 16,
-                 slots: int = 8, backtrack: int = 6) -> None:
+    def __init__(
+        self,
+        model: DeepSeekV41,
+        quantize: bool = False,
+        num_blocks: int = 128,
+        block_size: int = 16,
+        slots: int = 8,
+        backtrack: int = 6,
+    ) -> None:
         self.pool = PagedKVPool(num_blocks, block_size)
-        self.ex = ModelExecutor(model, num_blocks, block_size, slots, backtrack_tokens=backtrack, quantize=quantize)
+        self.ex = ModelExecutor(
+            model, num_blocks, block_size, slots, backtrack_tokens=backtrack, quantize=quantize
+        )
         self.states = StatePool(slots)
         self.slot: dict[int, int] = {}
 

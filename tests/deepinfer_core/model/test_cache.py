@@ -36,11 +36,16 @@ def test_executor_allocation_matches_layout(model64: DeepSeekV41) -> None:
     n_src = len(cfg.kv_source_layer_ids)
     assert got["main_kv"] == n_src * blocks * bs * (cfg.head_dim // 2 + cfg.head_dim // 16)
     assert got["index_keys"] == n_src * blocks * bs * (cfg.index_head_dim // 2 + cfg.index_head_dim // 32)
-    assert got["swa_ring"] == cfg.num_hidden_layers * slots * (cfg.sliding_window + bt) * (cfg.head_dim + cfg.head_dim // 32)
+    assert got["swa_ring"] == cfg.num_hidden_layers * slots * (cfg.sliding_window + bt) * (
+        cfg.head_dim + cfg.head_dim // 32
+    )
     # a ratio-2 source keeps value + score per token for ratio + backtrack tokens (float64 here);
     # a ratio-1 source completes an entry every token and keeps nothing
-    want = sum(slots * (2 + bt) * 2 * (cfg.head_dim + cfg.index_head_dim) * 8
-               for s in cfg.kv_source_layer_ids if cfg.ratio(s) == 2)
+    want = sum(
+        slots * (2 + bt) * 2 * (cfg.head_dim + cfg.index_head_dim) * 8
+        for s in cfg.kv_source_layer_ids
+        if cfg.ratio(s) == 2
+    )
     assert got["compressor_state"] == want
 
 

@@ -160,7 +160,9 @@ def test_shipped_checkpoint_is_a_release_directory() -> None:
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(files)
     assert sum(files.values()) <= 8 << 20, files
     cfg = json.loads((TINY_DIR / "config.json").read_text())
-    assert cfg["compress_ratios"] == list(tiny_config().compress_ratios) and cfg["num_nextn_predict_layers"] == 2
+    assert (
+        cfg["compress_ratios"] == list(tiny_config().compress_ratios) and cfg["num_nextn_predict_layers"] == 2
+    )
     from safetensors import safe_open
 
     with safe_open(str(TINY_DIR / "model.safetensors"), framework="pt") as f:
@@ -178,8 +180,18 @@ def test_training_loop_cpu_steps(tmp_path: Path) -> None:
 
     rng = np.random.default_rng()
     stream = rng.integers(3, 512, 4000).astype(np.uint16)
-    args = argparse.Namespace(steps=4, time_budget=None, lr=2e-3, warmup=2, batch=2, seq=24, seed=int(rng.integers(1 << 20)),
-                              device="cpu", drafter_steps=3, drafter_time_budget=None)
+    args = argparse.Namespace(
+        steps=4,
+        time_budget=None,
+        lr=2e-3,
+        warmup=2,
+        batch=2,
+        seq=24,
+        seed=int(rng.integers(1 << 20)),
+        device="cpu",
+        drafter_steps=3,
+        drafter_time_budget=None,
+    )
     m = mod.init_model(args.seed, "cpu")
     tables = mod._tables(m, "cpu")
     before = {n: p.detach().clone() for n, p in m.named_parameters()}

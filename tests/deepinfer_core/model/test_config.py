@@ -27,7 +27,16 @@ def test_flash_sharing_groups_match_v41_flash() -> None:
 
 def test_tiny_has_every_feature() -> None:
     c = tiny_config()
-    assert [c.layer_kind(i) for i in range(8)] == ["swa", "swa", "full", "reuse", "full", "reuse", "reindex", "reuse"]
+    assert [c.layer_kind(i) for i in range(8)] == [
+        "swa",
+        "swa",
+        "full",
+        "reuse",
+        "full",
+        "reuse",
+        "reindex",
+        "reuse",
+    ]
     assert c.encoder_layers == 4 and c.uses_candidates(6)
 
 
@@ -82,6 +91,16 @@ def test_kv_model_config_matches_the_pools_defaults() -> None:
 
     kv = flash_config().kv_model_config()
     ref = KVModelConfig()  # the kv component's released-shape defaults
-    for f in ("num_layers", "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "head_dim",
-              "index_head_dim", "window", "backtracking", "num_persisted_layers", "num_draft_layers"):
+    for f in (
+        "num_layers",
+        "compress_ratios",
+        "kv_source_layer_ids",
+        "index_source_layer_ids",
+        "head_dim",
+        "index_head_dim",
+        "window",
+        "backtracking",
+        "num_persisted_layers",
+        "num_draft_layers",
+    ):
         assert getattr(kv, f) == getattr(ref, f), f

@@ -57,9 +57,14 @@ def test_round_up_and_width_bucket(n: int, q: int) -> None:
 
 
 def _decode_batch(rng: np.random.Generator, r: int, width: int) -> ForwardBatch:
-    return ForwardBatch(token_ids=rng.integers(0, 500, r), query_lens=[1] * r, start_pos=rng.integers(1, 900, r),
-                        block_tables=rng.integers(1, 60, (r, width)), state_slots=rng.permutation(40)[:r],
-                        num_logits=[1] * r)
+    return ForwardBatch(
+        token_ids=rng.integers(0, 500, r),
+        query_lens=[1] * r,
+        start_pos=rng.integers(1, 900, r),
+        block_tables=rng.integers(1, 60, (r, width)),
+        state_slots=rng.permutation(40)[:r],
+        num_logits=[1] * r,
+    )
 
 
 @given(st.integers(1, 9), st.integers(0, 7), st.integers(1, 6), st.integers(0, 2**31 - 1))
@@ -91,13 +96,22 @@ def test_pure_decode_batches_only() -> None:
     rng = np.random.default_rng(0)
     b = _decode_batch(rng, 3, 2)
     assert decode_step.is_pure_decode(b)
-    kw = dict(token_ids=b.token_ids, start_pos=b.start_pos, block_tables=b.block_tables, state_slots=b.state_slots)
+    kw = dict(
+        token_ids=b.token_ids, start_pos=b.start_pos, block_tables=b.block_tables, state_slots=b.state_slots
+    )
     assert not decode_step.is_pure_decode(ForwardBatch(query_lens=[1, 1, 1], num_logits=[1, 0, 1], **kw))
-    assert not decode_step.is_pure_decode(ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, capture_layers=[2], **kw))
-    assert not decode_step.is_pure_decode(ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, snapshot_pos=[0, 2, 0], **kw))
+    assert not decode_step.is_pure_decode(
+        ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, capture_layers=[2], **kw)
+    )
+    # a one-token row's snapshot is the ring after the step: taken after a replay as after an eager step
+    assert decode_step.is_pure_decode(
+        ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, snapshot_pos=[0, 2, 0], **kw)
+    )
     two = dict(kw, token_ids=np.r_[b.token_ids, 7])
     assert not decode_step.is_pure_decode(ForwardBatch(query_lens=[1, 2, 1], num_logits=[1] * 3, **two))
-    assert decode_step.is_pure_decode(ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, draft=[1, 0, 1], **kw))
+    assert decode_step.is_pure_decode(
+        ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, draft=[1, 0, 1], **kw)
+    )
 
 
 def test_entries_needed_is_the_largest_visible_count(model64: DeepSeekV41) -> None:
@@ -105,7 +119,11 @@ def test_entries_needed_is_the_largest_visible_count(model64: DeepSeekV41) -> No
     pos = np.random.default_rng(1).integers(0, 500, 17)
     got = decode_step.entries_needed(ex.state, pos)
     cfg = model64.cfg
-    ratios = {cfg.ratio(lid) for lid in range(cfg.num_hidden_layers) if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX)}
+    ratios = {
+        cfg.ratio(lid)
+        for lid in range(cfg.num_hidden_layers)
+        if cfg.layer_kind(lid) in (LAYER_FULL, LAYER_REINDEX)
+    }
     assert set(got) == ratios
     for r, e in got.items():
         assert e == max((p + 1) // r for p in pos.tolist())
@@ -114,8 +132,16 @@ def test_entries_needed_is_the_largest_visible_count(model64: DeepSeekV41) -> No
 # ---------------------------------------------------------------- the sync-free path on the CPU
 
 # aten ops that read a tensor back to the host (or size their output by its values) on a CUDA device
-_SYNCING = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "_unique2", "unique_dim",
-            "unique_consecutive", "item"}
+_SYNCING = {
+    "_local_scalar_dense",
+    "nonzero",
+    "bincount",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "item",
+}
 
 
 class SyncOps(TorchDispatchMode):
@@ -132,7 +158,8 @@ class SyncOps(TorchDispatchMode):
             if name in _SYNCING or str(func) == "aten.repeat_interleave.Tensor":
                 self.hits[name] += 1
             elif name in ("index", "index_put", "index_put_") and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+            ):
                 self.hits[name + "[bool]"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -154,6 +181,7 @@ class _QuietBackend:
                 return f(*a, **k)
             finally:
                 self.counter.on = was
+
         return quiet
 
     def __getattr__(self, name: str) -> Any:
@@ -177,12 +205,16 @@ def _run_steps(s: Session, seqs: dict[int, torch.Tensor]) -> torch.Tensor:
 
 def _sync_free(s: Session, backend: Any) -> Session:
     ex = s.ex
-    s.ex = type(ex)(ex.model, ex.num_blocks, ex.block_size, ex.num_slots, quantize=ex.fmt.quantized, backend=backend)
+    s.ex = type(ex)(
+        ex.model, ex.num_blocks, ex.block_size, ex.num_slots, quantize=ex.fmt.quantized, backend=backend
+    )
     s.ex.sync_free = True  # the cuda backend's path, forced on the CPU
     return s
 
 
-def test_sync_free_row_path_equals_plain_row_path(model64: DeepSeekV41, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_free_row_path_equals_plain_row_path(
+    model64: DeepSeekV41, monkeypatch: pytest.MonkeyPatch
+) -> None:
     g = torch.Generator().manual_seed(11)
     seqs = {i: torch.randint(0, 512, (60,), generator=g) for i in range(3)}
     counter = SyncOps()
@@ -214,18 +246,25 @@ def test_sync_free_row_path_equals_plain_row_path(model64: DeepSeekV41, monkeypa
 def test_sync_free_quantized_caches_match(model64: DeepSeekV41) -> None:
     g = torch.Generator().manual_seed(12)
     seqs = {i: torch.randint(0, 512, (60,), generator=g) for i in range(3)}
-    a, b = Session(model64, quantize=True), _sync_free(Session(model64, quantize=True), get_backend("reference"))
+    a, b = (
+        Session(model64, quantize=True),
+        _sync_free(Session(model64, quantize=True), get_backend("reference")),
+    )
     la, lb = _run_steps(a, seqs), _run_steps(b, seqs)
     assert (la - lb).abs().max().item() < 1e-10
     for lid in model64.cfg.kv_source_layer_ids:
-        assert torch.equal(a.ex.kv[lid], b.ex.kv[lid]) and torch.equal(a.ex.index_keys[lid], b.ex.index_keys[lid])
+        assert torch.equal(a.ex.kv[lid], b.ex.kv[lid]) and torch.equal(
+            a.ex.index_keys[lid], b.ex.index_keys[lid]
+        )
     assert all(torch.equal(x, y) for x, y in zip(a.ex.swa, b.ex.swa))
 
 
 def test_moe_static_mode_matches_grouped_loop(model64: DeepSeekV41) -> None:
     from deepinfer_core.eplb import rebalance_experts
 
-    x = torch.randn(37, model64.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(
+        37, model64.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2)
+    )
     m = model64.layers[3].ffn
     want, wc = m(x)
     with moe_mod.static_shapes():
@@ -251,25 +290,51 @@ def test_moe_static_mode_matches_grouped_loop(model64: DeepSeekV41) -> None:
 
 def v41_heads_config(hc_mult: int) -> Any:
     """A narrow model of V4.1 head widths (4 layers: SWA, ratio 2, ratio 1 x 2; Engram, MoE, candidates)."""
-    return flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=4,
-                        q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
-                        kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2, 3], num_encoder_layers=2,
-                        index_n_heads=4, candidate_source_layer_id=2, candidate_topk_blocks=8, index_topk=32,
-                        n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
-                        engram_table_sizes=[1009], hc_mult=hc_mult, num_nextn_predict_layers=0,
-                        dspark_target_layer_ids=[], dspark_noise_token_id=2047)
+    return flash_config(
+        vocab_size=2048,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        q_lora_rank=256,
+        o_lora_rank=256,
+        o_groups=2,
+        compress_ratios=[0, 2, 1, 1],
+        kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2, 3],
+        num_encoder_layers=2,
+        index_n_heads=4,
+        candidate_source_layer_id=2,
+        candidate_topk_blocks=8,
+        index_topk=32,
+        n_routed_experts=8,
+        moe_intermediate_size=256,
+        engram_layer_ids=[1],
+        engram_table_sizes=[1009],
+        hc_mult=hc_mult,
+        num_nextn_predict_layers=0,
+        dspark_target_layer_ids=[],
+        dspark_noise_token_id=2047,
+    )
 
 
-def _cuda_session(model: DeepSeekV41, quantize: bool, graphs: bool, slots: int = 8, blocks: int = 256,
-                  block_size: int = 16) -> Session:
+def _cuda_session(
+    model: DeepSeekV41, quantize: bool, graphs: bool, slots: int = 8, blocks: int = 256, block_size: int = 16
+) -> Session:
     s = Session(model, quantize=quantize, num_blocks=blocks, block_size=block_size, slots=slots)
-    s.ex = type(s.ex)(model, blocks, block_size, slots, quantize=quantize, backend=get_backend("cuda"),
-                      cuda_graphs=graphs)
+    s.ex = type(s.ex)(
+        model, blocks, block_size, slots, quantize=quantize, backend=get_backend("cuda"), cuda_graphs=graphs
+    )
     return s
 
 
-def greedy_plain_and_flagged(model: DeepSeekV41, quantize: bool, prompts: dict[int, torch.Tensor], steps: int,
-                             drop_at: int, **flags: bool) -> tuple[tuple[list, list], tuple[list, list], Session]:
+def greedy_plain_and_flagged(
+    model: DeepSeekV41,
+    quantize: bool,
+    prompts: dict[int, torch.Tensor],
+    steps: int,
+    drop_at: int,
+    **flags: bool,
+) -> tuple[tuple[list, list], tuple[list, list], Session]:
     """:func:`_greedy` on two cuda sessions with graphs, the second with executor ``flags`` set (an opt-in
     kernel; the plain session has those switches off, whatever the executor's default):
     ((tokens, logits) plain, (tokens, logits) flagged, the flagged session)."""
@@ -351,7 +416,9 @@ def test_graph_replay_quantized_v41_head_widths() -> None:
     cfg = v41_heads_config(hc_mult=2)
     model = DeepSeekV41.from_config(cfg, seed=4, dtype=torch.bfloat16, device="cuda", init_on_device=True)
     g = torch.Generator().manual_seed(22)
-    prompts = {i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))}
+    prompts = {
+        i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))
+    }
     kw = dict(slots=8, blocks=128, block_size=64)
     te, le = _greedy(_cuda_session(model, True, graphs=False, **kw), prompts, 16, drop_at=6)
     graph = _cuda_session(model, True, graphs=True, **kw)

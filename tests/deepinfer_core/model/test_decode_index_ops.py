@@ -66,13 +66,22 @@ class _Cos(TorchDispatchMode):
 def _sync_free(model: DeepSeekV41) -> Session:
     s = Session(model)
     ex = s.ex
-    s.ex = type(ex)(model, ex.num_blocks, ex.block_size, ex.num_slots, backtrack_tokens=ex.backtrack,
-                    quantize=ex.fmt.quantized, backend=get_backend("reference"))
+    s.ex = type(ex)(
+        model,
+        ex.num_blocks,
+        ex.block_size,
+        ex.num_slots,
+        backtrack_tokens=ex.backtrack,
+        quantize=ex.fmt.quantized,
+        backend=get_backend("reference"),
+    )
     s.ex.sync_free = True
     return s
 
 
-def _decode(s: Session, seqs: dict[int, torch.Tensor], steps: range, counter: _Cos | None = None) -> torch.Tensor:
+def _decode(
+    s: Session, seqs: dict[int, torch.Tensor], steps: range, counter: _Cos | None = None
+) -> torch.Tensor:
     out = []
     for p in steps:
         items = [(i, seqs[i][p : p + 1], p, 1) for i in seqs]
@@ -130,9 +139,14 @@ def test_graph_shaped_inputs_match_the_row_paths(model64: DeepSeekV41) -> None:
     for sid, toks, start, _ in items:
         fast._ensure(sid, start + len(toks))
     ids = list(seqs)
-    b = decode_step.ForwardBatch(token_ids=np.concatenate([t.numpy() for _, t, _, _ in items]), query_lens=[1] * 3,
-                                 start_pos=[s for _, _, s, _ in items], block_tables=fast.pool.block_tables(ids),
-                                 state_slots=[fast.slot[i] for i in ids], num_logits=[1] * 3)
+    b = decode_step.ForwardBatch(
+        token_ids=np.concatenate([t.numpy() for _, t, _, _ in items]),
+        query_lens=[1] * 3,
+        start_pos=[s for _, _, s, _ in items],
+        block_tables=fast.pool.block_tables(ids),
+        state_slots=[fast.slot[i] for i in ids],
+        num_logits=[1] * 3,
+    )
     slots = np.asarray(b.state_slots, np.int64)
     n, w = 5, cg.width_bucket(b.block_tables.shape[1] + 1)
     entries = {r: cg.round_up(e, 8) + 8 for r, e in decode_step.entries_needed(ex.state, b.positions).items()}
@@ -152,8 +166,9 @@ def test_graph_shaped_inputs_match_the_row_paths(model64: DeepSeekV41) -> None:
     d2 = torch.from_numpy(cg.host_inputs(b, ex.state.floor[slots], n, w, ids.numpy()))
     assert d2.shape[0] == d.shape[0] + ids[:, :1].numel() * n and torch.equal(d2[: d.shape[0]], d)
     inp2 = cg.static_inputs(d2, n, w, entries, {}, (ids.shape[0], n, ids.shape[2]))
-    assert torch.equal(inp2.engram_ids[:, :3], ids.long()) and torch.equal(inp2.engram_ids[:, 3:],
-                                                                           ids[:, :1].long().expand(-1, n - 3, -1))
+    assert torch.equal(inp2.engram_ids[:, :3], ids.long()) and torch.equal(
+        inp2.engram_ids[:, 3:], ids[:, :1].long().expand(-1, n - 3, -1)
+    )
     logits2, _, _ = decode_step.decode_body(ex.state, inp2)
     assert torch.equal(logits2, logits)
     # padded shapes change the float64 summation order (logits agree to 1e-10), so the caches are compared

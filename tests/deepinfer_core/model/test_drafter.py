@@ -140,7 +140,9 @@ def test_partly_right_drafter_gives_partial_acceptance_and_the_same_output() -> 
     g = torch.Generator().manual_seed(9)
     bad = torch.randperm(512, generator=g)[:256]
     with torch.no_grad():
-        m.drafter.markov_in[bad] = torch.eye(512, dtype=torch.float64)[torch.randint(0, 512, (256,), generator=g)]
+        m.drafter.markov_in[bad] = torch.eye(512, dtype=torch.float64)[
+            torch.randint(0, 512, (256,), generator=g)
+        ]
     prompts = {0: _tokens(53, 40), 1: _tokens(54, 35)}
     plain = greedy_plain(Session(m), prompts, 30)
     spec, acc = greedy_spec(Session(m), prompts, 30)
@@ -165,12 +167,16 @@ def test_drafts_in_a_batch_equal_drafts_alone(model64: DeepSeekV41) -> None:
         assert torch.equal(ob.drafts[i], oa[sid].drafts[0])
         assert (ob.draft_confidence[i] - oa[sid].draft_confidence[0]).abs().max() < TOL
     # a verify step of different lengths per request (2 and 5 drafts)
-    items = {sid: (sid, torch.cat((ob.next_token[i : i + 1], ob.drafts[i, :v])), len(seqs[sid]), v + 1, v, True)
-             for (i, sid), v in zip(enumerate(seqs), (2, 5))}
+    items = {
+        sid: (sid, torch.cat((ob.next_token[i : i + 1], ob.drafts[i, :v])), len(seqs[sid]), v + 1, v, True)
+        for (i, sid), v in zip(enumerate(seqs), (2, 5))
+    }
     ob2 = spec_step(both, list(items.values()))
     for i, sid in enumerate(seqs):
         oa2 = spec_step(alone[sid], [items[sid]])
-        assert int(ob2.num_accepted[i]) == int(oa2.num_accepted[0]) and int(ob2.next_token[i]) == int(oa2.next_token[0])
+        assert int(ob2.num_accepted[i]) == int(oa2.num_accepted[0]) and int(ob2.next_token[i]) == int(
+            oa2.next_token[0]
+        )
         assert torch.equal(ob2.drafts[i], oa2.drafts[0])
         assert (ob2.draft_confidence[i] - oa2.draft_confidence[0]).abs().max() < TOL
     with pytest.raises(BatchError, match="no drafts to verify"):
@@ -213,6 +219,8 @@ def test_executor_without_draft_context_keeps_plain_outputs_and_refuses_drafts(m
     with pytest.raises(BatchError, match="draft"):
         spec_step(plain, [(0, p[28:29], 28, 1, 0, True)])
     for spec in (False, True):
-        eng = LLMEngine(EngineConfig(model="tiny-random", speculative=spec, num_blocks=64, max_num_seqs=2),
-                        envs=Envs(use_nextn_decode=2 if spec else 0))
+        eng = LLMEngine(
+            EngineConfig(model="tiny-random", speculative=spec, num_blocks=64, max_num_seqs=2),
+            envs=Envs(use_nextn_decode=2 if spec else 0),
+        )
         assert (eng.executor.spec is not None) == spec

@@ -48,7 +48,9 @@ def test_cuda_local_tables_on_device_and_device_ids_fetch_equal() -> None:
     h = ex.model.engram_hasher
     assert all(t.device.type == "cuda" for t in ex.engram_tables.values())
     tokens = np.random.default_rng(0).integers(0, ex.cfg.vocab_size, 40)
-    ids = torch.from_numpy(h.hash_host(tokens, np.array([0, 40]), np.full((1, ex.cfg.engram_max_ngram - 1), -1)))
+    ids = torch.from_numpy(
+        h.hash_host(tokens, np.array([0, 40]), np.full((1, ex.cfg.engram_max_ngram - 1), -1))
+    )
     host = ex.model.engram_fetch(ids, ex.engram_tables)
     dev = ex.model.engram_fetch(ids.cuda(), hashed_row_tables(ex.engram_tables))
     assert all(torch.equal(host[lid], dev[lid]) for lid in host)

@@ -28,8 +28,9 @@ def _rank(rank: int, world: int, init_file: str) -> None:
     try:
         m = DeepSeekV41.from_config(tiny_config(), seed=1234, dtype=torch.float64)
         s = Session(m)
-        s.ex = ModelExecutor(m, s.ex.num_blocks, s.ex.block_size, s.ex.num_slots, quantize=False,
-                             engram_placement="sharded")
+        s.ex = ModelExecutor(
+            m, s.ex.num_blocks, s.ex.block_size, s.ex.num_slots, quantize=False, engram_placement="sharded"
+        )
         t = s.ex.engram_tables[1]
         assert type(t).__name__ == "ShardedEngramTable" and t.data.shape[0] < t.num_rows
         seq = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(100 + rank))

@@ -43,7 +43,9 @@ def _variant(model: DeepSeekV41, **over: object) -> DeepSeekV41:
     return m
 
 
-def test_long_sequence_engages_every_mechanism(model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor) -> None:
+def test_long_sequence_engages_every_mechanism(
+    model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor
+) -> None:
     cfg = model64.cfg
     assert cfg.sliding_window < T and cfg.index_topk < T // 2
     assert T // cfg.candidate_block_size > cfg.candidate_topk_blocks
@@ -53,7 +55,9 @@ def test_long_sequence_engages_every_mechanism(model64: DeepSeekV41, seq: torch.
         assert (other - ref).abs().max() > 1e-3, over
 
 
-def test_incremental_decode_equals_full_forward(model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor) -> None:
+def test_incremental_decode_equals_full_forward(
+    model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor
+) -> None:
     s = Session(model64)
     got = s.run(0, seq, [90] + [1] * (T - 90))
     assert got.shape == ref.shape
@@ -61,7 +65,9 @@ def test_incremental_decode_equals_full_forward(model64: DeepSeekV41, seq: torch
 
 
 @pytest.mark.parametrize("chunk", [7, 16, 45, T])
-def test_chunked_prefill_equals_unchunked(model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor, chunk: int) -> None:
+def test_chunked_prefill_equals_unchunked(
+    model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor, chunk: int
+) -> None:
     got = Session(model64).run(0, seq, chunks_of(T, chunk))
     assert (got - ref).abs().max().item() < TOL
 
@@ -117,14 +123,22 @@ def test_rollback_deeper_than_backtrack_is_refused(model64: DeepSeekV41) -> None
     assert e.value.request == 0 and e.value.field == "start_pos"
 
 
-def test_bad_request_fails_alone_and_touches_nothing(model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor) -> None:
+def test_bad_request_fails_alone_and_touches_nothing(
+    model64: DeepSeekV41, seq: torch.Tensor, ref: torch.Tensor
+) -> None:
     s = Session(model64)
     s.run(0, seq, [60])
     s._ensure(1, 10)
     ok = (0, seq[60:61], 60, 1)
     bad = torch.tensor([3, 600, 4])  # 600 >= vocab 512
-    b = ForwardBatch(token_ids=torch.cat((ok[1], bad)).numpy(), query_lens=[1, 3], start_pos=[60, 0],
-                     block_tables=s.pool.block_tables([0, 1]), state_slots=[0, 1], num_logits=[1, 1])
+    b = ForwardBatch(
+        token_ids=torch.cat((ok[1], bad)).numpy(),
+        query_lens=[1, 3],
+        start_pos=[60, 0],
+        block_tables=s.pool.block_tables([0, 1]),
+        state_slots=[0, 1],
+        num_logits=[1, 1],
+    )
     with pytest.raises(BatchError, match="request 1: token_ids") as e:
         s.ex.execute(b)
     assert e.value.request == 1
@@ -162,9 +176,17 @@ def test_encoder_only_prefill_writes_the_decoder_global_kv(model64: DeepSeekV41,
     full, part = Session(model64), Session(model64)
     full.run(0, seq, [T])
     part._ensure(0, T)
-    out = part.ex.execute(ForwardBatch(token_ids=seq.numpy(), query_lens=[T], start_pos=[0],
-                                       block_tables=part.pool.block_tables([0]), state_slots=[0], num_logits=[0],
-                                       encoder_only=True))
+    out = part.ex.execute(
+        ForwardBatch(
+            token_ids=seq.numpy(),
+            query_lens=[T],
+            start_pos=[0],
+            block_tables=part.pool.block_tables([0]),
+            state_slots=[0],
+            num_logits=[0],
+            encoder_only=True,
+        )
+    )
     assert out.logits.shape[0] == 0 and out.expert_counts.shape[0] == enc
     table = torch.as_tensor(full.pool.block_tables([0])[0], dtype=torch.long)
     for cache in ("kv", "index_keys"):
@@ -215,18 +237,30 @@ def test_row_path_equals_request_path(model64: DeepSeekV41) -> None:
 def test_invalid_fields_are_named(model64: DeepSeekV41, field: str, kw: dict) -> None:
     s = Session(model64)
     s._ensure(0, 1)
-    base = {"token_ids": [3], "query_lens": [1], "start_pos": [0], "block_tables": s.pool.block_tables([0]),
-            "state_slots": [0], "num_logits": [1]}
+    base = {
+        "token_ids": [3],
+        "query_lens": [1],
+        "start_pos": [0],
+        "block_tables": s.pool.block_tables([0]),
+        "state_slots": [0],
+        "num_logits": [1],
+    }
     with pytest.raises(BatchError, match=field):
         s.ex.execute(ForwardBatch(**{**base, **kw}))
 
 
 @pytest.mark.parametrize(
     ("base", "over"),
-    [({}, {"rope_interleave": False}), ({}, {"compress_rope_position": "last"}), ({}, {"compress_rope_theta": None}),
-     ({"swiglu_limit": 0.5}, {"swiglu_limit": 0.5, "shared_expert_clamp": False})],
+    [
+        ({}, {"rope_interleave": False}),
+        ({}, {"compress_rope_position": "last"}),
+        ({}, {"compress_rope_theta": None}),
+        ({"swiglu_limit": 0.5}, {"swiglu_limit": 0.5, "shared_expert_clamp": False}),
+    ],
 )
-def test_choice_switches_change_output_and_stay_exact(model64: DeepSeekV41, seq: torch.Tensor, base: dict, over: dict) -> None:
+def test_choice_switches_change_output_and_stay_exact(
+    model64: DeepSeekV41, seq: torch.Tensor, base: dict, over: dict
+) -> None:
     """Each config switch for a point where sources disagree is live (changes the logits), and the
     executor still matches the oracle under it."""
     before = _variant(model64, **base).forward_full(seq)[0] if base else model64.forward_full(seq)[0]
@@ -244,19 +278,37 @@ def test_captured_layer_states_match_a_truncated_model(model64: DeepSeekV41, seq
     def run(m: DeepSeekV41, layers: tuple[int, ...]):
         s = Session(m)
         s._ensure(0, T)
-        return s.ex.execute(ForwardBatch(token_ids=seq.numpy(), query_lens=[T], start_pos=[0],
-                                         block_tables=s.pool.block_tables([0]), state_slots=[0], num_logits=[3],
-                                         capture_layers=layers))
+        return s.ex.execute(
+            ForwardBatch(
+                token_ids=seq.numpy(),
+                query_lens=[T],
+                start_pos=[0],
+                block_tables=s.pool.block_tables([0]),
+                state_slots=[0],
+                num_logits=[3],
+                capture_layers=layers,
+            )
+        )
 
     out = run(model64, (5, 7))
     assert set(out.captured) == {5, 7} and out.captured[5].shape == (3, model64.cfg.hidden_size)
     assert torch.allclose(model64.logits(model64.norm(out.captured[7])), out.logits, atol=1e-12)
-    cut = DeepSeekV41(attrs.evolve(model64.cfg, num_hidden_layers=6, compress_ratios=[0, 0, 2, 2, 1, 1],
-                                   index_source_layer_ids=[2, 4], num_nextn_predict_layers=0,
-                                   dspark_target_layer_ids=[])).to(torch.float64)
+    cut = DeepSeekV41(
+        attrs.evolve(
+            model64.cfg,
+            num_hidden_layers=6,
+            compress_ratios=[0, 0, 2, 2, 1, 1],
+            index_source_layer_ids=[2, 4],
+            num_nextn_predict_layers=0,
+            dspark_target_layer_ids=[],
+        )
+    ).to(torch.float64)
     # mHC coefficients are stacked per layer: keep the first 6 layers' (the drafter is dropped)
-    sd = {k: (v[:6] if k.startswith("residual.") else v) for k, v in model64.state_dict().items()
-          if not k.startswith("drafter.")}
+    sd = {
+        k: (v[:6] if k.startswith("residual.") else v)
+        for k, v in model64.state_dict().items()
+        if not k.startswith("drafter.")
+    }
     cut.load_state_dict(sd, strict=False)
     assert torch.allclose(run(cut, (5,)).captured[5], out.captured[5], atol=1e-12)
 
@@ -268,19 +320,29 @@ def test_backend_ops_write_the_same_caches(model64: DeepSeekV41, seq: torch.Tens
     from deepinfer_kernels import get_backend
 
     plain, via = Session(model64, quantize=quantize), Session(model64, quantize=quantize)
-    via.ex = type(via.ex)(model64, via.ex.num_blocks, via.ex.block_size, via.ex.num_slots, quantize=quantize,
-                          backend=get_backend("reference"))
+    via.ex = type(via.ex)(
+        model64,
+        via.ex.num_blocks,
+        via.ex.block_size,
+        via.ex.num_slots,
+        quantize=quantize,
+        backend=get_backend("reference"),
+    )
     chunks = [40, 23, 30, 1, 1, 5, 20]
     a, b = plain.run(0, seq, chunks), via.run(0, seq, chunks)
     assert torch.equal(a, b)
     for lid in model64.cfg.kv_source_layer_ids:
-        assert torch.equal(plain.ex.kv[lid], via.ex.kv[lid]) and torch.equal(plain.ex.index_keys[lid], via.ex.index_keys[lid])
+        assert torch.equal(plain.ex.kv[lid], via.ex.kv[lid]) and torch.equal(
+            plain.ex.index_keys[lid], via.ex.index_keys[lid]
+        )
     assert all(torch.equal(x, y) for x, y in zip(plain.ex.swa, via.ex.swa))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSeekV41, data: st.DataObject) -> None:
+def test_vectorised_validation_agrees_with_the_per_request_rules(
+    model64: DeepSeekV41, data: st.DataObject
+) -> None:
     """The numpy fast path of ``validate`` accepts exactly the batches the request-by-request rules
     accept (which stay the error reporter): batches drawn valid against an executor with history, then
     (most of the time) one field pushed to or past a boundary: slots, the rollback window, token ids,
@@ -295,17 +357,39 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
     r = data.draw(st.integers(1, 4))
     slots = data.draw(st.permutations(range(6)))[:r]
     q = data.draw(st.lists(st.integers(1, 5), min_size=r, max_size=r))
-    start = [data.draw(st.sampled_from(sorted({0, max(int(ex.state.slot_end[sl]) - 3, 0), int(ex.state.slot_end[sl]),
-                                               int(ex.state.min_start[sl])}))) for sl in slots]
+    start = [
+        data.draw(
+            st.sampled_from(
+                sorted(
+                    {
+                        0,
+                        max(int(ex.state.slot_end[sl]) - 3, 0),
+                        int(ex.state.slot_end[sl]),
+                        int(ex.state.min_start[sl]),
+                    }
+                )
+            )
+        )
+        for sl in slots
+    ]
     floor = [data.draw(st.integers(0, s0)) if data.draw(st.booleans()) else s0 for s0 in start]
     need = max(ex.blocks_needed(s0 + n0) for s0, n0 in zip(start, q))
     width = need + data.draw(st.integers(0, 2))
-    b = dict(token_ids=data.draw(st.lists(st.integers(0, v - 1), min_size=sum(q), max_size=sum(q))), query_lens=q,
-             start_pos=start, state_slots=list(slots), num_logits=[data.draw(st.integers(0, n0)) for n0 in q],
-             block_tables=[data.draw(st.lists(st.integers(1, 63), min_size=width, max_size=width)) for _ in q],
-             decoder_floor=floor,
-             snapshot_pos=[data.draw(st.sampled_from([0, s0 + 1, s0 + n0, s0, s0 + n0 + 1])) for s0, n0 in zip(start, q)])
-    bad = data.draw(st.sampled_from([None, None, "slot", "dup", "token", "start", "logits", "floor", "table", "qlen"]))
+    b = dict(
+        token_ids=data.draw(st.lists(st.integers(0, v - 1), min_size=sum(q), max_size=sum(q))),
+        query_lens=q,
+        start_pos=start,
+        state_slots=list(slots),
+        num_logits=[data.draw(st.integers(0, n0)) for n0 in q],
+        block_tables=[data.draw(st.lists(st.integers(1, 63), min_size=width, max_size=width)) for _ in q],
+        decoder_floor=floor,
+        snapshot_pos=[
+            data.draw(st.sampled_from([0, s0 + 1, s0 + n0, s0, s0 + n0 + 1])) for s0, n0 in zip(start, q)
+        ],
+    )
+    bad = data.draw(
+        st.sampled_from([None, None, "slot", "dup", "token", "start", "logits", "floor", "table", "qlen"])
+    )
     i = data.draw(st.integers(0, r - 1))
     if bad == "slot":
         b["state_slots"][i] = data.draw(st.sampled_from([-1, 6]))
@@ -314,7 +398,11 @@ def test_vectorised_validation_agrees_with_the_per_request_rules(model64: DeepSe
     elif bad == "token":
         b["token_ids"][data.draw(st.integers(0, sum(q) - 1))] = data.draw(st.sampled_from([-1, v]))
     elif bad == "start":
-        b["start_pos"][i] = data.draw(st.sampled_from([-1, int(ex.state.slot_end[slots[i]]) + 1, max(int(ex.state.slot_end[slots[i]]) - 4, 1)]))
+        b["start_pos"][i] = data.draw(
+            st.sampled_from(
+                [-1, int(ex.state.slot_end[slots[i]]) + 1, max(int(ex.state.slot_end[slots[i]]) - 4, 1)]
+            )
+        )
     elif bad == "logits":
         b["num_logits"][i] = data.draw(st.sampled_from([-1, q[i] + 1]))
     elif bad == "floor":
@@ -358,8 +446,14 @@ def test_slot_state_round_trip(model64: DeepSeekV41, seq: torch.Tensor) -> None:
     s.ex.load_slot_state(other, s.ex.slot_state(orig))
 
     def decode(slot: int) -> torch.Tensor:  # rewrites the same block entries with the same values
-        b = ForwardBatch(token_ids=seq[40:41].numpy(), query_lens=[1], start_pos=[40],
-                         block_tables=s.pool.block_tables([0]), state_slots=[slot], num_logits=[1])
+        b = ForwardBatch(
+            token_ids=seq[40:41].numpy(),
+            query_lens=[1],
+            start_pos=[40],
+            block_tables=s.pool.block_tables([0]),
+            state_slots=[slot],
+            num_logits=[1],
+        )
         return s.ex.execute(b).logits
 
     moved, there = decode(other), decode(orig)

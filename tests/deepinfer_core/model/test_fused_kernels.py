@@ -28,9 +28,19 @@ def test_off_without_the_cuda_backend_or_a_sync_free_step() -> None:
 
 
 def _flash_model() -> DeepSeekV41:
-    cfg = flash_config(num_hidden_layers=2, compress_ratios=[0, 1], kv_source_layer_ids=[1], index_source_layer_ids=[1],
-                       num_encoder_layers=1, candidate_source_layer_id=1, n_routed_experts=8, engram_layer_ids=[],
-                       engram_table_sizes=[], dspark_target_layer_ids=[], num_nextn_predict_layers=0)
+    cfg = flash_config(
+        num_hidden_layers=2,
+        compress_ratios=[0, 1],
+        kv_source_layer_ids=[1],
+        index_source_layer_ids=[1],
+        num_encoder_layers=1,
+        candidate_source_layer_id=1,
+        n_routed_experts=8,
+        engram_layer_ids=[],
+        engram_table_sizes=[],
+        dspark_target_layer_ids=[],
+        num_nextn_predict_layers=0,
+    )
     return DeepSeekV41.from_config(cfg, seed=0, dtype=torch.bfloat16, device="cuda", init_on_device=True)
 
 

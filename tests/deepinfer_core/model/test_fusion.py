@@ -47,7 +47,10 @@ def counting_backend() -> Iterator[list[int]]:
 
 def test_fusable_is_plain_outside_the_block_and_compiled_inside(counting_backend: list[int]) -> None:
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(5, 64, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
+    x, w = (
+        torch.randn(5, 64, generator=g, dtype=torch.float64),
+        torch.randn(64, generator=g, dtype=torch.float64),
+    )
     want = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w  # the oracle, written out
     assert torch.allclose(rms_norm(x, w, 1e-6), want, rtol=1e-12, atol=0)
     assert counting_backend == [] and fusion.compiled_count() == 0
@@ -111,7 +114,9 @@ def test_fused_glue_graphs_quantized_v41_head_widths() -> None:
     model = DeepSeekV41.from_config(cfg, seed=5, dtype=torch.bfloat16, device="cuda")
     oracle = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     g = torch.Generator().manual_seed(25)
-    prompts = {i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))}
+    prompts = {
+        i: torch.randint(0, 2048, (int(n),), generator=g) for i, n in enumerate((300, 180, 257, 90, 140))
+    }
     toks = [torch.randint(0, 2048, (12,), generator=g).tolist() for _ in prompts]
     kw = dict(slots=8, blocks=128, block_size=64)
     ref = _forced(Session(oracle, quantize=True, num_blocks=128, block_size=64), prompts, toks)
@@ -174,13 +179,21 @@ def test_mhc_stream_mixes_compiled_form_equals_oracle(dtype: torch.dtype) -> Non
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     t, n, d = 7, 4, 48
     state = torch.randn(t, n, d, generator=g, dtype=torch.float64)
-    pre, post, out = torch.rand(t, n, generator=g, dtype=torch.float64), torch.rand(t, n, generator=g, dtype=torch.float64), \
-        torch.randn(t, d, generator=g, dtype=torch.float64)
+    pre, post, out = (
+        torch.rand(t, n, generator=g, dtype=torch.float64),
+        torch.rand(t, n, generator=g, dtype=torch.float64),
+        torch.randn(t, d, generator=g, dtype=torch.float64),
+    )
     res = torch.rand(t, n, n, generator=g, dtype=torch.float64)
     want_in = sum(pre[:, j, None] * state[:, j] for j in range(n))
-    want_out = torch.stack([sum(res[:, i, j, None] * state[:, j] for j in range(n)) + post[:, i, None] * out
-                            for i in range(n)], 1)
-    args_in, args_out = (pre.to(dtype), state.to(dtype)), (res.to(dtype), state.to(dtype), post.to(dtype), out.to(dtype))
+    want_out = torch.stack(
+        [sum(res[:, i, j, None] * state[:, j] for j in range(n)) + post[:, i, None] * out for i in range(n)],
+        1,
+    )
+    args_in, args_out = (
+        (pre.to(dtype), state.to(dtype)),
+        (res.to(dtype), state.to(dtype), post.to(dtype), out.to(dtype)),
+    )
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     fusion.set_backend("aot_eager")
     try:

@@ -34,8 +34,14 @@ def test_cuda_backend_cache_writes_match_plain_writes() -> None:
     gpu = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.float32, device="cuda")
     plain = Session(gpu, quantize=True)
     via = Session(gpu, quantize=True)
-    via.ex = type(via.ex)(gpu, via.ex.num_blocks, via.ex.block_size, via.ex.num_slots, quantize=True,
-                          backend=get_backend("cuda"))
+    via.ex = type(via.ex)(
+        gpu,
+        via.ex.num_blocks,
+        via.ex.block_size,
+        via.ex.num_slots,
+        quantize=True,
+        backend=get_backend("cuda"),
+    )
     # the plain row path with the backend's writes (the sync-free path's MoE sums in another order, so its
     # bytes are compared with a tolerance in test_cuda_graphs)
     via.ex.sync_free = via.ex.cuda_graphs = False

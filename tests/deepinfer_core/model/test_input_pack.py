@@ -96,9 +96,15 @@ def test_autograd_does_not_pack_and_gradients_reach_each_weight() -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.lists(st.integers(1, 7), min_size=1, max_size=5), cols=st.integers(1, 6), dim=st.integers(0, 1),
-       seed=st.integers(0, 2**16))
-def test_pack_parts_blocks_keep_values_and_alias_the_pack(rows: list[int], cols: int, dim: int, seed: int) -> None:
+@given(
+    rows=st.lists(st.integers(1, 7), min_size=1, max_size=5),
+    cols=st.integers(1, 6),
+    dim=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_parts_blocks_keep_values_and_alias_the_pack(
+    rows: list[int], cols: int, dim: int, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
     ps = [nn.Parameter(torch.randn((r, cols) if dim == 0 else (cols, r), generator=g)) for r in rows]
     vals = [p.detach().clone() for p in ps]

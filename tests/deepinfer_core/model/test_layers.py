@@ -31,15 +31,28 @@ def test_rope_matches_complex_rotation_and_is_relative() -> None:
     q, k = torch.randn(1, 16, dtype=D64), torch.randn(1, 16, dtype=D64)
 
     def dot(m: int, n: int) -> float:
-        return (apply_rope(q, torch.tensor([m]), inv, 16) * apply_rope(k, torch.tensor([n]), inv, 16)).sum().item()
+        return (
+            (apply_rope(q, torch.tensor([m]), inv, 16) * apply_rope(k, torch.tensor([n]), inv, 16))
+            .sum()
+            .item()
+        )
 
     assert math.isclose(dot(5, 2), dot(1003, 1000), rel_tol=1e-9)
 
 
 def test_yarn_keeps_high_and_stretches_low_frequencies() -> None:
     plain = rope_inv_freq(64, 160000.0)
-    yarn = rope_inv_freq(64, 160000.0, {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                                        "original_max_position_embeddings": 65536})
+    yarn = rope_inv_freq(
+        64,
+        160000.0,
+        {
+            "rope_type": "yarn",
+            "factor": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 65536,
+        },
+    )
     assert torch.equal(yarn[0], plain[0])  # fastest rotation untouched
     assert torch.allclose(yarn[-1], plain[-1] / 16)  # slowest interpolated by the factor
     assert (yarn <= plain).all()
@@ -59,7 +72,9 @@ def test_moe_matches_per_token_reference() -> None:
     differs = 0
     for t in range(37):
         s = torch.sqrt(F.softplus(x[t] @ g.t()))
-        order = sorted(range(cfg.n_routed_experts), key=lambda e: -(s[e] + b[e]).item())[: cfg.num_experts_per_tok]
+        order = sorted(range(cfg.n_routed_experts), key=lambda e: -(s[e] + b[e]).item())[
+            : cfg.num_experts_per_tok
+        ]
         differs += set(order) != set(torch.topk(s, cfg.num_experts_per_tok).indices.tolist())
         w = s[order] / s[order].sum() * cfg.routed_scaling_factor
 
@@ -93,9 +108,18 @@ def test_compressor_pools_groups_by_softmax_gate() -> None:
 
 def test_indexer_topk_and_candidate_blocks_brute_force() -> None:
     g = torch.Generator().manual_seed(5)
-    q, w, k = torch.randn(6, 4, 8, generator=g, dtype=D64), torch.randn(6, 4, generator=g, dtype=D64), torch.randn(23, 8, generator=g, dtype=D64)
+    q, w, k = (
+        torch.randn(6, 4, 8, generator=g, dtype=D64),
+        torch.randn(6, 4, generator=g, dtype=D64),
+        torch.randn(23, 8, generator=g, dtype=D64),
+    )
     sc = index_scores(q, w, k)
-    brute = torch.tensor([[sum(w[n, h] * max(0.0, (q[n, h] @ k[e]).item()) for h in range(4)) for e in range(23)] for n in range(6)])
+    brute = torch.tensor(
+        [
+            [sum(w[n, h] * max(0.0, (q[n, h] @ k[e]).item()) for h in range(4)) for e in range(23)]
+            for n in range(6)
+        ]
+    )
     assert torch.allclose(sc, brute.to(D64), atol=1e-12)
     visible = torch.tensor([23, 20, 9, 3, 17, 0])
     sc = sc.masked_fill(torch.arange(23)[None] >= visible[:, None], float("-inf"))
@@ -106,7 +130,14 @@ def test_indexer_topk_and_candidate_blocks_brute_force() -> None:
         order = sorted(range(v), key=lambda e: (-sc[n, e].item(), e))
         assert ids[n][valid[n]].tolist() == order[:5]
         blocks = list(range(-(-v // 4)))
-        bscore = {b: (math.inf if (b == v // 4 and v % 4) else max(sc[n, e].item() for e in range(4 * b, min(4 * b + 4, v)))) for b in blocks}
+        bscore = {
+            b: (
+                math.inf
+                if (b == v // 4 and v % 4)
+                else max(sc[n, e].item() for e in range(4 * b, min(4 * b + 4, v)))
+            )
+            for b in blocks
+        }
         keep = sorted(blocks, key=lambda b: (-bscore[b], b))[:2]
         want = sorted(e for b in keep for e in range(4 * b, min(4 * b + 4, v)))
         assert torch.nonzero(pool[n]).flatten().tolist() == want
@@ -121,4 +152,6 @@ def test_rope_halves_variant_matches_complex_rotation() -> None:
     rot = torch.polar(torch.ones(7, 6, dtype=D64), pos[:, None].to(D64) * inv[None])[:, None, :]
     want = z * rot
     assert torch.equal(y[..., :8], x[..., :8])
-    assert torch.allclose(y[..., 8:14], want.real, atol=1e-12) and torch.allclose(y[..., 14:], want.imag, atol=1e-12)
+    assert torch.allclose(y[..., 8:14], want.real, atol=1e-12) and torch.allclose(
+        y[..., 14:], want.imag, atol=1e-12
+    )

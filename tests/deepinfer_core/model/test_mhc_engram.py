@@ -24,7 +24,9 @@ def _variant(model: DeepSeekV41, **over: object) -> DeepSeekV41:
     m = DeepSeekV41.from_config(attrs.evolve(model.cfg, **over), seed=5, dtype=torch.float64)
     own = m.state_dict()
     # everything whose shape still fits comes from ``model``; the rest (e.g. per-stream keys) stays seeded
-    m.load_state_dict({k: v for k, v in model.state_dict().items() if k in own and own[k].shape == v.shape}, strict=False)
+    m.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if k in own and own[k].shape == v.shape}, strict=False
+    )
     return m
 
 
@@ -89,7 +91,9 @@ def test_engram_context_continues_across_steps(model64: DeepSeekV41) -> None:
     alone = model64.engram_rows(seq[60:])
     for lid in model64.cfg.engram_layer_ids:
         assert torch.equal(cont[lid], full[lid][60:])
-        assert not torch.equal(alone[lid][:n], full[lid][60 : 60 + n]) and torch.equal(alone[lid][n:], full[lid][60 + n :])
+        assert not torch.equal(alone[lid][:n], full[lid][60 : 60 + n]) and torch.equal(
+            alone[lid][n:], full[lid][60 + n :]
+        )
 
 
 def test_engram_gate_is_a_probability_per_stream(model64: DeepSeekV41) -> None:
@@ -110,8 +114,14 @@ def test_host_placement_gives_the_same_logits(model64: DeepSeekV41) -> None:
     seq = _tokens(4, 100)
     local = Session(model64)
     host = Session(model64)
-    host.ex = ModelExecutor(model64, host.ex.num_blocks, host.ex.block_size, host.ex.num_slots, quantize=False,
-                            engram_placement="host")
+    host.ex = ModelExecutor(
+        model64,
+        host.ex.num_blocks,
+        host.ex.block_size,
+        host.ex.num_slots,
+        quantize=False,
+        engram_placement="host",
+    )
     assert type(host.ex.engram_tables[1]).__name__ == "HostEngramTable"
     a, b = local.run(0, seq, [64, 30, 1, 5]), host.run(0, seq, [64, 30, 1, 5])
     assert torch.equal(a, b)

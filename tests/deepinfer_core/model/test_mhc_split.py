@@ -26,11 +26,14 @@ def _fresh_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)))
 
 
-def _inputs(seed: int, t: int, d: int, phi_dtype: torch.dtype, device: str = "cpu"
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(
+    seed: int, t: int, d: int, phi_dtype: torch.dtype, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # per-token scales over several octaves: the norm factor is applied after the product in the split form
-    state = torch.randn(t, 4, d, generator=g) * torch.exp2(torch.randint(-6, 7, (t, 1, 1), generator=g).float())
+    state = torch.randn(t, 4, d, generator=g) * torch.exp2(
+        torch.randint(-6, 7, (t, 1, 1), generator=g).float()
+    )
     phi = torch.randn(2, 24, 4 * d, generator=g) / (4 * d) ** 0.5
     return state.to(torch.bfloat16).to(device), phi.to(phi_dtype).to(device)
 
@@ -56,7 +59,10 @@ def _check(state: torch.Tensor, phi: torch.Tensor, got: torch.Tensor) -> None:
 def test_split_bf16_parts_sum_to_phi(dtype: torch.dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     # magnitudes over a wide exponent range (the bound is relative, per element)
-    phi = (torch.randn(2, 3, 64, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-40, 40, (2, 3, 64), generator=g))).to(dtype)
+    phi = (
+        torch.randn(2, 3, 64, generator=g, dtype=torch.float64)
+        * torch.exp2(torch.randint(-40, 40, (2, 3, 64), generator=g))
+    ).to(dtype)
     parts = mhc.split_bf16(phi)
     assert parts.dtype == torch.bfloat16 and parts.shape[1:] == phi.shape
     if dtype == torch.bfloat16:

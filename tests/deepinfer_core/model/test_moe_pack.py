@@ -56,7 +56,7 @@ def test_writes_through_the_parameters_reach_the_pack() -> None:
     x = torch.randn(9, a.w1.shape[2], dtype=D64)
     with torch.no_grad():
         assert torch.allclose(a(x)[0], b(x)[0], rtol=0, atol=1e-12)
-    assert torch.equal(b._w13[:, b.w1.shape[1]:], b.w3.data)
+    assert torch.equal(b._w13[:, b.w1.shape[1] :], b.w3.data)
 
 
 def test_a_replaced_parameter_disables_the_pack() -> None:
@@ -125,9 +125,16 @@ def test_grouped_path_serves_plain_calls_where_it_applies(monkeypatch: pytest.Mo
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize(("over", "fused"), [({}, True), ({"shared_expert_clamp": False}, False),
-                                             ({"n_shared_experts": 2}, False), ({"n_shared_experts": 0}, False),
-                                             ({"shared_expert_clamp": False, "swiglu_limit": 0.0}, True)])
+@pytest.mark.parametrize(
+    ("over", "fused"),
+    [
+        ({}, True),
+        ({"shared_expert_clamp": False}, False),
+        ({"n_shared_experts": 2}, False),
+        ({"n_shared_experts": 0}, False),
+        ({"shared_expert_clamp": False, "swiglu_limit": 0.0}, True),
+    ],
+)
 def test_shared_expert_as_one_more_group(over: dict, fused: bool) -> None:
     """``moe.FUSE_SHARED``: with one shared expert of the routed width, clamped as they are, the packed
     tensors gain it as block E and the static path's grouped products carry it as group E (E + 1 weight

@@ -41,20 +41,49 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 def test_order_key_orders_as_the_values(dtype: torch.dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     fi = torch.finfo(dtype)
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), fi.tiny, -fi.tiny, fi.max, -fi.max,
-                            fi.tiny / 4, -fi.tiny / 4], dtype=torch.float64)
-    v = torch.cat((special, torch.randn(200, generator=g, dtype=torch.float64) * torch.exp2(
-        torch.randint(-30, 30, (200,), generator=g)))).to(dtype)
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            -float("inf"),
+            fi.tiny,
+            -fi.tiny,
+            fi.max,
+            -fi.max,
+            fi.tiny / 4,
+            -fi.tiny / 4,
+        ],
+        dtype=torch.float64,
+    )
+    v = torch.cat(
+        (
+            special,
+            torch.randn(200, generator=g, dtype=torch.float64)
+            * torch.exp2(torch.randint(-30, 30, (200,), generator=g)),
+        )
+    ).to(dtype)
     key = moe_mod._order_key(v)
-    def cmp(a: torch.Tensor) -> torch.Tensor:  # -1 / 0 / 1 for every pair (no integer difference: it overflows)
+
+    def cmp(
+        a: torch.Tensor,
+    ) -> torch.Tensor:  # -1 / 0 / 1 for every pair (no integer difference: it overflows)
         return (a[:, None] > a[None, :]).long() - (a[:, None] < a[None, :]).long()
 
     assert torch.equal(cmp(key), cmp(v.double()))
 
 
-@given(st.integers(1, 70), st.integers(1, 12), st.integers(1, 9), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 70),
+    st.integers(1, 12),
+    st.integers(1, 9),
+    st.sampled_from(DTYPES),
+    st.integers(0, 2**31 - 1),
+)
 @settings(max_examples=60, deadline=None)
-def test_rank_topk_is_the_stable_descending_order(e: int, n: int, levels: int, dtype: torch.dtype, seed: int) -> None:
+def test_rank_topk_is_the_stable_descending_order(
+    e: int, n: int, levels: int, dtype: torch.dtype, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
     k = int(torch.randint(1, e + 1, (1,), generator=g))
     # few distinct levels: many ties, including at the k-th place; +-0.0 compare equal
@@ -63,7 +92,9 @@ def test_rank_topk_is_the_stable_descending_order(e: int, n: int, levels: int, d
     v = v.to(dtype)
     got = moe_mod.rank_topk(v, k)
     assert got.dtype == torch.long and torch.equal(got, _stable_topk(v, k))
-    d = torch.randperm(n * e, generator=g).view(n, e).to(dtype) - n * e / 2  # distinct values (exact in fp16 / bf16)
+    d = (
+        torch.randperm(n * e, generator=g).view(n, e).to(dtype) - n * e / 2
+    )  # distinct values (exact in fp16 / bf16)
     d = d if dtype not in (torch.float16, torch.bfloat16) or n * e <= 256 else d.double().to(dtype)
     if torch.unique(d).numel() == d.numel():  # torch.topk's ids and order
         assert torch.equal(moe_mod.rank_topk(d, k), torch.topk(d, k, dim=-1).indices)
@@ -74,7 +105,11 @@ def test_route_traced_for_the_glue_equals_plain(traced: None) -> None:
     and with E past RANK_TOPK_MAX_EXPERTS (torch.topk in both)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     for e in (8, moe_mod.RANK_TOPK_MAX_EXPERTS + 3):
-        x, gate, bias = torch.randn(33, 48, generator=g), torch.randn(e, 48, generator=g), torch.randn(e, generator=g)
+        x, gate, bias = (
+            torch.randn(33, 48, generator=g),
+            torch.randn(e, 48, generator=g),
+            torch.randn(e, generator=g),
+        )
         want = moe_mod._route(x, gate, bias, 6, "sqrtsoftplus", True, 2.5)
         with fusion.fused_glue():
             got = moe_mod._route(x, gate, bias, 6, "sqrtsoftplus", True, 2.5)
@@ -95,7 +130,9 @@ def test_dispatch_rows_is_the_stable_sort_by_expert(e: int, n: int, k: int, seed
     assert torch.equal(tok, order // k)
     assert torch.equal(place[order], torch.arange(n * k))  # place is the inverse of the sorted order
     assert torch.equal(counts, torch.bincount(flat.view(n, k)[mask].reshape(-1), minlength=e))
-    assert offs.dtype == torch.int32 and torch.equal(offs.long(), torch.cumsum(torch.bincount(flat, minlength=e), 0))
+    assert offs.dtype == torch.int32 and torch.equal(
+        offs.long(), torch.cumsum(torch.bincount(flat, minlength=e), 0)
+    )
     c2, order2, offs2 = moe_mod._dispatch(flat, e, k, mask)
     assert torch.equal(order2, order) and torch.equal(c2, counts) and torch.equal(offs2, offs)
 
@@ -118,7 +155,9 @@ def _dense_oracle(m: moe_mod.MoE, x: torch.Tensor, ids: torch.Tensor, w: torch.T
 
 @given(st.integers(1, 20), st.integers(2, 12), st.integers(0, 2**31 - 1), st.booleans())
 @settings(max_examples=15, deadline=None)
-def test_static_moe_equals_the_dense_oracle_over_drawn_routings(n: int, e: int, seed: int, glue: bool) -> None:
+def test_static_moe_equals_the_dense_oracle_over_drawn_routings(
+    n: int, e: int, seed: int, glue: bool
+) -> None:
     """Routings drawn directly (distinct experts per token, some experts never chosen), padded rows
     masked out of the counts only, through the grouped contract (the reference op), float64."""
     cfg = tiny_config(n_routed_experts=e, num_experts_per_tok=min(6, e))
@@ -135,8 +174,12 @@ def test_static_moe_equals_the_dense_oracle_over_drawn_routings(n: int, e: int, 
     op = get_backend("reference").op("moe_grouped_gemm")
     fusion.set_backend("aot_eager")
     try:
-        with torch.no_grad(), moe_mod.static_shapes(row_mask=mask), moe_mod.grouped_gemm_impl(op), \
-                fusion.fused_glue(glue):
+        with (
+            torch.no_grad(),
+            moe_mod.static_shapes(row_mask=mask),
+            moe_mod.grouped_gemm_impl(op),
+            fusion.fused_glue(glue),
+        ):
             out, counts = m(x)
     finally:
         fusion.set_backend(None)
@@ -208,7 +251,11 @@ def test_combine_with_the_shared_output_is_the_combine_plus_it(n: int, k: int, d
     """``_combine(..., shared)`` = ``_combine(...) + shared`` bitwise eagerly (the static MoE adds the shared
     experts there, one fused kernel under the glue); against a float64 per-pair loop oracle too."""
     g = torch.Generator().manual_seed(seed)
-    y, w, shared = torch.randn(n * k, d, generator=g), torch.rand(n, k, generator=g), torch.randn(n, d, generator=g)
+    y, w, shared = (
+        torch.randn(n * k, d, generator=g),
+        torch.rand(n, k, generator=g),
+        torch.randn(n, d, generator=g),
+    )
     place = torch.randperm(n * k, generator=g)
     got = moe_mod._combine(y, w, place, n, k, shared)
     assert torch.equal(got, moe_mod._combine(y, w, place, n, k) + shared)

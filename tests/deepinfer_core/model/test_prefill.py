@@ -39,10 +39,18 @@ T = 120
 
 
 @settings(max_examples=150, deadline=None)
-@given(m=st.integers(1, 70), hist=st.integers(0, 40), window=st.integers(1, 40), tile=st.integers(1, 24),
-       floor_off=st.integers(-5, 80), n_b=st.integers(0, 6), seed=st.integers(0, 2**16))
-def test_tiled_window_attention_equals_dense_masks(m: int, hist: int, window: int, tile: int, floor_off: int,
-                                                   n_b: int, seed: int) -> None:
+@given(
+    m=st.integers(1, 70),
+    hist=st.integers(0, 40),
+    window=st.integers(1, 40),
+    tile=st.integers(1, 24),
+    floor_off=st.integers(-5, 80),
+    n_b=st.integers(0, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_tiled_window_attention_equals_dense_masks(
+    m: int, hist: int, window: int, tile: int, floor_off: int, n_b: int, seed: int
+) -> None:
     """Any chunk length (not a multiple of the tile), history shorter / longer than the window, windows
     wider than the chunk, floors inside the history or the chunk, with and without compressed keys."""
     g = torch.Generator().manual_seed(seed)
@@ -60,9 +68,17 @@ def test_tiled_window_attention_equals_dense_masks(m: int, hist: int, window: in
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 5), e=st.integers(1, 60), k=st.integers(1, 70), levels=st.integers(1, 6),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
-def test_keyed_topk_is_the_stable_sort(n: int, e: int, k: int, levels: int, dtype: torch.dtype, seed: int) -> None:
+@given(
+    n=st.integers(1, 5),
+    e=st.integers(1, 60),
+    k=st.integers(1, 70),
+    levels=st.integers(1, 6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_keyed_topk_is_the_stable_sort(
+    n: int, e: int, k: int, levels: int, dtype: torch.dtype, seed: int
+) -> None:
     """Few distinct values (many ties), -0.0 beside +0.0, masked (-inf) entries, fully masked rows."""
     g = torch.Generator().manual_seed(seed)
     x = (torch.randint(-levels, levels + 1, (n, e), generator=g).to(torch.float64) * 0.75).to(dtype)
@@ -79,10 +95,16 @@ def test_keyed_topk_is_the_stable_sort(n: int, e: int, k: int, levels: int, dtyp
 @pytest.mark.parametrize("lid", [2, 4, 5, 6])  # ratio-2 Full; the candidate source; a candidate user; Reindex
 @pytest.mark.parametrize("keyed", [False, True])
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 50), s=st.integers(0, 40), budget=st.sampled_from([1, 3000, 20000, 1 << 30]),
-       ties=st.booleans(), seed=st.integers(0, 2**16))
-def test_chunked_selection_equals_pick_entries(lid: int, keyed: bool, n: int, s: int, budget: int, ties: bool,
-                                               seed: int) -> None:
+@given(
+    n=st.integers(1, 50),
+    s=st.integers(0, 40),
+    budget=st.sampled_from([1, 3000, 20000, 1 << 30]),
+    ties=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_selection_equals_pick_entries(
+    lid: int, keyed: bool, n: int, s: int, budget: int, ties: bool, seed: int
+) -> None:
     """Rows scored a piece at a time (budget 1: one row per piece) pick the same ids, validity and
     candidate pool as pick_entries over the whole [n, E] matrix; ``ties`` draws integer-valued keys so
     many scores tie (the stable order decides)."""
@@ -114,8 +136,9 @@ def test_chunked_selection_equals_pick_entries(lid: int, keyed: bool, n: int, s:
         assert torch.equal(pools_a[key], pools_b[key])
 
 
-def _op_scores(op: Any, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int,
-               ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_scores(
+    op: Any, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s: int, ratio: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole [n, E] matrix through a backend's indexer_scores (the oracle side of the op tests)."""
     vis = (s + 1 + torch.arange(qi.shape[0], device=qi.device)) // ratio
     return op(qi, wi, ik, torch.zeros_like(vis), vis), vis
@@ -123,7 +146,12 @@ def _op_scores(op: Any, qi: torch.Tensor, wi: torch.Tensor, ik: torch.Tensor, s:
 
 @pytest.mark.parametrize("lid", [2, 4, 5])
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 40), s=st.integers(0, 30), budget=st.sampled_from([1, 5000, 1 << 30]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 40),
+    s=st.integers(0, 30),
+    budget=st.sampled_from([1, 5000, 1 << 30]),
+    seed=st.integers(0, 2**16),
+)
 def test_chunked_selection_through_a_score_op(lid: int, n: int, s: int, budget: int, seed: int) -> None:
     """With a backend's ``indexer_scores`` (the reference op here: float32 scores) the pieces pick what
     pick_entries picks from the op's whole matrix; integer-valued inputs keep every score exact, so the
@@ -186,8 +214,10 @@ def test_tiled_executor_equals_dense_executor(model64: DeepSeekV41, data: st.Dat
     """The same steps (several requests per batch, random chunk lengths, decoder floors, snapshot
     positions) through a dense-path and a tiled-path executor: logits, snapshots and caches agree."""
     old = ModelExecutor.prefill_tile, ModelExecutor.prefill_budget
-    ModelExecutor.prefill_tile, ModelExecutor.prefill_budget = data.draw(st.integers(1, 9)), data.draw(
-        st.sampled_from([1, 30_000, 1 << 30]))
+    ModelExecutor.prefill_tile, ModelExecutor.prefill_budget = (
+        data.draw(st.integers(1, 9)),
+        data.draw(st.sampled_from([1, 30_000, 1 << 30])),
+    )
     try:
         exs = [ModelExecutor(model64, 64, 16, 4, quantize=False) for _ in range(2)]
         exs[0].prefill_path = "dense"
@@ -200,9 +230,16 @@ def test_tiled_executor_equals_dense_executor(model64: DeepSeekV41, data: st.Dat
             lens = [data.draw(st.integers(8, 40)) for _ in reqs]
             floors = [data.draw(st.integers(0, pos[r])) if data.draw(st.booleans()) else 0 for r in reqs]
             snaps = [data.draw(st.sampled_from([0, pos[r] + 1, pos[r] + n])) for r, n in zip(reqs, lens)]
-            b = ForwardBatch(token_ids=np.concatenate([toks[r, pos[r]: pos[r] + n] for r, n in zip(reqs, lens)]),
-                             query_lens=lens, start_pos=[pos[r] for r in reqs], block_tables=tables[reqs],
-                             state_slots=reqs, num_logits=lens, decoder_floor=floors, snapshot_pos=snaps)
+            b = ForwardBatch(
+                token_ids=np.concatenate([toks[r, pos[r] : pos[r] + n] for r, n in zip(reqs, lens)]),
+                query_lens=lens,
+                start_pos=[pos[r] for r in reqs],
+                block_tables=tables[reqs],
+                state_slots=reqs,
+                num_logits=lens,
+                decoder_floor=floors,
+                snapshot_pos=snaps,
+            )
             outs = [ex.execute(b) for ex in exs]
             assert (outs[0].logits - outs[1].logits).abs().max().item() < TOL
             for k in outs[0].snapshots:

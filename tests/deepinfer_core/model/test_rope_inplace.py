@@ -22,7 +22,9 @@ from deepinfer_core.model.layers import rope
 from deepinfer_core.model.layers.rope import apply_rope, apply_rope_, rope_inv_freq
 
 
-def oracle(x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor, r: int, interleave: bool) -> torch.Tensor:
+def oracle(
+    x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor, r: int, interleave: bool
+) -> torch.Tensor:
     """float64 rotation of the last r dims: each pair (re, im) times exp(i * position * inv_freq)."""
     x = x.double()
     d, h = x.shape[-1], r // 2
@@ -68,7 +70,9 @@ def test_in_place_equals_functional_and_oracle(case: tuple) -> None:
     d = x.shape[-1]
     assert torch.equal(y[..., : d - r], x[..., : d - r])  # the other dims untouched
     tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 0.1}[x.dtype]
-    assert (got.double() - oracle(x, pos, inv, r, il)).abs().max().item() <= tol * (1 + x.double().abs().max().item())
+    assert (got.double() - oracle(x, pos, inv, r, il)).abs().max().item() <= tol * (
+        1 + x.double().abs().max().item()
+    )
 
 
 @pytest.fixture
@@ -80,9 +84,18 @@ def inductor() -> Iterator[None]:
         fusion.set_backend(None)
 
 
-@pytest.mark.parametrize(("shape", "dt", "il"), [((6, 4, 48), torch.bfloat16, True), ((5, 40), torch.bfloat16, True),
-                                                 ((6, 3, 40), torch.bfloat16, False), ((4, 2, 40), torch.float32, True)])
-def test_compiled_in_place_equals_compiled_functional(inductor: None, shape: tuple, dt: torch.dtype, il: bool) -> None:
+@pytest.mark.parametrize(
+    ("shape", "dt", "il"),
+    [
+        ((6, 4, 48), torch.bfloat16, True),
+        ((5, 40), torch.bfloat16, True),
+        ((6, 3, 40), torch.bfloat16, False),
+        ((4, 2, 40), torch.float32, True),
+    ],
+)
+def test_compiled_in_place_equals_compiled_functional(
+    inductor: None, shape: tuple, dt: torch.dtype, il: bool
+) -> None:
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g).to(dt)
     pos, inv = torch.randint(0, 9000, (shape[0],), generator=g), rope_inv_freq(16, 160000.0)
@@ -91,7 +104,9 @@ def test_compiled_in_place_equals_compiled_functional(inductor: None, shape: tup
         y = x.clone()
         apply_rope_(y, pos, inv, 16, il)
     assert torch.equal(y, want)
-    assert (y.double() - oracle(x, pos, inv, 16, il)).abs().max().item() < (0.05 if dt == torch.bfloat16 else 1e-4)
+    assert (y.double() - oracle(x, pos, inv, 16, il)).abs().max().item() < (
+        0.05 if dt == torch.bfloat16 else 1e-4
+    )
 
 
 def _code(fn: object, *args: object) -> str:
@@ -132,7 +147,9 @@ def test_pairs_view_only_for_even_bf16_layouts() -> None:
     assert rope._bf16_pairs(x[..., 24:], True).shape == (6, 8)
     assert rope._bf16_pairs(x[..., 24:], False) is None
     assert rope._bf16_pairs(x.float()[..., 24:], True) is None
-    assert rope._bf16_pairs(torch.zeros(3, 41, dtype=torch.bfloat16)[:, 25:], True) is None  # odd offset / stride
+    assert (
+        rope._bf16_pairs(torch.zeros(3, 41, dtype=torch.bfloat16)[:, 25:], True) is None
+    )  # odd offset / stride
     assert rope._bf16_pairs(x.transpose(0, 1)[..., 24:], True) is None  # heads not evenly strided over tokens
 
 
@@ -162,11 +179,20 @@ def test_glue_in_place_on_cuda_equals_functional(inductor: None, dt: torch.dtype
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     # bf16 pairs: one kernel, in place; otherwise the rotation and its copy into the tail
     assert len(kernels) == 1 if dt == torch.bfloat16 and il else len(kernels) <= 2, kernels
-    assert (y.double() - oracle(x, pos, inv, 64, il)).abs().max().item() < (0.1 if dt == torch.bfloat16 else 1e-3)
+    assert (y.double() - oracle(x, pos, inv, 64, il)).abs().max().item() < (
+        0.1 if dt == torch.bfloat16 else 1e-3
+    )
 
 
-@pytest.mark.parametrize(("shape", "dt", "il"), [((6, 40), torch.bfloat16, True), ((5, 40), torch.float32, True),
-                                                 ((7, 48), torch.float64, False), ((3, 2, 24), torch.bfloat16, False)])
+@pytest.mark.parametrize(
+    ("shape", "dt", "il"),
+    [
+        ((6, 40), torch.bfloat16, True),
+        ((5, 40), torch.float32, True),
+        ((7, 48), torch.float64, False),
+        ((3, 2, 24), torch.bfloat16, False),
+    ],
+)
 def test_norm_rope_equals_norm_then_rope(inductor: None, shape: tuple, dt: torch.dtype, il: bool) -> None:
     """``norm_rope`` (the SWA key's norm and rotation, one compiled function under the glue): eagerly the
     reference's calls bitwise; compiled, against a float64 oracle (the norm in float64, then the complex

@@ -21,16 +21,29 @@ T = 40
 
 @pytest.fixture(scope="module")
 def narrow() -> tuple[DeepSeekV41, torch.Tensor, torch.Tensor]:
-    cfg = tiny_config(hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32,
-                      o_lora_rank=32, sliding_window=4, index_topk=2, index_head_dim=16, candidate_block_size=2,
-                      candidate_topk_blocks=2, moe_intermediate_size=32)
+    cfg = tiny_config(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=8,
+        q_lora_rank=32,
+        o_lora_rank=32,
+        sliding_window=4,
+        index_topk=2,
+        index_head_dim=16,
+        candidate_block_size=2,
+        candidate_topk_blocks=2,
+        moe_intermediate_size=32,
+    )
     m = DeepSeekV41.from_config(cfg, seed=5, dtype=torch.float64)
     toks = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(6))
     return m, toks, m.forward_full(toks)[0]
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=40), st.integers(0, 2**31))
+@given(
+    st.lists(st.tuples(st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=40), st.integers(0, 2**31)
+)
 def test_any_schedule_matches_oracle(narrow, plan: list[tuple[int, int]], seed: int) -> None:
     model, toks, ref = narrow
     s = Session(model, backtrack=3)
@@ -57,7 +70,9 @@ def test_any_mixed_batch_schedule_matches_oracle(narrow, data: st.DataObject) ->
     """Three sequences advanced in random subsets, chunk sizes and rejected drafts per step: every
     request's logits equal its own oracle (so requests never disturb each other)."""
     model, _, _ = narrow
-    seqs = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(30 + n)) for n in (24, 31, 36)]
+    seqs = [
+        torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(30 + n)) for n in (24, 31, 36)
+    ]
     refs = [model.forward_full(t)[0] for t in seqs]
     s = Session(model, backtrack=3)
     pos = [0, 0, 0]

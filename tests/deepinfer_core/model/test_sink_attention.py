@@ -30,8 +30,15 @@ def oracle(q, k_a, mask_a, k_b, mask_b, sink, scale):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 5), h=st.integers(1, 4), d=st.sampled_from([4, 8]), a=st.integers(1, 7),
-       b=st.integers(0, 6), per_row=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    n=st.integers(1, 5),
+    h=st.integers(1, 4),
+    d=st.sampled_from([4, 8]),
+    a=st.integers(1, 7),
+    b=st.integers(0, 6),
+    per_row=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_matches_concatenated_softmax(n, h, d, a, b, per_row, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n, h, d, generator=g, dtype=torch.float64)

@@ -27,9 +27,17 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float6
 
 
 def _small() -> ModelConfig:
-    return tiny_config(num_hidden_layers=5, compress_ratios=[0, 0, 2, 1, 1], kv_source_layer_ids=[2, 3],
-                       index_source_layer_ids=[2, 3, 4], num_encoder_layers=3, candidate_source_layer_id=3,
-                       engram_layer_ids=[1], dspark_target_layer_ids=[4], num_nextn_predict_layers=0)
+    return tiny_config(
+        num_hidden_layers=5,
+        compress_ratios=[0, 0, 2, 1, 1],
+        kv_source_layer_ids=[2, 3],
+        index_source_layer_ids=[2, 3, 4],
+        num_encoder_layers=3,
+        candidate_source_layer_id=3,
+        engram_layer_ids=[1],
+        dspark_target_layer_ids=[4],
+        num_nextn_predict_layers=0,
+    )
 
 
 def test_fp8_block_scaled_codec() -> None:
@@ -100,6 +108,8 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path: Path) -> None:
         load_weights(DeepSeekV41.from_config(_small()), out)
     bigger = tiny_config()
     with pytest.raises(WeightsError, match=r"unexpected tensor|does not match"):
-        load_weights(DeepSeekV41.from_config(_small()), save_weights(DeepSeekV41.from_config(bigger), tmp_path / "d"))
+        load_weights(
+            DeepSeekV41.from_config(_small()), save_weights(DeepSeekV41.from_config(bigger), tmp_path / "d")
+        )
     with pytest.raises(WeightsError, match="neither"):
         load_weights(m, tmp_path)

@@ -53,10 +53,22 @@ class Attention(nn.Module):
         self.rope_params = (r, float(base), None if scaling is None else repr(sorted(scaling.items())))
         self.register_buffer("inv_freq", rope_inv_freq(r, base, scaling), persistent=False)
         if self.kind == LAYER_FULL:
-            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
-            self.index_compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il)
+            self.compressor = Compressor(
+                cfg.hidden_size, d, self.ratio, r, cfg.rms_norm_eps, cfg.compress_rope_position, il
+            )
+            self.index_compressor = Compressor(
+                cfg.hidden_size,
+                cfg.index_head_dim,
+                self.ratio,
+                r,
+                cfg.rms_norm_eps,
+                cfg.compress_rope_position,
+                il,
+            )
         if self.kind in (LAYER_FULL, LAYER_REINDEX):
-            self.indexer = IndexerQuery(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, r, il)
+            self.indexer = IndexerQuery(
+                cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, r, il
+            )
         self._x_pack: torch.Tensor | None = None  # the x-reading projections as one tensor (pack_inputs)
 
     @torch.no_grad()
@@ -74,7 +86,9 @@ class Attention(nn.Module):
         """(queries [N, H, d] roped, query latent [N, q_lora_rank] for the indexer)."""
         return self.queries_from(x @ self.wq_a.t(), positions)
 
-    def queries_from(self, lat_raw: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries_from(
+        self, lat_raw: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`queries` from the product ``x @ wq_a.t()`` (:meth:`input_products`)."""
         lat = self.q_norm(lat_raw)
         q = (lat @ self.wq_b.t()).view(-1, self.n_heads, self.head_dim)
@@ -88,7 +102,9 @@ class Attention(nn.Module):
     def swa_kv_from(self, kv_raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """:meth:`swa_kv` from the product ``x @ wkv.t()`` (:meth:`input_products`)."""
         n = self.kv_norm
-        return norm_rope(kv_raw, n.weight, n.eps, positions, self.inv_freq, self.rope_dim, self.rope_interleave)
+        return norm_rope(
+            kv_raw, n.weight, n.eps, positions, self.inv_freq, self.rope_dim, self.rope_interleave
+        )
 
     # ------------------------------------------------------------------ the input projections as one
     def input_weights(self) -> list[nn.Parameter]:
@@ -134,7 +150,9 @@ class Attention(nn.Module):
         else:
             parts = [x @ self.wq_a.t(), x @ self.wkv.t()]
             if self.kind == LAYER_FULL:
-                parts.append(torch.cat((self.compressor.project(x), self.index_compressor.project(x)), dim=-1))
+                parts.append(
+                    torch.cat((self.compressor.project(x), self.index_compressor.project(x)), dim=-1)
+                )
             if self.kind in (LAYER_FULL, LAYER_REINDEX):
                 parts.append(x @ self.indexer.weights_proj.t())
         out = {"q": parts[0], "kv": parts[1]}

@@ -23,8 +23,16 @@ from deepinfer_core.model.layers.rope import apply_rope
 
 
 class Compressor(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int, ratio: int, rope_dim: int, eps: float, rope_at: str,
-                 rope_interleave: bool = True) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        ratio: int,
+        rope_dim: int,
+        eps: float,
+        rope_at: str,
+        rope_interleave: bool = True,
+    ) -> None:
         super().__init__()
         self.ratio, self.out_dim, self.rope_dim, self.rope_at = ratio, out_dim, rope_dim, rope_at
         self.rope_interleave = rope_interleave
@@ -36,11 +44,18 @@ class Compressor(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
-        self.wkv.copy_(torch.randn(self.wkv.shape, generator=gen, device=gen.device) / math.sqrt(self.wkv.shape[1]))
+        self.wkv.copy_(
+            torch.randn(self.wkv.shape, generator=gen, device=gen.device) / math.sqrt(self.wkv.shape[1])
+        )
         if self.ratio > 1:
-            self.wgate.copy_(torch.randn(self.wgate.shape, generator=gen, device=gen.device) / math.sqrt(self.wgate.shape[1]))
+            self.wgate.copy_(
+                torch.randn(self.wgate.shape, generator=gen, device=gen.device)
+                / math.sqrt(self.wgate.shape[1])
+            )
             self.ape.copy_(torch.randn(self.ape.shape, generator=gen, device=gen.device) * 0.5)
-        self.norm.weight.copy_(1 + 0.1 * torch.randn(self.norm.weight.shape, generator=gen, device=gen.device))
+        self.norm.weight.copy_(
+            1 + 0.1 * torch.randn(self.norm.weight.shape, generator=gen, device=gen.device)
+        )
 
     @property
     def state_dim(self) -> int:
@@ -65,16 +80,39 @@ class Compressor(nn.Module):
         # explicit last dim: g may be 0 (a sequence shorter than one group), where -1 is ambiguous
         return self.pool_groups(state.view(g, self.ratio, state.shape[-1]), ids, inv_freq)
 
-    def pool_groups(self, groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    def pool_groups(
+        self, groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
         """Entries [M, out_dim] from per-group states [M, ratio, state_dim] of entries ``entry_ids`` [M]."""
-        return _pool_groups(groups, entry_ids, inv_freq, self.ape if self.ratio > 1 else None, self.norm.weight,
-                            self.norm.eps, self.ratio, self.out_dim, self.rope_dim, self.rope_at, self.rope_interleave)
+        return _pool_groups(
+            groups,
+            entry_ids,
+            inv_freq,
+            self.ape if self.ratio > 1 else None,
+            self.norm.weight,
+            self.norm.eps,
+            self.ratio,
+            self.out_dim,
+            self.rope_dim,
+            self.rope_at,
+            self.rope_interleave,
+        )
 
 
 @fusable
-def _pool_groups(groups: torch.Tensor, entry_ids: torch.Tensor, inv_freq: torch.Tensor, ape: torch.Tensor | None,
-                 norm_w: torch.Tensor, eps: float, r: int, d: int, rope_dim: int, rope_at: str,
-                 interleave: bool) -> torch.Tensor:
+def _pool_groups(
+    groups: torch.Tensor,
+    entry_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    ape: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    r: int,
+    d: int,
+    rope_dim: int,
+    rope_at: str,
+    interleave: bool,
+) -> torch.Tensor:
     if r == 1:
         ent = groups[:, 0]
     else:

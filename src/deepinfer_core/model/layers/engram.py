@@ -25,16 +25,31 @@ def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 @fusable
-def _gate(st: torch.Tensor, k: torch.Tensor, h_w: torch.Tensor, k_w: torch.Tensor, h_eps: float, k_eps: float,
-          scale: float) -> torch.Tensor:
+def _gate(
+    st: torch.Tensor,
+    k: torch.Tensor,
+    h_w: torch.Tensor,
+    k_w: torch.Tensor,
+    h_eps: float,
+    k_eps: float,
+    scale: float,
+) -> torch.Tensor:
     """Gate [T, n] of each stream ``st`` [T, n, D] from its key product ``k`` [T, n, D]."""
     s = (rms_norm(st, h_w, h_eps) * rms_norm(k, k_w, k_eps)).sum(-1) * scale
     return torch.sigmoid(signed_sqrt(s))
 
 
 @fusable
-def _gated_update(st: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h_w: torch.Tensor, k_w: torch.Tensor,
-                  h_eps: float, k_eps: float, scale: float) -> torch.Tensor:
+def _gated_update(
+    st: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    h_w: torch.Tensor,
+    k_w: torch.Tensor,
+    h_eps: float,
+    k_eps: float,
+    scale: float,
+) -> torch.Tensor:
     """``st + g * v`` with the gates g of :func:`_gate` and the value ``v`` [T, D]: the norms, the dot, the
     gate and the update in one fused kernel under the glue (eagerly ~12)."""
     return st + _gate(st, k, h_w, k_w, h_eps, k_eps, scale)[..., None] * v[:, None, :]

@@ -24,8 +24,15 @@ NEG = float("-inf")
 class IndexerQuery(nn.Module):
     """Per-layer indexer queries (from the query latent) and head weights (from the hidden state)."""
 
-    def __init__(self, hidden: int, q_lora: int, n_heads: int, head_dim: int, rope_dim: int,
-                 rope_interleave: bool = True) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        q_lora: int,
+        n_heads: int,
+        head_dim: int,
+        rope_dim: int,
+        rope_interleave: bool = True,
+    ) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
         self.rope_interleave = rope_interleave
@@ -37,15 +44,19 @@ class IndexerQuery(nn.Module):
         for p in (self.wq, self.weights_proj):
             p.copy_(torch.randn(p.shape, generator=gen, device=gen.device) / math.sqrt(p.shape[1]))
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [N, heads, dim] roped, weights [N, heads] with the 1/sqrt(heads * dim) scale folded in)."""
         return self.from_products(x @ self.weights_proj.t(), q_latent, positions, inv_freq)
 
-    def from_products(self, w_raw: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
-                      inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def from_products(
+        self, w_raw: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` from the product ``x @ weights_proj.t()`` (``Attention.input_products``)."""
         q = (q_latent @ self.wq.t()).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope_(q, positions, inv_freq, self.rope_dim, self.rope_interleave)  # q: this call's own product
+        # in place: q is this call's own product
+        q = apply_rope_(q, positions, inv_freq, self.rope_dim, self.rope_interleave)
         return q, w_raw / math.sqrt(self.n_heads * self.head_dim)
 
 
@@ -77,8 +88,9 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return m
 
 
-def pick_entries(cfg: Any, lid: int, scores: torch.Tensor, visible: torch.Tensor, pools: dict,
-                 key: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_entries(
+    cfg: Any, lid: int, scores: torch.Tensor, visible: torch.Tensor, pools: dict, key: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The executor's choice of compressed entries for layer ``lid`` from its masked scores [N, E]: in
     layers that use hierarchical candidates, only the pool ``pools[key]`` may be picked; the candidate
     source layer makes that pool (stored at ``pools[key]``); then :func:`select_topk` (ids, valid)."""
@@ -90,7 +102,9 @@ def pick_entries(cfg: Any, lid: int, scores: torch.Tensor, visible: torch.Tensor
 
 
 @fusable
-def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
+def candidate_pool(
+    scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
     """Boolean [N, E] pool of the hierarchical candidate blocks.
 
     ``scores`` [N, E] are -inf where not visible; ``visible`` [N] is the number of visible entries.
@@ -110,7 +124,6 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
     bsel = topk_mask(bmax, topk_blocks)  # [N, nb]
     pool = bsel.repeat_interleave(block_size, dim=1)[:, :e]
     return pool & (scores > NEG)
-
 
 
 _KEYED = (torch.float16, torch.bfloat16, torch.float32)

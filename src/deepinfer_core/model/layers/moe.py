@@ -16,15 +16,13 @@ shapes and no host synchronisation (no ``bincount`` / ``.tolist()`` / per-expert
 can be captured in a CUDA graph. Routed experts then run as three ``torch._grouped_mm`` calls over the
 expert-sorted pairs (bf16 on sm_90+, the offsets stay on the device), else densely (every expert on every
 token, weighted by its routing weight, 0 when not routed). Compute is by logical expert (a placement moves
-no numbers, see above); the expert counts are the same.
+no numbers, see above); the expert counts are the same. The static mode's switches and its counting-sort
+dispatch and gather-combine live in :mod:`~deepinfer_core.model.layers.moe_static` (importable from here).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -35,13 +33,18 @@ from torch import nn
 
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable
+from deepinfer_core.model.layers.moe_static import (
+    GROUPED_IMPL,
+    STATIC_MODE,
+    _combine,
+    _dispatch_rows,
+    _torch_grouped,
+)
+from deepinfer_core.model.layers.moe_static import _dispatch as _dispatch
+from deepinfer_core.model.layers.moe_static import grouped_gemm_impl as grouped_gemm_impl
+from deepinfer_core.model.layers.moe_static import static_shapes as static_shapes
 from deepinfer_core.model.layers.packing import is_block, is_packed, pack_parts
 
-# static mode on in this context (see the module docstring); a context variable, not a module attribute,
-# so an executor turns it on for its own steps only
-# (on, row mask or None): rows whose mask is False (a CUDA graph's padded rows) are left out of the counts
-_STATIC: contextvars.ContextVar[tuple[bool, torch.Tensor | None]] = contextvars.ContextVar(
-    "moe_static", default=(False, None))
 # grouped GEMMs in static mode where torch._grouped_mm applies (a switch for the tests: off = dense)
 GROUPED_MM = True
 # static mode's grouped products take the shared expert as one more group (SGLang's shared-experts fusion):
@@ -52,42 +55,14 @@ GROUPED_MM = True
 FUSE_SHARED = True
 
 
-# the grouped product of static mode in this context: None = torch._grouped_mm where it applies; an
-# executor's opt-in kernel (the ``moe_grouped_gemm`` op: x [R, K], w [E, N, K], end offsets [E]) otherwise,
-# on any device
-_GROUPED: contextvars.ContextVar[Any] = contextvars.ContextVar("moe_grouped_gemm", default=None)
-
-
-@contextlib.contextmanager
-def grouped_gemm_impl(fn: Any) -> Iterator[None]:
-    """Static-mode MoE layers run their expert products through ``fn`` (the ``moe_grouped_gemm`` op's
-    contract) inside this block; None: ``torch._grouped_mm`` (or the dense fallback)."""
-    tok = _GROUPED.set(fn)
-    try:
-        yield
-    finally:
-        _GROUPED.reset(tok)
-
-
-@contextlib.contextmanager
-def static_shapes(on: bool = True, row_mask: torch.Tensor | None = None) -> Iterator[None]:
-    """MoE layers run in static mode (fixed shapes, no host sync) inside this block; ``row_mask`` [N]
-    (bool) marks the rows the expert counts include (None: all)."""
-    tok = _STATIC.set((on, row_mask))
-    try:
-        yield
-    finally:
-        _STATIC.reset(tok)
-
-
-def _torch_grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """The ``moe_grouped_gemm`` contract through ``torch._grouped_mm`` (w [E, N, K] as the layer keeps it)."""
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-
-
 def _grouped_ok(x: torch.Tensor) -> bool:
-    return (GROUPED_MM and hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return (
+        GROUPED_MM
+        and hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
 
 
 @fusable
@@ -126,7 +101,9 @@ class SlotPlacement:
         cnt = np.stack([np.bincount(row, minlength=experts) for row in p2l])
         if (cnt == 0).any():
             lay, e = (int(v) for v in np.argwhere(cnt == 0)[0])
-            raise ValueError(f"phy2log: layer {lay} has no slot for expert {e}; every expert needs >= 1 replica")
+            raise ValueError(
+                f"phy2log: layer {lay} has no slot for expert {e}; every expert needs >= 1 replica"
+            )
         if logcnt is not None:
             lc = np.asarray(logcnt.cpu() if isinstance(logcnt, torch.Tensor) else logcnt)
             if lc.shape != cnt.shape or not (lc == cnt).all():
@@ -145,11 +122,22 @@ class SlotPlacement:
             for lay in range(layers):
                 for e in range(experts):
                     got = l2p[lay, e, : cnt[lay, e]]
-                    if sorted(got.tolist()) != np.flatnonzero(p2l[lay] == e).tolist() or (l2p[lay, e, cnt[lay, e]:] != -1).any():
-                        raise ValueError(f"log2phy: layer {lay} expert {e} lists slots {l2p[lay, e].tolist()}, "
-                                         f"phy2log puts it at {np.flatnonzero(p2l[lay] == e).tolist()}")
-        return [SlotPlacement(torch.from_numpy(p2l[i].astype(np.int64)), torch.from_numpy(l2p[i]),
-                              torch.from_numpy(cnt[i].astype(np.int64))) for i in range(layers)]
+                    if (
+                        sorted(got.tolist()) != np.flatnonzero(p2l[lay] == e).tolist()
+                        or (l2p[lay, e, cnt[lay, e] :] != -1).any()
+                    ):
+                        raise ValueError(
+                            f"log2phy: layer {lay} expert {e} lists slots {l2p[lay, e].tolist()}, "
+                            f"phy2log puts it at {np.flatnonzero(p2l[lay] == e).tolist()}"
+                        )
+        return [
+            SlotPlacement(
+                torch.from_numpy(p2l[i].astype(np.int64)),
+                torch.from_numpy(l2p[i]),
+                torch.from_numpy(cnt[i].astype(np.int64)),
+            )
+            for i in range(layers)
+        ]
 
 
 def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -164,7 +152,12 @@ def route_scores(logits: torch.Tensor, func: str) -> torch.Tensor:
 RANK_TOPK_MAX_EXPERTS = 64
 
 
-_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_BITS = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 
 
 def _order_key(v: torch.Tensor) -> torch.Tensor:
@@ -203,8 +196,15 @@ def rank_topk(v: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @fusable
-def _route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scoring: str, norm_topk: bool,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    scoring: str,
+    norm_topk: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     scores = route_scores(x @ gate.t(), scoring)
     if torch.compiler.is_compiling() and gate.shape[0] <= RANK_TOPK_MAX_EXPERTS:
         ids = rank_topk(scores + bias, k)  # traced for the glue: fused (see rank_topk)
@@ -214,64 +214,6 @@ def _route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scor
     if norm_topk:
         w = w / w.sum(-1, keepdim=True)
     return ids, w * scale
-
-
-def _placement(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counted tokens per expert [E], each pair's place in the expert-sorted order [P], group end offsets
-    int32 [E] over every computed row) of the (token, k) pairs' experts ``flat`` [P]."""
-    # the stable sort by expert as a counting sort (E is small): a pair's place is the pairs of lower
-    # experts plus the earlier pairs of its own; fused kernels instead of a radix sort launch chain, and
-    # the per-expert totals are the one-hot's column sums (no zero-filled scatter-add)
-    hot = (flat[:, None] == torch.arange(e, device=flat.device)[None, :]).to(torch.int32)  # [P, E]
-    upto = torch.cumsum(hot, 0)  # pairs of each expert up to and including this one
-    per_expert = upto[-1]
-    if row_mask is None:
-        counts = per_expert.to(torch.long)
-    else:  # masked rows (a graph's padding) are computed but not counted
-        keep = row_mask[:, None].expand(-1, k).reshape(-1, 1)
-        counts = (hot * keep).sum(0).to(torch.long)
-    ends = torch.cumsum(per_expert, 0)
-    place = (ends - per_expert)[flat] + upto.gather(1, flat[:, None])[:, 0] - 1
-    return counts, place.to(torch.long), ends.to(torch.int32)
-
-
-@fusable
-def _dispatch(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """Static mode's dispatch: (counted tokens per expert, the pairs' expert-sorted order, group end
-    offsets int32 over every computed row)."""
-    counts, place, offs = _placement(flat, e, k, row_mask)
-    order = torch.empty_like(place).scatter_(0, place, torch.arange(flat.shape[0], device=flat.device))
-    return counts, order, offs
-
-
-@fusable
-def _dispatch_rows(flat: torch.Tensor, e: int, k: int, row_mask: torch.Tensor | None, shared_rows: int = 0
-                   ) -> tuple[torch.Tensor, ...]:
-    """:func:`_dispatch` as the static MoE uses it: (counts, the token of each sorted row [P], each pair's
-    sorted row ``place`` [P], offsets). The token is scattered here (one kernel with the sort's last step)
-    rather than divided out of the order afterwards (one more launch a layer). ``shared_rows`` = n > 0:
-    one more group after the experts' (see :data:`FUSE_SHARED`), rows P .. P + n holding tokens 0 .. n - 1
-    (the token rows [P + n] and E + 1 offsets; counts and places stay the routed pairs')."""
-    counts, place, offs = _placement(flat, e, k, row_mask)
-    p = flat.shape[0]
-    tok = torch.empty_like(place).scatter_(0, place, torch.arange(p, device=flat.device) // k)
-    if shared_rows:
-        tok = torch.cat((tok, torch.arange(shared_rows, device=flat.device)))
-        offs = torch.cat((offs, torch.full((1,), p + shared_rows, dtype=offs.dtype, device=offs.device)))
-    return counts, tok, place, offs
-
-
-@fusable
-def _combine(y: torch.Tensor, w: torch.Tensor, place: torch.Tensor, n: int, k: int,
-             shared: torch.Tensor | None = None) -> torch.Tensor:
-    """Expert outputs in sorted order back to (token, k) order by a gather at each pair's sorted row, weighted,
-    the k slots summed in k order: the products and sums of weighting the sorted rows and scattering them
-    back (the form before, by ``order``), as one gather-reduce instead of a weighting, a scatter and a sum.
-    ``shared``: the shared experts' output [n, D], added last (the same sum as adding it after; under the
-    glue in the same kernel, not one more a layer)."""
-    out = (y[place].view(n, k, -1) * w[:, :, None]).sum(1)
-    return out if shared is None else out + shared
 
 
 class MoE(nn.Module):
@@ -329,16 +271,25 @@ class MoE(nn.Module):
     def _can_fuse_shared(self) -> bool:
         """Whether the shared expert can be one more group of the routed products (:data:`FUSE_SHARED`):
         one shared expert of the routed width, clamped as they are."""
-        return (FUSE_SHARED and self.shared and self.s_w1.shape == self.w1.shape[1:]
-                and self.shared_limit == self.limit)
+        return (
+            FUSE_SHARED
+            and self.shared
+            and self.s_w1.shape == self.w1.shape[1:]
+            and self.shared_limit == self.limit
+        )
 
     @torch.no_grad()
     def _pack_with_shared(self) -> None:
         """:meth:`pack_gate_up` with the shared expert as block E of [E + 1, 2I, D] and [E + 1, D, I] tensors:
         w1 / w3 are ``[:E]``'s halves and s_w1 / s_w3 block E's, w2 is ``[:E]`` and s_w2 block E (views)."""
         e, i = self.n_experts, self.w1.shape[1]
-        all13 = torch.cat((torch.cat((self.w1.data, self.w3.data), 1),
-                           torch.cat((self.s_w1.data, self.s_w3.data), 0)[None]), 0)
+        all13 = torch.cat(
+            (
+                torch.cat((self.w1.data, self.w3.data), 1),
+                torch.cat((self.s_w1.data, self.s_w3.data), 0)[None],
+            ),
+            0,
+        )
         all2 = torch.cat((self.w2.data, self.s_w2.data[None]), 0)
         self.w1.data, self.w3.data = all13[:e, :i], all13[:e, i:]
         self.s_w1.data, self.s_w3.data = all13[e, :i], all13[e, i:]
@@ -352,8 +303,12 @@ class MoE(nn.Module):
         if a13 is None or a2 is None:
             return None
         e = self.n_experts
-        if (is_packed(a13[:e], (self.w1, self.w3), 1) and is_packed(a13[e], (self.s_w1, self.s_w3), 0)
-                and is_block(self.w2, a2[:e]) and is_block(self.s_w2, a2[e])):
+        if (
+            is_packed(a13[:e], (self.w1, self.w3), 1)
+            and is_packed(a13[e], (self.s_w1, self.s_w3), 0)
+            and is_block(self.w2, a2[:e])
+            and is_block(self.s_w2, a2[e])
+        ):
             return a13, a2
         self._all13 = self._all2 = None
         return None
@@ -411,7 +366,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [N, D], tokens per routed (logical) expert [E] int64)."""
-        on, mask = _STATIC.get()
+        on, mask = STATIC_MODE.get()
         # where grouped GEMMs apply (CUDA bf16, sm_90+) every call takes them, prefill included: the
         # grouped loop's bincount + .tolist() of the bounds are two host synchronisations per layer and
         # ~7 launches per expert; the grouped products keep the offsets on the device (same outputs up to
@@ -450,13 +405,15 @@ class MoE(nn.Module):
             out = out + self._shared(x)
         return out, counts
 
-    def _forward_static(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_static(
+        self, x: torch.Tensor, row_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with fixed shapes and no host synchronisation (static mode)."""
         n, e, k = x.shape[0], self.n_experts, self.top_k
         ids, w = self.route(x)
         flat = ids.reshape(-1)
         # the executor's grouped kernel if one is set, else torch._grouped_mm where it applies
-        gg = _GROUPED.get() or (_torch_grouped if _grouped_ok(x) else None)
+        gg = GROUPED_IMPL.get() or (_torch_grouped if _grouped_ok(x) else None)
         if gg is not None:
             # the pack is a plain tensor: under autograd (training) the parameters themselves are used
             infer = not torch.is_grad_enabled()
@@ -476,7 +433,8 @@ class MoE(nn.Module):
             return _combine(y, w, place, n, k, self._shared(x) if self.shared else None), counts
         else:
             counts = _dispatch_rows(flat, e, k, row_mask)[0]
-            wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)  # top-k ids are distinct
+            # top-k ids are distinct: a scatter, no accumulation
+            wd = torch.zeros(n, e, dtype=w.dtype, device=x.device).scatter_(1, ids, w)
             out = torch.zeros_like(x)
             for j in range(e):
                 h = clamped_swiglu(x @ self.w1[j].t(), x @ self.w3[j].t(), self.limit)

@@ -36,17 +36,26 @@ def cached_angles() -> Iterator[None]:
 
 
 @fusable
-def _angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [T, r/2] in ``dtype`` of the float64 angles positions x inv_freq: one kernel under the
     glue (eagerly the cast, product, cos, sin and two casts are six)."""
     ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
 
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     cache = _ANGLES.get()
     key = (id(positions), id(inv_freq), dtype)
-    if cache is not None and (hit := cache.get(key)) is not None and hit[0] is positions and hit[1] is inv_freq:
+    if (
+        cache is not None
+        and (hit := cache.get(key)) is not None
+        and hit[0] is positions
+        and hit[1] is inv_freq
+    ):
         return hit[2], hit[3]
     cos, sin = _angles(positions, inv_freq.to(positions.device), dtype)
     if cache is not None:
@@ -75,8 +84,9 @@ def rope_inv_freq(rope_dim: int, base: float, scaling: dict[str, Any] | None = N
     return inv / factor * (1 - keep) + inv * keep
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-               interleave: bool = True) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, interleave: bool = True
+) -> torch.Tensor:
     """Rotate the last ``rope_dim`` dims of ``x`` [T, ..., d] by ``positions`` [T]; returns a new tensor.
 
     ``interleave``: pairs are adjacent dims (2i, 2i+1); otherwise dim i pairs with i + rope_dim/2.
@@ -107,7 +117,9 @@ def _rotated(tail: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleave: bool) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleave: bool
+) -> torch.Tensor:
     d = x.shape[-1]
     return torch.cat((x[..., : d - rope_dim], _rotated(x[..., d - rope_dim :], cos, sin, interleave)), dim=-1)
 
@@ -115,8 +127,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int
 _rotate_fused = fusable(_rotate)
 
 
-def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-                interleave: bool = True) -> torch.Tensor:
+def apply_rope_(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, interleave: bool = True
+) -> torch.Tensor:
     """:func:`apply_rope` in place: rotates ``x[..., d - rope_dim:]`` and returns ``x``; the other dims are
     neither read nor written. For a caller that owns ``x`` (a fresh projection nobody else holds): the
     functional form rewrites all d dims to rotate rope_dim (queries: 512 to rotate 64). Same values as
@@ -138,8 +151,15 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     return x
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
-              rope_dim: int, interleave: bool = True) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_dim: int,
+    interleave: bool = True,
+) -> torch.Tensor:
     """``apply_rope(rms_norm(x, weight, eps), ...)``, a new tensor: under the fused glue one compiled
     function (the norm's rows rotated before they are stored: one kernel, where the norm and the in-place
     rotation were two); eagerly the norm then :func:`apply_rope_` on it (the reference's calls)."""
@@ -150,8 +170,15 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torc
 
 
 @fusable
-def _norm_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 rope_dim: int, interleave: bool) -> torch.Tensor:
+def _norm_rotate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_dim: int,
+    interleave: bool,
+) -> torch.Tensor:
     return _rotate(rms_norm(x, weight, eps), cos, sin, rope_dim, interleave)
 
 
@@ -202,7 +229,8 @@ def _rotate_pairs_(pairs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     pairs.copy_(hi | lo)
 
 
-def _rope_inline(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-                interleave: bool) -> torch.Tensor:
+def _rope_inline(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, interleave: bool
+) -> torch.Tensor:
     ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
     return _rotate(x, torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype), rope_dim, interleave)

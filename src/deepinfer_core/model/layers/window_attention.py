@@ -30,8 +30,9 @@ def window_width(tile: int, window: int) -> int:
     return -(-(tile + window - 1) // 8) * 8
 
 
-def window_keys(keys: torch.Tensor, key_pos0: int, q_pos0: int, m: int, window: int, floor: int,
-                tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_keys(
+    keys: torch.Tensor, key_pos0: int, q_pos0: int, m: int, window: int, floor: int, tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tile's keys [T, W, d] and its mask [T, tile, W] for ``m`` queries at q_pos0 + arange(m).
 
     ``keys`` [K, d] sit at positions key_pos0 + arange(K); a key is visible to query p when
@@ -42,7 +43,11 @@ def window_keys(keys: torch.Tensor, key_pos0: int, q_pos0: int, m: int, window: 
     width = window_width(tile, window)
     dev = keys.device
     # key position of column j of tile b: q_pos0 + b * tile - (window - 1) + j
-    kpos = (q_pos0 - (window - 1)) + tile * torch.arange(n_t, device=dev)[:, None] + torch.arange(width, device=dev)[None, :]
+    kpos = (
+        (q_pos0 - (window - 1))
+        + tile * torch.arange(n_t, device=dev)[:, None]
+        + torch.arange(width, device=dev)[None, :]
+    )
     idx = kpos - key_pos0
     exists = (idx >= 0) & (idx < keys.shape[0]) & (kpos >= floor)
     kw = keys[idx.clamp(0, max(keys.shape[0] - 1, 0))]  # [T, W, d]; out-of-range columns are masked
@@ -53,8 +58,15 @@ def window_keys(keys: torch.Tensor, key_pos0: int, q_pos0: int, m: int, window: 
 
 
 @fusable
-def window_sink_attention(q: torch.Tensor, k_win: torch.Tensor, mask_win: torch.Tensor, k_b: torch.Tensor | None,
-                          mask_b: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def window_sink_attention(
+    q: torch.Tensor,
+    k_win: torch.Tensor,
+    mask_win: torch.Tensor,
+    k_b: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One softmax per row over the tile's window keys, the row's compressed keys and the sink.
 
     q [T, t, H, d]; k_win [T, W, d] with mask_win [T, t, W]; k_b [T, t, B, d] with mask_b [T, t, B], or None;
@@ -75,9 +87,19 @@ def window_sink_attention(q: torch.Tensor, k_win: torch.Tensor, mask_win: torch.
     return (out.to(den.dtype) / den).to(q.dtype)
 
 
-def window_attention(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, q_pos0: int, window: int, floor: int,
-                     sink: torch.Tensor, scale: float, k_b: torch.Tensor | None = None,
-                     mask_b: torch.Tensor | None = None, tile: int = 64) -> torch.Tensor:
+def window_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos0: int,
+    q_pos0: int,
+    window: int,
+    floor: int,
+    sink: torch.Tensor,
+    scale: float,
+    k_b: torch.Tensor | None = None,
+    mask_b: torch.Tensor | None = None,
+    tile: int = 64,
+) -> torch.Tensor:
     """Attention of queries q [m, H, d] at positions q_pos0 + arange(m) over the window keys ``keys`` [K, d]
     (positions key_pos0 + arange(K); visible: p - window < pos <= p and pos >= floor) and, per row, the
     compressed keys k_b [m, B, d] (mask_b [m, B]), with the sink: equal to ``sink_attention`` over the dense
@@ -104,9 +126,18 @@ def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
     return x if pad == 0 else torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
 
 
-def window_attention_reference(q: torch.Tensor, keys: torch.Tensor, key_pos0: int, q_pos0: int, window: int,
-                               floor: int, sink: torch.Tensor, scale: float, k_b: torch.Tensor | None = None,
-                               mask_b: torch.Tensor | None = None) -> torch.Tensor:
+def window_attention_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos0: int,
+    q_pos0: int,
+    window: int,
+    floor: int,
+    sink: torch.Tensor,
+    scale: float,
+    k_b: torch.Tensor | None = None,
+    mask_b: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The oracle: every query against every key through the dense mask (the plain prefill path's maths)."""
     qp = q_pos0 + torch.arange(q.shape[0], device=q.device)
     kp = key_pos0 + torch.arange(keys.shape[0], device=q.device)
