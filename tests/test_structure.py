@@ -234,7 +234,7 @@ def test_model_reaches_no_private_attribute_of_another_object() -> None:
 
 
 # ---- rule 4: function and file sizes (issue #31), on the formatted source
-SIZE_CHECKED = ("model",)  # packages of deepinfer_core held to the limits
+SIZE_CHECKED = ("model", "engine")  # packages of deepinfer_core held to the limits
 MAX_FUNCTION_LINES = 59  # "under 60"
 MAX_FILE_LINES = 500
 

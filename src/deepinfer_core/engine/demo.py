@@ -40,7 +40,6 @@ def demo() -> None:
 
 def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutput]]:
     """Five requests batched together (the structured ones when the extra is installed)."""
-    from deepinfer_core.display import printable, printable_completion
     from deepinfer_core.sampling_params import SamplingParams
 
     what = {"tiny": "the shipped checkpoint, trained on Python sources: code prompts read best",
@@ -74,6 +73,13 @@ def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutpu
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         eng_log.setLevel(level)
+    _show(llm, prompts, labels, outs)
+    return prompts, params, outs
+
+
+def _show(llm: LLM, prompts: list[str], labels: list[str], outs: list[RequestOutput]) -> None:
+    from deepinfer_core.display import printable, printable_completion
+
     token_bytes = llm.engine.tokenizer.token_bytes()
     for p, label, o in zip(prompts, labels, outs):
         if o.ok:
@@ -82,7 +88,6 @@ def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutpu
                   f"ended by {o.finish_reason})")
         else:
             print(f"  {label:26s} {p!r} -> refused alone, as it should be: {o.error}")
-    return prompts, params, outs
 
 
 def _exact_and_speculative(prompts: list[str], params: list[SamplingParams], outs: list[RequestOutput]) -> None:

@@ -47,7 +47,7 @@ from deepinfer_core.engine.run import StepRunner
 from deepinfer_core.engine.sample import TokenSampler
 from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.stats import StepStats
-from deepinfer_core.engine.step_order import StepOrder, make_step_order
+from deepinfer_core.engine.step_order import StepOrder, choose_mode, make_step_order
 from deepinfer_core.envs import Envs, get_envs
 from deepinfer_core.kv import PagedKVPool, StatePool
 from deepinfer_core.model import DeepSeekV41, ModelExecutor
@@ -66,6 +66,13 @@ __all__ = ["LLMEngine", "StepStats"]
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _checked_threads(num_threads: int | None) -> int | None:
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
+    return num_threads
 
 
 class LLMEngine:
@@ -100,10 +107,7 @@ class LLMEngine:
         than ``LLM`` did. Torch's setting is process-wide and the step API has no call to restore it
         after, so the engine sets it when built and again at a ``step`` that finds it changed; None
         leaves torch's setting alone (``LLM`` passes None and sets it around its own calls)."""
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                        or num_threads < 1):
-            raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
-        self.num_threads = num_threads
+        self.num_threads = _checked_threads(num_threads)
         self._pin_threads()
         self.config = cfg = config if config is not None else EngineConfig()
         self.envs = envs if envs is not None else get_envs()
@@ -119,9 +123,8 @@ class LLMEngine:
         self.model = model
         self.num_speculative_tokens = self._spec_tokens()
         self.drafts: DraftBook | None = None
-        if self.num_speculative_tokens > 0:
-            self.drafts = DraftBook(make_policy(self.envs.enable_mtp_varlen, self.num_speculative_tokens),
-                                    self.num_speculative_tokens)
+        if (k := self.num_speculative_tokens) > 0:
+            self.drafts = DraftBook(make_policy(self.envs.enable_mtp_varlen, k), k)
         self._lock = threading.RLock()
         # num_blocks / max_num_seqs left None: from the device's memory (engine/sizing.py), before the executor
         self.config, size = self._sized(cfg)
@@ -133,8 +136,13 @@ class LLMEngine:
         self.outputs = OutputBuilder(self.tokenizer)
         self._kv_store_guard: StoreGuard | None = None  # kept across reset(): so is its breaker's state
         self._stats = StepStats()
-        self.step_mode = self._step_mode()  # "sync" / "async" / "overlap": the StepOrder's, fixed here
+        # "sync" / "async" / "overlap": the StepOrder's, fixed here
+        self.step_mode = choose_mode(cfg.async_scheduling, cfg.async_overlap, self.drafts, self._executor)
         self._build()
+        self._log_start()
+
+    def _log_start(self) -> None:
+        cfg = self.config
         log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
                  "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, self.num_blocks,
                  cfg.block_size, self.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
@@ -170,23 +178,6 @@ class LLMEngine:
             if (on := getattr(self.envs, switch)) is not None:
                 setattr(ex, switch, on and ex.sync_free)
         return ex
-
-    def _step_mode(self) -> str:
-        """sync (no async scheduling: always with drafts), async, or overlap (engine/overlap.py): on with
-        async scheduling unless the executor must read every step's tokens on the host before the next."""
-        cfg = self.config
-        if self.drafts is not None:
-            log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
-                     self.num_speculative_tokens, type(self.drafts.policy).__name__)
-        # a verify row's next position depends on how many drafts are accepted, so with drafts the
-        # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
-        if not cfg.async_scheduling or self.drafts is not None:
-            return "sync"
-        if cfg.async_overlap and not self._executor.token_feed_ok:
-            log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
-                     "placed %r); every step waits for the previous step's tokens", self._executor.engram_placement)
-            return "async"
-        return "overlap" if cfg.async_overlap else "async"
 
     def _build(self) -> None:
         """Fresh pools, scheduler and per-run collaborators (at start, and by ``reset``)."""
@@ -383,12 +374,14 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return out
         plan = self._schedule()  # 1. schedule
-        for done in self.order.land_before(plan):  # 2. the previous step lands first unless this one overlaps it
+        # 2. the previous step lands first unless this one overlaps it
+        for done in self.order.land_before(plan):
             out += self._update(done)
         if plan.num_rows == 0:
             return out + self._idle(plan)
         prev, overlap = self.order.feed(plan)
-        step = self.runner.run(plan, prev, overlap)  # 3. build, execute, sample (or launch: tokens on the device)
+        # 3. build, execute, sample (or launch: tokens on the device)
+        step = self.runner.run(plan, prev, overlap)
         for done in self.order.land_after(step):  # 4. the steps whose tokens are on the host now
             out += self._update(done)  # 5. update the requests, build the finished ones' outputs
         return out

@@ -23,7 +23,9 @@ from typing import Protocol
 
 from deepinfer_core.engine.overlap import Launched, PendingStep
 from deepinfer_core.engine.run import StepRunner
+from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.stats import StepStats
+from deepinfer_core.protocols import ModelExecutor
 from deepinfer_core.scheduler import Plan
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,23 @@ class OverlapOrder:
         )  # this step is queued behind the previous one: now read that one's tokens
         self.stats.land_wait_s += time.perf_counter() - t0
         return [done]
+
+
+def choose_mode(async_scheduling: bool, async_overlap: bool, drafts: DraftBook | None, executor: ModelExecutor) -> str:
+    """sync (no async scheduling: always with drafts), async, or overlap (engine/overlap.py): on with
+    async scheduling unless the executor must read every step's tokens on the host before the next."""
+    if drafts is not None:
+        log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
+                 drafts.max_drafts, type(drafts.policy).__name__)
+    # a verify row's next position depends on how many drafts are accepted, so with drafts the
+    # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
+    if not async_scheduling or drafts is not None:
+        return "sync"
+    if async_overlap and not executor.token_feed_ok:
+        log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
+                 "placed %r); every step waits for the previous step's tokens", executor.engram_placement)
+        return "async"
+    return "overlap" if async_overlap else "async"
 
 
 def make_step_order(mode: str, runner: StepRunner, stats: StepStats) -> StepOrder:

@@ -52,9 +52,14 @@ def test_size_pool_is_the_largest_pool_that_fits(per_block: int, per_slot: int, 
     try:
         size = sizing.size_pool(cfg, cost, free_bytes=free, total_bytes=total, reserve_bytes=reserve)
     except ValueError as e:
-        assert "EngineConfig.gpu_memory_utilization" in str(e) or "EngineConfig.max_num_seqs" in str(e)
-        if "gpu_memory_utilization" in str(e):
+        # the field in error is the message's first word (the max_num_seqs message also suggests raising
+        # gpu_memory_utilization)
+        field = str(e).split(":")[0]
+        assert field in ("EngineConfig.gpu_memory_utilization", "EngineConfig.max_num_seqs")
+        if field == "EngineConfig.gpu_memory_utilization":
             assert budget < per_slot + (per_seq + 1) * per_block
+        else:  # the given max_num_seqs' slots leave less than one sequence's blocks
+            assert seqs is not None and (budget - seqs * per_slot) // per_block < per_seq + 1
         return
     s, n = size.max_num_seqs, size.num_blocks
     assert size.budget_bytes == budget
