@@ -124,9 +124,8 @@ def _generate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         ap.error(f"--threads: {args.threads} must be >= 1")
     _check_model(args, ap)
     # The CLI reports each failed request itself (below): the engine's own warning about it would print
-    # the same error twice. -v shows the engine's logs.
-    for name in ("deepinfer_core.engine.engine", "deepinfer_core.engine.llm"):
-        logging.getLogger(name).setLevel(logging.INFO if args.verbose else logging.ERROR)
+    # the same error twice. -v shows the engine's logs (every engine module's logger is under this one).
+    logging.getLogger("deepinfer_core.engine").setLevel(logging.INFO if args.verbose else logging.ERROR)
     from deepinfer_core.engine import LLM
 
     llm = LLM(model=args.model, num_threads=args.threads)
