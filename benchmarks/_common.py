@@ -39,13 +39,19 @@ class BenchParser(argparse.ArgumentParser):
 def parser(description: str) -> argparse.ArgumentParser:
     ap = BenchParser(description=description)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke run)")
-    ap.add_argument("--plot", action="store_true",
-                    help='also write a PNG under benchmarks/out/ (needs matplotlib: the "plot" extra)')
+    ap.add_argument(
+        "--plot",
+        action="store_true",
+        help='also write a PNG under benchmarks/out/ (needs matplotlib: the "plot" extra)',
+    )
     return ap
 
 
 def emit(bench: str, params: dict[str, Any], metric: str, value: float, unit: str) -> None:
-    print(json.dumps({"bench": bench, "params": params, "metric": metric, "value": value, "unit": unit}), flush=True)
+    print(
+        json.dumps({"bench": bench, "params": params, "metric": metric, "value": value, "unit": unit}),
+        flush=True,
+    )
 
 
 def time_it(fn: Callable[[], Any], repeat: int = 5, number: int = 1, warmup: int = 1) -> float:

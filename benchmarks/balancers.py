@@ -60,7 +60,9 @@ def _store(ttl: TTLPolicy, capacity_blocks: int | None = None):
 
 
 def fit(true: CostModel, q: np.ndarray, c: np.ndarray, rng: np.random.Generator, name: str) -> CostModel:
-    ns = np.array([true.predict(int(a), int(b)) for a, b in zip(q, c)]) * (1 + 0.03 * rng.standard_normal(q.size))
+    ns = np.array([true.predict(int(a), int(b)) for a, b in zip(q, c)]) * (
+        1 + 0.03 * rng.standard_normal(q.size)
+    )
     m = CostModel.fit(q, c, ns)
     err = float(np.median(np.abs(np.array([m.predict(int(a), int(b)) for a, b in zip(q, c)]) / ns - 1)))
     emit(BENCH, {"engine": name, "samples": int(q.size)}, "fit_median_rel_err", err, "ratio")
@@ -85,7 +87,14 @@ def main() -> None:
     n_pre = 4 if quick else 16
     dur = 120.0 if quick else 900.0
     probe = prefill_trace(600, 10, seed=1)
-    mean_s = float(np.mean([prefill_request_ns(pc, t - c, c) for t, c in zip(probe.total_tokens, probe.cached_tokens)])) * 1e-9
+    mean_s = (
+        float(
+            np.mean(
+                [prefill_request_ns(pc, t - c, c) for t, c in zip(probe.total_tokens, probe.cached_tokens)]
+            )
+        )
+        * 1e-9
+    )
     emit(BENCH, {"trace": "mix"}, "prefill_mean_request_s", mean_s, "s")
     pre_rows = []
     cases = [(shape, rho) for rho in (0.7, 0.9) for shape in ("steady", "shifting", "bursty")]
@@ -100,15 +109,20 @@ def main() -> None:
                 emit(BENCH, {**p, "tier": t}, "ttft_p99", res.ttft_quantile(0.99, t), "s")
             emit(BENCH, p, "ttft_p50", res.ttft_quantile(0.5), "s")
             emit(BENCH, p, "sim_wall", time.perf_counter() - t0, "s")
-            pre_rows.append((shape, rho, res.policy, res.efficiency, [res.ttft_quantile(0.99, t) for t in range(4)]))
+            pre_rows.append(
+                (shape, rho, res.policy, res.efficiency, [res.ttft_quantile(0.99, t) for t in range(4)])
+            )
 
     # ---- prefill capacity under a TTFT SLO: the largest load every tier's p99 meets, by bisection
     slo_rows = []
     n_slo = 4 if quick else 8
     sdur = 120.0 if quick else 600.0
     for shape in tqdm(("steady", "shifting", "bursty"), desc="prefill slo", disable=quick):
-        for make in (lambda: RoundRobinPrefill(n_slo, pc), lambda: LeastWorkPrefill(n_slo, pc),
-                     lambda: PrefillBalancer(n_slo, pc)):
+        for make in (
+            lambda: RoundRobinPrefill(n_slo, pc),
+            lambda: LeastWorkPrefill(n_slo, pc),
+            lambda: PrefillBalancer(n_slo, pc),
+        ):
             lo, hi = 0.2, 1.0
             name = make().name
             for _ in range(3 if quick else 6):
@@ -128,8 +142,11 @@ def main() -> None:
     rate = m * 0.75 * slots / (750 * 0.015)
     tr = decode_trace(ddur, rate, seed=3)
     dec_rows = []
-    for cls in tqdm((RoundRobinDecode, LeastRequestsDecode, LeastKVDecode, LeastStepTimeDecode, DecodeBalancer),
-                    desc="decode", disable=quick):
+    for cls in tqdm(
+        (RoundRobinDecode, LeastRequestsDecode, LeastKVDecode, LeastStepTimeDecode, DecodeBalancer),
+        desc="decode",
+        disable=quick,
+    ):
         bal = cls(m, dc, max_running=slots, kv_capacity=kvcap)
         t0 = time.perf_counter()
         r = simulate_decode(tr, bal, dc)
@@ -167,7 +184,13 @@ def main() -> None:
         ttl_rows.append((d, h))
     default = replay_hit_rate(sess, _store(TTLPolicy()))
     for cls in ("agent", "chatbot", "overall"):
-        emit(BENCH, {"ttl": "agent 3 d / chatbot 7 d", "class": cls}, "hit_rate", getattr(default, cls), "ratio")
+        emit(
+            BENCH,
+            {"ttl": "agent 3 d / chatbot 7 d", "class": cls},
+            "hit_rate",
+            getattr(default, cls),
+            "ratio",
+        )
     h3 = dict(ttl_rows)[3]
     h7 = dict(ttl_rows)[7]
     emit(BENCH, {"class": "chatbot"}, "hit_rate_loss_3d_vs_7d", h7.chatbot - h3.chatbot, "ratio")
@@ -179,7 +202,7 @@ def main() -> None:
     distinct = int(sum(last.values()))
     emit(BENCH, {"sessions": len(last)}, "distinct_blocks", distinct, "blocks")
     cap_rows = []
-    for frac in ([0.002, 0.05] if quick else [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3]):
+    for frac in [0.002, 0.05] if quick else [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3]:
         h = replay_hit_rate(sess, _store(TTLPolicy(), max(1, int(frac * distinct))))
         emit(BENCH, {"capacity_of_footprint": frac}, "hit_rate", h.overall, "ratio")
         cap_rows.append((frac, h))

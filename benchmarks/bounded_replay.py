@@ -46,10 +46,20 @@ KEEP_OVER_WINDOW = 12  # DEEPINFER_YOCO_PREFILL_KEEP_TOKENS = 140 = window 128 +
 
 def wide_config() -> ModelConfig:
     """The released layer structure (window, split, ratios, sharing groups) at the tiny width."""
-    return tiny_config(num_hidden_layers=40, sliding_window=128, compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
-                       kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
-                       num_encoder_layers=20, candidate_source_layer_id=20, candidate_block_size=8,
-                       candidate_topk_blocks=64, index_topk=64, engram_layer_ids=[1, 14], num_nextn_predict_layers=0)
+    return tiny_config(
+        num_hidden_layers=40,
+        sliding_window=128,
+        compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
+        kv_source_layer_ids=[2, 8, 14, 20],
+        index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+        num_encoder_layers=20,
+        candidate_source_layer_id=20,
+        candidate_block_size=8,
+        candidate_topk_blocks=64,
+        index_topk=64,
+        engram_layer_ids=[1, 14],
+        num_nextn_predict_layers=0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -59,7 +69,9 @@ def layer_dense_flops(model: DeepSeekV41) -> list[float]:
     for blk in model.layers:
         attn = sum(p.numel() for n, p in blk.attn.named_parameters() if n != "attn_sink")
         moe = blk.ffn
-        per_expert = sum(p[0].numel() for n, p in moe.named_parameters() if n.startswith("w") and p.dim() == 3)
+        per_expert = sum(
+            p[0].numel() for n, p in moe.named_parameters() if n.startswith("w") and p.dim() == 3
+        )
         routed = per_expert * cfg.num_experts_per_tok
         shared = sum(p.numel() for n, p in moe.named_parameters() if "shared" in n)
         gate = cfg.hidden_size * cfg.n_routed_experts
@@ -81,7 +93,9 @@ def plan_flops(model: DeepSeekV41, plan: ReplayPlan) -> float:
         for lid in lays:
             if lid == st.source_layer:  # the source write: compressor projections only
                 a = model.layers[lid].attn
-                total += 2.0 * st.num_tokens * (a.compressor.wkv.numel() * 2 + a.index_compressor.wkv.numel() * 2)
+                total += (
+                    2.0 * st.num_tokens * (a.compressor.wkv.numel() * 2 + a.index_compressor.wkv.numel() * 2)
+                )
                 continue
             total += dense[lid] * st.num_tokens
             lo = st.floor if st.floor_layers[0] <= lid < st.floor_layers[1] else 0
@@ -123,8 +137,16 @@ def full_plan(n: int, cfg: ModelConfig) -> ReplayPlan:
 
 
 # ---------------------------------------------------------------------------------------------- recon / hit
-def bench_cost(model: DeepSeekV41, name: str, contexts: list[int], new: int, repeat: int, max_full: int,
-               chunk: int, rows: list[dict]) -> None:
+def bench_cost(
+    model: DeepSeekV41,
+    name: str,
+    contexts: list[int],
+    new: int,
+    repeat: int,
+    max_full: int,
+    chunk: int,
+    rows: list[dict],
+) -> None:
     cfg, dev = model.cfg, next(model.parameters()).device
     biggest = max(contexts)
     nb = -(-biggest // BLOCK) + 2
@@ -140,17 +162,32 @@ def bench_cost(model: DeepSeekV41, name: str, contexts: list[int], new: int, rep
                     plan = full_plan(ctx, cfg)
                     sec = float("nan")
                     if ctx <= max_full:
-                        sec = timed(lambda plan=plan, toks=toks: run_plan(ex, plan, toks, 0, table, chunk=chunk),
-                                    dev, repeat)
+                        sec = timed(
+                            lambda plan=plan, toks=toks: run_plan(ex, plan, toks, 0, table, chunk=chunk),
+                            dev,
+                            repeat,
+                        )
                 else:
                     rc = ReplayConfig.from_model(cfg, keep=keep_of(cfg), block_size=BLOCK, mode=mode)
                     plan = plan_replay(rc, ctx, h0, host_state=True)
-                    sec = timed(lambda plan=plan, toks=toks: run_plan(ex, plan, toks, 1, table, host_rings=rings,
-                                                                      chunk=chunk), dev, repeat)
+                    sec = timed(
+                        lambda plan=plan, toks=toks: run_plan(
+                            ex, plan, toks, 1, table, host_rings=rings, chunk=chunk
+                        ),
+                        dev,
+                        repeat,
+                    )
                 fl = plan_flops(model, plan)
-                row = {"model": name, "scenario": scen, "context": ctx, "mode": mode, "hit": plan.hit,
-                       "computed_tokens": ctx - plan.hit, "decoder_replay_tokens": plan.decoder_replay_tokens,
-                       "device": dev.type}
+                row = {
+                    "model": name,
+                    "scenario": scen,
+                    "context": ctx,
+                    "mode": mode,
+                    "hit": plan.hit,
+                    "computed_tokens": ctx - plan.hit,
+                    "decoder_replay_tokens": plan.decoder_replay_tokens,
+                    "device": dev.type,
+                }
                 emit(BENCH, row, "seconds", sec, "s")
                 emit(BENCH, row, "modelled_flops", fl, "flop")
                 rows.append({**row, "seconds": sec, "flops": fl})
@@ -158,13 +195,37 @@ def bench_cost(model: DeepSeekV41, name: str, contexts: list[int], new: int, rep
         if enc_share is None:
             rc = ReplayConfig.from_model(cfg, keep=keep_of(cfg), block_size=BLOCK)
             p = plan_replay(rc, ctx, ctx - new, host_state=True)
-            per = [(s, plan_flops(model, ReplayPlan(num_tokens=ctx, requested_hit=0, hit=0, mode="bounded",
-                                                    encoder_restored=False, steps=(s,), encoder_replay_tokens=0,
-                                                    decoder_replay_tokens=0, exact=False)) / max(1, s.num_tokens))
-                   for s in p.steps if s.kind in ("encoder_prefill", "tail")]
+            per = [
+                (
+                    s,
+                    plan_flops(
+                        model,
+                        ReplayPlan(
+                            num_tokens=ctx,
+                            requested_hit=0,
+                            hit=0,
+                            mode="bounded",
+                            encoder_restored=False,
+                            steps=(s,),
+                            encoder_replay_tokens=0,
+                            decoder_replay_tokens=0,
+                            exact=False,
+                        ),
+                    )
+                    / max(1, s.num_tokens),
+                )
+                for s in p.steps
+                if s.kind in ("encoder_prefill", "tail")
+            ]
             if len(per) == 2:
                 enc_share = per[0][1] / per[1][1]
-                emit(BENCH, {"model": name, "context": ctx}, "encoder_only_flops_per_token_vs_full", enc_share, "x")
+                emit(
+                    BENCH,
+                    {"model": name, "context": ctx},
+                    "encoder_only_flops_per_token_vs_full",
+                    enc_share,
+                    "x",
+                )
     for ctx in contexts:
         by = {(r["scenario"], r["mode"]): r for r in rows if r["context"] == ctx and r["model"] == name}
         for scen in ("recon", "hit"):
@@ -187,8 +248,17 @@ def text_prompts(tok: Any) -> np.ndarray:
     return np.asarray(tok.encode(text), dtype=np.int64)
 
 
-def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit: int, decode: int,
-                  keeps: list[int], rows: list[dict], texts: np.ndarray | None = None) -> None:
+def bench_quality(
+    model: DeepSeekV41,
+    name: str,
+    prompts: int,
+    length: int,
+    hit: int,
+    decode: int,
+    keeps: list[int],
+    rows: list[dict],
+    texts: np.ndarray | None = None,
+) -> None:
     cfg = model.cfg
     w, bs = cfg.sliding_window, 8
     nb = -(-(length + decode) // bs) + 2
@@ -204,17 +274,42 @@ def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit:
             toks = texts[a : a + length]
         ex = ModelExecutor(model, nb, bs, 2, quantize=True)
         # the exact run (no cache): prefill with a snapshot at the hit, then greedy decode
-        out = ex.execute(ForwardBatch(token_ids=toks[:hit], query_lens=[hit], start_pos=[0], block_tables=table[None],
-                                      state_slots=[0], num_logits=[0], snapshot_pos=[hit]))
+        out = ex.execute(
+            ForwardBatch(
+                token_ids=toks[:hit],
+                query_lens=[hit],
+                start_pos=[0],
+                block_tables=table[None],
+                state_slots=[0],
+                num_logits=[0],
+                snapshot_pos=[hit],
+            )
+        )
         snap = out.snapshots[0]
-        out = ex.execute(ForwardBatch(token_ids=toks[hit:], query_lens=[length - hit], start_pos=[hit],
-                                      block_tables=table[None], state_slots=[0], num_logits=[1]))
+        out = ex.execute(
+            ForwardBatch(
+                token_ids=toks[hit:],
+                query_lens=[length - hit],
+                start_pos=[hit],
+                block_tables=table[None],
+                state_slots=[0],
+                num_logits=[1],
+            )
+        )
         ref = [out.logits[-1].double().log_softmax(-1)]
         seq = list(toks)
         for _ in range(decode):
             seq.append(int(ref[-1].argmax()))
-            o = ex.execute(ForwardBatch(token_ids=seq[-1:], query_lens=[1], start_pos=[len(seq) - 1],
-                                        block_tables=table[None], state_slots=[0], num_logits=[1]))
+            o = ex.execute(
+                ForwardBatch(
+                    token_ids=seq[-1:],
+                    query_lens=[1],
+                    start_pos=[len(seq) - 1],
+                    block_tables=table[None],
+                    state_slots=[0],
+                    num_logits=[1],
+                )
+            )
             ref.append(o.logits[-1].double().log_softmax(-1))
         for keep in keeps:
             for host in (True, False):
@@ -224,8 +319,16 @@ def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit:
                 lg = [run_plan(ex, plan, toks, 1, table, host_rings=snap).double().log_softmax(-1)]
                 for i in range(decode):
                     pos = length + i
-                    o = ex.execute(ForwardBatch(token_ids=[seq[pos]], query_lens=[1], start_pos=[pos],
-                                                block_tables=table[None], state_slots=[1], num_logits=[1]))
+                    o = ex.execute(
+                        ForwardBatch(
+                            token_ids=[seq[pos]],
+                            query_lens=[1],
+                            start_pos=[pos],
+                            block_tables=table[None],
+                            state_slots=[1],
+                            num_logits=[1],
+                        )
+                    )
                     lg.append(o.logits[-1].double().log_softmax(-1))
                 kl = [float((r.exp() * (r - b)).sum()) for r, b in zip(ref, lg)]
                 top = [bool(r.argmax() == b.argmax()) for r, b in zip(ref, lg)]
@@ -237,9 +340,19 @@ def bench_quality(model: DeepSeekV41, name: str, prompts: int, length: int, hit:
         top = np.array([b for _, b in v])
         kl0 = np.array([a for a, _ in last[(keep, host)]])
         top0 = np.array([b for _, b in last[(keep, host)]])
-        p = {"model": name, "keep": keep, "window": w, "exact_tail": exact_tail, "host_copy": host, "prompts": prompts,
-             "prompt_source": "random ids" if texts is None else "docs/*.md text",
-             "length": length, "hit": hit, "decode_steps": decode, "quantized_kv": True}
+        p = {
+            "model": name,
+            "keep": keep,
+            "window": w,
+            "exact_tail": exact_tail,
+            "host_copy": host,
+            "prompts": prompts,
+            "prompt_source": "random ids" if texts is None else "docs/*.md text",
+            "length": length,
+            "hit": hit,
+            "decode_steps": decode,
+            "quantized_kv": True,
+        }
         emit(BENCH, p, "kl_mean_all_positions", float(kl.mean()), "nats")
         emit(BENCH, p, "kl_p99_all_positions", float(np.quantile(kl, 0.99)), "nats")
         emit(BENCH, p, "top1_agreement_all_positions", float(top.mean()), "frac")
@@ -267,12 +380,22 @@ def bench_engine(repeat: int) -> None:
             llms[pc].generate(ps, [sp] * 8, use_tqdm=False)
             t[pc].append(time.process_time() - t0)
     on, off = float(np.median(t[True])), float(np.median(t[False]))
-    emit(BENCH, {"scenario": "no_hits", "prompts": 8, "prompt_len": 64, "outputs": 24}, "cpu_s_on_vs_off", on / off, "x")
+    emit(
+        BENCH,
+        {"scenario": "no_hits", "prompts": 8, "prompt_len": 64, "outputs": 24},
+        "cpu_s_on_vs_off",
+        on / off,
+        "x",
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     res = {}
     for mode in ("off", EXACT, "bounded"):
-        llm = LLM(model="tiny-random", prefix_caching=mode != "off", swa_replay=EXACT if mode == "off" else mode,
-                  num_blocks=512)
+        llm = LLM(
+            model="tiny-random",
+            prefix_caching=mode != "off",
+            swa_replay=EXACT if mode == "off" else mode,
+            num_blocks=512,
+        )
         ts, out = [], []
         for _ in range(repeat):
             ps = [rng.integers(3, 259, 400).tolist() for _ in range(4)]
@@ -281,11 +404,19 @@ def bench_engine(repeat: int) -> None:
             out = llm.generate(ps, [sp] * 4, use_tqdm=False)
             ts.append(time.process_time() - t0)
         res[mode] = float(np.median(ts))
-        p = {"scenario": "repeat", "mode": mode, "prompts": 4, "prompt_len": 400,
-             "cached_tokens": sum(o.cached_tokens for o in out), "replayed_tokens": sum(o.replayed_tokens for o in out)}
+        p = {
+            "scenario": "repeat",
+            "mode": mode,
+            "prompts": 4,
+            "prompt_len": 400,
+            "cached_tokens": sum(o.cached_tokens for o in out),
+            "replayed_tokens": sum(o.replayed_tokens for o in out),
+        }
         emit(BENCH, p, "cpu_s", res[mode], "s")
         emit(BENCH, p, "cpu_s_vs_off", res[mode] / res["off"], "x")
-        log(f"engine repeat {mode}: {res[mode]:.3f} s ({p['cached_tokens']} cached, {p['replayed_tokens']} replayed)")
+        log(
+            f"engine repeat {mode}: {res[mode]:.3f} s ({p['cached_tokens']} cached, {p['replayed_tokens']} replayed)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -300,16 +431,24 @@ def plot(cost: list[dict], quality: list[dict], tag: str) -> None:
         rec = [r for r in cost if r["scenario"] == "recon"]
         for ax, key, lab in ((axes[0], "seconds", "measured seconds"), (axes[1], "flops", "modelled FLOPs")):
             for mode, style in (("bounded", "o-"), (EXACT, "s-"), ("full", "^--")):
-                pts = sorted((r["context"], r[key]) for r in rec if r["mode"] == mode and not math.isnan(r[key]))
+                pts = sorted(
+                    (r["context"], r[key]) for r in rec if r["mode"] == mode and not math.isnan(r[key])
+                )
                 if pts:
-                    ax.plot(*zip(*pts), style, label={"full": "full prefill (no cache)"}.get(mode, f"{mode} replay"))
+                    ax.plot(
+                        *zip(*pts),
+                        style,
+                        label={"full": "full prefill (no cache)"}.get(mode, f"{mode} replay"),
+                    )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("context tokens (cached)")
             ax.set_ylabel(lab)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend()
-        fig.suptitle(f"state reconstruction after a hit ({tag}, {cost[0]['model']}, keep = window + {KEEP_OVER_WINDOW})")
+        fig.suptitle(
+            f"state reconstruction after a hit ({tag}, {cost[0]['model']}, keep = window + {KEEP_OVER_WINDOW})"
+        )
         fig.tight_layout()
         fig.savefig(out_path(f"bounded_replay_cost_{tag}.png"), dpi=110)
         log(f"wrote {out_path(f'bounded_replay_cost_{tag}.png')}")
@@ -364,7 +503,9 @@ def main() -> None:
     ap.add_argument("--model", choices=["tiny", "wide"], default="tiny")
     ap.add_argument("--checkpoint", default=None, help="a trained checkpoint directory (DeepSeekV41 weights)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--only", default="recon,quality", help="comma list of: recon (includes hit), quality, engine")
+    ap.add_argument(
+        "--only", default="recon,quality", help="comma list of: recon (includes hit), quality, engine"
+    )
     ap.add_argument("--max-full", type=int, default=8192, help="longest context whose full prefill is timed")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--plot-from", default=None, help="only plot the JSON lines of an earlier run (no model)")
@@ -390,14 +531,31 @@ def main() -> None:
     quality: list[dict] = []
     if "recon" in only:
         ctxs = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536]
-        bench_cost(model, name, ctxs, new=512 if not args.quick else 256, repeat=1 if args.quick else 2,
-                   max_full=min(args.max_full, 2048) if args.quick else args.max_full, chunk=512, rows=cost)
+        bench_cost(
+            model,
+            name,
+            ctxs,
+            new=512 if not args.quick else 256,
+            repeat=1 if args.quick else 2,
+            max_full=min(args.max_full, 2048) if args.quick else args.max_full,
+            chunk=512,
+            rows=cost,
+        )
     if "quality" in only:
         w = model.cfg.sliding_window
         keeps = [w, w + 6, 2 * w, ReplayConfig.from_model(model.cfg, keep=1).exact_tail()]
         length, hit = (8 * w, 4 * w) if args.model == "tiny" else (4 * w, 2 * w)
-        bench_quality(model, name, 4 if args.quick else args.prompts, length + 8, hit, 2 if args.quick else 8,
-                      sorted(set(keeps)), quality, texts)
+        bench_quality(
+            model,
+            name,
+            4 if args.quick else args.prompts,
+            length + 8,
+            hit,
+            2 if args.quick else 8,
+            sorted(set(keeps)),
+            quality,
+            texts,
+        )
     if "engine" in only:
         bench_engine(1 if args.quick else 3)
     if args.plot:

@@ -79,18 +79,32 @@ def _bias(rng: np.random.Generator, layers: int, experts: int, skew: float) -> n
 
 def _run(groups: ParallelGroups, p: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
-    cfg = tiny_config(n_routed_experts=p["experts"], num_experts_per_tok=p["top_k"],
-                      hidden_size=p["hidden"], moe_intermediate_size=p["inter"])
+    cfg = tiny_config(
+        n_routed_experts=p["experts"],
+        num_experts_per_tok=p["top_k"],
+        hidden_size=p["hidden"],
+        moe_intermediate_size=p["inter"],
+    )
     ecfg = EPLBConfig(window_steps=p["window"], replan_interval=p["replan"], redundant_per_gpu=p["redundant"])
     size, me = groups.group_size, groups.group_rank
     eps = {}
     for name in NAMES:
         model = _Stack(cfg, seed=1)  # same weights on every rank and in every group
-        eps[name] = (model, ExpertParallel(model, groups.ep, plan_placement(cfg.num_hidden_layers, cfg.n_routed_experts,
-                                                                            size, ecfg), groups.device,
-                                           replica_choice="token" if name.endswith("token") else "rank"))
+        eps[name] = (
+            model,
+            ExpertParallel(
+                model,
+                groups.ep,
+                plan_placement(cfg.num_hidden_layers, cfg.n_routed_experts, size, ecfg),
+                groups.device,
+                replica_choice="token" if name.endswith("token") else "rank",
+            ),
+        )
     rng = np.random.default_rng(123)  # the same drift on every rank
-    b0, b1 = _bias(rng, p["layers"], p["experts"], p["skew"]), _bias(rng, p["layers"], p["experts"], p["skew"])
+    b0, b1 = (
+        _bias(rng, p["layers"], p["experts"], p["skew"]),
+        _bias(rng, p["layers"], p["experts"], p["skew"]),
+    )
     tok_rng = torch.Generator().manual_seed(1000 + me)
     windows = {n: ExpertLoadWindow(p["layers"], p["experts"], p["window"]) for n in NAMES if n != "static"}
     rows = {n: [] for n in eps}
@@ -120,10 +134,20 @@ def _run(groups: ParallelGroups, p: dict[str, Any]) -> dict[str, Any]:
             if s >= p["window"] and (s - p["window"]) % p["replan"] == 0:
                 t0 = time.perf_counter()
                 plan, rep, _ = replan_ep(ep, window.load(), groups.ep, groups.device, tolerance=0.01)
-                replans[name].append({"step": step, "seconds": time.perf_counter() - t0, "bytes_sent": rep.bytes_sent,
-                                      "remote_moves": plan.moves.num_remote})
-    return {"rows": {n: np.stack(v) for n, v in rows.items()}, "moe_s": moe_s,
-            "a2a_s": {n: ep.a2a_s for n, (_, ep) in eps.items()}, "replans": replans}
+                replans[name].append(
+                    {
+                        "step": step,
+                        "seconds": time.perf_counter() - t0,
+                        "bytes_sent": rep.bytes_sent,
+                        "remote_moves": plan.moves.num_remote,
+                    }
+                )
+    return {
+        "rows": {n: np.stack(v) for n, v in rows.items()},
+        "moe_s": moe_s,
+        "a2a_s": {n: ep.a2a_s for n, (_, ep) in eps.items()},
+        "replans": replans,
+    }
 
 
 def _moe_lb(per_rank_rows: np.ndarray) -> np.ndarray:
@@ -144,7 +168,9 @@ def bench_pd(lengths: list[int], new_tokens: int) -> None:
     torch.set_num_threads(1)
     cfg = EngineConfig(num_blocks=512, max_num_seqs=4, max_model_len=4096, batch_invariant=True)
     rng = random.Random(0)
-    ref_llm = LLM(**{k: getattr(cfg, k) for k in ("num_blocks", "max_num_seqs", "max_model_len", "batch_invariant")})
+    ref_llm = LLM(
+        **{k: getattr(cfg, k) for k in ("num_blocks", "max_num_seqs", "max_model_len", "batch_invariant")}
+    )
     for n in lengths:
         prompt = [rng.randrange(3, 500) for _ in range(n)]
         sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -161,12 +187,20 @@ def bench_pd(lengths: list[int], new_tokens: int) -> None:
             (h,) = hs
             ce.add_handoff(h)
             t0 = time.perf_counter()
-            got = [o for o in ce.step() if o.finished]  # the first step loads (and in replay mode rebuilds) the state, then decodes one
+            got = [
+                o for o in ce.step() if o.finished
+            ]  # the first step loads (and in replay mode rebuilds) the state, then decodes one
             first_s = time.perf_counter() - t0
             while ce.has_unfinished():
                 got += [o for o in ce.step() if o.finished]
-            params = {"prompt_tokens": n, "mode": mode, "replay": replay if mode == "replay" else None,
-                      "hit": h.hit, "model": "tiny", "device": "cpu"}
+            params = {
+                "prompt_tokens": n,
+                "mode": mode,
+                "replay": replay if mode == "replay" else None,
+                "hit": h.hit,
+                "model": "tiny",
+                "device": "cpu",
+            }
             emit(BENCH, params, "pd_handoff_bytes", float(h.nbytes), "B")
             emit(BENCH, params, "pd_first_decode_step_over_prefill", first_s / prefill_s, "ratio")
             emit(BENCH, params, "pd_replayed_tokens", float(ce.replayed_tokens), "tokens")
@@ -181,8 +215,19 @@ def main() -> None:
     bench_pd([256, 1024] if not args.quick else [160], 4)
     if args.pd_only:
         return
-    p = dict(layers=8, experts=32, top_k=4, hidden=256, inter=128, tokens=256, redundant=2, skew=1.2,
-             window=20, replan=50, steps=300)
+    p = dict(
+        layers=8,
+        experts=32,
+        top_k=4,
+        hidden=256,
+        inter=128,
+        tokens=256,
+        redundant=2,
+        skew=1.2,
+        window=20,
+        replan=50,
+        steps=300,
+    )
     if args.quick:
         p.update(steps=60, window=10, replan=20, tokens=64)
     log(f"{BENCH}: {args.ranks} ranks (gloo), {p}")
@@ -194,20 +239,48 @@ def main() -> None:
     for n in lb:
         emit(BENCH, {**params, "placement": n}, "moe_lb_mean", float(lb[n].mean()), "ratio")
         # the second half of the run: the load has drifted away from the uniform first placement
-        emit(BENCH, {**params, "placement": n}, "moe_lb_second_half", float(lb[n][len(lb[n]) // 2:].mean()), "ratio")
+        emit(
+            BENCH,
+            {**params, "placement": n},
+            "moe_lb_second_half",
+            float(lb[n][len(lb[n]) // 2 :].mean()),
+            "ratio",
+        )
         share = [r["a2a_s"][n] / r["moe_s"][n] for r in res]
         emit(BENCH, {**params, "placement": n}, "a2a_share_of_moe_time", float(np.mean(share)), "ratio")
-        emit(BENCH, {**params, "placement": n}, "moe_ms_per_step", float(np.mean([r["moe_s"][n] for r in res])
-                                                                         / p["steps"] * 1e3), "ms")
+        emit(
+            BENCH,
+            {**params, "placement": n},
+            "moe_ms_per_step",
+            float(np.mean([r["moe_s"][n] for r in res]) / p["steps"] * 1e3),
+            "ms",
+        )
     for n in ("online", "online_token"):
         emit(BENCH, params, f"moe_lb_{n}_over_static", float(lb[n].mean() / lb["static"].mean()), "ratio")
-    emit(BENCH, params, "moe_ms_online_token_over_online",
-         float(np.mean([r["moe_s"]["online_token"] / r["moe_s"]["online"] for r in res])), "ratio")
+    emit(
+        BENCH,
+        params,
+        "moe_ms_online_token_over_online",
+        float(np.mean([r["moe_s"]["online_token"] / r["moe_s"]["online"] for r in res])),
+        "ratio",
+    )
     reps = res[0]["replans"]["online"]
     if reps:
         emit(BENCH, params, "replan_s_median", float(np.median([r["seconds"] for r in reps])), "s")
-        emit(BENCH, params, "moved_bytes_per_replan_rank0", float(np.mean([r["bytes_sent"] for r in reps])), "B")
-        emit(BENCH, params, "remote_moves_per_replan", float(np.mean([r["remote_moves"] for r in reps])), "moves")
+        emit(
+            BENCH,
+            params,
+            "moved_bytes_per_replan_rank0",
+            float(np.mean([r["bytes_sent"] for r in reps])),
+            "B",
+        )
+        emit(
+            BENCH,
+            params,
+            "remote_moves_per_replan",
+            float(np.mean([r["remote_moves"] for r in reps])),
+            "moves",
+        )
     if args.plot:
         import matplotlib
 
@@ -221,7 +294,9 @@ def main() -> None:
             ax.axvline(r["step"], color="grey", lw=0.5, ls=":")
         ax.set_xlabel("step (load drifts over the run; dotted: online re-plans)")
         ax.set_ylabel("moe_lb (slowest rank / mean)")
-        ax.set_title(f"EP{args.ranks} gloo, {p['experts']} experts + {p['redundant']}/rank redundant, top-{p['top_k']}")
+        ax.set_title(
+            f"EP{args.ranks} gloo, {p['experts']} experts + {p['redundant']}/rank redundant, top-{p['top_k']}"
+        )
         ax.legend()
         fig.tight_layout()
         path = out_path("distributed_moe_lb.png")

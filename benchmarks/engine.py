@@ -39,8 +39,16 @@ from deepinfer_core.sampling_params import SamplingParams
 BENCH = "engine"
 
 
-def run(batch: int, prompt_len: int, gen: int, async_mode: bool, regex: str | None = None) -> dict[str, float]:
-    llm = LLM(model="tiny-random", seed=0, num_blocks=4096 // 16 * 4, max_num_seqs=max(batch, 1), async_scheduling=async_mode)
+def run(
+    batch: int, prompt_len: int, gen: int, async_mode: bool, regex: str | None = None
+) -> dict[str, float]:
+    llm = LLM(
+        model="tiny-random",
+        seed=0,
+        num_blocks=4096 // 16 * 4,
+        max_num_seqs=max(batch, 1),
+        async_scheduling=async_mode,
+    )
     prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(batch)]
     so = {"regex": regex} if regex else None
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=regex is None, so_args=so)
@@ -54,9 +62,13 @@ def run(batch: int, prompt_len: int, gen: int, async_mode: bool, regex: str | No
     n_out = sum(len(o.token_ids) for o in outs)
     stages = st.execute_s + st.sample_s + st.schedule_s + st.update_s + st.build_s
     return {
-        "out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": st.steps,
-        "execute_frac": st.execute_s / stages, "sample_frac": st.sample_s / stages,
-        "sched_update_frac": (st.schedule_s + st.update_s) / stages, "build_frac": st.build_s / stages,
+        "out_tok_per_s_wall": n_out / wall,
+        "out_tok_per_s_cpu": n_out / cpu,
+        "steps": st.steps,
+        "execute_frac": st.execute_s / stages,
+        "sample_frac": st.sample_s / stages,
+        "sched_update_frac": (st.schedule_s + st.update_s) / stages,
+        "build_frac": st.build_s / stages,
         "overhead_frac": (stages - st.execute_s) / stages,
         "overhead_ms_per_step": 1e3 * (stages - st.execute_s) / max(st.steps, 1),
     }
@@ -89,16 +101,27 @@ def drain(eng: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> tuple
 
 def run_spec(batch: int, prompt_len: int, gen: int, speculative: bool, copying: bool) -> dict[str, float]:
     kw = dict(dtype="float64", quantize=False) if copying else {}
-    cfg = EngineConfig(model="tiny-random", seed=0, num_blocks=1024, max_num_seqs=max(batch, 1), async_scheduling=False,
-                       speculative=speculative, **kw)
+    cfg = EngineConfig(
+        model="tiny-random",
+        seed=0,
+        num_blocks=1024,
+        max_num_seqs=max(batch, 1),
+        async_scheduling=False,
+        speculative=speculative,
+        **kw,
+    )
     eng = LLMEngine(cfg, envs=Envs(), model=copying_model(0) if copying else None)
     prompts = [[3 + (7 * i + 13 * j) % 256 for j in range(prompt_len)] for i in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     n_out, wall, cpu = drain(eng, prompts, sp)
     book = eng.drafts
-    return {"out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": eng.stats.steps,
-            "drafts_verified": 0 if book is None else book.verified,
-            "acceptance": 0.0 if book is None or not book.verified else book.accepted / book.verified}
+    return {
+        "out_tok_per_s_wall": n_out / wall,
+        "out_tok_per_s_cpu": n_out / cpu,
+        "steps": eng.stats.steps,
+        "drafts_verified": 0 if book is None else book.verified,
+        "acceptance": 0.0 if book is None or not book.verified else book.accepted / book.verified,
+    }
 
 
 def heldout_prompts(tok: object, n: int, prompt_len: int) -> list[list[int]]:
@@ -106,7 +129,9 @@ def heldout_prompts(tok: object, n: int, prompt_len: int) -> list[list[int]]:
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("train_tiny", Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_tiny", Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
+    )
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     files = [t for name, t in mod.corpus_files() if mod.held_out(name)]
@@ -142,23 +167,41 @@ class _Reliability:
         book.store = store  # type: ignore[attr-defined]
 
 
-def run_shipped(mode: str, batch: int, prompt_len: int, gen: int) -> tuple[dict[str, float], _Reliability | None]:
+def run_shipped(
+    mode: str, batch: int, prompt_len: int, gen: int
+) -> tuple[dict[str, float], _Reliability | None]:
     spec = mode != "off"
-    cfg = EngineConfig(model="tiny", num_blocks=1024, max_num_seqs=batch, async_scheduling=False,
-                       speculative=spec, num_speculative_tokens=5 if spec else None)
+    cfg = EngineConfig(
+        model="tiny",
+        num_blocks=1024,
+        max_num_seqs=batch,
+        async_scheduling=False,
+        speculative=spec,
+        num_speculative_tokens=5 if spec else None,
+    )
     eng = LLMEngine(cfg, envs=Envs(enable_mtp_varlen=mode == "varlen"))
     rel = _Reliability(eng.drafts, eng.model.drafter.block) if spec else None
     prompts = heldout_prompts(eng.tokenizer, batch, prompt_len)
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     n_out, wall, cpu = drain(eng, prompts, sp)
     book, st = eng.drafts, eng.stats
-    res = {"out_tok_per_s_wall": n_out / wall, "out_tok_per_s_cpu": n_out / cpu, "steps": st.steps,
-           "out_tok_per_step": n_out / max(st.steps, 1)}
+    res = {
+        "out_tok_per_s_wall": n_out / wall,
+        "out_tok_per_s_cpu": n_out / cpu,
+        "steps": st.steps,
+        "out_tok_per_step": n_out / max(st.steps, 1),
+    }
     if book is not None and st.verify_rows:
-        res.update({"verify_rows": st.verify_rows, "drafts_verified": book.verified, "drafts_accepted": book.accepted,
-                    "acceptance": book.accepted / max(book.verified, 1),
-                    "drafts_per_verify": book.verified / st.verify_rows,
-                    "tokens_per_verify": 1 + book.accepted / st.verify_rows})
+        res.update(
+            {
+                "verify_rows": st.verify_rows,
+                "drafts_verified": book.verified,
+                "drafts_accepted": book.accepted,
+                "acceptance": book.accepted / max(book.verified, 1),
+                "drafts_per_verify": book.verified / st.verify_rows,
+                "tokens_per_verify": 1 + book.accepted / st.verify_rows,
+            }
+        )
     return res, rel
 
 
@@ -170,20 +213,45 @@ def shipped_section(batches: tuple[int, ...], prompt_len: int, gen: int) -> None
             r, rel = runs[mode] = run_shipped(mode, b, prompt_len, gen)
             params = {"model": "tiny", "batch": b, "prompt_len": prompt_len, "gen": gen, "speculative": mode}
             for k, v in r.items():
-                emit(BENCH, params, k, v, "tok/s" if "per_s" in k else "ratio" if k == "acceptance" else "count")
+                emit(
+                    BENCH,
+                    params,
+                    k,
+                    v,
+                    "tok/s" if "per_s" in k else "ratio" if k == "acceptance" else "count",
+                )
             if rel is not None:
                 for j, (pr, ac) in enumerate(zip(rel.pred, rel.acc)):
                     if pr:
-                        emit(BENCH, {**params, "draft": j + 1, "rows": len(pr)}, "confidence_predicted", sum(pr) / len(pr), "prob")
-                        emit(BENCH, {**params, "draft": j + 1, "rows": len(ac)}, "acceptance_observed", sum(ac) / len(ac), "prob")
+                        emit(
+                            BENCH,
+                            {**params, "draft": j + 1, "rows": len(pr)},
+                            "confidence_predicted",
+                            sum(pr) / len(pr),
+                            "prob",
+                        )
+                        emit(
+                            BENCH,
+                            {**params, "draft": j + 1, "rows": len(ac)},
+                            "acceptance_observed",
+                            sum(ac) / len(ac),
+                            "prob",
+                        )
         for mode in ("fixed5", "varlen"):
-            emit(BENCH, {"model": "tiny", "batch": b, "speculative": mode}, "spec_over_off_tok_per_s_cpu",
-                 runs[mode][0]["out_tok_per_s_cpu"] / runs["off"][0]["out_tok_per_s_cpu"], "ratio")
+            emit(
+                BENCH,
+                {"model": "tiny", "batch": b, "speculative": mode},
+                "spec_over_off_tok_per_s_cpu",
+                runs[mode][0]["out_tok_per_s_cpu"] / runs["off"][0]["out_tok_per_s_cpu"],
+                "ratio",
+            )
 
 
 def main() -> None:
     ap = parser(__doc__ or "")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model is dispatch-bound)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: the tiny model is dispatch-bound)"
+    )
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--only-shipped", action="store_true", help="only the shipped-model speculative section")
@@ -199,29 +267,78 @@ def main() -> None:
         for async_mode in (True, False):  # side by side: the ratio is what to quote on a shared CPU
             log(f"batch {b} async={async_mode}")
             r = results[(b, async_mode)] = run(b, args.prompt_len, gen, async_mode)
-            params = {"batch": b, "prompt_len": args.prompt_len, "gen": gen, "async": async_mode,
-                      "threads": args.threads}
+            params = {
+                "batch": b,
+                "prompt_len": args.prompt_len,
+                "gen": gen,
+                "async": async_mode,
+                "threads": args.threads,
+            }
             for k, v in r.items():
-                emit(BENCH, params, k, v, "ratio" if k.endswith("frac") else "tok/s" if "tok" in k else
-                     "ms" if k.endswith("ms_per_step") else "count")
-        emit(BENCH, {"batch": b}, "async_over_sync_tok_per_s_cpu",
-             results[(b, True)]["out_tok_per_s_cpu"] / results[(b, False)]["out_tok_per_s_cpu"], "ratio")
+                emit(
+                    BENCH,
+                    params,
+                    k,
+                    v,
+                    "ratio"
+                    if k.endswith("frac")
+                    else "tok/s"
+                    if "tok" in k
+                    else "ms"
+                    if k.endswith("ms_per_step")
+                    else "count",
+                )
+        emit(
+            BENCH,
+            {"batch": b},
+            "async_over_sync_tok_per_s_cpu",
+            results[(b, True)]["out_tok_per_s_cpu"] / results[(b, False)]["out_tok_per_s_cpu"],
+            "ratio",
+        )
     rs = run(8, args.prompt_len, gen if args.quick else 24, True, regex=r"[a-z]{4,40}")
     for k, v in rs.items():
-        emit(BENCH, {"batch": 8, "structured": "regex", "async": True}, k, v,
-             "ratio" if k.endswith("frac") else "tok/s" if "tok" in k else "ms" if k.endswith("ms_per_step") else "count")
+        emit(
+            BENCH,
+            {"batch": 8, "structured": "regex", "async": True},
+            k,
+            v,
+            "ratio"
+            if k.endswith("frac")
+            else "tok/s"
+            if "tok" in k
+            else "ms"
+            if k.endswith("ms_per_step")
+            else "count",
+        )
     for copying in (False, True):
         for b in (1, 8):
             pair = {}
             for spec in (False, True):
                 log(f"speculative={spec} batch {b} copying_drafter={copying}")
                 r = pair[spec] = run_spec(b, args.prompt_len, gen, spec, copying)
-                params = {"batch": b, "prompt_len": args.prompt_len, "gen": gen, "speculative": spec,
-                          "drafter": "copying" if copying else "random", "threads": args.threads}
+                params = {
+                    "batch": b,
+                    "prompt_len": args.prompt_len,
+                    "gen": gen,
+                    "speculative": spec,
+                    "drafter": "copying" if copying else "random",
+                    "threads": args.threads,
+                }
                 for k, v in r.items():
-                    emit(BENCH, params, k, v, "tok/s" if "tok" in k else "ratio" if k == "acceptance" else "count")
-            emit(BENCH, {"batch": b, "drafter": "copying" if copying else "random"}, "spec_over_plain_tok_per_s_cpu",
-                 pair[True]["out_tok_per_s_cpu"] / pair[False]["out_tok_per_s_cpu"], "ratio")
+                    emit(
+                        BENCH,
+                        params,
+                        k,
+                        v,
+                        "tok/s" if "tok" in k else "ratio" if k == "acceptance" else "count",
+                    )
+            emit(
+                BENCH,
+                {"batch": b, "drafter": "copying" if copying else "random"},
+                "spec_over_plain_tok_per_s_cpu",
+                pair[True]["out_tok_per_s_cpu"] / pair[False]["out_tok_per_s_cpu"],
+                "ratio",
+            )
     shipped_section((1, 8), args.prompt_len, gen if args.quick else 48)
     if args.plot:
         import matplotlib

@@ -57,31 +57,56 @@ BENCH = "engine_cuda"
 MODES = ("sync", "async", "async-plain", "spec")
 
 
-def make_engine(model_name: str, batch: int, mode: str, glue: bool, invariant: bool = False,
-                prompt: int = 64, gen: int = 32) -> LLMEngine:
-    envs = Envs(use_nextn_decode=5 if mode == "spec" else 0, fuse_glue=glue, fused_attention=FUSED[0],
-                fused_moe=FUSED[0], fused_head=FUSED[0])
+def make_engine(
+    model_name: str,
+    batch: int,
+    mode: str,
+    glue: bool,
+    invariant: bool = False,
+    prompt: int = 64,
+    gen: int = 32,
+) -> LLMEngine:
+    envs = Envs(
+        use_nextn_decode=5 if mode == "spec" else 0,
+        fuse_glue=glue,
+        fused_attention=FUSED[0],
+        fused_moe=FUSED[0],
+        fused_head=FUSED[0],
+    )
     spec = dict(speculative=mode == "spec")
     per_req = -(-(prompt + gen + 16) // 16) + 1
-    cfg = dict(backend=BACKEND[0], max_num_seqs=batch, num_blocks=batch * per_req + 8, block_size=16,
-               async_scheduling=mode.startswith("async"), async_overlap=mode == "async", batch_invariant=invariant,
-               max_model_len=prompt + gen + 64, **spec)
+    cfg = dict(
+        backend=BACKEND[0],
+        max_num_seqs=batch,
+        num_blocks=batch * per_req + 8,
+        block_size=16,
+        async_scheduling=mode.startswith("async"),
+        async_overlap=mode == "async",
+        batch_invariant=invariant,
+        max_model_len=prompt + gen + 64,
+        **spec,
+    )
     if model_name == "wide":
         from deepinfer_core.model import DeepSeekV41
         from model import wide_config
 
         m = _WIDE.get("m")
         if m is None:
-            dev = "cuda" if BACKEND[0] == "cuda" else "cpu"  # the CPU: a smoke run of this path (small config)
-            m = _WIDE["m"] = DeepSeekV41.from_config(wide_config(), seed=0, dtype=torch.bfloat16, device=dev,
-                                                     init_on_device=dev == "cuda")
+            dev = (
+                "cuda" if BACKEND[0] == "cuda" else "cpu"
+            )  # the CPU: a smoke run of this path (small config)
+            m = _WIDE["m"] = DeepSeekV41.from_config(
+                wide_config(), seed=0, dtype=torch.bfloat16, device=dev, init_on_device=dev == "cuda"
+            )
         return LLMEngine(EngineConfig(model="tiny-random", dtype="bfloat16", **cfg), envs=envs, model=m)
     return LLMEngine(EngineConfig(model=model_name, **cfg), envs=envs)
 
 
 _WIDE: dict[str, Any] = {}
 BACKEND = ["cuda"]  # --backend reference runs the same code on the CPU (a smoke test of this script)
-FUSED: list[bool | None] = [None]  # --fused: DEEPINFER_FUSED_ATTENTION / _MOE / _HEAD for every engine of the run
+FUSED: list[bool | None] = [
+    None
+]  # --fused: DEEPINFER_FUSED_ATTENTION / _MOE / _HEAD for every engine of the run
 
 
 def sync() -> None:
@@ -109,8 +134,9 @@ def code_tokenizer(eng: LLMEngine, model_name: str) -> Any:
     return eng.tokenizer if model_name == "tiny" else None
 
 
-def run(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str,
-        params: list[SamplingParams] | None = None) -> tuple[dict[str, list[int]], float, int]:
+def run(
+    eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str, params: list[SamplingParams] | None = None
+) -> tuple[dict[str, list[int]], float, int]:
     """({request id: output tokens}, wall seconds, engine steps) of one batch stepped to the end; greedy
     unless ``params`` gives each prompt its own."""
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
@@ -158,9 +184,12 @@ def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tu
     # decode-phase tokens: every request runs to max_tokens (ignore_eos), less what the steps before the
     # window sampled (exact without drafts; with drafts accepted tokens are not all sampled: not reported)
     in_window = len(prompts) * gen - (st0["tokens_sampled"] - start)
-    ov = {**overlap_stats(st0, attrs.asdict(eng.stats)), "idle_between_steps_pct": marks.idle_between_pct(),
-          "idle_starved_pct": 100 * starved_seconds(prof, STARVED_GAP_US) / wall,
-          "decode_tokens_per_s": in_window / wall if eng.drafts is None else float("nan")}
+    ov = {
+        **overlap_stats(st0, attrs.asdict(eng.stats)),
+        "idle_between_steps_pct": marks.idle_between_pct(),
+        "idle_starved_pct": 100 * starved_seconds(prof, STARVED_GAP_US) / wall,
+        "decode_tokens_per_s": in_window / wall if eng.drafts is None else float("nan"),
+    }
     return max(0.0, 100 - 100 * busy_seconds(prof) / wall), ov
 
 
@@ -169,8 +198,11 @@ STARVED_GAP_US = 10.0  # a device gap this long is the host being late; shorter 
 
 def device_spans(prof: Any) -> list[tuple[float, float]]:
     """Sorted (start, end) microseconds of a profile's device activities (kernels, copies, memsets)."""
-    return sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                  if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "time_range", None) is not None)
+    return sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "time_range", None) is not None
+    )
 
 
 def starved_seconds(prof: Any, min_gap_us: float) -> float:
@@ -227,17 +259,18 @@ class StepMarks:
         if len(self.spans) < 2:
             return float("nan")
         torch.cuda.synchronize()
-        gaps = sum(max(0.0, e0.elapsed_time(s1))
-                   for (_, e0), (s1, _) in zip(self.spans, self.spans[1:]))
+        gaps = sum(max(0.0, e0.elapsed_time(s1)) for (_, e0), (s1, _) in zip(self.spans, self.spans[1:]))
         total = self.spans[0][0].elapsed_time(self.spans[-1][1])
         return 100 * gaps / max(total, 1e-9)
 
 
 def overlap_stats(st0: dict[str, Any], st1: dict[str, Any]) -> dict[str, float]:
     steps = max(st1["steps"] - st0["steps"], 1)
-    return {"overlap_share": (st1["overlap_steps"] - st0["overlap_steps"]) / steps,
-            "host_wait_share": (st1["host_wait_steps"] - st0["host_wait_steps"]) / steps,
-            "land_wait_ms_per_step": 1e3 * (st1["land_wait_s"] - st0["land_wait_s"]) / steps}
+    return {
+        "overlap_share": (st1["overlap_steps"] - st0["overlap_steps"]) / steps,
+        "host_wait_share": (st1["host_wait_steps"] - st0["host_wait_steps"]) / steps,
+        "land_wait_ms_per_step": 1e3 * (st1["land_wait_s"] - st0["land_wait_s"]) / steps,
+    }
 
 
 def busy_seconds(prof: Any) -> float:
@@ -245,8 +278,14 @@ def busy_seconds(prof: Any) -> float:
     streams' overlapping work counts once; the sum of device self times if the events carry no ranges."""
     spans = device_spans(prof)
     if not spans:
-        return sum(e.self_device_time_total for e in prof.key_averages()
-                   if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e6
+        return (
+            sum(
+                e.self_device_time_total
+                for e in prof.key_averages()
+                if str(getattr(e, "device_type", "")).endswith("CUDA")
+            )
+            / 1e6
+        )
     busy, (a, b) = 0.0, spans[0]
     for s, e in spans[1:]:
         if s > b:
@@ -284,11 +323,13 @@ def trace_paths(eng: LLMEngine, n: int) -> None:
         if left[0] > 0:
             left[0] -= 1
             g = ex.graphs() if ex.sync_free and ex.cuda_graphs else None
-            log(f"  execute: device={ex.device} sync_free={ex.sync_free} graphs={ex.cuda_graphs} "
+            log(
+                f"  execute: device={ex.device} sync_free={ex.sync_free} graphs={ex.cuda_graphs} "
                 f"rows={b.num_requests} tokens={b.num_tokens} pure_decode={is_pure_decode(b)} "
                 f"row_path={ex.row_path and int(b.query_lens.max()) <= ex.backtrack + 1} "
                 f"captures={None if g is None else g.captures} replays={None if g is None else g.replays} "
-                f"disabled={None if g is None else g.disabled} fed={len(kw['feed'].index) if kw.get('feed') else 0}")
+                f"disabled={None if g is None else g.disabled} fed={len(kw['feed'].index) if kw.get('feed') else 0}"
+            )
         return out
 
     ex.execute = traced
@@ -307,9 +348,15 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             n = sum(map(len, toks.values()))
             st1 = attrs.asdict(eng.stats)
             stages = {k: round(1e3 * (st1[k] - st0[k]) / max(steps, 1), 3) for k in st1 if k.endswith("_s")}
-            p = {"model": args.model, "batch": b, "mode": mode, "glue": args.glue,
-                 "fused": args.fused, "prompt": args.prompt,
-                 "gen": args.gen}
+            p = {
+                "model": args.model,
+                "batch": b,
+                "mode": mode,
+                "glue": args.glue,
+                "fused": args.fused,
+                "prompt": args.prompt,
+                "gen": args.gen,
+            }
             per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
             emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
             emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
@@ -331,9 +378,11 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
             rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
             if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
                 write_plot(args, rows)
-            log(f"{args.model} B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
+            log(
+                f"{args.model} B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
                 f"(between steps {ov.get('idle_between_steps_pct', float('nan')):.1f}%, gaps >= 10 us "
-                f"{ov.get('idle_starved_pct', float('nan')):.1f}%; overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)")
+                f"{ov.get('idle_starved_pct', float('nan')):.1f}%; overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)"
+            )
             del eng
             torch.cuda.empty_cache()
 
@@ -346,7 +395,10 @@ def invariance(args: Any) -> None:
     targets = prompts_for(2, args.prompt, 250, 7)
     gen = min(args.gen, 12)  # batch-invariant mode runs each request alone: keep the 42 batches short
     greedy = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    t_params = [greedy, SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=4242, max_tokens=gen, ignore_eos=True)]
+    t_params = [
+        greedy,
+        SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=4242, max_tokens=gen, ignore_eos=True),
+    ]
     rng = random.Random(11)
     results: list[list[list[int]]] = [[], []]
     p = {"model": args.model, "mixes": 20, "runs": 2, "glue": args.glue, "targets": "greedy,seeded"}
@@ -355,8 +407,13 @@ def invariance(args: Any) -> None:
         prompts = prompts_for(64, args.prompt, eng.vocab_size, 3)
         run(eng, prompts[:4], 4, "warm")
         toks, wall, _ = run(eng, prompts, gen, "run")
-        emit(BENCH, {**p, "batch": 64, "batch_invariant": inv}, "tokens_per_s_per_gpu",
-             sum(map(len, toks.values())) / wall, "tok/s")
+        emit(
+            BENCH,
+            {**p, "batch": 64, "batch_invariant": inv},
+            "tokens_per_s_per_gpu",
+            sum(map(len, toks.values())) / wall,
+            "tok/s",
+        )
         del eng
     for rep in range(2):
         eng = make_engine(args.model, 64, "sync", args.glue, invariant=True, prompt=args.prompt, gen=args.gen)
@@ -364,22 +421,48 @@ def invariance(args: Any) -> None:
         for j in range(2):
             results[j].append(alone[f"alone{rep}-{j}"])
         if rep == 0:  # the seeded target really samples: its tokens are not its greedy ones
-            emit(BENCH, p, "seeded_target_differs_from_greedy", float(alone["alone0-1"] != alone["alone0-2"]), "bool")
+            emit(
+                BENCH,
+                p,
+                "seeded_target_differs_from_greedy",
+                float(alone["alone0-1"] != alone["alone0-2"]),
+                "bool",
+            )
         for k in tqdm(range(20), desc=f"invariance run {rep + 1} of 2", mininterval=5):
             n = rng.randrange(1, 23)
-            mix = [(q, greedy if rng.random() < 0.5 else SamplingParams(
-                temperature=rng.choice([0.6, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30),
-                max_tokens=gen, ignore_eos=True)) for q in prompts_for(n, args.prompt, eng.vocab_size, 100 * rep + k)]
+            mix = [
+                (
+                    q,
+                    greedy
+                    if rng.random() < 0.5
+                    else SamplingParams(
+                        temperature=rng.choice([0.6, 1.0]),
+                        top_p=rng.choice([1.0, 0.9]),
+                        seed=rng.randrange(1 << 30),
+                        max_tokens=gen,
+                        ignore_eos=True,
+                    ),
+                )
+                for q in prompts_for(n, args.prompt, eng.vocab_size, 100 * rep + k)
+            ]
             for j in (0, 1):
                 mix.insert(rng.randrange(len(mix) + 1), (targets[j], t_params[j]))
-            where = [next(i for i, (q, sp) in enumerate(mix) if q is targets[j] and sp is t_params[j]) for j in (0, 1)]
+            where = [
+                next(i for i, (q, sp) in enumerate(mix) if q is targets[j] and sp is t_params[j])
+                for j in (0, 1)
+            ]
             got, _, _ = run(eng, [q for q, _ in mix], gen, f"mix{rep}-{k}", [sp for _, sp in mix])
             for j in (0, 1):
                 results[j].append(got[f"mix{rep}-{k}-{where[j]}"])
         del eng
         same = all(r == rs[0] for rs in results for r in rs)
-        emit(BENCH, {**p, "runs_done": rep + 1, "compared": sum(map(len, results))}, "batch_invariant_identical",
-             float(same), "bool")
+        emit(
+            BENCH,
+            {**p, "runs_done": rep + 1, "compared": sum(map(len, results))},
+            "batch_invariant_identical",
+            float(same),
+            "bool",
+        )
 
 
 def host_cost(args: Any) -> None:
@@ -397,11 +480,16 @@ def host_cost(args: Any) -> None:
 
         def stub(ex: Any, inp: Any, capture_ids: tuple = (), logit_rows: Any = None) -> Any:
             n, c = inp.tokens.shape[0], ex.cfg
-            return (torch.randn(n, c.vocab_size, dtype=ex.dtype, device=ex.device),
-                    torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.long, device=ex.device), {})
+            return (
+                torch.randn(n, c.vocab_size, dtype=ex.dtype, device=ex.device),
+                torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.long, device=ex.device),
+                {},
+            )
 
         sp = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-        for i, pr in enumerate(prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))):
+        for i, pr in enumerate(
+            prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))
+        ):
             eng.add_request(f"h{i}", pr, sp)
         decode_step.decode_body = stub
         try:
@@ -415,8 +503,13 @@ def host_cost(args: Any) -> None:
                 per.append((time.process_time() - t0) / 40)
         finally:
             decode_step.decode_body = real
-        emit(BENCH, {"model": args.model, "batch": b, "backend": BACKEND[0], "mode": mode},
-             "host_cpu_us_per_decode_step", statistics.median(per) * 1e6, "us")
+        emit(
+            BENCH,
+            {"model": args.model, "batch": b, "backend": BACKEND[0], "mode": mode},
+            "host_cpu_us_per_decode_step",
+            statistics.median(per) * 1e6,
+            "us",
+        )
         del eng
 
 
@@ -429,8 +522,17 @@ def plot(rows: list[dict[str, Any]], path: Path, device: str | None = None) -> N
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     models = sorted({r["model"] for r in rows})
     for model_name, mode in sorted({(r["model"], r["mode"]) for r in rows}):
-        pts = sorted((r["per_user"], r["per_gpu"], r["batch"]) for r in rows if r["mode"] == mode and r["model"] == model_name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode if len(models) == 1 else f"{model_name} {mode}")
+        pts = sorted(
+            (r["per_user"], r["per_gpu"], r["batch"])
+            for r in rows
+            if r["mode"] == mode and r["model"] == model_name
+        )
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            "o-",
+            label=mode if len(models) == 1 else f"{model_name} {mode}",
+        )
         for u, g, b in pts:
             ax.annotate(f"B={b}", (u, g), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
@@ -447,23 +549,37 @@ def plot(rows: list[dict[str, Any]], path: Path, device: str | None = None) -> N
 
 def main() -> None:
     ap = parser(__doc__ or "")
-    ap.add_argument("--model", default="tiny", help="tiny (the shipped checkpoint), tiny-random, or wide; "
-                                                    "a comma list runs each in turn (e.g. tiny,wide)")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (the shipped checkpoint), tiny-random, or wide; "
+        "a comma list runs each in turn (e.g. tiny,wide)",
+    )
     ap.add_argument("--batches", default="1,4,16,64,256")
     ap.add_argument("--modes", default="sync,async,spec")
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
-    ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
-                    help="the one-kernel decode attention, expert GEMM and LM head (DEEPINFER_FUSED_ATTENTION / "
-                         "_MOE / _HEAD): auto = the executor's default (on where the model's shapes run them)")
+    ap.add_argument(
+        "--fused",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the one-kernel decode attention, expert GEMM and LM head (DEEPINFER_FUSED_ATTENTION / "
+        "_MOE / _HEAD): auto = the executor's default (on where the model's shapes run them)",
+    )
     ap.add_argument("--invariance", action="store_true")
-    ap.add_argument("--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64")
+    ap.add_argument(
+        "--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64"
+    )
     ap.add_argument("--host-modes", default="sync,async", help="engine modes of the host-cost section")
-    ap.add_argument("--trace", type=int, default=0, help="log the executor path of the first N steps of each run")
+    ap.add_argument(
+        "--trace", type=int, default=0, help="log the executor path of the first N steps of each run"
+    )
     ap.add_argument("--out", default="", help="folder for engine_cuda.png (default benchmarks/out)")
     ap.add_argument("--backend", default="cuda", help="cuda, or reference (CPU: a smoke test of this script)")
-    ap.add_argument("--replot", default="", help="re-draw the plot from a recorded run's JSON lines (no engine runs)")
+    ap.add_argument(
+        "--replot", default="", help="re-draw the plot from a recorded run's JSON lines (no engine runs)"
+    )
     ap.add_argument("--device-name", default="", help="with --replot: the device named in the title")
     args = ap.parse_args()
     if args.replot:
@@ -513,11 +629,22 @@ def rows_from_jsonl(path: Path) -> list[dict[str, Any]]:
             continue
         r = json.loads(line)
         p = r.get("params", {})
-        key_of = {"tokens_per_s_per_gpu": "per_gpu", "tokens_per_s_per_user": "per_user", "gpu_idle_pct": "idle"}
-        if r.get("bench") != "engine_cuda" or r.get("metric") not in key_of or "batch" not in p or "mode" not in p:
+        key_of = {
+            "tokens_per_s_per_gpu": "per_gpu",
+            "tokens_per_s_per_user": "per_user",
+            "gpu_idle_pct": "idle",
+        }
+        if (
+            r.get("bench") != "engine_cuda"
+            or r.get("metric") not in key_of
+            or "batch" not in p
+            or "mode" not in p
+        ):
             continue
-        row = pts.setdefault((p["model"], int(p["batch"]), p["mode"]),
-                             {"model": p["model"], "batch": int(p["batch"]), "mode": p["mode"], "glue": p.get("glue", False)})
+        row = pts.setdefault(
+            (p["model"], int(p["batch"]), p["mode"]),
+            {"model": p["model"], "batch": int(p["batch"]), "mode": p["mode"], "glue": p.get("glue", False)},
+        )
         row[key_of[r["metric"]]] = r["value"]
     return [r for r in pts.values() if "per_gpu" in r and "per_user" in r]
 

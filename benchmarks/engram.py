@@ -55,9 +55,17 @@ def bench_hash(quick: bool) -> list[tuple[str, int, float]]:
         grams = h.ngram_token_ids(toks, cu)
         m, p, o = h.device_params("cpu")
         rep = 3 if quick else 7
-        p_ = {"tokens": t, "layers": len(cfg.layer_ids), "cols": cfg.num_columns, "device": "cpu",
-              "threads": torch.get_num_threads()}
-        for name, fn in (("hash_end_to_end", lambda: h.hash(toks, cu)), ("hash_op", lambda: op(grams, m, p, o))):  # noqa: B023
+        p_ = {
+            "tokens": t,
+            "layers": len(cfg.layer_ids),
+            "cols": cfg.num_columns,
+            "device": "cpu",
+            "threads": torch.get_num_threads(),
+        }
+        for name, fn in (
+            ("hash_end_to_end", lambda: h.hash(toks, cu)),  # noqa: B023 (timed right here, in this iteration)
+            ("hash_op", lambda: op(grams, m, p, o)),  # noqa: B023
+        ):
             s = time_it(fn, repeat=rep)
             emit(BENCH, p_, f"{name}_cpu", t / s, "tokens/s")
             out.append((name + "_cpu", t, t / s))
@@ -72,8 +80,10 @@ def _bench_hash_cuda(h: EngramHasher, toks, cu, params) -> list[tuple[str, int, 
     grams = h.ngram_token_ids(toks_d, cu_d)
     m, p, o = h.device_params("cuda")
     ref = get_op("engram_hash", "reference")  # torch ops on the GPU; "cuda" would pick tile_kernels
-    fns = {"hash_end_to_end_torch_cuda": lambda: h.hash(toks_d, cu_d),
-           "hash_op_torch_cuda": lambda: ref(grams, m, p, o)}
+    fns = {
+        "hash_end_to_end_torch_cuda": lambda: h.hash(toks_d, cu_d),
+        "hash_op_torch_cuda": lambda: ref(grams, m, p, o),
+    }
     try:
         from tile_kernels.engram import engram_hash as tk
 
@@ -121,9 +131,18 @@ def bench_fetch(quick: bool) -> list[tuple[str, str, float]]:
         data, scales = _table(num_rows, fmt)
         ids = torch.randint(0, num_rows, (n_ids,), generator=torch.Generator().manual_seed(0))
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        for name, table in (("local", LocalEngramTable(data, scales, dev)), ("host", HostEngramTable(data, scales, dev))):
+        for name, table in (
+            ("local", LocalEngramTable(data, scales, dev)),
+            ("host", HostEngramTable(data, scales, dev)),
+        ):
             ids_in = ids.to(dev) if name == "local" else ids
-            s = time_it(lambda t=table, i=ids_in: (t.fetch(i), torch.cuda.is_available() and torch.cuda.synchronize()), repeat=rep)
+            s = time_it(
+                lambda t=table, i=ids_in: (
+                    t.fetch(i),
+                    torch.cuda.is_available() and torch.cuda.synchronize(),
+                ),
+                repeat=rep,
+            )
             p = {"rows": num_rows, "row_dim": ROW_DIM, "fmt": fmt, "ids": n_ids, "device": dev}
             emit(BENCH, p, f"fetch_{name}", n_ids / s, "rows/s")
             out.append((name, fmt, n_ids / s))
@@ -132,11 +151,23 @@ def bench_fetch(quick: bool) -> list[tuple[str, str, float]]:
     ctx = mp.get_context("forkserver")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_sharded_worker, args=(world, os.path.join(d, "init"), num_rows, n_ids, rep, queue),
-                           nprocs=world, join=True, start_method="forkserver")
+        mp.start_processes(
+            _sharded_worker,
+            args=(world, os.path.join(d, "init"), num_rows, n_ids, rep, queue),
+            nprocs=world,
+            join=True,
+            start_method="forkserver",
+        )
     while not queue.empty():
         fmt, s = queue.get()
-        p = {"rows": num_rows, "row_dim": ROW_DIM, "fmt": fmt, "ids": n_ids, "world": world, "backend": "gloo"}
+        p = {
+            "rows": num_rows,
+            "row_dim": ROW_DIM,
+            "fmt": fmt,
+            "ids": n_ids,
+            "world": world,
+            "backend": "gloo",
+        }
         emit(BENCH, p, "fetch_sharded_per_rank", n_ids / s, "rows/s")
         out.append((f"sharded x{world}", fmt, n_ids / s))
     return out
@@ -152,7 +183,13 @@ def plot(hash_rows, fetch_rows) -> None:
     for name in sorted({r[0] for r in hash_rows}):
         pts = [(t, v) for n, t, v in hash_rows if n == name]
         a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    a.set(xscale="log", yscale="log", xlabel="tokens per batch", ylabel="tokens/s", title="Engram hash (V4.1 shape)")
+    a.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tokens per batch",
+        ylabel="tokens/s",
+        title="Engram hash (V4.1 shape)",
+    )
     a.legend(fontsize=7)
     labels = [f"{n}\n{f}" for n, f, _ in fetch_rows]
     b.bar(range(len(fetch_rows)), [v for *_, v in fetch_rows])

@@ -47,14 +47,29 @@ def in_sample(quick: bool) -> None:
         w = zipf_loads(rng, layers, 384, skew)
         plain = w.reshape(layers, 64, 6).sum(axis=2)
         p = {"experts": 384, "slots": 448, "gpus": 64, "skew": skew, "layers": layers}
-        emit(BENCH, {**p, "placement": "plain 6 per GPU", "seed_figure": seed_plain}, "balance_max_over_mean",
-             float((plain.max(axis=1) / plain.mean(axis=1)).mean()), "ratio")
+        emit(
+            BENCH,
+            {**p, "placement": "plain 6 per GPU", "seed_figure": seed_plain},
+            "balance_max_over_mean",
+            float((plain.max(axis=1) / plain.mean(axis=1)).mean()),
+            "ratio",
+        )
         rp, rc = reference_rebalance(w, 448, 1, 1, 64)
-        emit(BENCH, {**p, "placement": "public greedy", "seed_figure": seed_policy}, "balance_max_over_mean",
-             float(gpu_balance(w, rp, rc, 64).mean()), "ratio")
+        emit(
+            BENCH,
+            {**p, "placement": "public greedy", "seed_figure": seed_policy},
+            "balance_max_over_mean",
+            float(gpu_balance(w, rp, rc, 64).mean()),
+            "ratio",
+        )
         phy2log, _, logcnt = rebalance_experts(w, 448, 1, 1, 64)
-        emit(BENCH, {**p, "placement": "ours (greedy + swaps)", "seed_figure": seed_policy},
-             "balance_max_over_mean", float(gpu_balance(w, phy2log, logcnt, 64).mean()), "ratio")
+        emit(
+            BENCH,
+            {**p, "placement": "ours (greedy + swaps)", "seed_figure": seed_policy},
+            "balance_max_over_mean",
+            float(gpu_balance(w, phy2log, logcnt, 64).mean()),
+            "ratio",
+        )
 
 
 def cpu_time_it(fn: Callable[[], Any], repeat: int) -> float:
@@ -102,8 +117,9 @@ def online(quick: bool, plot: bool) -> None:
     if quick:
         layers, scale = 2, 10
         cases.append(("prefill", attrs.evolve(PREFILL_TRACE, num_layers=layers), PREFILL, 4, 2_100))
-        dec = attrs.evolve(DECODE, window_steps=DECODE.window_steps // scale,
-                           replan_interval=DECODE.replan_interval // scale)
+        dec = attrs.evolve(
+            DECODE, window_steps=DECODE.window_steps // scale, replan_interval=DECODE.replan_interval // scale
+        )
         cases.append(("decode", attrs.evolve(DECODE_TRACE, num_layers=layers), dec, 64, 2_100))
     else:
         cases.append(("prefill", PREFILL_TRACE, PREFILL, 4, 10_100))
@@ -111,29 +127,62 @@ def online(quick: bool, plot: bool) -> None:
         # Sensitivity: the traffic mix drifting 6x faster (5 minutes), and not at all (routing noise only).
         fast = attrs.evolve(DECODE_TRACE, drift_steps=DECODE_TRACE.drift_steps / 6)
         cases.append(("decode, fast drift (5 min)", fast, DECODE, 64, 21_000))
-        cases.append(("decode, no drift (noise floor)", attrs.evolve(DECODE_TRACE, drift_sd=0.0), DECODE, 64,
-                      11_000))
+        cases.append(
+            ("decode, no drift (noise floor)", attrs.evolve(DECODE_TRACE, drift_sd=0.0), DECODE, 64, 11_000)
+        )
     production = {"prefill": 1.074, "decode": 1.090}
     results = []
     for name, tc, cfg, gpus, steps in cases:
         log(f"simulating {name}: {steps} steps, {tc.num_layers} layers, EP{gpus}")
         r = simulate(DriftingTrace(tc, seed=7), cfg, gpus, steps, expert_bytes=EXPERT_BYTES, progress=True)
         results.append((name, cfg, r))
-        p = {"phase": name, "gpus": gpus, "layers": tc.num_layers, "window": cfg.window_steps,
-             "replan_every": cfg.replan_interval, "redundant_per_gpu": cfg.redundant_per_gpu,
-             "steps_scored": int(r.steps.size), "production_figure": production.get(name.split(",")[0])}
-        emit(BENCH, {**p, "placement": "from scratch"}, "moe_lb_per_step_mean", float(r.moe_lb_scratch.mean()),
-             "ratio")
-        emit(BENCH, {**p, "placement": "migration-aware"}, "moe_lb_per_step_mean",
-             float(r.moe_lb_migration.mean()), "ratio")
-        emit(BENCH, {**p, "placement": "plain, no redundancy"}, "moe_lb_per_step_mean",
-             float(r.moe_lb_plain.mean()), "ratio")
+        p = {
+            "phase": name,
+            "gpus": gpus,
+            "layers": tc.num_layers,
+            "window": cfg.window_steps,
+            "replan_every": cfg.replan_interval,
+            "redundant_per_gpu": cfg.redundant_per_gpu,
+            "steps_scored": int(r.steps.size),
+            "production_figure": production.get(name.split(",")[0]),
+        }
+        emit(
+            BENCH,
+            {**p, "placement": "from scratch"},
+            "moe_lb_per_step_mean",
+            float(r.moe_lb_scratch.mean()),
+            "ratio",
+        )
+        emit(
+            BENCH,
+            {**p, "placement": "migration-aware"},
+            "moe_lb_per_step_mean",
+            float(r.moe_lb_migration.mean()),
+            "ratio",
+        )
+        emit(
+            BENCH,
+            {**p, "placement": "plain, no redundancy"},
+            "moe_lb_per_step_mean",
+            float(r.moe_lb_plain.mean()),
+            "ratio",
+        )
         for i, step in enumerate(r.replan_steps):
             q = {**p, "replan_at_step": step, "expert_bytes": EXPERT_BYTES}
-            emit(BENCH, {**q, "plan": "from scratch", "in_sample_balance": r.balance_scratch[i]},
-                 "moved_bytes_per_replan", r.moved_bytes_scratch[i] / 1e9, "GB")
-            emit(BENCH, {**q, "plan": "migration-aware (tolerance 1%)", "in_sample_balance": r.balance_migration[i]},
-                 "moved_bytes_per_replan", r.moved_bytes_migration[i] / 1e9, "GB")
+            emit(
+                BENCH,
+                {**q, "plan": "from scratch", "in_sample_balance": r.balance_scratch[i]},
+                "moved_bytes_per_replan",
+                r.moved_bytes_scratch[i] / 1e9,
+                "GB",
+            )
+            emit(
+                BENCH,
+                {**q, "plan": "migration-aware (tolerance 1%)", "in_sample_balance": r.balance_migration[i]},
+                "moved_bytes_per_replan",
+                r.moved_bytes_migration[i] / 1e9,
+                "GB",
+            )
     tolerance_sweep(results)
     if plot:
         _plot(results)
@@ -149,9 +198,15 @@ def tolerance_sweep(results: list) -> None:
         old = ExpertPlacement.plan(r.window_loads[0], reps, 1, 1, gpus)
         for tol in (0.0, 0.001, 0.005, 0.01, 0.02):
             m = replan_with_migration(old, r.window_loads[1], tolerance=tol, expert_bytes=EXPERT_BYTES)
-            p = {"phase": name, "gpus": gpus, "layers": old.num_layers, "tolerance": tol,
-                 "scratch_GB": m.scratch_moves.moved_bytes / 1e9, "balance": float(m.balance.mean()),
-                 "scratch_balance": float(m.scratch_balance.mean())}
+            p = {
+                "phase": name,
+                "gpus": gpus,
+                "layers": old.num_layers,
+                "tolerance": tol,
+                "scratch_GB": m.scratch_moves.moved_bytes / 1e9,
+                "balance": float(m.balance.mean()),
+                "scratch_balance": float(m.scratch_balance.mean()),
+            }
             emit(BENCH, p, "migration_moved_bytes", m.moves.moved_bytes / 1e9, "GB")
 
 
@@ -166,7 +221,7 @@ def _plot(results: list) -> None:
         k = 50
         for series, label in [(r.moe_lb_scratch, "from scratch"), (r.moe_lb_migration, "migration-aware")]:
             smooth = np.convolve(series, np.ones(k) / k, mode="valid")
-            ax.plot(r.steps[k - 1:], smooth, label=f"{label} ({k}-step mean)", lw=1)
+            ax.plot(r.steps[k - 1 :], smooth, label=f"{label} ({k}-step mean)", lw=1)
         for s in r.replan_steps:
             ax.axvline(s, color="grey", lw=0.5, ls="--")
         ax.set_title(f"{name}: moe_lb per step (plain placement mean {r.moe_lb_plain.mean():.2f})")

@@ -103,22 +103,39 @@ def ceilings(reps: int) -> dict[str, float]:
 
 def pick_best(results: dict[GGConfig, dict[str, float]], tol: float = REL_TOL) -> GGConfig | None:
     """The fastest config whose output passed (relative error under ``tol``, zero tail); None if none."""
-    ok = {c: r for c, r in results.items() if r.get("rel_err", math.inf) < tol and r.get("tail_ok", 0) and "us" in r}
+    ok = {
+        c: r
+        for c, r in results.items()
+        if r.get("rel_err", math.inf) < tol and r.get("tail_ok", 0) and "us" in r
+    }
     return min(ok, key=lambda c: (ok[c]["us"], c != DEFAULT)) if ok else None
 
 
-def sweep_shape(gg: Any, shape: tuple, cands: list[GGConfig], compiled: dict, ceil: dict[str, float], args: Any,
-                t_start: float) -> tuple[GGConfig, float, float, float] | None:
+def sweep_shape(
+    gg: Any,
+    shape: tuple,
+    cands: list[GGConfig],
+    compiled: dict,
+    ceil: dict[str, float],
+    args: Any,
+    t_start: float,
+) -> tuple[GGConfig, float, float, float] | None:
     """Check and time every compiled candidate at ``shape``; (best, its us, the default's us, torch's us)."""
     e, n, k = shape
     offs = rows_for(e, shared=args.shared).cuda()
     r = int(offs[-1])
     g = torch.Generator(device="cuda").manual_seed(n + k)
-    ws = [(torch.randn(e, n, k, device="cuda", generator=g) / k ** 0.5).bfloat16() for _ in range(2)]
+    ws = [(torch.randn(e, n, k, device="cuda", generator=g) / k**0.5).bfloat16() for _ in range(2)]
     xs = torch.randn(r + 16, k, device="cuda", generator=g).bfloat16()  # 16 rows past offs[-1]
     x = xs[:r]
     nbytes = e * n * k * 2
-    prm = {"E": e, "N": n, "K": k, "rows": r, "max_rows_an_expert": int(torch.diff(offs, prepend=offs.new_zeros(1)).max())}
+    prm = {
+        "E": e,
+        "N": n,
+        "K": k,
+        "rows": r,
+        "max_rows_an_expert": int(torch.diff(offs, prepend=offs.new_zeros(1)).max()),
+    }
     try:
         want = torch._grouped_mm(x, ws[0].transpose(-2, -1), offs=offs).float()
         torch_ok = True
@@ -133,10 +150,20 @@ def sweep_shape(gg: Any, shape: tuple, cands: list[GGConfig], compiled: dict, ce
 
     tt = math.nan
     if torch_ok:
-        tt = graph_call_time([lambda i=i: torch._grouped_mm(x, ws[i % 2].transpose(-2, -1), offs=offs) for i in range(args.calls)], args.reps)
+        tt = graph_call_time(
+            [
+                lambda i=i: torch._grouped_mm(x, ws[i % 2].transpose(-2, -1), offs=offs)
+                for i in range(args.calls)
+            ],
+            args.reps,
+        )
         record("grouped_gemm_torch_grouped_mm", tt, {})
-    tf = graph_call_time([lambda: torch.zeros(r, n, dtype=torch.bfloat16, device="cuda")] * args.calls, args.reps)
-    emit("grouped_gemm_output_fill", prm, "time_us", tf * 1e6, "us")  # what the kernel's own tail zeroing saves
+    tf = graph_call_time(
+        [lambda: torch.zeros(r, n, dtype=torch.bfloat16, device="cuda")] * args.calls, args.reps
+    )
+    emit(
+        "grouped_gemm_output_fill", prm, "time_us", tf * 1e6, "us"
+    )  # what the kernel's own tail zeroing saves
     results: dict[GGConfig, dict[str, float]] = {}
     for c in cands:
         if isinstance(compiled.get((*shape, "bfloat16", c)), str):
@@ -149,7 +176,10 @@ def sweep_shape(gg: Any, shape: tuple, cands: list[GGConfig], compiled: dict, ce
             got = gg.moe_grouped_gemm(xs, ws[0], offs, config=c)
             res["rel_err"] = ((got[:r].float() - want).norm() / want.norm()).item()
             res["tail_ok"] = float(bool((got[r:] == 0).all()))
-            res["us"] = 1e6 * graph_call_time([lambda i=i: gg.moe_grouped_gemm(x, ws[i % 2], offs, config=c) for i in range(args.calls)], args.reps)
+            res["us"] = 1e6 * graph_call_time(
+                [lambda i=i: gg.moe_grouped_gemm(x, ws[i % 2], offs, config=c) for i in range(args.calls)],
+                args.reps,
+            )
         except Exception as exc:  # one failing config must not end the sweep
             log(f"{c.name()} at {shape}: {type(exc).__name__}: {exc}")
             res.setdefault("rel_err", math.inf)
@@ -162,26 +192,50 @@ def sweep_shape(gg: Any, shape: tuple, cands: list[GGConfig], compiled: dict, ce
         log(f"no config passed at {shape}")
         return None
     d = results.get(DEFAULT, {}).get("us", math.nan)
-    emit("grouped_gemm_best", {**prm, "config": b.name(), "GGConfig": repr(b), "default_us": d, "torch_us": tt * 1e6,
-                               "vs_default": d / results[b]["us"], "vs_torch": tt * 1e6 / results[b]["us"],
-                               "fraction_of_copy": 100 * nbytes / results[b]["us"] / 1e3 / ceil["copy_GBs"],
-                               "fraction_of_read_stream": 100 * nbytes / results[b]["us"] / 1e3 / ceil["read_GBs"]},
-         "time_us", results[b]["us"], "us")
+    emit(
+        "grouped_gemm_best",
+        {
+            **prm,
+            "config": b.name(),
+            "GGConfig": repr(b),
+            "default_us": d,
+            "torch_us": tt * 1e6,
+            "vs_default": d / results[b]["us"],
+            "vs_torch": tt * 1e6 / results[b]["us"],
+            "fraction_of_copy": 100 * nbytes / results[b]["us"] / 1e3 / ceil["copy_GBs"],
+            "fraction_of_read_stream": 100 * nbytes / results[b]["us"] / 1e3 / ceil["read_GBs"],
+        },
+        "time_us",
+        results[b]["us"],
+        "us",
+    )
     return b, results[b]["us"], d, tt * 1e6
 
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="", help="comma-separated GGConfig.name()s (default: all candidates)")
+    ap.add_argument(
+        "--configs", default="", help="comma-separated GGConfig.name()s (default: all candidates)"
+    )
     ap.add_argument("--shapes", default="", help="comma-separated E:N:K (default: the three wide shapes)")
-    ap.add_argument("--no-shared", dest="shared", action="store_false",
-                    help="E > 1 shapes are E routed experts (default: E - 1 and the shared expert's group)")
+    ap.add_argument(
+        "--no-shared",
+        dest="shared",
+        action="store_false",
+        help="E > 1 shapes are E routed experts (default: E - 1 and the shared expert's group)",
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel compiles")
-    ap.add_argument("--calls", type=int, default=6, help="calls a graph (weights alternating between 2 copies)")
+    ap.add_argument(
+        "--calls", type=int, default=6, help="calls a graph (weights alternating between 2 copies)"
+    )
     ap.add_argument("--reps", type=int, default=25, help="graph replays timed (median)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop timing new configs past this (s)")
-    ap.add_argument("--write", default="", help="write the measured best per shape as a tuned table (JSON; "
-                                                "DEEPINFER_GG_CONFIGS=FILE makes the kernel use it)")
+    ap.add_argument(
+        "--write",
+        default="",
+        help="write the measured best per shape as a tuned table (JSON; "
+        "DEEPINFER_GG_CONFIGS=FILE makes the kernel use it)",
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     if not torch.cuda.is_available():
@@ -196,7 +250,9 @@ def main() -> None:
     if args.quick:
         cands, args.reps, args.calls = cands[:2], 5, 2
     todo = {s: [c for c in cands if c.valid() and c.takes(s[1], s[2])] for s in shapes}
-    log(f"device: {torch.cuda.get_device_name()}; {sum(map(len, todo.values()))} kernels to compile, {args.workers} workers")
+    log(
+        f"device: {torch.cuda.get_device_name()}; {sum(map(len, todo.values()))} kernels to compile, {args.workers} workers"
+    )
     t0 = time.perf_counter()
     compiled = gg.precompile([(*s, "bfloat16", c) for s, cs in todo.items() for c in cs], args.workers)
     for (e, n, k, _, c), v in sorted(compiled.items(), key=lambda kv: str(kv[0])):
@@ -206,7 +262,13 @@ def main() -> None:
             emit("grouped_gemm_compile", {**p, "error": v[-300:]}, "compile_failed", 1.0, "")
         else:
             emit("grouped_gemm_compile", p, "compile_s", round(v, 2), "s")
-    emit("grouped_gemm_compile_all", {"kernels": len(compiled), "workers": args.workers}, "wall_s", round(time.perf_counter() - t0, 1), "s")
+    emit(
+        "grouped_gemm_compile_all",
+        {"kernels": len(compiled), "workers": args.workers},
+        "wall_s",
+        round(time.perf_counter() - t0, 1),
+        "s",
+    )
     ceil = ceilings(args.reps)
 
     best: dict[tuple, GGConfig] = {}
@@ -230,9 +292,18 @@ def main() -> None:
         with open(args.write, "w") as fh:
             json.dump([{"shape": list(s), "config": c._asdict()} for s, c in best.items()], fh, indent=1)
     literal = "{" + ", ".join(f"{s}: {c!r}" for s, c in table.items()) + "}"
-    emit("grouped_gemm_table", {"CONFIGS": literal, "measured": [list(s) for s in best], "wall_s": round(time.perf_counter() - t_start, 1),
-                                **{k: round(v, 1) for k, v in step.items()}},
-         "step_us_saved_vs_default", round(step["default_us"] - step["best_us"], 1), "us")
+    emit(
+        "grouped_gemm_table",
+        {
+            "CONFIGS": literal,
+            "measured": [list(s) for s in best],
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            **{k: round(v, 1) for k, v in step.items()},
+        },
+        "step_us_saved_vs_default",
+        round(step["default_us"] - step["best_us"], 1),
+        "us",
+    )
 
 
 if __name__ == "__main__":

@@ -79,13 +79,28 @@ def rotating(make: Callable[[], Any], n: int) -> Callable[[], Any]:
     return get
 
 
-def record_ref(bench: str, params: dict[str, Any], fn: Callable[[], Any], reps: int, nbytes: float = 0.0, flops: float = 0.0, ceil: dict[str, float] | None = None) -> None:
+def record_ref(
+    bench: str,
+    params: dict[str, Any],
+    fn: Callable[[], Any],
+    reps: int,
+    nbytes: float = 0.0,
+    flops: float = 0.0,
+    ceil: dict[str, float] | None = None,
+) -> None:
     """Time a torch-reference baseline unless --no-reference."""
     if not SKIP_REFERENCE:
         record(bench, params, cuda_time(fn, reps=reps), nbytes, flops, ceil)
 
 
-def record(bench: str, params: dict[str, Any], seconds: float, nbytes: float = 0.0, flops: float = 0.0, ceil: dict[str, float] | None = None) -> None:
+def record(
+    bench: str,
+    params: dict[str, Any],
+    seconds: float,
+    nbytes: float = 0.0,
+    flops: float = 0.0,
+    ceil: dict[str, float] | None = None,
+) -> None:
     emit(bench, params, "time_us", seconds * 1e6, "us")
     row = {"bench": bench, "params": params, "us": seconds * 1e6}
     if nbytes:
@@ -109,7 +124,10 @@ def ceilings(quick: bool) -> dict[str, float]:
     n = (1 << 28) if not quick else (1 << 26)  # bytes per buffer: 256 MiB (full) / 64 MiB (quick)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = min(cuda_time(lambda: dst.copy_(src), reps=30 if not quick else 5), graph_time(lambda: dst.copy_(src), calls=5, reps=10))
+    t = min(
+        cuda_time(lambda: dst.copy_(src), reps=30 if not quick else 5),
+        graph_time(lambda: dst.copy_(src), calls=5, reps=10),
+    )
     copy = 2 * n / t / 1e9  # the faster of per-call events and graph replay: the higher, stricter ceiling
     m = 8192 if not quick else 4096
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -135,10 +153,18 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
         xg = None
     vocab = 129_280
     words = (vocab + 31) // 32
-    for rows in ([1, 64] if quick else [1, 16, 64, 256, 512]):
-        g = rotating(lambda: (torch.randn(rows, vocab, device="cuda"), torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")), 8)
+    for rows in [1, 64] if quick else [1, 16, 64, 256, 512]:
+        g = rotating(
+            lambda: (
+                torch.randn(rows, vocab, device="cuda"),
+                torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda"),
+            ),
+            8,
+        )
         _, m = g()
-        masked = int((~get_op("apply_token_bitmask")(torch.zeros(rows, vocab, device="cuda"), m).isfinite()).sum())
+        masked = int(
+            (~get_op("apply_token_bitmask")(torch.zeros(rows, vocab, device="cuda"), m).isfinite()).sum()
+        )
         nbytes = rows * vocab * 4 + rows * words * 4 + masked * 4 * 1.0  # read logits + mask, write masked
         p = {"rows": rows, "vocab": vocab, "dtype": "float32"}
         record("bitmask_tilelang", p, cuda_time(lambda: cuda(*g())), nbytes, ceil=ceil)
@@ -147,7 +173,10 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
         record_ref("bitmask_torch_reference", p, lambda: ref(*g()), 10, nbytes, ceil=ceil)
         if rows <= 64:  # latency without host overhead: the same calls replayed from a CUDA graph
             lg1, m1 = g()
-            for name, fn in (("bitmask_tilelang_graph", lambda: cuda(lg1, m1)), ("bitmask_xgrammar_cuda_graph", lambda: xg(lg1, m1))):
+            for name, fn in (
+                ("bitmask_tilelang_graph", lambda: cuda(lg1, m1)),
+                ("bitmask_xgrammar_cuda_graph", lambda: xg(lg1, m1)),
+            ):
                 if xg is None and "xgrammar" in name:
                     continue
                 try:
@@ -156,12 +185,28 @@ def bench_bitmask(ceil: dict[str, float], quick: bool) -> None:
                     log(f"{name}: graph capture failed: {e}")
     # spec rows: 64 requests x (1 + 5 drafts), every other request constrained
     rows, idx = 384, torch.cat([torch.arange(i * 6, i * 6 + 6) for i in range(0, 64, 2)]).cuda()
-    g = rotating(lambda: (torch.randn(rows, vocab, device="cuda"), torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")), 4)
+    g = rotating(
+        lambda: (
+            torch.randn(rows, vocab, device="cuda"),
+            torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda"),
+        ),
+        4,
+    )
     nbytes = idx.numel() * (vocab * 4 + words * 4 + vocab * 2)
     p = {"rows": rows, "constrained_rows": idx.numel(), "vocab": vocab}
     record("bitmask_tilelang_spec_rows", p, cuda_time(lambda: cuda(*g(), idx)), nbytes, ceil=ceil)
     if xg is not None:
-        record("bitmask_xgrammar_cuda_spec_rows", p, cuda_time(lambda: xgrammar.apply_token_bitmask_inplace(*g(), indices=idx.to(torch.int32), backend="cuda")), nbytes, ceil=ceil)
+        record(
+            "bitmask_xgrammar_cuda_spec_rows",
+            p,
+            cuda_time(
+                lambda: xgrammar.apply_token_bitmask_inplace(
+                    *g(), indices=idx.to(torch.int32), backend="cuda"
+                )
+            ),
+            nbytes,
+            ceil=ceil,
+        )
 
 
 # (variant, e2m1 codec switch) per format, timed side by side: the layouts with the default codecs, and
@@ -196,15 +241,41 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
             g = rotating(lambda: torch.randn(n, 512, device="cuda", dtype=torch.bfloat16), 4)
             nbytes = n * (512 * 2 + bpt)
             p = {"tokens": n, "fmt": fmt, "in": "bf16"}
-            if fmt == "fp8":  # the copy ceiling at this size (bytes read + written as the store's), graph replay
+            if (
+                fmt == "fp8"
+            ):  # the copy ceiling at this size (bytes read + written as the store's), graph replay
                 half = nbytes // 2
-                src, dst = torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda")
-                record("d2d_copy_same_bytes", {"bytes": 2 * half}, graph_time(lambda: dst.copy_(src)), 2 * half, ceil=ceil)
+                src, dst = (
+                    torch.empty(half, dtype=torch.uint8, device="cuda"),
+                    torch.empty(half, dtype=torch.uint8, device="cuda"),
+                )
+                record(
+                    "d2d_copy_same_bytes",
+                    {"bytes": 2 * half},
+                    graph_time(lambda: dst.copy_(src)),
+                    2 * half,
+                    ceil=ceil,
+                )
                 del src, dst
             if n == sizes[0]:
-                record(f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil)
-                record(f"kv_store_{fmt}_unchecked", p, cuda_time(lambda: store(pool, g(), slots, fmt, check=False)), nbytes, ceil=ceil)
-                record_ref(f"kv_store_{fmt}_torch_reference", p, lambda: store_ref(pool, g(), slots, fmt), 5, nbytes, ceil=ceil)
+                record(
+                    f"kv_store_{fmt}", p, cuda_time(lambda: store(pool, g(), slots, fmt)), nbytes, ceil=ceil
+                )
+                record(
+                    f"kv_store_{fmt}_unchecked",
+                    p,
+                    cuda_time(lambda: store(pool, g(), slots, fmt, check=False)),
+                    nbytes,
+                    ceil=ceil,
+                )
+                record_ref(
+                    f"kv_store_{fmt}_torch_reference",
+                    p,
+                    lambda: store_ref(pool, g(), slots, fmt),
+                    5,
+                    nbytes,
+                    ceil=ceil,
+                )
             for var, fast in STORE_CONFIGS[fmt]:
                 sfx = _cfg_suffix(var, fast, "division_codec")
                 try:  # one failing configuration must not end the run
@@ -225,14 +296,28 @@ def bench_kv(ceil: dict[str, float], quick: bool) -> None:
             nbytes = n * (bpt + 512 * 2)
             pl = {"seqs": 64, "tokens_each": m * 64, "fmt": fmt, "out": "bf16"}
             if n == sizes[0]:
-                record(f"kv_load_{fmt}", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)), nbytes, ceil=ceil)
-                record(f"kv_load_{fmt}_unchecked", pl, cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)), nbytes, ceil=ceil)
+                record(
+                    f"kv_load_{fmt}",
+                    pl,
+                    cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16)),
+                    nbytes,
+                    ceil=ceil,
+                )
+                record(
+                    f"kv_load_{fmt}_unchecked",
+                    pl,
+                    cuda_time(lambda: load(pool, table, lens, fmt, 512, torch.bfloat16, check=False)),
+                    nbytes,
+                    ceil=ceil,
+                )
             # the slots kv_load derives from the block table (random blocks, 64 consecutive tokens each)
             tk = torch.arange(m * 64, device="cuda")
             sl = (table.long()[:, tk // 64] * 64 + tk % 64).reshape(-1)
             for var, fast in LOAD_CONFIGS[fmt]:
                 sfx = _cfg_suffix(var, fast, "select_codec")
-                t = graph_time(lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var, fast_e2m1=fast))
+                t = graph_time(
+                    lambda: ck.gather_slots(flat, sl, fmt, 512, torch.bfloat16, variant=var, fast_e2m1=fast)
+                )
                 record(f"kv_load_{fmt}_kernel_graph{sfx}", pl, t, nbytes, ceil=ceil)
 
 
@@ -241,27 +326,43 @@ def bench_sampling(ceil: dict[str, float], quick: bool) -> None:
 
     cuda, ref = get_op("sample", "cuda"), get_op("sample", "reference")
     vocab = 129_280
-    for b in ([8] if quick else [1, 64, 256]):
-        args = [torch.randn(b, vocab, device="cuda"), torch.full((b,), 0.8, device="cuda"), torch.full((b,), 50, device="cuda"),
-                torch.full((b,), 0.9, device="cuda"), torch.arange(b, device="cuda"), torch.arange(b, device="cuda")]
+    for b in [8] if quick else [1, 64, 256]:
+        args = [
+            torch.randn(b, vocab, device="cuda"),
+            torch.full((b,), 0.8, device="cuda"),
+            torch.full((b,), 50, device="cuda"),
+            torch.full((b,), 0.9, device="cuda"),
+            torch.arange(b, device="cuda"),
+            torch.arange(b, device="cuda"),
+        ]
         p = {"batch": b, "vocab": vocab}
-        record("sample_end_to_end_tilelang", p, cuda_time(lambda: cuda(*args), reps=20), b * vocab * 4, ceil=ceil)
+        record(
+            "sample_end_to_end_tilelang", p, cuda_time(lambda: cuda(*args), reps=20), b * vocab * 4, ceil=ceil
+        )
         record_ref("sample_torch_reference", p, lambda: ref(*args), 10, b * vocab * 4, ceil=ceil)
         # the fused kernel alone (RNG + Gumbel + filter + argmax), given the threshold
         t, tv, ti, mode = cs.survivor_threshold(args[0], args[1], args[2], args[3])
         keys = cs._row_keys(args[4], args[5])
         kern = cs.compile_kernel(("sample", vocab, "float32"), lambda: cs._build(vocab, "float32"))
         out = torch.empty(b, dtype=torch.int64, device="cuda")
-        record("sample_fused_kernel_only", p, cuda_time(lambda: kern(args[0], t, keys, tv, ti, mode, out)), b * vocab * 4, ceil=ceil)
+        record(
+            "sample_fused_kernel_only",
+            p,
+            cuda_time(lambda: kern(args[0], t, keys, tv, ti, mode, out)),
+            b * vocab * 4,
+            ceil=ceil,
+        )
 
 
 def bench_small(ceil: dict[str, float], quick: bool) -> None:
     red, red_ref = get_op("mtp_redistribute", "cuda"), get_op("mtp_redistribute", "reference")
-    for r in ([64] if quick else [64, 256, 1024]):
+    for r in [64] if quick else [64, 256, 1024]:
         conf = torch.rand(r, 5, device="cuda")
         total = torch.tensor(r * 2, device="cuda")
         record("mtp_redistribute_tilelang", {"requests": r, "drafts": 5}, cuda_time(lambda: red(total, conf)))
-        record_ref("mtp_redistribute_torch_reference", {"requests": r, "drafts": 5}, lambda: red_ref(total, conf), 10)
+        record_ref(
+            "mtp_redistribute_torch_reference", {"requests": r, "drafts": 5}, lambda: red_ref(total, conf), 10
+        )
     h_ref = get_op("engram_hash", "reference")
     from deepinfer_kernels.cuda import engram as ce
 
@@ -271,10 +372,29 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
     sizes = torch.randint(1_000_000, 50_000_000, (2, 3, 8), device="cuda", dtype=torch.int32)
     offs = torch.zeros(2, 24, dtype=torch.int32, device="cuda")
     nbytes = t * 4 * 4 + 2 * t * 24 * 4
-    record("engram_hash_tilelang", {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8}, cuda_time(lambda: ce.engram_hash_tilelang(ids, mult, sizes, offs)), nbytes, ceil=ceil)
+    record(
+        "engram_hash_tilelang",
+        {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8},
+        cuda_time(lambda: ce.engram_hash_tilelang(ids, mult, sizes, offs)),
+        nbytes,
+        ceil=ceil,
+    )
     if ce._HAVE_TILE_KERNELS:
-        record("engram_hash_tile_kernels", {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8}, cuda_time(lambda: ce.engram_hash_tile_kernels(ids, mult, sizes, offs)), nbytes, ceil=ceil)
-    record_ref("engram_hash_torch_reference", {"tokens": t}, lambda: h_ref(ids, mult, sizes, offs), 10, nbytes, ceil=ceil)
+        record(
+            "engram_hash_tile_kernels",
+            {"tokens": t, "layers": 2, "orders": "2-4", "heads": 8},
+            cuda_time(lambda: ce.engram_hash_tile_kernels(ids, mult, sizes, offs)),
+            nbytes,
+            ceil=ceil,
+        )
+    record_ref(
+        "engram_hash_torch_reference",
+        {"tokens": t},
+        lambda: h_ref(ids, mult, sizes, offs),
+        10,
+        nbytes,
+        ceil=ceil,
+    )
     gat = get_op("engram_gather", "cuda")
     rows = 1 << 20 if quick else 1 << 23
     table = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
@@ -285,23 +405,45 @@ def bench_small(ceil: dict[str, float], quick: bool) -> None:
     out = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
     no_sc = torch.empty(rows, 1, dtype=torch.uint8, device="cuda")
     for var in ce.GATHER_VARIANTS:  # kernel only (no id range check, which costs a host sync)
-        record(f"engram_gather_bf16_kernel_only_{var}", pg, cuda_time(lambda: ce.gather_rows(table, no_sc, g(), out, 0, var)), n * 256 * 2 * 2, ceil=ceil)
+        record(
+            f"engram_gather_bf16_kernel_only_{var}",
+            pg,
+            cuda_time(lambda: ce.gather_rows(table, no_sc, g(), out, 0, var)),
+            n * 256 * 2 * 2,
+            ceil=ceil,
+        )
     # indexer: T queries x S keys, 32 heads x 128 dims (V4.1), full (non-causal) range
     sc = get_op("indexer_scores", "cuda")
     tq, s = (256, 4096) if quick else (2048, 16384)
     q = torch.randn(tq, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(s, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(tq, 32, device="cuda")
-    ks, ke = torch.zeros(tq, dtype=torch.int32, device="cuda"), torch.full((tq,), s, dtype=torch.int32, device="cuda")
-    record("indexer_scores_tilelang", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, cuda_time(lambda: sc(q, w, k, ks, ke), reps=20), flops=2 * tq * s * 32 * 128, ceil=ceil)
-    record_ref("indexer_scores_torch_reference", {"queries": tq, "keys": s, "heads": 32, "dim": 128}, lambda: get_op("indexer_scores")(q, w, k, ks, ke), 5, flops=2 * tq * s * 32 * 128, ceil=ceil)
+    ks, ke = (
+        torch.zeros(tq, dtype=torch.int32, device="cuda"),
+        torch.full((tq,), s, dtype=torch.int32, device="cuda"),
+    )
+    record(
+        "indexer_scores_tilelang",
+        {"queries": tq, "keys": s, "heads": 32, "dim": 128},
+        cuda_time(lambda: sc(q, w, k, ks, ke), reps=20),
+        flops=2 * tq * s * 32 * 128,
+        ceil=ceil,
+    )
+    record_ref(
+        "indexer_scores_torch_reference",
+        {"queries": tq, "keys": s, "heads": 32, "dim": 128},
+        lambda: get_op("indexer_scores")(q, w, k, ks, ke),
+        5,
+        flops=2 * tq * s * 32 * 128,
+        ceil=ceil,
+    )
 
 
 def bench_spec(ceil: dict[str, float], quick: bool) -> None:
     """Counter-mode acceptance step: the kernel against the torch reference on the same inputs."""
     cuda, ref = get_op("spec_verify", "cuda"), get_op("spec_verify", "reference")
     vocab, d = 129_280, 5
-    for r in ([16] if quick else [1, 64, 256]):
+    for r in [16] if quick else [1, 64, 256]:
         p = torch.softmax(torch.randn(r, d + 1, vocab, device="cuda"), -1)
         q = torch.softmax(torch.randn(r, d, vocab, device="cuda"), -1)
         drafts = torch.multinomial(q.reshape(-1, vocab), 1).view(r, d)
@@ -309,10 +451,29 @@ def bench_spec(ceil: dict[str, float], quick: bool) -> None:
         seeds, pos = torch.arange(r, device="cuda"), torch.full((r,), 100, device="cuda")
         prm = {"requests": r, "drafts": d, "vocab": vocab}
         nbytes = r * vocab * 4 * 2  # at least p and q at the emitted position
-        record("spec_verify_tilelang", prm, cuda_time(lambda: cuda(drafts, q, p, lens, seeds=seeds, positions=pos), reps=20), nbytes, ceil=ceil)
-        record_ref("spec_verify_torch_reference", prm, lambda: ref(drafts, q, p, lens, seeds=seeds, positions=pos), 10, nbytes, ceil=ceil)
+        record(
+            "spec_verify_tilelang",
+            prm,
+            cuda_time(lambda: cuda(drafts, q, p, lens, seeds=seeds, positions=pos), reps=20),
+            nbytes,
+            ceil=ceil,
+        )
+        record_ref(
+            "spec_verify_torch_reference",
+            prm,
+            lambda: ref(drafts, q, p, lens, seeds=seeds, positions=pos),
+            10,
+            nbytes,
+            ceil=ceil,
+        )
         g = torch.rand(r, device="cuda") < 2  # all greedy: an argmax per draft position
-        record("spec_verify_tilelang_greedy", prm, cuda_time(lambda: cuda(drafts, q, p, lens, None, g, seeds=seeds, positions=pos), reps=20), r * vocab * 4 * (d + 1), ceil=ceil)
+        record(
+            "spec_verify_tilelang_greedy",
+            prm,
+            cuda_time(lambda: cuda(drafts, q, p, lens, None, g, seeds=seeds, positions=pos), reps=20),
+            r * vocab * 4 * (d + 1),
+            ceil=ceil,
+        )
 
 
 def table() -> str:
@@ -322,7 +483,9 @@ def table() -> str:
         def f(k: str, r: dict[str, Any] = r) -> str:
             return f"{r[k]:.1f}" if k in r else ""
 
-        lines.append(f"| {r['bench']} | {json.dumps(r['params'])} | {f('us')} | {f('GB/s')} | {f('%copy')} | {f('TFLOP/s')} | {f('%mm')} |")
+        lines.append(
+            f"| {r['bench']} | {json.dumps(r['params'])} | {f('us')} | {f('GB/s')} | {f('%copy')} | {f('TFLOP/s')} | {f('%mm')} |"
+        )
     return "\n".join(lines)
 
 
@@ -345,7 +508,13 @@ def main() -> None:
         return
     log(f"device: {torch.cuda.get_device_name()}")
     ceil = ceilings(args.quick)
-    groups = {"bitmask": bench_bitmask, "kv": bench_kv, "sampling": bench_sampling, "small": bench_small, "spec": bench_spec}
+    groups = {
+        "bitmask": bench_bitmask,
+        "kv": bench_kv,
+        "sampling": bench_sampling,
+        "small": bench_small,
+        "spec": bench_spec,
+    }
     for name, fn in groups.items():
         if args.only and name not in args.only.split(","):
             continue
@@ -369,7 +538,11 @@ def plot() -> Path:
     import matplotlib.pyplot as plt
 
     bw = [r for r in ROWS if "%copy" in r]
-    labels = [f"{r['bench']} " + ",".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("fmt", "in", "out")) for r in bw]
+    labels = [
+        f"{r['bench']} "
+        + ",".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("fmt", "in", "out"))
+        for r in bw
+    ]
     colors = ["tab:blue" if ("kernel" in r["bench"] or "copy" in r["bench"]) else "0.6" for r in bw]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(bw) + 1.2))
     ax.barh(labels, [r["%copy"] for r in bw], color=colors)

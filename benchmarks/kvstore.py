@@ -40,8 +40,11 @@ def start_redis():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     import redis
 
     client = redis.Redis(port=port)
@@ -62,7 +65,9 @@ def swapin_bench(quick: bool) -> None:
     dev = torch.device("cuda")
     layers, width, pool, n = 61, 64 << 10, 512, 64  # 64 blocks x 61 layers x 64 KiB = 250 MB to move
     rng = np.random.default_rng(0)
-    host = [pack_layers([rng.integers(0, 256, width, dtype=np.uint8) for _ in range(layers)]) for _ in range(n)]
+    host = [
+        pack_layers([rng.integers(0, 256, width, dtype=np.uint8) for _ in range(layers)]) for _ in range(n)
+    ]
     ids = rng.choice(pool, n, replace=False)
     caches = [torch.zeros(pool, width, dtype=torch.uint8, device=dev) for _ in range(layers)]
     ids_t = torch.from_numpy(ids).to(dev)
@@ -150,6 +155,7 @@ def main() -> None:
             blocks = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(nblocks)]
             keys = [os.urandom(16) for _ in range(nblocks)]
             for name, st in stores.items():
+
                 def put(st=st, keys=keys, blocks=blocks):
                     for k, b in zip(keys, blocks):
                         st.put(k, b)
@@ -187,6 +193,7 @@ def main() -> None:
 
             ts = time_it(serial, repeat=repeat)
             tpf = time_it(parallel, repeat=repeat)
+
             # overlap with the step before the one that needs the blocks: a device forward leaves the CPU
             # free, stood in for by a sleep as long as the serial reads
             def step_then_read(st=st, ts=ts):

@@ -55,7 +55,13 @@ def main() -> None:
         log("redis-server not found: nothing to measure")
         return
     try:
-        cfg = {"model": "tiny-random", "seed": 0, "num_blocks": 1024, "block_size": 16, "max_num_seqs": args.batch}
+        cfg = {
+            "model": "tiny-random",
+            "seed": 0,
+            "num_blocks": 1024,
+            "block_size": 16,
+            "max_num_seqs": args.batch,
+        }
         store = RedisKVStore(url=url)
         a = LLM(**cfg)
         # back-off capped at 2 s so the store is back in use soon after SIGCONT (the defaults: 1 s .. 30 s)
@@ -83,15 +89,23 @@ def main() -> None:
             elif phase == "killed":
                 proc.kill()
                 proc.wait()
-            p = {"phase": phase, "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": 16,
-                 "model": "tiny-random float32", "store": "RedisKVStore(timeout_s=0.1)"}
+            p = {
+                "phase": phase,
+                "batch": args.batch,
+                "prompt_len": args.prompt_len,
+                "max_tokens": 16,
+                "model": "tiny-random float32",
+                "store": "RedisKVStore(timeout_s=0.1)",
+            }
             if phase in ("stopped", "killed"):  # the round in which the breaker opens, on its own
                 prompts = batch()
                 wa, _, sa = round_time(a, prompts, sp)
                 wb, _, sb = round_time(b, prompts, sp)
                 emit(BENCH, p, "opening_round_extra_s", wb - wa * sb / max(sa, 1), "s")
-                log(f"{phase}: breaker read={guard.state('read')} write={guard.state('write')}, "
-                    f"errors {guard.stats.errors}")
+                log(
+                    f"{phase}: breaker read={guard.state('read')} write={guard.state('write')}, "
+                    f"errors {guard.stats.errors}"
+                )
             wr, cr, per_a, per_b = [], [], [], []
             for _ in range(rounds):
                 prompts = batch()
@@ -109,7 +123,13 @@ def main() -> None:
                 emit(BENCH, p, "written_blocks", b.engine.prefix.link.written_blocks - written, "blocks")
             written = b.engine.prefix.link.written_blocks
             if phase != "up":
-                emit(BENCH, p, "store_calls_skipped", guard.stats.skipped_reads + guard.stats.skipped_writes, "calls")
+                emit(
+                    BENCH,
+                    p,
+                    "store_calls_skipped",
+                    guard.stats.skipped_reads + guard.stats.skipped_writes,
+                    "calls",
+                )
         emit(BENCH, {"phase": "end"}, "kv_store_errors", sum(guard.stats.errors.values()), "errors")
     finally:
         if proc.poll() is None:

@@ -53,17 +53,31 @@ BLOCK = 64
 
 def wide_config() -> ModelConfig:
     """V4.1-Flash widths, 6 layers (SWA, 2 x ratio 2, 3 x ratio 1 with a Reindex layer), 8 experts."""
-    return flash_config(num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3],
-                        index_source_layer_ids=[1, 3, 5], num_encoder_layers=3, candidate_source_layer_id=3,
-                        n_routed_experts=8, engram_layer_ids=[1], engram_table_sizes=[8009],
-                        dspark_target_layer_ids=[3, 4, 5], num_nextn_predict_layers=1)
+    return flash_config(
+        num_hidden_layers=6,
+        compress_ratios=[0, 2, 2, 1, 1, 1],
+        kv_source_layer_ids=[1, 3],
+        index_source_layer_ids=[1, 3, 5],
+        num_encoder_layers=3,
+        candidate_source_layer_id=3,
+        n_routed_experts=8,
+        engram_layer_ids=[1],
+        engram_table_sizes=[8009],
+        dspark_target_layer_ids=[3, 4, 5],
+        num_nextn_predict_layers=1,
+    )
 
 
 def prefill_config() -> ModelConfig:
     """The tiny config's widths with the released window (128), 16 heads and top-k 64: a CPU-sized model
     whose prefill has the shapes that make the dense path quadratic (n x n window logits, n x E scores)."""
-    return tiny_config(sliding_window=128, num_attention_heads=16, index_topk=64, candidate_block_size=16,
-                       candidate_topk_blocks=16)
+    return tiny_config(
+        sliding_window=128,
+        num_attention_heads=16,
+        index_topk=64,
+        candidate_block_size=16,
+        candidate_topk_blocks=16,
+    )
 
 
 class Clock:
@@ -97,7 +111,9 @@ class Clock:
 BACKEND: Backend | None = None  # set from --backend: routes the executor's cache writes through its ops
 
 
-def _executor(model: DeepSeekV41, quantize: bool, slots: int, tokens: int) -> tuple[ModelExecutor, PagedKVPool]:
+def _executor(
+    model: DeepSeekV41, quantize: bool, slots: int, tokens: int
+) -> tuple[ModelExecutor, PagedKVPool]:
     blocks = slots * (-(-tokens // BLOCK) + 1) + 1
     ex = ModelExecutor(model, blocks, BLOCK, slots, quantize=quantize, backend=BACKEND)
     return ex, PagedKVPool(blocks, BLOCK)
@@ -114,8 +130,14 @@ def bench_prefill(model: DeepSeekV41, clock: Clock, base: dict, t: int, repeat: 
     for q in (False, True):
         ex, pool = _executor(model, q, 1, t)
         pool.allocate(0, t)
-        b = ForwardBatch(token_ids=toks.numpy(), query_lens=[t], start_pos=[0], block_tables=pool.block_tables([0]),
-                         state_slots=[0], num_logits=[1])
+        b = ForwardBatch(
+            token_ids=toks.numpy(),
+            query_lens=[t],
+            start_pos=[0],
+            block_tables=pool.block_tables([0]),
+            state_slots=[0],
+            num_logits=[1],
+        )
         sec, wall = clock.measure(lambda ex=ex, b=b: ex.execute(b), repeat)
         p = {**params, "path": "executor", "kv_quant": q}
         emit(BENCH, p, f"prefill_tokens_per_{clock.unit}", t / sec, "tok/s")
@@ -136,9 +158,15 @@ def bench_prefill_paths(dev: torch.device, clock: Clock, base: dict, lengths: li
             ex, pool = _executor(model, True, 1, t)
             ex.prefill_path = path
             pool.allocate(0, t)
-            b = ForwardBatch(token_ids=toks, query_lens=[t], start_pos=[0], block_tables=pool.block_tables([0]),
-                             state_slots=[0], num_logits=[1])
-            runs[path] = (lambda ex=ex, b=b: ex.execute(b).logits)
+            b = ForwardBatch(
+                token_ids=toks,
+                query_lens=[t],
+                start_pos=[0],
+                block_tables=pool.block_tables([0]),
+                state_slots=[0],
+                num_logits=[1],
+            )
+            runs[path] = lambda ex=ex, b=b: ex.execute(b).logits
         logits = {k: f().float() for k, f in runs.items()}  # also the warm-up
         q: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(repeat):
@@ -148,8 +176,14 @@ def bench_prefill_paths(dev: torch.device, clock: Clock, base: dict, lengths: li
                 q1, _ = clock.now()
                 q[k].append(q1 - q0)
         sec = {k: statistics.median(v) for k, v in q.items()}
-        p = {**base, "config": "prefill", "window": cfg.sliding_window, "heads": cfg.num_attention_heads,
-             "tokens": t, "kv_quant": True}
+        p = {
+            **base,
+            "config": "prefill",
+            "window": cfg.sliding_window,
+            "heads": cfg.num_attention_heads,
+            "tokens": t,
+            "kv_quant": True,
+        }
         for k in runs:
             emit(BENCH, {**p, "path": k}, f"prefill_tokens_per_{clock.unit}", t / sec[k], "tok/s")
         emit(BENCH, p, "prefill_time_ratio_dense_vs_tiled", sec["dense"] / sec["tiled"], "x")
@@ -157,7 +191,9 @@ def bench_prefill_paths(dev: torch.device, clock: Clock, base: dict, lengths: li
         emit(BENCH, p, "prefill_tiled_vs_dense_logits_rel_err", ((g - d).norm() / d.norm()).item(), "ratio")
 
 
-def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: int, steps: int) -> dict[str, float]:
+def bench_decode(
+    model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: int, steps: int
+) -> dict[str, float]:
     """Decode steps of ``batch`` requests at context ``ctx``; returns tok/s per configuration."""
     res = {}
     for q, row_path in ((False, True), (True, True), (True, False)):
@@ -168,12 +204,30 @@ def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: 
         for i in ids:
             pool.allocate(i, ctx + steps)
         tables = pool.block_tables(ids)
-        ex.execute(ForwardBatch(token_ids=toks[:, :ctx].reshape(-1).numpy(), query_lens=[ctx] * batch,
-                                start_pos=[0] * batch, block_tables=tables, state_slots=ids, num_logits=[1] * batch))
+        ex.execute(
+            ForwardBatch(
+                token_ids=toks[:, :ctx].reshape(-1).numpy(),
+                query_lens=[ctx] * batch,
+                start_pos=[0] * batch,
+                block_tables=tables,
+                state_slots=ids,
+                num_logits=[1] * batch,
+            )
+        )
 
-        def step(s: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables) -> None:
-            ex.execute(ForwardBatch(token_ids=toks[:, s].numpy(), query_lens=[1] * batch, start_pos=[s] * batch,
-                                    block_tables=tables, state_slots=list(range(batch)), num_logits=[1] * batch))
+        def step(
+            s: int, ex: ModelExecutor = ex, toks: torch.Tensor = toks, tables: np.ndarray = tables
+        ) -> None:
+            ex.execute(
+                ForwardBatch(
+                    token_ids=toks[:, s].numpy(),
+                    query_lens=[1] * batch,
+                    start_pos=[s] * batch,
+                    block_tables=tables,
+                    state_slots=list(range(batch)),
+                    num_logits=[1] * batch,
+                )
+            )
 
         step(ctx)  # warm-up at ctx; the timed loop starts at ctx again (a rollback of one token)
         q0, w0 = clock.now()
@@ -183,13 +237,24 @@ def bench_decode(model: DeepSeekV41, clock: Clock, base: dict, batch: int, ctx: 
         sec, wall = (q1 - q0) / steps, (w1 - w0) / steps
         key = f"{'quant' if q else 'exact'}-{'rows' if row_path else 'per_request'}"
         res[key] = batch / sec
-        params = {**base, "batch": batch, "context": ctx, "kv_quant": q, "path": "rows" if row_path else "per_request"}
+        params = {
+            **base,
+            "batch": batch,
+            "context": ctx,
+            "kv_quant": q,
+            "path": "rows" if row_path else "per_request",
+        }
         emit(BENCH, params, f"decode_tokens_per_{clock.unit}", batch / sec, "tok/s")
         if not clock.cuda:
             emit(BENCH, params, "decode_tokens_per_wall_s", batch / wall, "tok/s")
         emit(BENCH, params, f"decode_ms_per_step_{clock.unit.removesuffix('_s')}", sec * 1e3, "ms")
-    emit(BENCH, {**base, "batch": batch, "context": ctx, "kv_quant": True},
-         "decode_speedup_rows_vs_per_request", res["quant-rows"] / res["quant-per_request"], "x")
+    emit(
+        BENCH,
+        {**base, "batch": batch, "context": ctx, "kv_quant": True},
+        "decode_speedup_rows_vs_per_request",
+        res["quant-rows"] / res["quant-per_request"],
+        "x",
+    )
     return res
 
 
@@ -201,13 +266,23 @@ def _decode_setup(model: DeepSeekV41, batch: int, ctx: int, room: int):
         pool.allocate(i, ctx + room)
     tables = pool.block_tables(ids)
     drafting = model.drafter is not None
-    out = ex.execute(ForwardBatch(token_ids=toks[:, :ctx].reshape(-1).numpy(), query_lens=[ctx] * batch,
-                                  start_pos=[0] * batch, block_tables=tables, state_slots=ids, num_logits=[1] * batch,
-                                  draft=[drafting] * batch))
+    out = ex.execute(
+        ForwardBatch(
+            token_ids=toks[:, :ctx].reshape(-1).numpy(),
+            query_lens=[ctx] * batch,
+            start_pos=[0] * batch,
+            block_tables=tables,
+            state_slots=ids,
+            num_logits=[1] * batch,
+            draft=[drafting] * batch,
+        )
+    )
     return ex, toks, tables, out
 
 
-def _interleaved(clock: Clock, steps: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, float]:
+def _interleaved(
+    clock: Clock, steps: dict[str, Callable[[], object]], rounds: int, per_round: int
+) -> dict[str, float]:
     """Median ms per step of each closure, timed in alternation (A B C A B C ...) so that the load of the
     shared machine hits every variant alike; one warm-up step each first."""
     for f in steps.values():
@@ -223,23 +298,36 @@ def _interleaved(clock: Clock, steps: dict[str, Callable[[], object]], rounds: i
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, clock: Clock, base: dict, batch: int,
-                   ctx: int, rounds: int) -> None:
+def bench_features(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    dev: torch.device,
+    clock: Clock,
+    base: dict,
+    batch: int,
+    ctx: int,
+    rounds: int,
+) -> None:
     """(c): per-feature decode step cost (variants of ``cfg``) and DSpark step cost, interleaved."""
     from deepinfer_core.eplb import rebalance_experts
 
     per_round = 2
     room = (rounds * per_round + 2) * (cfg.dspark_block_size + 1) + 8
     n = cfg.num_hidden_layers
-    variants: dict[str, dict] = {"all": {}, "no_mhc": {"hc_mult": 1}, "no_engram": {"engram_layer_ids": []},
-                                 "no_drafter": {"num_nextn_predict_layers": 0, "compress_ratios": cfg.compress_ratios[:n]}}
+    variants: dict[str, dict] = {
+        "all": {},
+        "no_mhc": {"hc_mult": 1},
+        "no_engram": {"engram_layer_ids": []},
+        "no_drafter": {"num_nextn_predict_layers": 0, "compress_ratios": cfg.compress_ratios[:n]},
+    }
     variants["none"] = {k: v for d in variants.values() for k, v in d.items()}
     ids = list(range(batch))
     blk = cfg.dspark_block_size
 
     def make(over: dict, placement: bool = False):
-        model = DeepSeekV41.from_config(attrs.evolve(cfg, **over), seed=0, dtype=dtype, device=dev,
-                                        init_on_device=dev.type == "cuda")
+        model = DeepSeekV41.from_config(
+            attrs.evolve(cfg, **over), seed=0, dtype=dtype, device=dev, init_on_device=dev.type == "cuda"
+        )
         if placement:
             e = cfg.n_routed_experts
             load = np.random.default_rng(0).pareto(1.0, (n, e)) + 0.1
@@ -250,9 +338,18 @@ def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, cloc
         pos = [ctx]
 
         def f() -> None:
-            ex.execute(ForwardBatch(token_ids=toks[:, pos[0]].numpy(), query_lens=[1] * batch, start_pos=[pos[0]] * batch,
-                                    block_tables=tables, state_slots=ids, num_logits=[1] * batch))
+            ex.execute(
+                ForwardBatch(
+                    token_ids=toks[:, pos[0]].numpy(),
+                    query_lens=[1] * batch,
+                    start_pos=[pos[0]] * batch,
+                    block_tables=tables,
+                    state_slots=ids,
+                    num_logits=[1] * batch,
+                )
+            )
             pos[0] += 1
+
         return f
 
     def spec_step(ex: ModelExecutor, out: object, tables: np.ndarray, v: int) -> Callable[[], object]:
@@ -262,11 +359,21 @@ def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, cloc
 
         def f() -> None:
             fed = np.concatenate([np.concatenate(([st["y"][i]], st["d"][i, :v])) for i in ids])
-            o = ex.execute(ForwardBatch(token_ids=fed, query_lens=[v + 1] * batch, start_pos=st["q"], block_tables=tables,
-                                        state_slots=ids, num_logits=[v + 1] * batch, verify_lens=[v] * batch,
-                                        draft=[True] * batch))
+            o = ex.execute(
+                ForwardBatch(
+                    token_ids=fed,
+                    query_lens=[v + 1] * batch,
+                    start_pos=st["q"],
+                    block_tables=tables,
+                    state_slots=ids,
+                    num_logits=[v + 1] * batch,
+                    verify_lens=[v] * batch,
+                    draft=[True] * batch,
+                )
+            )
             st["q"] = st["q"] + 1 + o.num_accepted.cpu().numpy()
             st["y"], st["d"] = o.next_token.cpu().numpy(), o.drafts.cpu().numpy()
+
         return f
 
     steps: dict[str, Callable[[], object]] = {}
@@ -293,12 +400,20 @@ def bench_features(cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, cloc
 
 def main() -> None:
     ap = parser(__doc__ or "")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1: shared)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads on the CPU (default 1: shared)"
+    )
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--config", choices=("tiny", "wide"), default="tiny")
-    ap.add_argument("--backend", choices=("none", "reference", "cuda"), default="none",
-                    help="write caches through this deepinfer_kernels backend's ops (default: plain torch)")
-    ap.add_argument("--prefill-paths-only", action="store_true", help="only section (p): dense vs tiled prefill")
+    ap.add_argument(
+        "--backend",
+        choices=("none", "reference", "cuda"),
+        default="none",
+        help="write caches through this deepinfer_kernels backend's ops (default: plain torch)",
+    )
+    ap.add_argument(
+        "--prefill-paths-only", action="store_true", help="only section (p): dense vs tiled prefill"
+    )
     args = ap.parse_args()
     global BACKEND
     BACKEND = None if args.backend == "none" else get_backend(args.backend)
@@ -309,9 +424,14 @@ def main() -> None:
     wide = args.config == "wide"
     cfg = wide_config() if wide else tiny_config()
     dtype = torch.bfloat16 if (wide and dev.type == "cuda") else torch.float32
-    model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=dev.type == 'cuda')
+    model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=dev.type == "cuda")
     clock = Clock(dev)
-    base = {"config": args.config, "device": dev.type, "dtype": str(dtype).removeprefix("torch."), "backend": args.backend}
+    base = {
+        "config": args.config,
+        "device": dev.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": args.backend,
+    }
     if wide:
         prefill = [1024] if args.quick else [1024, 4096]
         batches = [1, 8] if args.quick else [1, 8, 32, 64]

@@ -42,8 +42,14 @@ from model import wide_config
 
 BENCH = "model_cuda"
 BLOCK = 64
-LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
-          "cudaLaunchCooperativeKernel")
+LAUNCH = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaGraphLaunch",
+    "cudaLaunchCooperativeKernel",
+)
 SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -124,7 +130,12 @@ def prefill_flops(model: DeepSeekV41, tokens: int) -> float:
     cfg = model.cfg
     f = 0.0
     for name, p in model.named_parameters():
-        if name.startswith("drafter.") or name in ("embed", "head") or p.dim() < 2 or ("engram." in name and "table" in name):
+        if (
+            name.startswith("drafter.")
+            or name in ("embed", "head")
+            or p.dim() < 2
+            or ("engram." in name and "table" in name)
+        ):
             continue
         if ".ffn.w" in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3"):
             f += 2 * tokens * cfg.num_experts_per_tok * p[0].numel()
@@ -156,8 +167,15 @@ def gpu_time_split(events: list) -> dict[str, float]:
     return out
 
 
-def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path | None,
-                  paths: tuple[str, ...] = ("dense", "tiled"), tile: int | None = None, budget: int | None = None) -> None:
+def bench_prefill(
+    model: DeepSeekV41,
+    lengths: list[int],
+    rate: float,
+    out: Path | None,
+    paths: tuple[str, ...] = ("dense", "tiled"),
+    tile: int | None = None,
+    budget: int | None = None,
+) -> None:
     """One request's prefill (eager; prefill steps are not graphed) per path: ``dense`` (the plain path:
     [n, n] window masks, whole indexer matrices), ``tiled`` (model.prefill: query tiles, bounded row pieces,
     keyed top-k), ``glue`` (tiled with its small functions compiled, ``fuse_glue``). Reported:
@@ -179,10 +197,13 @@ def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path
         ex.prefill_tile = tile or ex.prefill_tile
         ex.prefill_budget = budget or ex.prefill_budget
         base = {**base, "tile": ex.prefill_tile, "budget_mib": ex.prefill_budget >> 20}
-        toks = torch.randint(0, model.cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(t)).numpy()
+        toks = torch.randint(
+            0, model.cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(t)
+        ).numpy()
         table = np.arange(1, blocks, dtype=np.int64)[None, : -(-t // BLOCK)]
-        batch = ForwardBatch(token_ids=toks, query_lens=[t], start_pos=[0], block_tables=table,
-                             state_slots=[0], num_logits=[1])
+        batch = ForwardBatch(
+            token_ids=toks, query_lens=[t], start_pos=[0], block_tables=table, state_slots=[0], num_logits=[1]
+        )
         flops = prefill_flops(model, t)
         walls: dict[str, float] = {}
         logits: dict[str, torch.Tensor] = {}
@@ -210,27 +231,64 @@ def bench_prefill(model: DeepSeekV41, lengths: list[int], rate: float, out: Path
             if "dense" in walls and path != "dense":
                 emit(BENCH, p, "prefill_speedup_vs_dense", walls["dense"] / wall, "x")
                 d = logits["dense"]
-                emit(BENCH, p, "prefill_vs_dense_logits_rel_err", ((logits[path] - d).norm() / d.norm()).item(), "ratio")
+                emit(
+                    BENCH,
+                    p,
+                    "prefill_vs_dense_logits_rel_err",
+                    ((logits[path] - d).norm() / d.norm()).item(),
+                    "ratio",
+                )
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 ex.execute(batch)
                 torch.cuda.synchronize()
             split = gpu_time_split(prof.events())
             dev_us = sum(split.values())
             ka = prof.key_averages()
-            kernels = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.is_user_annotation]
-            all_gemm_us = sum(e.self_device_time_total for e in kernels if any(k in e.key.lower() for k in GEMM_KERNELS))
+            kernels = [
+                e
+                for e in ka
+                if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.is_user_annotation
+            ]
+            all_gemm_us = sum(
+                e.self_device_time_total for e in kernels if any(k in e.key.lower() for k in GEMM_KERNELS)
+            )
             emit(BENCH, p, "prefill_gpu_ms", dev_us / 1e3, "ms")
-            emit(BENCH, p, "prefill_gpu_ms_unattributed", (sum(e.self_device_time_total for e in kernels) - dev_us) / 1e3, "ms")
+            emit(
+                BENCH,
+                p,
+                "prefill_gpu_ms_unattributed",
+                (sum(e.self_device_time_total for e in kernels) - dev_us) / 1e3,
+                "ms",
+            )
             for part, us in split.items():
                 emit(BENCH, p, f"prefill_gpu_split_{part}_pct", 100 * us / max(dev_us, 1e-9), "%")
-            emit(BENCH, p, "prefill_gemm_share_of_gpu_time", 100 * split["weight_gemm"] / max(dev_us, 1e-9), "%")
-            emit(BENCH, p, "prefill_gemm_part_pct_of_matmul_rate",
-                 100 * flops / (max(split["weight_gemm"], 1e-9) / 1e6) / rate, "%")
-            emit(BENCH, p, "prefill_all_gemm_pct_of_matmul_rate", 100 * flops / (max(all_gemm_us, 1e-9) / 1e6) / rate, "%")
+            emit(
+                BENCH,
+                p,
+                "prefill_gemm_share_of_gpu_time",
+                100 * split["weight_gemm"] / max(dev_us, 1e-9),
+                "%",
+            )
+            emit(
+                BENCH,
+                p,
+                "prefill_gemm_part_pct_of_matmul_rate",
+                100 * flops / (max(split["weight_gemm"], 1e-9) / 1e6) / rate,
+                "%",
+            )
+            emit(
+                BENCH,
+                p,
+                "prefill_all_gemm_pct_of_matmul_rate",
+                100 * flops / (max(all_gemm_us, 1e-9) / 1e6) / rate,
+                "%",
+            )
             if out is not None:
                 with open(out / "profiles.txt", "a") as fh:
                     fh.write(f"\n\n==== prefill {t} tokens, {path}\n")
-                    fh.write(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
+                    fh.write(
+                        ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90)
+                    )
         del ex
         torch.cuda.empty_cache()
 
@@ -244,8 +302,9 @@ class Decoder:
         blocks = slots * (-(-(ctx + room) // BLOCK) + 1) + 1
         # a plain decode benchmark: no drafter context (the roofline counts no drafter either; an engine
         # that does not speculate builds its executor the same way)
-        self.ex = ModelExecutor(model, blocks, BLOCK, slots, quantize=True, backend=get_backend("cuda"),
-                                draft_context=False)
+        self.ex = ModelExecutor(
+            model, blocks, BLOCK, slots, quantize=True, backend=get_backend("cuda"), draft_context=False
+        )
         pool = PagedKVPool(blocks, BLOCK)
         g = torch.Generator().manual_seed(batch)
         self.toks = torch.randint(0, cfg.vocab_size, (batch, ctx + room), generator=g).numpy()
@@ -255,19 +314,46 @@ class Decoder:
         self.tables = pool.block_tables(ids)
         self.batch, self.pos = batch, ctx
         for i in ids:  # prefill request by request (bounded activation memory)
-            self.ex.execute(ForwardBatch(token_ids=self.toks[i, :ctx], query_lens=[ctx], start_pos=[0],
-                                         block_tables=self.tables[i : i + 1], state_slots=[i], num_logits=[1]))
+            self.ex.execute(
+                ForwardBatch(
+                    token_ids=self.toks[i, :ctx],
+                    query_lens=[ctx],
+                    start_pos=[0],
+                    block_tables=self.tables[i : i + 1],
+                    state_slots=[i],
+                    num_logits=[1],
+                )
+            )
         torch.cuda.synchronize()
 
     def step(self) -> torch.Tensor:
         b, s = self.batch, self.pos
-        out = self.ex.execute(ForwardBatch(token_ids=self.toks[:, s], query_lens=[1] * b, start_pos=[s] * b,
-                                           block_tables=self.tables, state_slots=list(range(b)), num_logits=[1] * b))
+        out = self.ex.execute(
+            ForwardBatch(
+                token_ids=self.toks[:, s],
+                query_lens=[1] * b,
+                start_pos=[s] * b,
+                block_tables=self.tables,
+                state_slots=list(range(b)),
+                num_logits=[1] * b,
+            )
+        )
         self.pos += 1
         return out.logits
 
 
-MODES = ("legacy", "off", "on", "fused", "glue", "glue-eager", "glue-attn", "glue-moe", "glue-head", "glue-all")
+MODES = (
+    "legacy",
+    "off",
+    "on",
+    "fused",
+    "glue",
+    "glue-eager",
+    "glue-attn",
+    "glue-moe",
+    "glue-head",
+    "glue-all",
+)
 EAGER_MODES = ("legacy", "off", "glue-eager")  # every other mode replays CUDA graphs
 
 
@@ -342,13 +428,23 @@ def profile_steps(dec: Decoder, n: int, table_path: Path | None) -> dict[str, fl
     if table_path is not None:  # one file for every profile: a device call returns at most 8 files
         with open(table_path.parent / "profiles.txt", "a") as fh:
             fh.write(f"\n\n==== {table_path.stem}\n")
-            fh.write(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
-                     + "\n\n" + ka.table(sort_by="count", row_limit=45, max_name_column_width=90)
-                     # the host's side (graph launches, pinned copies, the Engram fetch): what a step waits for
-                     + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90))
-    return {"launches_per_step": launches / n, "syncs_per_step": syncs / n, "memcpy_async_per_step": memcpy / n,
-            "gpu_busy_pct": 100 * dev_us / 1e6 / wall, "profiled_ms_per_step": wall / n * 1e3,
-            "gpu_kernels_per_step": kernels / n, "gpu_ms_per_step": dev_us / 1e3 / n}
+            fh.write(
+                ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
+                + "\n\n"
+                + ka.table(sort_by="count", row_limit=45, max_name_column_width=90)
+                # the host's side (graph launches, pinned copies, the Engram fetch): what a step waits for
+                + "\n\n"
+                + ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
+            )
+    return {
+        "launches_per_step": launches / n,
+        "syncs_per_step": syncs / n,
+        "memcpy_async_per_step": memcpy / n,
+        "gpu_busy_pct": 100 * dev_us / 1e6 / wall,
+        "profiled_ms_per_step": wall / n * 1e3,
+        "gpu_kernels_per_step": kernels / n,
+        "gpu_ms_per_step": dev_us / 1e3 / n,
+    }
 
 
 def host_profile(dec: Decoder, n: int, path: Path, title: str) -> None:
@@ -380,7 +476,9 @@ def sync_sites(dec: Decoder) -> list[tuple[str, int]]:
             dec.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    c = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in got if "synchroniz" in str(w.message))
+    c = collections.Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in got if "synchroniz" in str(w.message)
+    )
     return c.most_common()
 
 
@@ -401,12 +499,21 @@ def bench_engine(batches: list[int], prompt_len: int, gen: int) -> None:
         for async_mode in (False, True):
             # speculation off: verify steps are not pure decode (they run eagerly), and the drafter forces
             # synchronous scheduling
-            llm = LLM(model="tiny-random", backend="cuda", seed=0, num_blocks=4096 // 16 * 4, max_num_seqs=b,
-                      async_scheduling=async_mode, envs=Envs(use_nextn_decode=0))
+            llm = LLM(
+                model="tiny-random",
+                backend="cuda",
+                seed=0,
+                num_blocks=4096 // 16 * 4,
+                max_num_seqs=b,
+                async_scheduling=async_mode,
+                envs=Envs(use_nextn_decode=0),
+            )
             for graphs in (False, True):
                 ex = llm.engine.executor
                 ex.cuda_graphs = graphs and ex.sync_free
-                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+                llm.generate(
+                    prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+                )
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -414,8 +521,14 @@ def bench_engine(batches: list[int], prompt_len: int, gen: int) -> None:
                 wall = time.perf_counter() - t0
                 n = sum(len(o.token_ids) for o in outs)
                 toks[(async_mode, graphs)] = [list(o.token_ids) for o in outs]
-                p = {"model": "tiny-random", "batch": b, "prompt_len": prompt_len, "gen": gen, "async": async_mode,
-                     "graphs": graphs}
+                p = {
+                    "model": "tiny-random",
+                    "batch": b,
+                    "prompt_len": prompt_len,
+                    "gen": gen,
+                    "async": async_mode,
+                    "graphs": graphs,
+                }
                 emit(BENCH, p, "engine_out_tokens_per_s", n / wall, "tok/s")
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     t0 = time.perf_counter()
@@ -423,15 +536,30 @@ def bench_engine(batches: list[int], prompt_len: int, gen: int) -> None:
                     torch.cuda.synchronize()
                     pw = time.perf_counter() - t0
                 ka = prof.key_averages()
-                dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in ka
-                             if str(getattr(e, "device_type", "")).endswith("CUDA"))
+                dev_us = sum(
+                    getattr(e, "self_device_time_total", 0.0)
+                    for e in ka
+                    if str(getattr(e, "device_type", "")).endswith("CUDA")
+                )
                 emit(BENCH, p, "engine_gpu_idle_pct", 100 - 100 * dev_us / 1e6 / pw, "%")
-                emit(BENCH, p, "engine_syncs_per_token", sum(e.count for e in ka if e.key in SYNC) / max(n, 1), "count")
+                emit(
+                    BENCH,
+                    p,
+                    "engine_syncs_per_token",
+                    sum(e.count for e in ka if e.key in SYNC) / max(n, 1),
+                    "count",
+                )
                 if graphs and ex.sync_free:
                     emit(BENCH, p, "engine_graphs_captured", ex.graphs().captures, "count")
             del llm
         same = all(v == toks[(False, False)] for v in toks.values())
-        emit(BENCH, {"model": "tiny-random", "batch": b}, "engine_greedy_tokens_equal_all_modes", float(same), "bool")
+        emit(
+            BENCH,
+            {"model": "tiny-random", "batch": b},
+            "engine_greedy_tokens_equal_all_modes",
+            float(same),
+            "bool",
+        )
 
 
 def main() -> None:
@@ -439,21 +567,39 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--graphs", default="legacy,off,on",
-                    help="modes to time: legacy (plain row path), off (sync-free eager), on (CUDA graphs), "
-                         "fused (graphs + the opt-in fused mhc_sinkhorn kernel)")
+    ap.add_argument(
+        "--graphs",
+        default="legacy,off,on",
+        help="modes to time: legacy (plain row path), off (sync-free eager), on (CUDA graphs), "
+        "fused (graphs + the opt-in fused mhc_sinkhorn kernel)",
+    )
     ap.add_argument("--sync-sites", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the profiler tables")
-    ap.add_argument("--profile-batches", default="", help="batches whose profiler tables go to --out (default all)")
+    ap.add_argument(
+        "--profile-batches", default="", help="batches whose profiler tables go to --out (default all)"
+    )
     ap.add_argument("--engine", default="", help="batches for the engine section (tiny model), e.g. 1,8,64")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-config decode section")
-    ap.add_argument("--prefill", default="", help="prompt lengths for the wide-config prefill section, e.g. 2048,8192")
-    ap.add_argument("--prefill-paths", default="dense,tiled",
-                    help="prefill paths to time: dense (plain), tiled (model.prefill), glue (tiled + fused glue)")
-    ap.add_argument("--prefill-tile", type=int, default=0, help="query rows per window tile (default: the executor's)")
-    ap.add_argument("--prefill-budget-mib", type=int, default=0,
-                    help="MiB of intermediates per piece of prefill rows (default: the executor's)")
-    ap.add_argument("--host-profile", default="", help="modes whose host side is profiled (cProfile, 5 steps)")
+    ap.add_argument(
+        "--prefill", default="", help="prompt lengths for the wide-config prefill section, e.g. 2048,8192"
+    )
+    ap.add_argument(
+        "--prefill-paths",
+        default="dense,tiled",
+        help="prefill paths to time: dense (plain), tiled (model.prefill), glue (tiled + fused glue)",
+    )
+    ap.add_argument(
+        "--prefill-tile", type=int, default=0, help="query rows per window tile (default: the executor's)"
+    )
+    ap.add_argument(
+        "--prefill-budget-mib",
+        type=int,
+        default=0,
+        help="MiB of intermediates per piece of prefill rows (default: the executor's)",
+    )
+    ap.add_argument(
+        "--host-profile", default="", help="modes whose host side is profiled (cProfile, 5 steps)"
+    )
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out:
@@ -471,9 +617,15 @@ def main() -> None:
     if args.prefill:
         rate = matmul_rate()
         emit(BENCH, base, "bf16_matmul_rate", rate / 1e12, "TFLOP/s")
-        bench_prefill(model, [int(x) for x in args.prefill.split(",")], rate, out,
-                      tuple(x for x in args.prefill_paths.split(",") if x), args.prefill_tile or None,
-                      (args.prefill_budget_mib << 20) or None)
+        bench_prefill(
+            model,
+            [int(x) for x in args.prefill.split(",")],
+            rate,
+            out,
+            tuple(x for x in args.prefill_paths.split(",") if x),
+            args.prefill_tile or None,
+            (args.prefill_budget_mib << 20) or None,
+        )
     modes = [m for m in args.graphs.split(",") if m]
     steps = 3 if args.quick else args.steps
     for b in [int(x) for x in args.batches.split(",")]:
@@ -489,7 +641,13 @@ def main() -> None:
             if args.sync_sites and mode != "on":
                 dec.step()
                 sites = sync_sites(dec)
-                emit(BENCH, {**p, "mode": mode, "sites": sites[:40]}, "sync_sites_one_step", sum(n for _, n in sites), "syncs")
+                emit(
+                    BENCH,
+                    {**p, "mode": mode, "sites": sites[:40]},
+                    "sync_sites_one_step",
+                    sum(n for _, n in sites),
+                    "syncs",
+                )
             t0 = time.perf_counter()
             for _ in range(3):  # warm-up (captures the bucket's graph on its first use; fused glue compiles)
                 dec.step()
@@ -510,7 +668,13 @@ def main() -> None:
             keep = out and (not args.profile_batches or str(b) in args.profile_batches.split(","))
             prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if keep else None)
             for k, v in prof.items():
-                emit(BENCH, pm, k, v, "%" if k.endswith("pct") else ("ms" if k.endswith("ms_per_step") else "count"))
+                emit(
+                    BENCH,
+                    pm,
+                    k,
+                    v,
+                    "%" if k.endswith("pct") else ("ms" if k.endswith("ms_per_step") else "count"),
+                )
             if mode.startswith("glue"):
                 emit(BENCH, pm, "fused_functions_compiled", compiled_count(), "count")
             if out and mode in args.host_profile.split(","):
@@ -524,7 +688,13 @@ def main() -> None:
             got = dec.step().float()
             q = {**p, "mode": m}
             emit(BENCH, q, "vs_eager_logits_rel_err", ((got - ref).norm() / ref.norm()).item(), "ratio")
-            emit(BENCH, q, "vs_eager_argmax_agree", (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), "share")
+            emit(
+                BENCH,
+                q,
+                "vs_eager_argmax_agree",
+                (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                "share",
+            )
         if dec.ex.cuda_graphs or "on" in modes:
             emit(BENCH, p, "graphs_captured", dec.ex.graphs().captures, "count")
         del dec

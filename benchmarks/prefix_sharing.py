@@ -25,10 +25,21 @@ from deepinfer_core.sampling_params import SamplingParams
 log = logging.getLogger("prefix_sharing")
 
 
-def run(prefix_caching: bool, prompts: list[list[int]], params: SamplingParams, args: argparse.Namespace) -> dict:
-    llm = LLM(model="tiny-random", seed=5, dtype="float64", quantize=False, num_blocks=args.num_blocks,
-              block_size=args.block_size, max_num_seqs=args.requests, async_scheduling=False,
-              prefix_caching=prefix_caching, swa_replay="exact")
+def run(
+    prefix_caching: bool, prompts: list[list[int]], params: SamplingParams, args: argparse.Namespace
+) -> dict:
+    llm = LLM(
+        model="tiny-random",
+        seed=5,
+        dtype="float64",
+        quantize=False,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.requests,
+        async_scheduling=False,
+        prefix_caching=prefix_caching,
+        swa_replay="exact",
+    )
     eng = llm.engine
     t0 = time.perf_counter()
     warm = llm.generate(prompts[:1], [params], use_tqdm=False)
@@ -40,11 +51,19 @@ def run(prefix_caching: bool, prompts: list[list[int]], params: SamplingParams, 
         held.append(eng.config.num_blocks - 1 - eng.kv_pool.num_free_blocks)
     wall = time.perf_counter() - t0
     got = [outs[f"r{i}"] for i in range(len(prompts))]
-    return {"bench": "prefix_sharing", "sharing": prefix_caching, "requests": len(prompts),
-            "prompt_tokens": sum(map(len, prompts)), "block_size": args.block_size,
-            "peak_blocks_held": int(max(held)), "mean_blocks_held": round(float(np.mean(held)), 1),
-            "cached_tokens": int(sum(g.cached_tokens for g in got) + warm[0].cached_tokens),
-            "steps": len(held), "wall_s": round(wall, 2), "tokens": [g.token_ids for g in got]}
+    return {
+        "bench": "prefix_sharing",
+        "sharing": prefix_caching,
+        "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "block_size": args.block_size,
+        "peak_blocks_held": int(max(held)),
+        "mean_blocks_held": round(float(np.mean(held)), 1),
+        "cached_tokens": int(sum(g.cached_tokens for g in got) + warm[0].cached_tokens),
+        "steps": len(held),
+        "wall_s": round(wall, 2),
+        "tokens": [g.token_ids for g in got],
+    }
 
 
 def main() -> None:
@@ -69,8 +88,15 @@ def main() -> None:
     for r in res:
         r.pop("tokens")
         print(json.dumps(r))
-    print(json.dumps({"bench": "prefix_sharing", "peak_blocks_ratio": round(res[1]["peak_blocks_held"] / res[0]["peak_blocks_held"], 3),
-                      "wall_ratio": round(res[1]["wall_s"] / res[0]["wall_s"], 3)}))
+    print(
+        json.dumps(
+            {
+                "bench": "prefix_sharing",
+                "peak_blocks_ratio": round(res[1]["peak_blocks_held"] / res[0]["peak_blocks_held"], 3),
+                "wall_ratio": round(res[1]["wall_s"] / res[0]["wall_s"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -139,8 +139,15 @@ def measure(n: int, steps: int) -> dict[str, float]:
         asyn.update(pending.pop(), toks)
         pending.append(nxt)
 
-    fns = {"api": api_step, "core": core_step, "async": async_step, "spec": spec_step, "spec_arr": spec_arr_step,
-           "ask_dict": ask_dict, "ask_arr": ask_arr}
+    fns = {
+        "api": api_step,
+        "core": core_step,
+        "async": async_step,
+        "spec": spec_step,
+        "spec_arr": spec_arr_step,
+        "ask_dict": ask_dict,
+        "ask_arr": ask_arr,
+    }
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     wall: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
@@ -164,8 +171,19 @@ def measure(n: int, steps: int) -> dict[str, float]:
 
 def read_plan(plan: Plan) -> None:
     """What the engine reads of a plan each step (views only; the dense tables are timed apart)."""
-    _ = (plan.seq_ids, plan.num_tokens, plan.token_ids, plan.start, plan.sample, plan.num_drafts,
-         plan.context_lens, plan.preempted, plan.num_rows, plan.block_offsets, plan.block_ids)
+    _ = (
+        plan.seq_ids,
+        plan.num_tokens,
+        plan.token_ids,
+        plan.start,
+        plan.sample,
+        plan.num_drafts,
+        plan.context_lens,
+        plan.preempted,
+        plan.num_rows,
+        plan.block_offsets,
+        plan.block_ids,
+    )
 
 
 SCALE_ROUND = 80  # steps: a multiple of the core's 10-token output stage and of block size 16
@@ -176,8 +194,13 @@ def build_scaling(n: int, block: int) -> Scheduler:
     step (prefill intervals 0), so every request has the same output count whatever n is; prompts of
     512-527 tokens (by request index), so the requests cross block boundaries at staggered steps."""
     pool = PagedKVPool(n * (1536 // block + 3) + 16, block)
-    cfg = SchedulerConfig(max_num_seqs=n, max_model_len=8192, eos_token_id=0, prefill_attempt_interval=0,
-                          prefill_any_attempt_interval=0)
+    cfg = SchedulerConfig(
+        max_num_seqs=n,
+        max_model_len=8192,
+        eos_token_id=0,
+        prefill_attempt_interval=0,
+        prefill_any_attempt_interval=0,
+    )
     s = Scheduler(pool, cfg)
     sp = SamplingParams(max_tokens=1024, ignore_eos=True)
     rng = np.random.default_rng(0)
@@ -213,8 +236,10 @@ def scale_one(n: int, block: int, rounds: int) -> dict[str, float]:
         read()
     steps: dict[str, list[float]] = {"api": [], "read": []}
     calls: dict[str, Callable[[], object]] = {
-        "dense": lambda: box[0].dense_block_tables(), "ids": lambda: box[0].request_ids,
-        "ids_array": lambda: box[0].request_id_array()}
+        "dense": lambda: box[0].dense_block_tables(),
+        "ids": lambda: box[0].request_ids,
+        "ids_array": lambda: box[0].request_id_array(),
+    }
     once: dict[str, list[float]] = {k: [] for k in calls}
     # api rounds, with a read round after every other one (each request has 1,024 tokens to give, so
     # rounds x 80 steps must stay below that)
@@ -226,8 +251,12 @@ def scale_one(n: int, block: int, rounds: int) -> dict[str, float]:
             steps[k].append((time.thread_time_ns() - t0) / SCALE_ROUND / 1e3)
         for k, fn in calls.items():
             once[k].extend(cpu_us(fn) for _ in range(5))
-    return {**{k: statistics.median(v) for k, v in steps.items()}, **{k: statistics.median(v) for k, v in once.items()},
-            "api_min": min(steps["api"]), "api_max": max(steps["api"])}
+    return {
+        **{k: statistics.median(v) for k, v in steps.items()},
+        **{k: statistics.median(v) for k, v in once.items()},
+        "api_min": min(steps["api"]),
+        "api_max": max(steps["api"]),
+    }
 
 
 def scaling(sizes: list[int], blocks: list[int], rounds: int) -> None:
@@ -236,23 +265,32 @@ def scaling(sizes: list[int], blocks: list[int], rounds: int) -> None:
         base: float | None = None
         for n in tqdm(sizes, desc=f"scaling, block {block}"):
             med = scale_one(n, block, rounds)
-            params = {"running": n, "block_size": block, "prompt": f"{PROMPT}-{PROMPT + 15}",
-                      "steps_per_round": SCALE_ROUND, "rounds": rounds,
-                      "blocks_per_row": -(-(PROMPT + 1) // block)}
+            params = {
+                "running": n,
+                "block_size": block,
+                "prompt": f"{PROMPT}-{PROMPT + 15}",
+                "steps_per_round": SCALE_ROUND,
+                "rounds": rounds,
+                "blocks_per_row": -(-(PROMPT + 1) // block),
+            }
             per = 1e3 * med["api"] / n
             base = per if base is None else base
             emit(BENCH, {**params, "path": "api"}, "cpu_ns_per_request", round(per, 1), "ns")
             emit(BENCH, {**params, "path": "api"}, "per_request_over_smallest", round(per / base, 3), "ratio")
-            emit(BENCH, {**params, "path": "read"}, "cpu_ns_per_request", round(1e3 * med["read"] / n, 1), "ns")
+            emit(
+                BENCH, {**params, "path": "read"}, "cpu_ns_per_request", round(1e3 * med["read"] / n, 1), "ns"
+            )
             emit(BENCH, {**params, "path": "dense"}, "cpu_us", round(med["dense"], 1), "us")
             emit(BENCH, {**params, "path": "ids"}, "cpu_us", round(med["ids"], 1), "us")
             emit(BENCH, {**params, "path": "ids_array"}, "cpu_us", round(med["ids_array"], 1), "us")
             emit(BENCH, params, "ids_over_step", round(med["ids"] / med["api"], 3), "ratio")
             emit(BENCH, params, "ids_array_over_step", round(med["ids_array"] / med["api"], 3), "ratio")
-            log(f"scaling N={n} block={block}: {per:.1f} ns/request ({per / base:.2f}x N={sizes[0]}; rounds "
+            log(
+                f"scaling N={n} block={block}: {per:.1f} ns/request ({per / base:.2f}x N={sizes[0]}; rounds "
                 f"{1e3 * med['api_min'] / n:.1f}-{1e3 * med['api_max'] / n:.1f}), with reads {1e3 * med['read'] / n:.1f}; "
                 f"dense view {med['dense']:.0f} us, request ids {med['ids']:.0f} us ({med['ids'] / med['api']:.1%} "
-                f"of the step; as an array {med['ids_array'] / med['api']:.1%})")
+                f"of the step; as an array {med['ids_array'] / med['api']:.1%})"
+            )
 
 
 def fixed_cost(steps: int) -> None:
@@ -302,8 +340,10 @@ def fixed_cost(steps: int) -> None:
     slope, icpt = np.polyfit(xs, ys, 1)
     emit(BENCH, {"rows": "1-64", "path": "api"}, "fixed_cpu_us_intercept", round(float(icpt), 3), "us")
     emit(BENCH, {"rows": "1-64", "path": "api"}, "cpu_ns_per_row_slope", round(float(slope) * 1e3, 1), "ns")
-    log(f"fixed cost: API {med['api']:.2f} us at 0 rows ({med['api_read']:.2f} reading every array), core "
-        f"{med['core']:.2f} us; 1-64 rows: intercept {icpt:.2f} us, {slope * 1e3:.0f} ns/row")
+    log(
+        f"fixed cost: API {med['api']:.2f} us at 0 rows ({med['api_read']:.2f} reading every array), core "
+        f"{med['core']:.2f} us; 1-64 rows: intercept {icpt:.2f} us, {slope * 1e3:.0f} ns/row"
+    )
 
 
 TRACE_STEPS, TRACE_RATE, TRACE_BLOCK = 2000, 0.42, 16
@@ -324,8 +364,12 @@ def run_trace(num_blocks: int, policy: PreemptionPolicy, steps: int, seed: int =
     """One trace run through the public API (schedule + update each step, fake tokens)."""
     when, prompt, out = poisson_trace(seed, steps)
     pool = PagedKVPool(num_blocks, TRACE_BLOCK)
-    s = Scheduler(pool, SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=4096,
-                                        preemption_policy=policy))
+    s = Scheduler(
+        pool,
+        SchedulerConfig(
+            max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=4096, preemption_policy=policy
+        ),
+    )
     n = len(when)
     first = np.full(n + 1, -1, np.int64)  # by seq id (1..n: requests are added in trace order)
     fin = np.full(n + 1, -1, np.int64)
@@ -333,8 +377,13 @@ def run_trace(num_blocks: int, policy: PreemptionPolicy, steps: int, seed: int =
     k, tokens, cpu, used = 0, 0, 0, []
     for step in range(steps):
         while k < n and when[k] == step:
-            s.add_request(Request(f"t{k}", np.full(int(prompt[k]), 5),
-                                  SamplingParams(max_tokens=int(out[k]), ignore_eos=True)))
+            s.add_request(
+                Request(
+                    f"t{k}",
+                    np.full(int(prompt[k]), 5),
+                    SamplingParams(max_tokens=int(out[k]), ignore_eos=True),
+                )
+            )
             k += 1
         c0 = time.thread_time_ns()
         plan = s.schedule()
@@ -356,14 +405,23 @@ def run_trace(num_blocks: int, policy: PreemptionPolicy, steps: int, seed: int =
     multi[0] = False
     tpot = (fin - first)[multi] / (out[np.flatnonzero(multi) - 1] - 1)
     never = np.flatnonzero(first[1 : k + 1] < 0) + 1  # arrived, never given a first token
-    return {"arrived": k, "finished": int(done.sum()), "preemptions": s.num_preemptions,
-            "max_preemptions_one_request": int(pre.max()), "kv_tokens_discarded": s.discarded_tokens,
-            "ttft_steps_median": float(np.median(ttft)), "ttft_steps_p99": float(np.percentile(ttft, 99)),
-            "tpot_steps_median": float(np.median(tpot)), "tokens_per_step": tokens / steps,
-            "cpu_us_per_step": cpu / steps / 1e3, "ttft_steps_max": int(ttft.max()),
-            # starvation shows here: the longest any arrived request has waited without a first token
-            "oldest_never_started_age_steps": int(steps - arrive[never].min()) if never.size else 0,
-            "peak_blocks_used": int(max(used)), "mean_blocks_used": float(np.mean(used))}
+    return {
+        "arrived": k,
+        "finished": int(done.sum()),
+        "preemptions": s.num_preemptions,
+        "max_preemptions_one_request": int(pre.max()),
+        "kv_tokens_discarded": s.discarded_tokens,
+        "ttft_steps_median": float(np.median(ttft)),
+        "ttft_steps_p99": float(np.percentile(ttft, 99)),
+        "tpot_steps_median": float(np.median(tpot)),
+        "tokens_per_step": tokens / steps,
+        "cpu_us_per_step": cpu / steps / 1e3,
+        "ttft_steps_max": int(ttft.max()),
+        # starvation shows here: the longest any arrived request has waited without a first token
+        "oldest_never_started_age_steps": int(steps - arrive[never].min()) if never.size else 0,
+        "peak_blocks_used": int(max(used)),
+        "mean_blocks_used": float(np.mean(used)),
+    }
 
 
 def trace(steps: int, fractions: list[float]) -> dict[tuple[float, str], dict[str, float]]:
@@ -376,18 +434,26 @@ def trace(steps: int, fractions: list[float]) -> dict[tuple[float, str], dict[st
             rows[(frac, p.name)] = run_trace(int(peak * frac) + 1, p, steps)
     ref = ample[PreemptionPolicy.GUARDED.name]["finished"]
     for (frac, pol), r in rows.items():
-        params = {"trace": "poisson", "steps": steps, "policy": pol, "kv": "ample" if frac == 1.0 else "tight",
-                  "kv_fraction_of_ample_peak": frac, "num_blocks": 200_000 if frac == 1.0 else int(peak * frac) + 1,
-                  "block_size": TRACE_BLOCK}
+        params = {
+            "trace": "poisson",
+            "steps": steps,
+            "policy": pol,
+            "kv": "ample" if frac == 1.0 else "tight",
+            "kv_fraction_of_ample_peak": frac,
+            "num_blocks": 200_000 if frac == 1.0 else int(peak * frac) + 1,
+            "block_size": TRACE_BLOCK,
+        }
         for metric, v in r.items():
             emit(BENCH, params, metric, round(float(v), 3), "steps" if "steps" in metric else "")
         emit(BENCH, params, "finished_over_ample", round(r["finished"] / ref, 4), "ratio")
-        log(f"trace {params['kv']} {frac:.2f} {pol:9s}: finished {r['finished']}/{r['arrived']} "
+        log(
+            f"trace {params['kv']} {frac:.2f} {pol:9s}: finished {r['finished']}/{r['arrived']} "
             f"({r['finished'] / ref:.1%} of ample), preemptions {r['preemptions']} (max {r['max_preemptions_one_request']} "
             f"one request), discarded {r['kv_tokens_discarded']} tokens, TTFT {r['ttft_steps_median']:.0f}/"
             f"{r['ttft_steps_p99']:.0f} steps (median/p99), TPOT {r['tpot_steps_median']:.2f}, "
             f"{r['tokens_per_step']:.0f} tokens/step, {r['cpu_us_per_step']:.1f} us/step; longest wait for a first "
-            f"token {max(r['ttft_steps_max'], r['oldest_never_started_age_steps'])} steps")
+            f"token {max(r['ttft_steps_max'], r['oldest_never_started_age_steps'])} steps"
+        )
     return rows
 
 
@@ -409,14 +475,18 @@ def decode(args: argparse.Namespace) -> dict[int, dict[str, float]]:
         emit(BENCH, params, "spec_arr_over_spec_dict", round(med["spec_arr"] / med["spec"], 3), "ratio")
         emit(BENCH, params, "ask_arr_over_ask_dict", round(med["ask_arr"] / med["ask_dict"], 3), "ratio")
         emit(BENCH, params, "cpu_fraction_of_10ms_step", round(med["api"] / 10_000, 5), "ratio")
-        log(f"N={n}: CPU us/step api {med['api']:.1f}, core {med['core']:.1f}, async {med['async']:.1f}, spec {med['spec']:.1f} "
+        log(
+            f"N={n}: CPU us/step api {med['api']:.1f}, core {med['core']:.1f}, async {med['async']:.1f}, spec {med['spec']:.1f} "
             f"(arrays {med['spec_arr']:.1f}; draft request alone: dict {med['ask_dict']:.1f}, arrays {med['ask_arr']:.1f}); "
-            f"wall api {med['api_wall']:.1f}")
+            f"wall api {med['api_wall']:.1f}"
+        )
 
     if 1024 in results:
         ok = results[1024]["api"] < TARGET_US
-        log(f"target (< {TARGET_US:.0f} us/step at 1,024, CPU time): {'met' if ok else 'NOT met'} "
-            f"({results[1024]['api']:.1f} us)")
+        log(
+            f"target (< {TARGET_US:.0f} us/step at 1,024, CPU time): {'met' if ok else 'NOT met'} "
+            f"({results[1024]['api']:.1f} us)"
+        )
     return results
 
 
@@ -441,11 +511,13 @@ def prefill(args: argparse.Namespace) -> None:
     emit(BENCH, pparams, "prefill_predicted_ns", plan.predicted_ns, "ns")
 
 
-
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--only", default="decode,prefill,scaling,fixed,trace",
-                    help="comma-separated parts to run (decode, prefill, scaling, fixed, trace)")
+    ap.add_argument(
+        "--only",
+        default="decode,prefill,scaling,fixed,trace",
+        help="comma-separated parts to run (decode, prefill, scaling, fixed, trace)",
+    )
     args = ap.parse_args()
     parts = set(args.only.split(","))
     bad = parts - {"decode", "prefill", "scaling", "fixed", "trace"}
@@ -458,8 +530,11 @@ def main() -> None:
         fixed_cost(30 if args.quick else 100)
     if "scaling" in parts:
         scaling([1024, 4096] if args.quick else [1024, 4096, 16384], [16, 256], 2 if args.quick else 5)
-    rows = trace(500 if args.quick else TRACE_STEPS, [0.7] if args.quick else [0.5, 0.6, 0.7, 0.85]) \
-        if "trace" in parts else {}
+    rows = (
+        trace(500 if args.quick else TRACE_STEPS, [0.7] if args.quick else [0.5, 0.6, 0.7, 0.85])
+        if "trace" in parts
+        else {}
+    )
     if args.plot and results:
         import matplotlib
 

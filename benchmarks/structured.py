@@ -56,7 +56,10 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -153,7 +156,9 @@ def _bare_fill(raws: list, drafts: list[list[int]], buf: torch.Tensor, eos: int,
         row += 1 + len(d)
 
 
-def _bare_wavefront(raws: list, drafts: list[list[int]] | None, eos: int, fill_many: object, accept: object) -> None:
+def _bare_wavefront(
+    raws: list, drafts: list[list[int]] | None, eos: int, fill_many: object, accept: object
+) -> None:
     """The manager's work done directly on the library objects: one batch fill per draft depth.
 
     ``drafts=None``: a draft-free step (the caller knows; no check), one call for rows 0..n-1. No
@@ -189,7 +194,9 @@ def _bare_wavefront(raws: list, drafts: list[list[int]] | None, eos: int, fill_m
             raw.rollback(a)
 
 
-def _library_calls(backend_name: str, buf: torch.Tensor, executor: bool = False) -> tuple[object, object, object]:
+def _library_calls(
+    backend_name: str, buf: torch.Tensor, executor: bool = False
+) -> tuple[object, object, object]:
     """(raw object of a wrapper, ``fill_many(raws, rows or None)``, ``accept(raw, token)``), the cheapest
     library calls the manager's fast path makes. xgrammar: its C++ handles (under the public classes,
     which add ~3 us per batch call and ~60 ns per matcher) and ``BatchGrammarMatcher`` on one thread;
@@ -198,8 +205,11 @@ def _library_calls(backend_name: str, buf: torch.Tensor, executor: bool = False)
         import xgrammar as xgr
 
         bgm = xgr.BatchGrammarMatcher(1)._handle
-        return (lambda w: w.raw._handle), (lambda raws, rows: bgm.batch_fill_next_token_bitmask(raws, buf, rows, False)), (
-            lambda h, t: h.accept_token(t, False))
+        return (
+            (lambda w: w.raw._handle),
+            (lambda raws, rows: bgm.batch_fill_next_token_bitmask(raws, buf, rows, False)),
+            (lambda h, t: h.accept_token(t, False)),
+        )
     import llguidance as llg
 
     nbytes, ptr = buf.shape[1] * 4, buf.data_ptr()
@@ -208,7 +218,9 @@ def _library_calls(backend_name: str, buf: torch.Tensor, executor: bool = False)
         ex = llg.LLExecutor(num_threads=1)
 
         def via_executor(raws: list, rows: list[int] | None) -> None:
-            ex.unsafe_compute_mask_ptr(list(zip(raws, range(len(raws)) if rows is None else rows)), ptr, nbytes, buf.shape[0])
+            ex.unsafe_compute_mask_ptr(
+                list(zip(raws, range(len(raws)) if rows is None else rows)), ptr, nbytes, buf.shape[0]
+            )
 
         return (lambda w: w.raw), via_executor, accept
 
@@ -225,7 +237,9 @@ def _library_calls(backend_name: str, buf: torch.Tensor, executor: bool = False)
     return (lambda w: w.raw), per_matcher, accept
 
 
-def bench_masks(toks: dict[str, object], quick: bool, only: str | None = None, batches_arg: str | None = None) -> list[dict]:
+def bench_masks(
+    toks: dict[str, object], quick: bool, only: str | None = None, batches_arg: str | None = None
+) -> list[dict]:
     batches = (1, 16) if quick else (1, 4, 16, 64, 256)
     if batches_arg:
         batches = tuple(int(b) for b in batches_arg.split(","))
@@ -259,7 +273,13 @@ def bench_masks(toks: dict[str, object], quick: bool, only: str | None = None, b
                 # holding them itself would; bare_list: the list prebuilt (a lower bound, no gather).
                 # general: the manager's general path (round 1's code path, kept as the reference), for a
                 # before/after in the same run.
-                times: dict[str, list[float]] = {"mgr": [], "general": [], "bare": [], "bare_list": [], "serial": []}
+                times: dict[str, list[float]] = {
+                    "mgr": [],
+                    "general": [],
+                    "bare": [],
+                    "bare_list": [],
+                    "serial": [],
+                }
                 if llg:
                     times["executor"] = []
                     _, fill_exec, _ = _library_calls(backend_name, buf, executor=True)
@@ -326,8 +346,20 @@ def bench_masks(toks: dict[str, object], quick: bool, only: str | None = None, b
                 emit(BENCH, q, "manager_overhead_pct", round(100 * (us["mgr"] / us["bare"] - 1), 2), "%")
                 emit(BENCH, q, "general_us_per_token", round(us["general"], 3), "us")
                 emit(BENCH, q, "general_overhead_pct", round(100 * (us["general"] / us["bare"] - 1), 2), "%")
-                emit(BENCH, q, "manager_overhead_vs_list_pct", round(100 * (us["mgr"] / us["bare_list"] - 1), 2), "%")
-                emit(BENCH, q, "manager_overhead_us_per_step", round((sum(times["mgr"]) - sum(times["bare"])) / steps * 1e6, 3), "us")
+                emit(
+                    BENCH,
+                    q,
+                    "manager_overhead_vs_list_pct",
+                    round(100 * (us["mgr"] / us["bare_list"] - 1), 2),
+                    "%",
+                )
+                emit(
+                    BENCH,
+                    q,
+                    "manager_overhead_us_per_step",
+                    round((sum(times["mgr"]) - sum(times["bare"])) / steps * 1e6, 3),
+                    "us",
+                )
                 emit(BENCH, q, "batch_api_speedup", round(us["serial"] / us["bare"], 3), "x")
                 if llg:
                     emit(BENCH, q, "llexecutor_us_per_token", round(us["executor"], 3), "us")
@@ -349,7 +381,13 @@ def bench_schemas(root: str, max_tokens: int, seed: int) -> None:
         outs = run_sample(mgr, name, schemas, backend.vocab.token_bytes, seed=seed, max_tokens=max_tokens)
         mgr.close()
         s = summarize(outs)
-        p = {"backend": name, "guarantees": guarded, "vocab": "byte", "max_tokens": max_tokens, "schemas": len(schemas)}
+        p = {
+            "backend": name,
+            "guarantees": guarded,
+            "vocab": "byte",
+            "max_tokens": max_tokens,
+            "schemas": len(schemas),
+        }
         for metric in ("compiled", "valid", "invalid_stop", "violation", "dead_end", "length", "unchecked"):
             emit(BENCH, p, metric, s.get(metric, 0), "schemas")
         emit(BENCH, p, "compiled_pct", s["compiled_pct"], "%")
@@ -364,17 +402,31 @@ def bench_schemas(root: str, max_tokens: int, seed: int) -> None:
     own = {n: s for n, g, s in rows if not g}
     fastest = min(own["xgrammar"]["mask_us_per_token"], own["llguidance"]["mask_us_per_token"])
     fastest_g = min(guarded["xgrammar"]["mask_us_per_token"], guarded["llguidance"]["mask_us_per_token"])
-    emit(BENCH, {"backend": "auto", "vs": "faster engine alone, guarantees off"}, "mask_cost_ratio",
-         round(guarded["auto"]["mask_us_per_token"] / fastest, 3), "x")
-    emit(BENCH, {"backend": "auto", "vs": "faster engine, guarantees on"}, "mask_cost_ratio",
-         round(guarded["auto"]["mask_us_per_token"] / fastest_g, 3), "x")
+    emit(
+        BENCH,
+        {"backend": "auto", "vs": "faster engine alone, guarantees off"},
+        "mask_cost_ratio",
+        round(guarded["auto"]["mask_us_per_token"] / fastest, 3),
+        "x",
+    )
+    emit(
+        BENCH,
+        {"backend": "auto", "vs": "faster engine, guarantees on"},
+        "mask_cost_ratio",
+        round(guarded["auto"]["mask_us_per_token"] / fastest_g, 3),
+        "x",
+    )
     log(f"\n{len(schemas)} schemas, byte vocabulary, max_tokens {max_tokens}, seed {seed}")
-    log("| backend | guarantees | compiled | valid | invalid `stop` | `grammar_violation` | length | mask us/token | advance us/token |")
+    log(
+        "| backend | guarantees | compiled | valid | invalid `stop` | `grammar_violation` | length | mask us/token | advance us/token |"
+    )
     log("|---|---|---|---|---|---|---|---|---|")
     for n, g, s in rows:
-        log(f"| {n} | {'on' if g else 'off'} | {s['compiled']} ({s['compiled_pct']}%) | {s.get('valid', 0)} ({s['valid_pct']}%) | "
+        log(
+            f"| {n} | {'on' if g else 'off'} | {s['compiled']} ({s['compiled_pct']}%) | {s.get('valid', 0)} ({s['valid_pct']}%) | "
             f"{s.get('invalid_stop', 0)} | {s.get('violation', 0)} | {s.get('length', 0)} | {s['mask_us_per_token']} | "
-            f"{s['advance_us_per_token']} |")
+            f"{s['advance_us_per_token']} |"
+        )
 
 
 def _plot(results: list[dict]) -> None:

@@ -26,9 +26,13 @@ def show_plans() -> None:
         for host in (True, False):
             rc = ReplayConfig.from_model(cfg, keep=140, block_size=256, mode=mode)
             p = plan_replay(rc, num_tokens=4608, hit=4096, pending_drafts=5, host_state=host)
-            steps = ", ".join(f"{s.kind} [{s.start}, {s.end}) layers {s.layers[0]}-{s.layers[1]}" for s in p.steps)
-            print(f"  {mode:7s} host copy={host!s:5s}: hit {p.hit}, replayed {p.replayed_tokens} tokens, "
-                  f"exact={p.exact}; {steps}")
+            steps = ", ".join(
+                f"{s.kind} [{s.start}, {s.end}) layers {s.layers[0]}-{s.layers[1]}" for s in p.steps
+            )
+            print(
+                f"  {mode:7s} host copy={host!s:5s}: hit {p.hit}, replayed {p.replayed_tokens} tokens, "
+                f"exact={p.exact}; {steps}"
+            )
 
 
 def run_engine(quick: bool) -> None:
@@ -37,13 +41,18 @@ def run_engine(quick: bool) -> None:
     for mode in ("exact", "bounded"):
         # keep 22 = the tiny window (16) + 6 backtracking tokens, the release's 140 = 128 + 12 scaled down
         llm = LLM(model="tiny", swa_replay=mode, swa_keep_tokens=22, block_size=16, num_blocks=256)
-        first, again = (llm.generate([prefix + tail], sp, use_tqdm=False)[0] for tail in ("class A:", "class B:"))
+        first, again = (
+            llm.generate([prefix + tail], sp, use_tqdm=False)[0] for tail in ("class A:", "class B:")
+        )
         (cold,) = LLM(model="tiny", prefix_caching=False, block_size=16, num_blocks=256).generate(
-            [prefix + "class B:"], sp, use_tqdm=False)
-        print(f"  {mode:7s}: first request cached {first.cached_tokens} tokens; second cached "
-              f"{again.cached_tokens} of {len(again.prompt_token_ids)}, replayed {again.replayed_tokens}; "
-              f"tokens equal a run without caching: {again.token_ids == cold.token_ids}"
-              + ("" if mode == "exact" else " (bounded is approximate: equality is likely, not promised)"))
+            [prefix + "class B:"], sp, use_tqdm=False
+        )
+        print(
+            f"  {mode:7s}: first request cached {first.cached_tokens} tokens; second cached "
+            f"{again.cached_tokens} of {len(again.prompt_token_ids)}, replayed {again.replayed_tokens}; "
+            f"tokens equal a run without caching: {again.token_ids == cold.token_ids}"
+            + ("" if mode == "exact" else " (bounded is approximate: equality is likely, not promised)")
+        )
 
 
 def main() -> None:

@@ -30,8 +30,13 @@ from deepinfer_core.distributed import (
 from deepinfer_core.engine import LLM, EngineConfig
 from deepinfer_core.sampling_params import SamplingParams
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "DeepSeek-V4.1-Flash uses a sliding window of",
-           "Expert parallelism sends each token to", "A sharded Engram table is fetched by"]
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "DeepSeek-V4.1-Flash uses a sliding window of",
+    "Expert parallelism sends each token to",
+    "A sharded Engram table is fetched by",
+]
 PARAMS = SamplingParams(temperature=0.8, seed=1234, max_tokens=12, ignore_eos=True)
 QUICK = SamplingParams(temperature=0.8, seed=1234, max_tokens=4, ignore_eos=True)
 CONFIG = EngineConfig(seed=0, num_blocks=256, max_num_seqs=8, batch_invariant=True)
@@ -43,9 +48,11 @@ def serve(groups: ParallelGroups, params: SamplingParams = PARAMS) -> list[list[
     if groups.rank == 0:
         for p, o in zip(PROMPTS, outs):
             print(f"{p!r} -> {o.text!r}")
-        print(f"rank 0: EP placement {eng.placement.num_replicas} slots over {eng.placement.num_gpus} ranks, "
-              f"{eng.ep.rows_remote} token-expert rows sent to the other rank, "
-              f"{eng.sync.dummies} empty-batch forwards joined")
+        print(
+            f"rank 0: EP placement {eng.placement.num_replicas} slots over {eng.placement.num_gpus} ranks, "
+            f"{eng.ep.rows_remote} token-expert rows sent to the other rank, "
+            f"{eng.sync.dummies} empty-batch forwards joined"
+        )
     return [list(o.token_ids) for o in outs]
 
 
@@ -66,9 +73,12 @@ def main() -> None:
         got = spawn(serve, args.nproc, args=(params,), backend="gloo", timeout_s=60)[0]
         rank = 0
     if args.check and rank == 0:
-        want = [list(o.token_ids) for o in LLM(**{k: getattr(CONFIG, k) for k in
-                                                  ("seed", "num_blocks", "max_num_seqs", "batch_invariant")})
-                .generate(PROMPTS, params, use_tqdm=False)]
+        want = [
+            list(o.token_ids)
+            for o in LLM(
+                **{k: getattr(CONFIG, k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant")}
+            ).generate(PROMPTS, params, use_tqdm=False)
+        ]
         ok = got == want
         print("tokens equal to the single-process engine:", ok)
         sys.exit(0 if ok else 1)

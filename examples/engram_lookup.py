@@ -24,7 +24,24 @@ from deepinfer_core.engram.memory import plan_for_config
 from deepinfer_core.engram.tables import LocalEngramTable, random_values
 from deepinfer_core.tokenizer import ByteTokenizer
 
-WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "table", "quickly", "slowly", "red", "blue", "big", "small"]
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "mat",
+    "table",
+    "quickly",
+    "slowly",
+    "red",
+    "blue",
+    "big",
+    "small",
+]
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -48,8 +65,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rows = hasher.hash(flat, torch.cumsum(lens, 0))  # [layers, tokens, heads]: one packed batch
     layer = 0
     r = rows[layer]
-    print(f"{n_texts} texts, {flat.numel()} tokens packed in one batch -> row ids {tuple(rows.shape)} "
-          f"(layers {cfg.layer_ids}, {r.shape[1]} hash columns per token)")
+    print(
+        f"{n_texts} texts, {flat.numel()} tokens packed in one batch -> row ids {tuple(rows.shape)} "
+        f"(layers {cfg.layer_ids}, {r.shape[1]} hash columns per token)"
+    )
 
     # Same trailing n-gram (same previous max_ngram tokens inside one text) -> same rows, wherever it is.
     canon = hasher.token_map(flat)  # canonical ids: what the hash actually reads
@@ -59,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     n = cfg.max_ngram
     for s, t in zip(starts, ids):
         for p in range(n - 1, len(t)):
-            key = tuple(canon[s + p - n + 1: s + p + 1].tolist())
+            key = tuple(canon[s + p - n + 1 : s + p + 1].tolist())
             got = r[s + p]
             if key in keys:
                 checked += 1
@@ -72,8 +91,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     table = LocalEngramTable.from_values(values, args.fmt)
     emb = table.fetch(r)
     err = (emb.float() - values[r.long()]).abs().max().item()
-    print(f"  {args.fmt} table, {table.num_rows:,} rows x {table.row_dim} ({table.nbytes:,} B): fetched "
-          f"{tuple(emb.shape)}, largest storage error {err:.1e}")
+    print(
+        f"  {args.fmt} table, {table.num_rows:,} rows x {table.row_dim} ({table.nbytes:,} B): fetched "
+        f"{tuple(emb.shape)}, largest storage error {err:.1e}"
+    )
     v41 = EngramConfig.v41_flash()
     for fmt, ranks in (("fp8", 64), ("bf16", 8)):
         print("  V4.1-Flash: " + plan_for_config(v41, fmt, ranks).summary())

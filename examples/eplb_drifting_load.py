@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--window", type=int, default=300, help="statistics window (steps)")
     ap.add_argument("--replan", type=int, default=1000, help="steps between re-plans")
-    ap.add_argument("--drift", type=float, default=3000.0, help="steps over which the topic mix drifts by ~1 sd")
+    ap.add_argument(
+        "--drift", type=float, default=3000.0, help="steps over which the topic mix drifts by ~1 sd"
+    )
     ap.add_argument("--plot", metavar="PNG", help="write the moe_lb curves here (needs matplotlib)")
     ap.add_argument("--quick", action="store_true", help="1,500 steps (CI)")
     args = ap.parse_args(argv)
@@ -49,8 +51,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = EPLBConfig(window_steps=args.window, replan_interval=args.replan, redundant_per_gpu=1)
     online = OnlineBalancer(tc.num_layers, tc.num_experts, args.gpus, cfg, expert_bytes=EXPERT_BYTES)
     reps = cfg.num_replicas(tc.num_experts, args.gpus)
-    plain = ExpertPlacement.from_phy2log(np.broadcast_to(np.arange(tc.num_experts), (tc.num_layers, tc.num_experts)),
-                                         tc.num_experts, args.gpus)
+    plain = ExpertPlacement.from_phy2log(
+        np.broadcast_to(np.arange(tc.num_experts), (tc.num_layers, tc.num_experts)), tc.num_experts, args.gpus
+    )
     static: ExpertPlacement | None = None  # planned once, when the window first fills, then kept
     lb: dict[str, list[float]] = {"plain (no replicas)": [], "planned once": [], "re-planned online": []}
     moved = []
@@ -66,15 +69,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if static is None and step + 1 == args.window:
             static = ExpertPlacement.plan(online.window.load(), reps, 1, 1, args.gpus)
 
-    print(f"{tc.num_layers} layers x {tc.num_experts} experts on {args.gpus} GPUs ({reps} slots), {steps} steps, "
-          f"window {args.window}, re-plan every {args.replan}")
+    print(
+        f"{tc.num_layers} layers x {tc.num_experts} experts on {args.gpus} GPUs ({reps} slots), {steps} steps, "
+        f"window {args.window}, re-plan every {args.replan}"
+    )
     means = {k: float(np.mean(v)) for k, v in lb.items()}
     for k, v in lb.items():
-        tail = float(np.mean(v[-len(v) // 4:]))
+        tail = float(np.mean(v[-len(v) // 4 :]))
         print(f"  {k:20s} moe_lb mean {means[k]:.3f}, last quarter {tail:.3f}")
     for i, (s, n, b, sb) in enumerate(moved):
         what = "first plan (from the uniform start)" if i == 0 else "re-plan"
-        print(f"  {what} at step {s}: {n} expert copies moved ({b / 1e9:.2f} GB; from scratch {sb / 1e9:.2f} GB)")
+        print(
+            f"  {what} at step {s}: {n} expert copies moved ({b / 1e9:.2f} GB; from scratch {sb / 1e9:.2f} GB)"
+        )
 
     if args.plot:
         from deepinfer_core.extras import require
@@ -86,12 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for name, v in lb.items():
             if name.startswith("plain"):
                 continue
-            ax.plot(x[k - 1:], np.convolve(v, np.ones(k) / k, mode="valid"), label=name)
+            ax.plot(x[k - 1 :], np.convolve(v, np.ones(k) / k, mode="valid"), label=name)
         for s, *_ in moved:
             ax.axvline(s, color="grey", lw=0.5, ls=":")
         ax.set_xlabel("step")
         ax.set_ylabel("moe_lb (busiest GPU / mean), 50-step mean")
-        ax.set_title(f"EPLB on a drifting load, EP{args.gpus} (plain, no replicas: {means['plain (no replicas)']:.2f})")
+        ax.set_title(
+            f"EPLB on a drifting load, EP{args.gpus} (plain, no replicas: {means['plain (no replicas)']:.2f})"
+        )
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)

@@ -27,8 +27,14 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # LLM runs torch on one CPU thread by default (num_threads=1): the tiny model is dispatch-bound
-    llm = LLM(model=args.model, seed=args.seed, backend="reference", num_blocks=256, max_num_seqs=16,
-              async_scheduling=not args.sync)
+    llm = LLM(
+        model=args.model,
+        seed=args.seed,
+        backend="reference",
+        num_blocks=256,
+        max_num_seqs=16,
+        async_scheduling=not args.sync,
+    )
     prompts = [
         "import os\n\n\ndef ",
         "class Stack:\n    def ",
@@ -39,8 +45,10 @@ def main() -> None:
     sp = SamplingParams(temperature=args.temperature, seed=1234, max_tokens=args.max_tokens, ignore_eos=True)
     for p, o in zip(prompts, llm.generate(prompts, sp)):
         shown = repr(printable(o.text)) if o.ok else f"ERROR: {o.error}"
-        print(f"{p!r}\n  -> {shown}\n     {len(o.token_ids)} tokens, finish_reason={o.finish_reason}, "
-              f"preemptions={o.num_preemptions}")
+        print(
+            f"{p!r}\n  -> {shown}\n     {len(o.token_ids)} tokens, finish_reason={o.finish_reason}, "
+            f"preemptions={o.num_preemptions}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ def brute_force(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray | None
     return out
 
 
-def random_case(rng: np.random.Generator, rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def random_case(
+    rng: np.random.Generator, rows: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     words = (vocab + 31) // 32 - int(rng.integers(0, 2))  # sometimes a mask narrower than the logits
     logits = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32))
     density = rng.uniform(0.01, 0.99)  # sparse to dense masks
@@ -41,8 +43,11 @@ def random_case(rng: np.random.Generator, rows: int, vocab: int) -> tuple[torch.
     # word w holds tokens 32w .. 32w + 31, token 32w + b in bit b
     packed = (bits.astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=-1).astype(np.uint32)
     bitmask = torch.from_numpy(packed.view(np.int32).copy())
-    subset = torch.from_numpy(np.sort(rng.choice(rows, size=int(rng.integers(1, rows + 1)), replace=False))) \
-        if rng.random() < 0.5 else None
+    subset = (
+        torch.from_numpy(np.sort(rng.choice(rows, size=int(rng.integers(1, rows + 1)), replace=False)))
+        if rng.random() < 0.5
+        else None
+    )
     return logits, bitmask, subset
 
 
@@ -66,12 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         got = ref(logits.clone(), bitmask, subset).numpy()
         ok = np.array_equal(got, want)
         bad += not ok
-        print(f"  reference vs brute force, {rows} x {v} logits, {bitmask.shape[1]} mask words, rows "
-              f"{'all' if subset is None else subset.tolist()}: {'equal' if ok else 'MISMATCH'}")
+        print(
+            f"  reference vs brute force, {rows} x {v} logits, {bitmask.shape[1]} mask words, rows "
+            f"{'all' if subset is None else subset.tolist()}: {'equal' if ok else 'MISMATCH'}"
+        )
 
     has_cuda_kernel = "cuda" in list_ops().get("apply_token_bitmask", [])
     if not (torch.cuda.is_available() and has_cuda_kernel):
-        why = "no CUDA device" if not torch.cuda.is_available() else "no cuda kernel registered (TileLang missing?)"
+        why = (
+            "no CUDA device"
+            if not torch.cuda.is_available()
+            else "no cuda kernel registered (TileLang missing?)"
+        )
         print(f"  cuda kernel vs reference: skipped ({why})")
     else:
         cuda = get_op("apply_token_bitmask", "cuda")
@@ -94,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 end.record()
                 torch.cuda.synchronize()
                 times[name] = start.elapsed_time(end) / 20 * 1e3
-            print(f"  cuda kernel vs reference, {r} x {v}: {'equal' if ok else 'MISMATCH'}; "
-                  f"{times['cuda']:.0f} us vs {times['reference']:.0f} us per call")
+            print(
+                f"  cuda kernel vs reference, {r} x {v}: {'equal' if ok else 'MISMATCH'}; "
+                f"{times['cuda']:.0f} us vs {times['reference']:.0f} us per call"
+            )
     print("all equal" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
 

@@ -49,17 +49,23 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
             history[c] = prompt + answer
             index.insert_seq(seq, history[c])  # publish the full blocks for the next turn
             pool.free(seq)  # the request ends; its published blocks stay cached until evicted
-        print(f"  turn {t + 1}: {convs} requests done; {index.num_cached_blocks} blocks kept as cached prefixes "
-              f"(reusable, evictable when the pool runs short: {pool.num_free_blocks} of {args.blocks - 1} allocatable)")
+        print(
+            f"  turn {t + 1}: {convs} requests done; {index.num_cached_blocks} blocks kept as cached prefixes "
+            f"(reusable, evictable when the pool runs short: {pool.num_free_blocks} of {args.blocks - 1} allocatable)"
+        )
     total = cached + new
-    print(f"{convs} conversations x {turns} turns: {total:,} prompt tokens, {cached:,} found cached "
-          f"({100 * cached / total:.0f} %), {new:,} to prefill")
+    print(
+        f"{convs} conversations x {turns} turns: {total:,} prompt tokens, {cached:,} found cached "
+        f"({100 * cached / total:.0f} %), {new:,} to prefill"
+    )
 
     cfg = KVModelConfig()
     plan = plan_memory(cfg, 80 * 2**30, max_num_seqs=256, block_size=64)
-    print(f"V4.1-Flash on 80 GiB of cache memory, 256 sequences: {plan.paged_bytes_per_token:.0f} B per cached "
-          f"token (main {plan.main_kv_bytes_per_token:.0f} + indexer {plan.indexer_bytes_per_token:.0f}), "
-          f"{plan.max_cached_tokens:,} tokens in all; {plan.state_bytes_per_seq:,} B of per-sequence state")
+    print(
+        f"V4.1-Flash on 80 GiB of cache memory, 256 sequences: {plan.paged_bytes_per_token:.0f} B per cached "
+        f"token (main {plan.main_kv_bytes_per_token:.0f} + indexer {plan.indexer_bytes_per_token:.0f}), "
+        f"{plan.max_cached_tokens:,} tokens in all; {plan.state_bytes_per_seq:,} B of per-sequence state"
+    )
     return {"cached": cached, "new": new}
 
 

@@ -24,7 +24,9 @@ from deepinfer_core.spec.simulate import AcceptanceModel, simulate
 def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="simulated steps per load")
-    ap.add_argument("--loads", default="8,16,32,48,60,80,96,128,160", help="requests per GPU, comma-separated")
+    ap.add_argument(
+        "--loads", default="8,16,32,48,60,80,96,128,160", help="requests per GPU, comma-separated"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="PNG", help="write drafts verified and gain vs load (needs matplotlib)")
     ap.add_argument("--quick", action="store_true", help="30 steps per load (CI)")
@@ -48,14 +50,18 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
     model = AcceptanceModel()
     rng = np.random.default_rng(args.seed)
     rows = []
-    print(f"{'requests/GPU':>12} {'drafts verified':>15} {'tokens/request/step':>20} {'gain over 5':>11}  (modelled)")
+    print(
+        f"{'requests/GPU':>12} {'drafts verified':>15} {'tokens/request/step':>20} {'gain over 5':>11}  (modelled)"
+    )
     for n in loads:
         s = simulate({"varlen": MTPVarlen(prof), "fixed5": FixedLength(prof)}, n, steps, model, prof, rng)
         v, f = s["varlen"], s["fixed5"]
         gain = 100 * (v.tokens_per_s / f.tokens_per_s - 1)
         rows.append((n, v.drafts_per_request, gain))
-        print(f"{n:12d} {v.drafts_per_request:15.2f} {v.accepted_length:9.2f} vs {f.accepted_length:5.2f}   "
-              f"{gain:+10.1f}%")
+        print(
+            f"{n:12d} {v.drafts_per_request:15.2f} {v.accepted_length:9.2f} vs {f.accepted_length:5.2f}   "
+            f"{gain:+10.1f}%"
+        )
 
     if args.plot:
         from deepinfer_core.extras import require

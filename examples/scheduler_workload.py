@@ -47,10 +47,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rng = np.random.default_rng(args.seed)
 
     pool = PagedKVPool(num_blocks=args.blocks, block_size=16)
-    cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=8192, eos_token_id=EOS,
-                          time_budget_ns=20e6, async_mode=not args.sync)
+    cfg = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=8192,
+        eos_token_id=EOS,
+        time_budget_ns=20e6,
+        async_mode=not args.sync,
+    )
     # A prefill cost model: ~1 ms fixed + 60 ns per token + attention terms (what CostModel.fit would give).
-    sched = Scheduler(pool, cfg, cost_model=CostModel(base_ns=1e6, token_ns=60.0, quad_ns=1.5e-3, ctx_ns=4e-3))
+    sched = Scheduler(
+        pool, cfg, cost_model=CostModel(base_ns=1e6, token_ns=60.0, quad_ns=1.5e-3, ctx_ns=4e-3)
+    )
     prompt_lens = np.clip(rng.lognormal(5.5, 1.0, n_req), 8, 4000).astype(int)
     out_lens = np.clip(rng.lognormal(4.0, 0.8, n_req), 4, 1000).astype(int)
     arrivals = np.cumsum(rng.exponential(1.0 / args.arrivals_per_step, n_req)).astype(int)
@@ -78,16 +85,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         step += 1
 
     exact = all(len(f.output_token_ids) == out_lens[int(f.request_id[1:])] for f in finished)
-    res = {"steps": float(step), "prefill_steps": float(steps[StepType.PREFILL]),
-           "decode_steps": float(steps[StepType.DECODE]), "preemptions": float(sched.num_preemptions),
-           "us_per_step": 1e6 * float(np.median(cpu))}
-    print(f"{n_req} requests (prompts {int(np.median(prompt_lens))} tokens median, outputs "
-          f"{int(np.median(out_lens))}), {args.blocks} blocks x 16 tokens, "
-          f"{'synchronous' if args.sync else 'one step ahead'}")
-    print(f"  {step} steps: {steps[StepType.PREFILL]} prefill, {steps[StepType.DECODE]} decode; rows per step "
-          f"median {int(np.median(rows))}, max {max(rows)}; {sched.num_preemptions} preemptions")
-    print(f"  all {len(finished)} requests finished with exactly their max_tokens: {exact and len(finished) == n_req}; "
-          f"free blocks {pool.num_free_blocks}/{args.blocks - 1}")
+    res = {
+        "steps": float(step),
+        "prefill_steps": float(steps[StepType.PREFILL]),
+        "decode_steps": float(steps[StepType.DECODE]),
+        "preemptions": float(sched.num_preemptions),
+        "us_per_step": 1e6 * float(np.median(cpu)),
+    }
+    print(
+        f"{n_req} requests (prompts {int(np.median(prompt_lens))} tokens median, outputs "
+        f"{int(np.median(out_lens))}), {args.blocks} blocks x 16 tokens, "
+        f"{'synchronous' if args.sync else 'one step ahead'}"
+    )
+    print(
+        f"  {step} steps: {steps[StepType.PREFILL]} prefill, {steps[StepType.DECODE]} decode; rows per step "
+        f"median {int(np.median(rows))}, max {max(rows)}; {sched.num_preemptions} preemptions"
+    )
+    print(
+        f"  all {len(finished)} requests finished with exactly their max_tokens: {exact and len(finished) == n_req}; "
+        f"free blocks {pool.num_free_blocks}/{args.blocks - 1}"
+    )
     print(f"  schedule() + update(): {res['us_per_step']:.0f} us of CPU per step (median; this machine)")
     return res
 

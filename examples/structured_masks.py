@@ -22,9 +22,11 @@ from deepinfer_core.tokenizer import ByteTokenizer
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"enum": ["Hangzhou", "Beijing", "Paris"]},
-                   "temp_c": {"type": "integer", "minimum": -40, "maximum": 50},
-                   "rain": {"type": "boolean"}},
+    "properties": {
+        "city": {"enum": ["Hangzhou", "Beijing", "Paris"]},
+        "temp_c": {"type": "integer", "minimum": -40, "maximum": 50},
+        "rain": {"type": "boolean"},
+    },
     "required": ["city", "temp_c", "rain"],
     "additionalProperties": False,
 }
@@ -35,9 +37,14 @@ def valid(text: str) -> bool:
         doc = json.loads(text)
     except json.JSONDecodeError:
         return False
-    return (isinstance(doc, dict) and set(doc) == {"city", "temp_c", "rain"} and doc["city"] in SCHEMA["properties"]
-            ["city"]["enum"] and type(doc["temp_c"]) is int and -40 <= doc["temp_c"] <= 50
-            and type(doc["rain"]) is bool)
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"city", "temp_c", "rain"}
+        and doc["city"] in SCHEMA["properties"]["city"]["enum"]
+        and type(doc["temp_c"]) is int
+        and -40 <= doc["temp_c"] <= 50
+        and type(doc["rain"]) is bool
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = [valid(t) for t in texts]
     for t in texts[:4]:
         print(f"  {t}")
-    print(f"{args.backend}: {n} requests in {steps} steps, {rows} mask rows filled (drafts included); "
-          f"valid against the schema: {sum(ok)}/{n}")
+    print(
+        f"{args.backend}: {n} requests in {steps} steps, {rows} mask rows filled (drafts included); "
+        f"valid against the schema: {sum(ok)}/{n}"
+    )
     mgr.close()
     return 0 if all(ok) else 1
 

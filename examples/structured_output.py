@@ -20,9 +20,11 @@ from deepinfer_core.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"enum": ["ada", "grace", "linus"]}, "age": {"type": "integer", "minimum": 0,
-                                                                         "maximum": 120},
-                   "admin": {"type": "boolean"}},
+    "properties": {
+        "name": {"enum": ["ada", "grace", "linus"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"},
+    },
     "required": ["name", "age", "admin"],
     "additionalProperties": False,
 }
@@ -55,14 +57,19 @@ def main() -> None:
         ("Yes or no? ", {"ebnf": 'root ::= "yes" | "no"'}),
         ("Broken: ", {"regex": "(unclosed"}),
     ]
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=64, so_args=so) for i, (_, so) in enumerate(requests)]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=64, so_args=so)
+        for i, (_, so) in enumerate(requests)
+    ]
     outs = llm.generate([p for p, _ in requests], params)
     for (prompt, so), o in zip(requests, outs):
         if not o.ok:
             print(f"{prompt!r} {so} -> ERROR ({o.finish_reason}): {o.error}")
             continue
         kind = next(iter(so))
-        print(f"{prompt!r} {kind} -> {o.text!r} ({o.finish_reason}; constraint holds: {_holds(kind, so, o.text)})")
+        print(
+            f"{prompt!r} {kind} -> {o.text!r} ({o.finish_reason}; constraint holds: {_holds(kind, so, o.text)})"
+        )
 
 
 if __name__ == "__main__":

@@ -47,10 +47,19 @@ def emit(**kw: object) -> None:
 
 def engine_run(batch: int, gen: int, glue: bool, mode: str) -> None:
     envs = Envs(fuse_glue=glue)
-    eng = LLMEngine(EngineConfig(model="tiny", backend="cuda", max_num_seqs=max(batch, 1),
-                                 num_blocks=batch * 12 + 16, block_size=16, max_model_len=256,
-                                 async_scheduling=mode.startswith("async"), async_overlap=mode == "async"),
-                    envs=envs)
+    eng = LLMEngine(
+        EngineConfig(
+            model="tiny",
+            backend="cuda",
+            max_num_seqs=max(batch, 1),
+            num_blocks=batch * 12 + 16,
+            block_size=16,
+            max_model_len=256,
+            async_scheduling=mode.startswith("async"),
+            async_overlap=mode == "async",
+        ),
+        envs=envs,
+    )
     ex = eng.executor
     toks = eng.tokenizer.encode("import os\n\n\ndef main(argv):\n    return ")
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
@@ -65,12 +74,23 @@ def engine_run(batch: int, gen: int, glue: bool, mode: str) -> None:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     g = ex._graphs
-    emit(probe="engine", batch=batch, glue=glue, mode=mode, steps=steps, wall_s=round(dt, 3),
-         ms_per_step=round(1e3 * dt / max(steps, 1), 3), cuda_graphs=ex.cuda_graphs, sync_free=ex.sync_free,
-         row_path=getattr(ex, "row_path", None),
-         graphs=None if g is None else [str(k) for k in g.graphs],
-         captures=None if g is None else g.captures, replays=None if g is None else g.replays,
-         disabled=None if g is None else g.disabled, fails=len(FAILS))
+    emit(
+        probe="engine",
+        batch=batch,
+        glue=glue,
+        mode=mode,
+        steps=steps,
+        wall_s=round(dt, 3),
+        ms_per_step=round(1e3 * dt / max(steps, 1), 3),
+        cuda_graphs=ex.cuda_graphs,
+        sync_free=ex.sync_free,
+        row_path=getattr(ex, "row_path", None),
+        graphs=None if g is None else [str(k) for k in g.graphs],
+        captures=None if g is None else g.captures,
+        replays=None if g is None else g.replays,
+        disabled=None if g is None else g.disabled,
+        fails=len(FAILS),
+    )
 
 
 def main() -> None:

@@ -27,7 +27,9 @@ def main() -> None:
         for name, nt in (("1", 1), ("default", None)):
             t0, c0 = time.perf_counter(), time.process_time()
             llm = LLM(model="tiny", num_threads=nt)
-            out = llm.generate(["import os\n\n\ndef "], SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)[0]
+            out = llm.generate(
+                ["import os\n\n\ndef "], SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False
+            )[0]
             res[name].append((time.perf_counter() - t0, time.process_time() - c0, len(out.token_ids)))
     print(json.dumps({"torch_default_threads": torch.get_num_threads(), **res}))
 

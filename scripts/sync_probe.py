@@ -19,7 +19,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
-    eng = LLMEngine(EngineConfig(backend="cuda", num_blocks=256, max_num_seqs=16), envs=Envs(use_nextn_decode=0))
+    eng = LLMEngine(
+        EngineConfig(backend="cuda", num_blocks=256, max_num_seqs=16), envs=Envs(use_nextn_decode=0)
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     for i in range(args.batch):
         eng.add_request(f"w{i}", [5 + i] * 30, sp)
@@ -27,7 +29,14 @@ def main() -> None:
         eng.step()
     seen: dict[str, int] = {}
 
-    def show(message: object, category: object, filename: str, lineno: int, file: object = None, line: object = None) -> None:
+    def show(
+        message: object,
+        category: object,
+        filename: str,
+        lineno: int,
+        file: object = None,
+        line: object = None,
+    ) -> None:
         if "synchroniz" not in str(message):
             return
         stack = "".join(traceback.format_stack()[-9:-1])

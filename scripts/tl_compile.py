@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (name, module, builder arguments): representative shapes of the wide / Flash config
 KERNELS = [
-    ("sink_attention_rows", "sink_attention", (640, 512 ** -0.5, "bfloat16")),  # window 128 + top-k 512
-    ("sink_attention_rows", "sink_attention", (128, 512 ** -0.5, "bfloat16")),  # an SWA-only layer
+    ("sink_attention_rows", "sink_attention", (640, 512**-0.5, "bfloat16")),  # window 128 + top-k 512
+    ("sink_attention_rows", "sink_attention", (128, 512**-0.5, "bfloat16")),  # an SWA-only layer
     ("mhc_sinkhorn", "mhc_sinkhorn", (4, 20)),
     ("indexer", "indexer", (32, 128, "bfloat16")),
     # the decode gathers as the default path launches them, then filling one [rows, 640, 512] key buffer:
@@ -59,9 +59,27 @@ def ptxas_usage(source: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as d:
         cu = Path(d) / "k.cu"
         cu.write_text(source)
-        r = subprocess.run(["nvcc", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(cu), "-o",
-                            str(Path(d) / "k.o"), f"-I{tl / 'src'}", f"-I{tl / '3rdparty/cutlass/include'}",
-                            "-DENABLE_BF16", "-w"], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                "nvcc",
+                "-std=c++17",
+                "-gencode",
+                "arch=compute_90a,code=sm_90a",
+                "-Xptxas",
+                "-v",
+                "-c",
+                str(cu),
+                "-o",
+                str(Path(d) / "k.o"),
+                f"-I{tl / 'src'}",
+                f"-I{tl / '3rdparty/cutlass/include'}",
+                "-DENABLE_BF16",
+                "-w",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     text = r.stdout + r.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores", text)
@@ -73,7 +91,9 @@ def ptxas_usage(source: str) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="compile only the kernels of this op name")
-    ap.add_argument("--grouped-sweep", action="store_true", help="every moe_grouped_gemm candidate config instead")
+    ap.add_argument(
+        "--grouped-sweep", action="store_true", help="every moe_grouped_gemm candidate config instead"
+    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     os.environ.setdefault("DEEPINFER_TL_ARCH", "sm_90a")  # sm_90a: warp-specialised kernels need it
@@ -96,8 +116,17 @@ def main() -> None:
         build = getattr(m, BUILDERS.get(name, "_build"))
         compile_kernel(key, lambda build=build, args=args: build(*args))
         secs = time.perf_counter() - t0
-        print(json.dumps({"kernel": name, "args": list(args), "compile_s": round(secs, 1),
-                          **ptxas_usage(kernel_source(key))}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "kernel": name,
+                    "args": list(args),
+                    "compile_s": round(secs, 1),
+                    **ptxas_usage(kernel_source(key)),
+                }
+            ),
+            flush=True,
+        )
 
 
 def grouped_sweep(m: types.ModuleType) -> None:

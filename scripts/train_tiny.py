@@ -86,8 +86,13 @@ def prepare(data: Path, vocab_size: int) -> None:
     files = corpus_files()
     train = [t for n, t in files if not held_out(n)]
     test = [(n, t) for n, t in files if held_out(n)]
-    log.info("corpus: %d files (%.1f MB), %d held out (%.2f MB)", len(files), sum(len(t) for _, t in files) / 1e6,
-             len(test), sum(len(t) for _, t in test) / 1e6)
+    log.info(
+        "corpus: %d files (%.1f MB), %d held out (%.2f MB)",
+        len(files),
+        sum(len(t) for _, t in files) / 1e6,
+        len(test),
+        sum(len(t) for _, t in test) / 1e6,
+    )
     tok = train_bpe(train, vocab_size)
     data.parent.mkdir(parents=True, exist_ok=True)
     tpath = data.with_name("tokenizer.json")
@@ -103,9 +108,21 @@ def prepare(data: Path, vocab_size: int) -> None:
 
     tr, te = stream(train), stream([t for _, t in test])
     nbytes = sum(len(t.encode()) for _, t in test)
-    np.savez(data, train=tr, heldout=te, heldout_bytes=np.int64(nbytes),
-             heldout_names=np.asarray([n for n, _ in test]))
-    log.info("tokens: train %d, held out %d (%.3f bytes/token); wrote %s and %s", len(tr), len(te), nbytes / len(te), data, tpath)
+    np.savez(
+        data,
+        train=tr,
+        heldout=te,
+        heldout_bytes=np.int64(nbytes),
+        heldout_names=np.asarray([n for n, _ in test]),
+    )
+    log.info(
+        "tokens: train %d, held out %d (%.3f bytes/token); wrote %s and %s",
+        len(tr),
+        len(te),
+        nbytes / len(te),
+        data,
+        tpath,
+    )
 
 
 def xz_bits_per_byte(data: Path) -> float:
@@ -183,8 +200,12 @@ def init_model(seed: int, device: str) -> DeepSeekV41:
     return m.to(device)
 
 
-def train_target(m: DeepSeekV41, train: np.ndarray, args: argparse.Namespace, tables: dict, logd: dict) -> None:
-    params = [p for n, p in m.named_parameters() if not n.startswith("drafter") and not n.endswith("gate_bias")]
+def train_target(
+    m: DeepSeekV41, train: np.ndarray, args: argparse.Namespace, tables: dict, logd: dict
+) -> None:
+    params = [
+        p for n, p in m.named_parameters() if not n.startswith("drafter") and not n.endswith("gate_bias")
+    ]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     it = _batches(train, args.batch, args.seq, gen, args.device)
@@ -228,8 +249,14 @@ def greedy_chains(m: DeepSeekV41, prompts: torch.Tensor, new: int, tables: dict)
     return x
 
 
-def train_drafter(m: DeepSeekV41, train: np.ndarray, chains: torch.Tensor, args: argparse.Namespace, tables: dict,
-                  logd: dict) -> None:
+def train_drafter(
+    m: DeepSeekV41,
+    train: np.ndarray,
+    chains: torch.Tensor,
+    args: argparse.Namespace,
+    tables: dict,
+    logd: dict,
+) -> None:
     for p in m.parameters():
         p.requires_grad_(False)
     params = list(m.drafter.parameters())
@@ -253,7 +280,9 @@ def train_drafter(m: DeepSeekV41, train: np.ndarray, chains: torch.Tensor, args:
         else:
             x = next(it)
         with torch.no_grad():
-            lg, _, caps = batched_forward(m, x, capture=m.drafter.target_layers, engram_rows=engram_rows_batched(m, x, tables))
+            lg, _, caps = batched_forward(
+                m, x, capture=m.drafter.target_layers, engram_rows=engram_rows_batched(m, x, tables)
+            )
             nxt = lg.argmax(-1)
         loss, st = drafter_loss(m, x, nxt, caps)
         opt.zero_grad(set_to_none=True)
@@ -269,13 +298,25 @@ def train_drafter(m: DeepSeekV41, train: np.ndarray, chains: torch.Tensor, args:
     bar.close()
     for p in m.parameters():
         p.requires_grad_(False)
-    logd["drafter"] = {"steps": steps, "skipped_nonfinite": skipped, "seconds": time.time() - t0, "stats": hist}
+    logd["drafter"] = {
+        "steps": steps,
+        "skipped_nonfinite": skipped,
+        "seconds": time.time() - t0,
+        "stats": hist,
+    }
 
 
 # ---------------------------------------------------------------- evaluation
 @torch.no_grad()
-def bits_per_byte(m: DeepSeekV41, stream: np.ndarray, nbytes: int, seq: int, device: str, tables: dict,
-                  limit_tokens: int | None = None) -> float:
+def bits_per_byte(
+    m: DeepSeekV41,
+    stream: np.ndarray,
+    nbytes: int,
+    seq: int,
+    device: str,
+    tables: dict,
+    limit_tokens: int | None = None,
+) -> float:
     """Every token but the first predicted once (chunks of ``seq`` overlapping by one), in bits per byte of
     the held-out text; the first token costs log2(vocab) bits."""
     s = torch.from_numpy(stream.astype(np.int64))
@@ -294,8 +335,11 @@ def bits_per_byte(m: DeepSeekV41, stream: np.ndarray, nbytes: int, seq: int, dev
                 continue
             x = torch.stack(group).to(device)
             lg, _, _ = batched_forward(m, x, engram_rows=engram_rows_batched(m, x, tables))
-            nats += float(torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]).float(),
-                                                            x[:, 1:].reshape(-1), reduction="sum"))
+            nats += float(
+                torch.nn.functional.cross_entropy(
+                    lg[:, :-1].reshape(-1, lg.shape[-1]).float(), x[:, 1:].reshape(-1), reduction="sum"
+                )
+            )
     return nats / math.log(2) / nbytes
 
 
@@ -304,7 +348,9 @@ def draft_eval(m: DeepSeekV41, chains: torch.Tensor, prompt_len: int, tables: di
     """Greedy drafts at every anchor of the generated part of held-out chains, scored against the chain
     (the target's own greedy tokens): accepted drafts per verify (5 drafts) and the reliability table."""
     dr = m.drafter
-    lg, _, caps = batched_forward(m, chains, capture=dr.target_layers, engram_rows=engram_rows_batched(m, chains, tables))
+    lg, _, caps = batched_forward(
+        m, chains, capture=dr.target_layers, engram_rows=engram_rows_batched(m, chains, tables)
+    )
     rows_b, rows_q, y, hidden = drafter_block(m, chains, caps)
     keep = rows_q >= prompt_len
     rows_b, rows_q, y, hidden = rows_b[keep], rows_q[keep], y[keep], hidden[keep]
@@ -317,18 +363,35 @@ def draft_eval(m: DeepSeekV41, chains: torch.Tensor, prompt_len: int, tables: di
     table = []
     for k in range(blk):
         e = earlier[:, k]
-        table.append({"draft": k + 1, "rows": int(e.sum()), "predicted": float(res.confidence[e, k].mean()),
-                      "observed": float(right[e, k].float().mean())})
+        table.append(
+            {
+                "draft": k + 1,
+                "rows": int(e.sum()),
+                "predicted": float(res.confidence[e, k].mean()),
+                "observed": float(right[e, k].float().mean()),
+            }
+        )
     conf = res.confidence[earlier]
     obs = right[earlier].float()
     bins = []
     for lo in np.linspace(0, 0.9, 10):
         sel = (conf >= lo) & (conf < lo + 0.1 + (1e-9 if lo >= 0.9 else 0))
         if sel.any():
-            bins.append({"bin": f"{lo:.1f}-{lo + 0.1:.1f}", "rows": int(sel.sum()), "predicted": float(conf[sel].mean()),
-                         "observed": float(obs[sel].mean())})
-    return {"anchors": int(y.shape[0]), "accepted_per_verify": float(acc_prefix.sum(1).float().mean()),
-            "tokens_per_verify": 1 + float(acc_prefix.sum(1).float().mean()), "per_position": table, "bins": bins}
+            bins.append(
+                {
+                    "bin": f"{lo:.1f}-{lo + 0.1:.1f}",
+                    "rows": int(sel.sum()),
+                    "predicted": float(conf[sel].mean()),
+                    "observed": float(obs[sel].mean()),
+                }
+            )
+    return {
+        "anchors": int(y.shape[0]),
+        "accepted_per_verify": float(acc_prefix.sum(1).float().mean()),
+        "tokens_per_verify": 1 + float(acc_prefix.sum(1).float().mean()),
+        "per_position": table,
+        "bins": bins,
+    }
 
 
 def _tables(m: DeepSeekV41, device: str) -> dict:
@@ -363,14 +426,21 @@ def train(args: argparse.Namespace) -> None:
     t_start = time.time()
     torch.manual_seed(args.seed)
     if args.device == "cpu":
-        torch.set_num_threads(args.threads)  # the tiny model is dispatch-bound: one thread is fastest on a shared CPU
+        torch.set_num_threads(
+            args.threads
+        )  # the tiny model is dispatch-bound: one thread is fastest on a shared CPU
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     d = np.load(args.data)
     train_s, held, nbytes = d["train"], d["heldout"], int(d["heldout_bytes"])
     out = Path(args.out)
-    logd: dict = {"args": vars(args), "train_tokens": len(train_s), "heldout_tokens": len(held), "heldout_bytes": nbytes}
+    logd: dict = {
+        "args": vars(args),
+        "train_tokens": len(train_s),
+        "heldout_tokens": len(held),
+        "heldout_bytes": nbytes,
+    }
     if args.init is not None:  # continue from a checkpoint (e.g. more drafter steps with --steps 0)
         from deepinfer_core.model.checkpoint import load_model
 
@@ -388,7 +458,11 @@ def train(args: argparse.Namespace) -> None:
             logd["bpb_float"] = bits_per_byte(m, held, nbytes, args.seq, args.device, tables, lim)
         round_release_(m)
         logd["bpb_release"] = bits_per_byte(m, held, nbytes, args.seq, args.device, tables, lim)
-        log.info("held-out bits/byte: %s (float) %.4f (release rounding)", logd.get("bpb_float"), logd["bpb_release"])
+        log.info(
+            "held-out bits/byte: %s (float) %.4f (release rounding)",
+            logd.get("bpb_float"),
+            logd["bpb_release"],
+        )
     if args.backup is not None:
         save_weights(m, args.backup, dtype=torch.bfloat16, max_shard_bytes=64 << 20)
     g = torch.Generator().manual_seed(args.seed + 2)
@@ -405,8 +479,13 @@ def train(args: argparse.Namespace) -> None:
         h = torch.from_numpy(held.astype(np.int64))
         hs = torch.randint(0, len(h) - args.chain_prompt, (args.eval_chains,), generator=g).tolist()
         hp = torch.stack([h[i : i + args.chain_prompt] for i in hs]).to(args.device)
-        logd["draft_eval"] = draft_eval(m, greedy_chains(m, hp, args.eval_new, tables), args.chain_prompt, tables)
-        log.info("drafts on held-out greedy chains: %.3f accepted per verify", logd["draft_eval"]["accepted_per_verify"])
+        logd["draft_eval"] = draft_eval(
+            m, greedy_chains(m, hp, args.eval_new, tables), args.chain_prompt, tables
+        )
+        log.info(
+            "drafts on held-out greedy chains: %.3f accepted per verify",
+            logd["draft_eval"]["accepted_per_verify"],
+        )
     except Exception as e:  # the checkpoint is written; the log says what failed
         log.exception("draft evaluation failed")
         logd["draft_eval_error"] = repr(e)
@@ -441,13 +520,26 @@ def main() -> None:
     t.add_argument("--chain-prompt", type=int, default=64)
     t.add_argument("--eval-chains", type=int, default=64)
     t.add_argument("--eval-new", type=int, default=96)
-    t.add_argument("--eval-tokens", type=int, default=None, help="cap on held-out tokens evaluated (CPU runs)")
-    t.add_argument("--eval-float", action=argparse.BooleanOptionalAction, default=True,
-                   help="also evaluate before the release rounding")
-    t.add_argument("--time-budget", type=float, default=None, help="seconds for the target phase (sets --steps)")
+    t.add_argument(
+        "--eval-tokens", type=int, default=None, help="cap on held-out tokens evaluated (CPU runs)"
+    )
+    t.add_argument(
+        "--eval-float",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also evaluate before the release rounding",
+    )
+    t.add_argument(
+        "--time-budget", type=float, default=None, help="seconds for the target phase (sets --steps)"
+    )
     t.add_argument("--drafter-time-budget", type=float, default=None)
     t.add_argument("--init", type=Path, default=None, help="start from this checkpoint directory")
-    t.add_argument("--backup", type=Path, default=None, help="also write the rounded target here before the drafter phase")
+    t.add_argument(
+        "--backup",
+        type=Path,
+        default=None,
+        help="also write the rounded target here before the drafter phase",
+    )
     args = ap.parse_args()
     if args.cmd == "prepare":
         prepare(args.data, args.vocab_size)

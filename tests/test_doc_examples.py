@@ -10,7 +10,9 @@ import pytest
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # doc -> the fewest python examples it must keep (a doc that lost its examples fails, not passes)
 MIN_EXAMPLES = {"balancers.md": 1, "kvstore.md": 2}
-BLOCKS = {name: re.findall(r"```python\n(.*?)```", (DOCS / name).read_text(), flags=re.S) for name in MIN_EXAMPLES}
+BLOCKS = {
+    name: re.findall(r"```python\n(.*?)```", (DOCS / name).read_text(), flags=re.S) for name in MIN_EXAMPLES
+}
 
 
 @pytest.mark.parametrize(("doc", "i"), [(d, i) for d, blocks in BLOCKS.items() for i in range(len(blocks))])

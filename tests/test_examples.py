@@ -20,9 +20,16 @@ EXAMPLES = ROOT / "examples"
 
 
 def _run(name: str, *args: str, timeout: int = 180) -> str:
-    r = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
-    assert r.returncode == 0, f"examples/{name} {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, (
+        f"examples/{name} {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    )
     assert is_safe(r.stdout), f"examples/{name} printed raw control characters"
     return r.stdout
 
@@ -40,8 +47,10 @@ def test_eplb_drifting_load_with_plot(tmp_path: Path) -> None:
 
 def test_mtp_varlen_sweep() -> None:
     out = _run("mtp_varlen_sweep.py", "--quick", "--loads", "8,60,160")
-    rows = [tuple(map(float, (m[0], m[1], m[2]))) for m in
-            re.findall(r"^\s+(\d+)\s+([0-9.]+)\s+[0-9.]+ vs\s+[0-9.]+\s+([-+][0-9.]+)%", out, re.M)]
+    rows = [
+        tuple(map(float, (m[0], m[1], m[2])))
+        for m in re.findall(r"^\s+(\d+)\s+([0-9.]+)\s+[0-9.]+ vs\s+[0-9.]+\s+([-+][0-9.]+)%", out, re.M)
+    ]
     assert [r[0] for r in rows] == [8, 60, 160]
     drafts = [r[1] for r in rows]
     assert drafts[0] > 4.5 and drafts == sorted(drafts, reverse=True)  # fewer drafts as load grows
@@ -70,7 +79,9 @@ def test_kernel_oracle_is_independent() -> None:
 def test_scheduler_workload() -> None:
     for args in (("--quick",), ("--quick", "--sync", "--blocks", "120")):
         out = _run("scheduler_workload.py", *args)
-        assert re.search(r"all 60 requests finished with exactly their max_tokens: True; free blocks (\d+)/\1", out)
+        assert re.search(
+            r"all 60 requests finished with exactly their max_tokens: True; free blocks (\d+)/\1", out
+        )
     assert int(re.search(r"(\d+) preemptions", out).group(1)) > 0  # the small pool forced preemption
 
 
@@ -103,7 +114,10 @@ def test_engine_examples() -> None:
 
 def test_bounded_replay() -> None:
     out = _run("bounded_replay.py", "--quick")
-    plans = re.findall(r"(bounded|exact)\s+host copy=(True|False)\s*: hit (\d+), replayed (\d+) tokens, exact=(True|False)", out)
+    plans = re.findall(
+        r"(bounded|exact)\s+host copy=(True|False)\s*: hit (\d+), replayed (\d+) tokens, exact=(True|False)",
+        out,
+    )
     assert len(plans) == 4, out
     rep = {(m, h): (int(hit), int(r), e == "True") for m, h, hit, r, e in plans}
     # bounded: the tail is keep=140 tokens (plus the last window for the encoder without a host copy);
@@ -111,8 +125,11 @@ def test_bounded_replay() -> None:
     assert rep[("bounded", "True")][1] == 140 and not rep[("bounded", "True")][2]
     assert rep[("bounded", "False")][1] == 140 + 128
     assert rep[("exact", "True")][1] == 2546 and rep[("exact", "True")][2]
-    eng = re.findall(r"(exact|bounded)\s*: first request cached 0 tokens; second cached (\d+) of (\d+), replayed (\d+); "
-                     r"tokens equal a run without caching: (True|False)", out)
+    eng = re.findall(
+        r"(exact|bounded)\s*: first request cached 0 tokens; second cached (\d+) of (\d+), replayed (\d+); "
+        r"tokens equal a run without caching: (True|False)",
+        out,
+    )
     assert [m for m, *_ in eng] == ["exact", "bounded"], out
     for mode, cached, _, _, equal in eng:
         assert int(cached) > 0, out  # the second request hit the first's blocks
@@ -127,9 +144,13 @@ NOT_YET_TESTED: dict[str, str] = {}
 
 def test_every_example_is_run_by_a_test() -> None:
     # A new example needs a test that runs it (here, or in its component's tests).
-    tests_text = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != "test_examples.py")
+    tests_text = "\n".join(
+        p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != "test_examples.py"
+    )
     tests_text += (ROOT / "tests" / "test_examples.py").read_text().split("NOT_YET_TESTED = ")[0]
     missing = [p.name for p in sorted(EXAMPLES.glob("*.py")) if p.name not in tests_text]
-    assert set(missing) <= set(NOT_YET_TESTED), f"examples not run by any test: {sorted(set(missing) - set(NOT_YET_TESTED))}"
+    assert set(missing) <= set(NOT_YET_TESTED), (
+        f"examples not run by any test: {sorted(set(missing) - set(NOT_YET_TESTED))}"
+    )
     stale = sorted(set(NOT_YET_TESTED) - set(missing))
     assert not stale, f"NOT_YET_TESTED lists examples that are tested (or gone) now: remove {stale}"

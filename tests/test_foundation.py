@@ -29,6 +29,8 @@ def test_importing_packages_is_light() -> None:
 
 
 def test_main_job_runs() -> None:
-    out = subprocess.run([sys.executable, "-m", "deepinfer_core"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "deepinfer_core"], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "deepinfer_core._C" in out.stdout

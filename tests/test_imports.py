@@ -115,7 +115,9 @@ def test_cycle_finder_finds_cycles(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("from p.a import A\n")
     (pkg / "a.py").write_text("from p import b\nA = 1\n")
     (pkg / "b.py").write_text("def f():\n    from p.c import C\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\nC = 1\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\nC = 1\n"
+    )
     (pkg / "d.py").write_text("import p.c\n")
     assert cycles(import_graph(tmp_path)) == [["p.a", "p.b", "p.c"]]
     (pkg / "c.py").write_text("C = 1\n")
@@ -126,8 +128,10 @@ def test_no_import_cycles_in_src() -> None:
     graph = import_graph(SRC)
     assert "deepinfer_core.scheduler" in graph and "deepinfer_kernels" in graph
     found = cycles(graph)
-    assert not found, "import cycles in src/ (move the shared piece to its own module, or type against a " \
+    assert not found, (
+        "import cycles in src/ (move the shared piece to its own module, or type against a "
         "Protocol): " + "; ".join(" <-> ".join(c) for c in found)
+    )
 
 
 # The C++-backed / numpy components: importing them must not pull torch (or the optional libraries).
@@ -148,13 +152,17 @@ def test_light_components_import_without_torch_fast(component: str) -> None:
     )
     times = []
     for _ in range(3):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        )
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert res["heavy"] == [], f"import deepinfer_core.{component} imported {res['heavy']}"
         times.append(res["seconds"])
         if res["seconds"] < 0.3:
             break
-    assert min(times) < 0.3, f"import deepinfer_core.{component}: {min(times):.3f} s (limit 0.3 s), tries {times}"
+    assert min(times) < 0.3, (
+        f"import deepinfer_core.{component}: {min(times):.3f} s (limit 0.3 s), tries {times}"
+    )
 
 
 def test_lazy_names_still_resolve() -> None:

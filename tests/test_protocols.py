@@ -182,13 +182,20 @@ def _accepts(concrete: Any, proto: Any) -> str | None:
             return f"no parameter {p.name!r}"
         if p.default is not inspect.Parameter.empty and q.default is inspect.Parameter.empty:
             return f"{p.name!r} is optional in the protocol, required here"
-    extra = [q.name for q in have.values() if q.default is inspect.Parameter.empty
-             and q.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    extra = [
+        q.name
+        for q in have.values()
+        if q.default is inspect.Parameter.empty
+        and q.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
     return f"extra required parameters {extra}" if extra else None
 
 
-@pytest.mark.parametrize(("proto", "factory"), [c for c in CASES if c[0] in ("ModelExecutor", "Backend", "EngramTable")],
-                         ids=["ModelExecutor", "EngramTable", "Backend"])
+@pytest.mark.parametrize(
+    ("proto", "factory"),
+    [c for c in CASES if c[0] in ("ModelExecutor", "Backend", "EngramTable")],
+    ids=["ModelExecutor", "EngramTable", "Backend"],
+)
 def test_methods_callable_as_declared(proto: str, factory: Callable[[], Any]) -> None:
     """Beyond isinstance (which only sees names): each protocol method's signature is callable on the
     concrete component, and each protocol property is a value there."""
@@ -212,22 +219,37 @@ def test_engine_uses_only_the_executor_protocol() -> None:
 
     engine = Path(P.__file__).resolve().parents[1] / "engine"
     members = set(getattr(P.ModelExecutor, "__annotations__", {})) | {
-        n for n in vars(P.ModelExecutor) if not n.startswith("_")}
+        n for n in vars(P.ModelExecutor) if not n.startswith("_")
+    }
     used: dict[str, str] = {}
     for path in sorted(engine.glob("*.py")):
         tree = ast.parse(path.read_text())
         for n in ast.walk(tree):
             # (``@executor.setter``: the engine's property, not a member)
-            if isinstance(n, ast.Attribute) and n.attr not in ("setter", "getter", "deleter") and (
+            if (
+                isinstance(n, ast.Attribute)
+                and n.attr not in ("setter", "getter", "deleter")
+                and (
                     (isinstance(n.value, ast.Name) and n.value.id in ("executor", "ex"))
-                    or (isinstance(n.value, ast.Attribute) and n.value.attr in ("executor", "ex"))):
+                    or (isinstance(n.value, ast.Attribute) and n.value.attr in ("executor", "ex"))
+                )
+            ):
                 used.setdefault(n.attr, path.name)
             # ``for switch in ("a", "b"): ... setattr(self.executor / ex, switch, ...)``: the loop's names
-            if isinstance(n, ast.For) and isinstance(n.iter, ast.Tuple) and any(
-                    isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "setattr"
-                    and ((isinstance(c.args[0], ast.Attribute) and c.args[0].attr == "executor")
-                         or (isinstance(c.args[0], ast.Name) and c.args[0].id in ("executor", "ex")))
-                    for c in ast.walk(n)):
+            if (
+                isinstance(n, ast.For)
+                and isinstance(n.iter, ast.Tuple)
+                and any(
+                    isinstance(c, ast.Call)
+                    and isinstance(c.func, ast.Name)
+                    and c.func.id == "setattr"
+                    and (
+                        (isinstance(c.args[0], ast.Attribute) and c.args[0].attr == "executor")
+                        or (isinstance(c.args[0], ast.Name) and c.args[0].id in ("executor", "ex"))
+                    )
+                    for c in ast.walk(n)
+                )
+            ):
                 used.update({str(e.value): path.name for e in n.iter.elts if isinstance(e, ast.Constant)})
     assert {"execute", "validate", "spec", "fused_attention"} <= set(used)  # the scan sees the engine's calls
     missing = {a: f for a, f in used.items() if a not in members}

@@ -32,7 +32,9 @@ def test_readme_has_the_snippets() -> None:
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
 def test_readme_python_block_runs(i: int) -> None:
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", BLOCKS[i]], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCKS[i]], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
     dt = time.perf_counter() - t0
     assert r.returncode == 0, f"README python block {i} failed:\n{BLOCKS[i]}\n{r.stderr[-3000:]}"
     assert r.stdout.strip(), f"README python block {i} printed nothing"
@@ -44,7 +46,9 @@ def test_readme_python_block_runs(i: int) -> None:
 
 def test_readme_commands_parse() -> None:
     cmds = re.findall(r"`(deepinfer [^`]+)`", README)
-    assert any(c.startswith("deepinfer generate") for c in cmds) and any(c.startswith("deepinfer demo") for c in cmds)
+    assert any(c.startswith("deepinfer generate") for c in cmds) and any(
+        c.startswith("deepinfer demo") for c in cmds
+    )
     ap = build_parser()
     for c in cmds:
         argv = shlex.split(c)[1:]

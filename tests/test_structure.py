@@ -42,10 +42,17 @@ ALLOWED_CLASSES = {
     ("model", "deepinfer_core.engram", "EngramHasher"): "the Engram n-gram hash (an algorithm, no seam): the "
     "model hashes its tokens with it to address the tables it reaches through the EngramTable protocol",
     ("model", "deepinfer_core.kv.planner", "KVModelConfig"): "plain data: the KV planner's view of a config",
-    ("entrypoints", "deepinfer_core.engine.async_llm", "AsyncLLM"): "the HTTP front end is the asyncio engine's "
+    (
+        "entrypoints",
+        "deepinfer_core.engine.async_llm",
+        "AsyncLLM",
+    ): "the HTTP front end is the asyncio engine's "
     "client and builds the one it serves (its whole job, as vLLM's api_server builds AsyncLLM)",
-    ("entrypoints", "deepinfer_core.engine.async_llm", "EngineDeadError"): "the engine's error type, caught to "
-    "answer the requests it hits with a 500 while the server stays up",
+    (
+        "entrypoints",
+        "deepinfer_core.engine.async_llm",
+        "EngineDeadError",
+    ): "the engine's error type, caught to answer the requests it hits with a 500 while the server stays up",
     ("entrypoints", "deepinfer_core.engine.outputs", "RequestOutput"): "plain data: what the engine streams, "
     "turned into OpenAI response objects",
 }

@@ -105,7 +105,9 @@ class ForwardBatch:
             return np.zeros(0, np.int64)
         # row j of request i sits at start_pos[i] + (j - offset[i]): one repeat, no per-request arrays
         n = self.query_lens.astype(np.int64)
-        return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(self.start_pos.astype(np.int64) - self.offsets[:-1], n)
+        return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(
+            self.start_pos.astype(np.int64) - self.offsets[:-1], n
+        )
 
     def logit_rows(self) -> np.ndarray:
         """Flat row index of every row that gets logits, request by request."""

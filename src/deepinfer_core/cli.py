@@ -44,8 +44,11 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             extra = message.removeprefix("unrecognized arguments: ").split()
             opts = [a for a in extra if a.startswith("-")]
-            message = (f"unknown option{'s' if len(opts) > 1 else ''} {', '.join(opts)}" if opts
-                       else f"unexpected argument{'s' if len(extra) > 1 else ''} {' '.join(extra)}")
+            message = (
+                f"unknown option{'s' if len(opts) > 1 else ''} {', '.join(opts)}"
+                if opts
+                else f"unexpected argument{'s' if len(extra) > 1 else ''} {' '.join(extra)}"
+            )
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
@@ -59,7 +62,9 @@ class Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------------------- generate
 def _grammar(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str, Any] | None:
     """so_args from --regex / --json-schema / --choice (at most one), checked before the model loads."""
-    given = [f"--{k.replace('_', '-')}" for k in ("regex", "json_schema", "choice") if getattr(args, k) is not None]
+    given = [
+        f"--{k.replace('_', '-')}" for k in ("regex", "json_schema", "choice") if getattr(args, k) is not None
+    ]
     if len(given) > 1:
         ap.error(f"give at most one of --regex, --json-schema, --choice (got {', '.join(given)})")
     if args.regex is not None:
@@ -113,10 +118,17 @@ def _generate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
     for i, p in enumerate(args.prompts):
         if not p:
-            ap.error(f"PROMPT {i + 1} is empty: give the text to continue, e.g. deepinfer generate 'def main():'")
+            ap.error(
+                f"PROMPT {i + 1} is empty: give the text to continue, e.g. deepinfer generate 'def main():'"
+            )
     try:
-        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens, so_args=_grammar(args, ap))
+        sp = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            so_args=_grammar(args, ap),
+        )
     except ValueError as e:  # "SamplingParams.max_tokens: ..." is said as "--max-tokens: ..."
         field, _, why = str(e).removeprefix("SamplingParams.").partition(": ")
         ap.error(f"--{field.replace('_', '-')}: {why}" if why else str(e))
@@ -169,8 +181,10 @@ def bench_scripts() -> dict[str, Path]:
 def _bench(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     scripts = bench_scripts()
     if not scripts:
-        ap.error("the benchmarks are in the source tree (benchmarks/), not in the installed package: "
-                 "run from a checkout of deepinfer-components")
+        ap.error(
+            "the benchmarks are in the source tree (benchmarks/), not in the installed package: "
+            "run from a checkout of deepinfer-components"
+        )
     if args.component not in scripts:
         ap.error(f"unknown benchmark {args.component!r}; choose from {sorted(scripts)}")
     cmd = [sys.executable, str(scripts[args.component]), *args.bench_args]
@@ -180,47 +194,77 @@ def _bench(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
 # ----------------------------------------------------------------------------------------------- main
 def _add_debug(p: argparse.ArgumentParser, default: Any) -> None:
-    p.add_argument("--debug", action="store_true", default=default,
-                   help="show the full traceback of an error (and the components' debug logs)")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        default=default,
+        help="show the full traceback of an error (and the components' debug logs)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="deepinfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", action="version", version=f"deepinfer-components {deepinfer_core.__version__}")
+    ap.add_argument(
+        "--version", action="version", version=f"deepinfer-components {deepinfer_core.__version__}"
+    )
     _add_debug(ap, False)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     # (not required=True: argparse would then report a missing COMMAND before an unknown option)
     nodebug = argparse.SUPPRESS  # a subcommand's --debug must not reset the top-level one
 
-    g = sub.add_parser("generate", help="generate text with the built-in tiny model",
-                       description="Generate with the reference engine (CPU, no download).")
+    g = sub.add_parser(
+        "generate",
+        help="generate text with the built-in tiny model",
+        description="Generate with the reference engine (CPU, no download).",
+    )
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
-    g.add_argument("--model", default="tiny",
-                   help="'tiny' (the shipped trained checkpoint, default), 'tiny-random' or a checkpoint directory")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (the shipped trained checkpoint, default), 'tiny-random' or a checkpoint directory",
+    )
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
-    g.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads while generating (default 1: the tiny model is dispatch-bound)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads while generating (default 1: the tiny model is dispatch-bound)",
+    )
     g.add_argument("--regex", help="constrain the output to this regex (needs the structured extra)")
-    g.add_argument("--json-schema", metavar="SCHEMA",
-                   help="constrain the output to this JSON schema: a JSON string, or @FILE (structured extra)")
-    g.add_argument("--choice", help="constrain the output to one of these comma-separated strings (structured extra)")
+    g.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="constrain the output to this JSON schema: a JSON string, or @FILE (structured extra)",
+    )
+    g.add_argument(
+        "--choice", help="constrain the output to one of these comma-separated strings (structured extra)"
+    )
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.add_argument("-v", "--verbose", action="store_true", help="token count and finish reason on stderr")
     _add_debug(g, nodebug)
     g.set_defaults(func=_generate, parser=g)
 
-    d = sub.add_parser("demo", help="the tour of every component (the main job)",
-                       description=demo_mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="the tour of every component (the main job)",
+        description=demo_mod.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo_mod.add_arguments(d)  # --debug included
     d.set_defaults(func=lambda a, p: demo_mod.main_from_args(a, p), parser=d)
 
-    b = sub.add_parser("bench", help="run benchmarks/COMPONENT.py (JSON lines on stdout)",
-                       description="Run one component's benchmark from the source tree; the arguments after "
-                                   "COMPONENT go to the script (e.g. --quick, --plot).")
-    b.add_argument("component", metavar="COMPONENT", help=f"one of: {', '.join(bench_scripts()) or '(none here)'}")
+    b = sub.add_parser(
+        "bench",
+        help="run benchmarks/COMPONENT.py (JSON lines on stdout)",
+        description="Run one component's benchmark from the source tree; the arguments after "
+        "COMPONENT go to the script (e.g. --quick, --plot).",
+    )
+    b.add_argument(
+        "component", metavar="COMPONENT", help=f"one of: {', '.join(bench_scripts()) or '(none here)'}"
+    )
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark script")
     b.set_defaults(func=_bench, parser=b)
 
@@ -252,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # the library's errors name the file / field; anything else also names its type
         known = isinstance(e, ValueError | OSError | ImportError | LookupError | TypeError)
-        what = one_line(e) if known else f"{type(e).__name__}: {one_line(e)} (run with --debug for the traceback)"
+        what = (
+            one_line(e)
+            if known
+            else f"{type(e).__name__}: {one_line(e)} (run with --debug for the traceback)"
+        )
         print(f"{args.parser.prog}: error: {what}", file=sys.stderr)
         return 1
 

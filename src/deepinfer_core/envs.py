@@ -96,14 +96,18 @@ class Envs:
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.use_nextn_decode <= MAX_DRAFTS:
-            raise EnvError(f"DEEPINFER_USE_NEXTN_DECODE={self.use_nextn_decode}: must be in [0, {MAX_DRAFTS}]")
+            raise EnvError(
+                f"DEEPINFER_USE_NEXTN_DECODE={self.use_nextn_decode}: must be in [0, {MAX_DRAFTS}]"
+            )
         if self.max_backtracking_tokens < self.use_nextn_decode:
             raise EnvError(
                 f"DEEPINFER_MAX_BACKTRACKING_TOKENS={self.max_backtracking_tokens}: must be >= "
                 f"DEEPINFER_USE_NEXTN_DECODE={self.use_nextn_decode}, or a rejected draft could not be rolled back"
             )
         if self.yoco_prefill_keep_tokens < 1:
-            raise EnvError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={self.yoco_prefill_keep_tokens}: must be >= 1")
+            raise EnvError(
+                f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={self.yoco_prefill_keep_tokens}: must be >= 1"
+            )
 
     @property
     def speculative(self) -> bool:

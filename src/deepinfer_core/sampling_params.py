@@ -51,14 +51,15 @@ def _output_kind(v: object) -> RequestOutputKind:
         return RequestOutputKind[v.upper()]
     if isinstance(v, int) and not isinstance(v, bool) and v in {k.value for k in RequestOutputKind}:
         return RequestOutputKind(v)
-    raise _fail("output_kind", f"{short_repr(v)} must be a RequestOutputKind or one of "
-                               f"{[k.name.lower() for k in RequestOutputKind]}")
+    raise _fail(
+        "output_kind",
+        f"{short_repr(v)} must be a RequestOutputKind or one of "
+        f"{[k.name.lower() for k in RequestOutputKind]}",
+    )
 
 
 def _fail(field: str, msg: str) -> ValueError:
     return ValueError(f"SamplingParams.{field}: {msg}")
-
-
 
 
 def as_int(v: object, field: str, lo: int, hi: int) -> int:
@@ -70,7 +71,9 @@ def as_int(v: object, field: str, lo: int, hi: int) -> int:
     elif isinstance(v, numbers.Real):
         f = float(v)
         if not math.isfinite(f) or f != math.floor(f):
-            raise _fail(field, f"{short_repr(v)} must be an int in [{lo}, {hi}] (non-integral values are not rounded)")
+            raise _fail(
+                field, f"{short_repr(v)} must be an int in [{lo}, {hi}] (non-integral values are not rounded)"
+            )
         i = int(f)
     else:
         raise _fail(field, f"{short_repr(v)} ({type(v).__name__}) must be an int in [{lo}, {hi}]")
@@ -154,8 +157,13 @@ class SamplingParams:
         if not t >= 0.0:
             raise _fail("temperature", f"{t} must be >= 0 (0 is greedy)")
         if 0.0 < t < MIN_TEMPERATURE:
-            log.warning("SamplingParams.temperature=%g is below %g, which overflows float32 logits / T; "
-                        "using %g (vLLM's rule)", t, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            log.warning(
+                "SamplingParams.temperature=%g is below %g, which overflows float32 logits / T; "
+                "using %g (vLLM's rule)",
+                t,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
             t = MIN_TEMPERATURE
         put(self, "temperature", t)
         p = as_float(self.top_p, "top_p")
@@ -173,24 +181,35 @@ class SamplingParams:
             raise _fail("ignore_eos", f"{short_repr(self.ignore_eos)} must be a bool")
         put(self, "ignore_eos", bool(self.ignore_eos))
         if not isinstance(self.include_stop_str_in_output, bool):
-            raise _fail("include_stop_str_in_output", f"{short_repr(self.include_stop_str_in_output)} must be a bool")
+            raise _fail(
+                "include_stop_str_in_output", f"{short_repr(self.include_stop_str_in_output)} must be a bool"
+            )
         if self.seed is not None:
             put(self, "seed", as_int(self.seed, "seed", 0, INT64_MAX))
         put(self, "n", as_int(self.n, "n", 1, MAX_N))
         if self.best_of is not None:
             b = as_int(self.best_of, "best_of", 1, MAX_N)
             if b != self.n:
-                raise _fail("best_of", f"{b} is not supported unless equal to n={self.n}: ranking samples needs "
-                                       "log-probabilities, which the engine does not compute; use n")
+                raise _fail(
+                    "best_of",
+                    f"{b} is not supported unless equal to n={self.n}: ranking samples needs "
+                    "log-probabilities, which the engine does not compute; use n",
+                )
             put(self, "best_of", b)
         if self.so_args is not None:
             so = self.so_args
             # one constraint, plus optional engine options / preferred engine (checked in full by
             # deepinfer_core.structured.GrammarSpec when the request is added; it fails alone)
-            if not (isinstance(so, Mapping) and sum(k in SO_KINDS for k in so) == 1
-                    and all(k in SO_KINDS or k in ("options", "engine") for k in so)):
-                raise _fail("so_args", f"must be a dict with exactly one key of {sorted(SO_KINDS)} (optionally "
-                            f"'options', 'engine'), got {short_repr(so)}")
+            if not (
+                isinstance(so, Mapping)
+                and sum(k in SO_KINDS for k in so) == 1
+                and all(k in SO_KINDS or k in ("options", "engine") for k in so)
+            ):
+                raise _fail(
+                    "so_args",
+                    f"must be a dict with exactly one key of {sorted(SO_KINDS)} (optionally "
+                    f"'options', 'engine'), got {short_repr(so)}",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,9 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int = 512) -> None:
         if vocab_size < BYTE_OFFSET + 256 + 1:
-            raise ValueError(f"vocab_size={vocab_size}: must be >= {BYTE_OFFSET + 256 + 1} (3 specials, 256 bytes, noise)")
+            raise ValueError(
+                f"vocab_size={vocab_size}: must be >= {BYTE_OFFSET + 256 + 1} (3 specials, 256 bytes, noise)"
+            )
         self._vocab_size = vocab_size
         self._special = frozenset([BOS_ID, EOS_ID, PAD_ID, *range(BYTE_OFFSET + 256, vocab_size)])
 
@@ -63,7 +65,10 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def token_bytes(self) -> list[bytes]:
-        return [bytes([i - BYTE_OFFSET]) if BYTE_OFFSET <= i < BYTE_OFFSET + 256 else b"" for i in range(self._vocab_size)]
+        return [
+            bytes([i - BYTE_OFFSET]) if BYTE_OFFSET <= i < BYTE_OFFSET + 256 else b""
+            for i in range(self._vocab_size)
+        ]
 
 
 class HFTokenizer:
@@ -72,14 +77,22 @@ class HFTokenizer:
     def __init__(self, path_or_tokenizer: str | Path | object, eos_token: str | None = None) -> None:
         from tokenizers import Tokenizer as _Tok  # optional dependency
 
-        tok = path_or_tokenizer if isinstance(path_or_tokenizer, _Tok) else _Tok.from_file(str(path_or_tokenizer))
+        tok = (
+            path_or_tokenizer
+            if isinstance(path_or_tokenizer, _Tok)
+            else _Tok.from_file(str(path_or_tokenizer))
+        )
         # Control tokens typed as text must encode as plain text, never as the control id.
         tok.encode_special_tokens = True
         self._tok = tok
         self._vocab_size = tok.get_vocab_size(with_added_tokens=True)
         added = tok.get_added_tokens_decoder()  # id -> AddedToken
         self._special = frozenset(i for i, t in added.items() if t.special)
-        eos_candidates = [eos_token] if eos_token else ["</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<｜end▁of▁sentence｜>"]
+        eos_candidates = (
+            [eos_token]
+            if eos_token
+            else ["</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<｜end▁of▁sentence｜>"]
+        )
         eos = next((tok.token_to_id(t) for t in eos_candidates if t and tok.token_to_id(t) is not None), None)
         if eos is None:
             raise ValueError(f"eos_token: none of {eos_candidates} is in the vocabulary; pass eos_token=")
@@ -106,13 +119,19 @@ class HFTokenizer:
 
     def token_bytes(self) -> list[bytes]:
         if self._bytes is None:
-            self._bytes = [b"" if i in self._special else _token_to_bytes(self._tok, i) for i in range(self._vocab_size)]
+            self._bytes = [
+                b"" if i in self._special else _token_to_bytes(self._tok, i) for i in range(self._vocab_size)
+            ]
         return self._bytes
 
 
 def _byte_level_decoder() -> dict[str, int]:
     # GPT-2's printable mapping of bytes used by byte-level BPE vocabularies.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -147,8 +166,24 @@ CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 NOISE = "<｜dspark▁noise｜>"
-CONTROL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK, CALLS_BEGIN, CALLS_END, CALL_BEGIN,
-                  CALL_END, TOOL_SEP, OUTPUTS_BEGIN, OUTPUTS_END, OUTPUT_BEGIN, OUTPUT_END)
+CONTROL_TOKENS = (
+    BOS,
+    EOS,
+    PAD,
+    USER,
+    ASSISTANT,
+    THINK,
+    END_THINK,
+    CALLS_BEGIN,
+    CALLS_END,
+    CALL_BEGIN,
+    CALL_END,
+    TOOL_SEP,
+    OUTPUTS_BEGIN,
+    OUTPUTS_END,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 512) -> Any:
@@ -159,13 +194,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 512) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, special_tokens=[AddedToken(t, special=True) for t in CONTROL_TOKENS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,
+        special_tokens=[AddedToken(t, special=True) for t in CONTROL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     tok.add_special_tokens([AddedToken(NOISE, special=True)])
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size or tok.token_to_id(NOISE) != vocab_size - 1:
-        raise ValueError(f"vocab_size={vocab_size}: the corpus gave {tok.get_vocab_size(with_added_tokens=True)} "
-                         "tokens; it needs enough text for every merge")
+        raise ValueError(
+            f"vocab_size={vocab_size}: the corpus gave {tok.get_vocab_size(with_added_tokens=True)} "
+            "tokens; it needs enough text for every merge"
+        )
     return tok
 
 
@@ -206,8 +247,13 @@ class V41Tokenizer(HFTokenizer):
     def _c(self, name: str) -> list[int]:
         return [self.control_ids[name]]
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, thinking: bool = False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        thinking: bool = False,
+    ) -> list[int]:
         """Token ids of a conversation (``role`` in system / user / assistant / tool; an assistant message
         may carry ``tool_calls`` [{"name", "arguments"}]). Text is always encoded as text.
 
@@ -217,8 +263,11 @@ class V41Tokenizer(HFTokenizer):
         ids = self._c(BOS)
         sys_text = "\n\n".join(m.content for m in msgs if m.role == "system")
         if tools:
-            sys_text += ("\n\n" if sys_text else "") + "## Tools\n" + "\n".join(
-                json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
+            sys_text += (
+                ("\n\n" if sys_text else "")
+                + "## Tools\n"
+                + "\n".join(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)
+            )
         ids += self.encode(sys_text)
         in_outputs = False
         for m in msgs:
@@ -234,7 +283,13 @@ class V41Tokenizer(HFTokenizer):
                 if m.calls:
                     ids += self._c(CALLS_BEGIN)
                     for name, args in m.calls:
-                        ids += self._c(CALL_BEGIN) + self.encode(name) + self._c(TOOL_SEP) + self.encode(args) + self._c(CALL_END)
+                        ids += (
+                            self._c(CALL_BEGIN)
+                            + self.encode(name)
+                            + self._c(TOOL_SEP)
+                            + self.encode(args)
+                            + self._c(CALL_END)
+                        )
                     ids += self._c(CALLS_END)
                 ids += self._c(EOS)
             else:  # tool
@@ -304,8 +359,10 @@ def _json(v: object, where: str) -> str:
     try:
         return json.dumps(v, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:  # a set, bytes, NaN, a cycle, nesting too deep
-        raise ChatError(f"{where}: must be a JSON string or a JSON-serialisable value ({type(e).__name__}: "
-                        f"{str(e)[:200]})") from None
+        raise ChatError(
+            f"{where}: must be a JSON string or a JSON-serialisable value ({type(e).__name__}: "
+            f"{str(e)[:200]})"
+        ) from None
 
 
 def _check_chat(messages: object, tools: object) -> list[_Msg]:
@@ -327,18 +384,26 @@ def _check_chat(messages: object, tools: object) -> list[_Msg]:
             raise ChatError(f"messages[{i}].role: missing; must be one of {', '.join(map(repr, ROLES))}")
         role = m["role"]
         if role not in ROLES:
-            small = role is None or isinstance(role, bool | float) or (isinstance(role, str) and len(role) <= 40) \
+            small = (
+                role is None
+                or isinstance(role, bool | float)
+                or (isinstance(role, str) and len(role) <= 40)
                 or (isinstance(role, int) and abs(role) < 10**30)
+            )
             shown = repr(role) if small else f"<{_kind(role)}>"  # never a huge value's repr in the message
             raise ChatError(f"messages[{i}].role={shown}: must be one of {', '.join(map(repr, ROLES))}")
         content = _text(m.get("content"), f"messages[{i}].content", allow_none=role == "assistant")
         calls: list[tuple[str, str]] = []
         raw = m.get("tool_calls")
         if raw and role != "assistant":
-            raise ChatError(f"messages[{i}].tool_calls: only an assistant message may carry tool calls (role {role!r})")
+            raise ChatError(
+                f"messages[{i}].tool_calls: only an assistant message may carry tool calls (role {role!r})"
+            )
         if raw:
             if isinstance(raw, str | bytes | bytearray | Mapping) or not isinstance(raw, Sequence):
-                raise ChatError(f"messages[{i}].tool_calls: must be a list of {{'name', 'arguments'}} dicts (got {_kind(raw)})")
+                raise ChatError(
+                    f"messages[{i}].tool_calls: must be a list of {{'name', 'arguments'}} dicts (got {_kind(raw)})"
+                )
             for j, c in enumerate(raw):
                 where = f"messages[{i}].tool_calls[{j}]"
                 if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):

@@ -23,7 +23,15 @@ _OPS: dict[str, dict[str, Callable[..., Any]]] = {}
 _loaded: set[str] = set()
 
 # Optional libraries an adapter may use; each is checked for importability, never imported here.
-OPTIONAL_LIBRARIES = ("tilelang", "tile_kernels", "flash_mla", "deep_gemm", "deep_ep", "deep_select", "xgrammar")
+OPTIONAL_LIBRARIES = (
+    "tilelang",
+    "tile_kernels",
+    "flash_mla",
+    "deep_gemm",
+    "deep_ep",
+    "deep_select",
+    "xgrammar",
+)
 
 
 def register(name: str, backend: str = "reference") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -113,7 +121,9 @@ class CudaBackend:
         return get_op(name, "cuda")
 
 
-def get_backend(name: str = "reference", device: str | torch.device | None = None) -> ReferenceBackend | CudaBackend:
+def get_backend(
+    name: str = "reference", device: str | torch.device | None = None
+) -> ReferenceBackend | CudaBackend:
     """Backend by name: ``"reference"`` (default device cpu) or ``"cuda"``."""
     if name == "reference":
         return ReferenceBackend(device or "cpu")

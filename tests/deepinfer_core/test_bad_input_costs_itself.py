@@ -46,28 +46,36 @@ class LoudList(list):
 def test_passing_checks_format_nothing():
     Loud.calls = LoudList.calls = 0
     big = Loud("a" * (1 << 20))
-    for so in ({"regex": big}, {"ebnf": big}, {"json_schema": {"pattern": big}}, {"choice": LoudList([big, big])},
-               {"regex": big, "options": {"x": big}, "engine": "xgrammar"}):
+    for so in (
+        {"regex": big},
+        {"ebnf": big},
+        {"json_schema": {"pattern": big}},
+        {"choice": LoudList([big, big])},
+        {"regex": big, "options": {"x": big}, "engine": "xgrammar"},
+    ):
         SamplingParams(so_args=so, stop=[big], temperature=0.5, max_tokens=3)
     SamplingParams(stop=LoudList(["x", big]), stop_token_ids=LoudList([1, 2]))
     assert Loud.calls == 0 and LoudList.calls == 0
 
 
-@pytest.mark.parametrize("kw", [
-    {"so_args": {"regex": "x" * (1 << 20), "grammar": 1}},
-    {"so_args": "x" * (1 << 20)},
-    {"stop": ["x" * (1 << 20), ""]},
-    {"stop": b"x" * (1 << 20)},
-    {"temperature": "x" * (1 << 20)},
-    {"max_tokens": 2.5},
-    {"max_tokens": 10 ** 5000},
-    {"seed": -(10 ** 5000)},
-    {"ignore_eos": "x" * (1 << 20)},
-    {"include_stop_str_in_output": ["x" * (1 << 20)]},
-    {"stop_token_ids": "x" * (1 << 20)},
-    {"stop_token_ids": [1, "x" * (1 << 20)]},
-    {"top_p": float("nan")},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"so_args": {"regex": "x" * (1 << 20), "grammar": 1}},
+        {"so_args": "x" * (1 << 20)},
+        {"stop": ["x" * (1 << 20), ""]},
+        {"stop": b"x" * (1 << 20)},
+        {"temperature": "x" * (1 << 20)},
+        {"max_tokens": 2.5},
+        {"max_tokens": 10**5000},
+        {"seed": -(10**5000)},
+        {"ignore_eos": "x" * (1 << 20)},
+        {"include_stop_str_in_output": ["x" * (1 << 20)]},
+        {"stop_token_ids": "x" * (1 << 20)},
+        {"stop_token_ids": [1, "x" * (1 << 20)]},
+        {"top_p": float("nan")},
+    ],
+)
 def test_a_failing_check_names_its_field_in_a_short_message(kw):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kw)
@@ -93,25 +101,67 @@ def _bad_messages():
         ([{"role": "user", "content": 3}], None, r"messages\[0\]\.content: must be a string"),
         ([{"role": "system", "content": [{"type": "text", "text": "x"}]}], None, r"messages\[0\]\.content"),
         ([ok, {"role": "tool", "content": b"bytes"}], None, r"messages\[1\]\.content"),
-        ([ok, {"role": "assistant", "content": 1.5}], None, r"messages\[1\]\.content: must be a string or None"),
+        (
+            [ok, {"role": "assistant", "content": 1.5}],
+            None,
+            r"messages\[1\]\.content: must be a string or None",
+        ),
         ([{"role": "user", "content": "a\ud800b"}], None, r"messages\[0\]\.content: not valid Unicode text"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {1, 2}}]}], None,
-         r"messages\[1\]\.tool_calls\[0\]\.arguments: must be a JSON string or a JSON-serialisable value"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"x": math.nan}}]}],
-         None, r"messages\[1\]\.tool_calls\[0\]\.arguments"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"b": b"x"}}]}],
-         None, r"messages\[1\]\.tool_calls\[0\]\.arguments"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}, "g"]}], None,
-         r"messages\[1\]\.tool_calls\[1\]: needs a 'name' string"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": [{"name": 7}]}], None,
-         r"messages\[1\]\.tool_calls\[0\]: needs a 'name' string"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": {"name": "f"}}], None,
-         r"messages\[1\]\.tool_calls: must be a list"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": "f()"}], None, r"messages\[1\]\.tool_calls: must be a list"),
-        ([ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "\udc00"}]}], None,
-         r"messages\[1\]\.tool_calls\[0\]\.arguments: not valid Unicode"),
-        ([{"role": "user", "content": "x", "tool_calls": [{"name": "f"}]}], None,
-         r"messages\[0\]\.tool_calls: only an assistant message"),
+        (
+            [ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {1, 2}}]}],
+            None,
+            r"messages\[1\]\.tool_calls\[0\]\.arguments: must be a JSON string or a JSON-serialisable value",
+        ),
+        (
+            [
+                ok,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"name": "f", "arguments": {"x": math.nan}}],
+                },
+            ],
+            None,
+            r"messages\[1\]\.tool_calls\[0\]\.arguments",
+        ),
+        (
+            [
+                ok,
+                {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"b": b"x"}}]},
+            ],
+            None,
+            r"messages\[1\]\.tool_calls\[0\]\.arguments",
+        ),
+        (
+            [ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}, "g"]}],
+            None,
+            r"messages\[1\]\.tool_calls\[1\]: needs a 'name' string",
+        ),
+        (
+            [ok, {"role": "assistant", "content": "", "tool_calls": [{"name": 7}]}],
+            None,
+            r"messages\[1\]\.tool_calls\[0\]: needs a 'name' string",
+        ),
+        (
+            [ok, {"role": "assistant", "content": "", "tool_calls": {"name": "f"}}],
+            None,
+            r"messages\[1\]\.tool_calls: must be a list",
+        ),
+        (
+            [ok, {"role": "assistant", "content": "", "tool_calls": "f()"}],
+            None,
+            r"messages\[1\]\.tool_calls: must be a list",
+        ),
+        (
+            [ok, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "\udc00"}]}],
+            None,
+            r"messages\[1\]\.tool_calls\[0\]\.arguments: not valid Unicode",
+        ),
+        (
+            [{"role": "user", "content": "x", "tool_calls": [{"name": "f"}]}],
+            None,
+            r"messages\[0\]\.tool_calls: only an assistant message",
+        ),
         ([ok], "tools", r"tools: must be a list"),
         ([ok], [{"name": "f"}, "g"], r"tools\[1\]: must be a dict"),
         ([ok], [{"name": "f", "parameters": {1, 2}}], r"tools\[0\]: must be a JSON"),
@@ -124,14 +174,33 @@ def test_malformed_chat_names_the_field_and_index(messages, tools, field):
         TOK.encode_chat(messages, tools=tools)
 
 
-_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=5),
-                       st.binary(max_size=3), st.frozensets(st.integers(), max_size=2))
-_any = st.recursive(_json_leaf, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=3), c,
-                                                                                              max_size=3)), max_leaves=6)
-_msg = st.one_of(_any, st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"])},
-                                             optional={"content": _any, "tool_calls": st.one_of(
-                                                 _any, st.lists(st.fixed_dictionaries(
-                                                     {"name": _any}, optional={"arguments": _any}), max_size=2))}))
+_json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.binary(max_size=3),
+    st.frozensets(st.integers(), max_size=2),
+)
+_any = st.recursive(
+    _json_leaf,
+    lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=3), c, max_size=3)),
+    max_leaves=6,
+)
+_msg = st.one_of(
+    _any,
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool", "x"])},
+        optional={
+            "content": _any,
+            "tool_calls": st.one_of(
+                _any,
+                st.lists(st.fixed_dictionaries({"name": _any}, optional={"arguments": _any}), max_size=2),
+            ),
+        },
+    ),
+)
 
 
 @settings(max_examples=150, deadline=None)

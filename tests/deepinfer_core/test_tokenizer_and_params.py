@@ -14,7 +14,9 @@ def test_byte_tokenizer_round_trip_random_text() -> None:
     assert isinstance(tok, Tokenizer)
     rng = random.Random()
     for _ in range(50):
-        text = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x400, 0x4FF), 0x1F600])) for _ in range(40))
+        text = "".join(
+            chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x400, 0x4FF), 0x1F600])) for _ in range(40)
+        )
         ids = tok.encode(text)
         assert len(ids) == len(text.encode("utf-8"))
         assert not set(ids) & tok.special_token_ids
@@ -29,8 +31,10 @@ def _tiny_bpe():
 
     t = T(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(["hello world, the quick brown fox {\"a\": 1}"] * 50, trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    t.train_from_iterator(['hello world, the quick brown fox {"a": 1}'] * 50, trainer)
     return t
 
 
@@ -48,8 +52,14 @@ def test_hf_tokenizer_bytes_and_special_injection() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "field"),
-    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
-     ({"max_tokens": 0}, "max_tokens"), ({"so_args": {"sql": "x"}}, "so_args"), ({"seed": -3}, "seed")],
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"so_args": {"sql": "x"}}, "so_args"),
+        ({"seed": -3}, "seed"),
+    ],
 )
 def test_sampling_params_errors_name_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

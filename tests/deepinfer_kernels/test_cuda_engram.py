@@ -19,7 +19,9 @@ def _hash_inputs(t: int, n: int, layers: int, heads: int, g: torch.Generator):
     return [x.cuda() for x in (ids, mult, sizes, offs)]
 
 
-@pytest.mark.parametrize(("t", "n", "layers", "heads"), [(1, 4, 2, 8), (1000, 4, 2, 8), (77, 3, 1, 2), (0, 4, 2, 8)])
+@pytest.mark.parametrize(
+    ("t", "n", "layers", "heads"), [(1, 4, 2, 8), (1000, 4, 2, 8), (77, 3, 1, 2), (0, 4, 2, 8)]
+)
 def test_hash_exact(t: int, n: int, layers: int, heads: int) -> None:
     from deepinfer_kernels.cuda import _tl
     from deepinfer_kernels.cuda import engram as ce
@@ -56,7 +58,11 @@ def test_gather_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(len(shape))
     rows, dim = 5003, 256
     table = (torch.randn(rows, dim, generator=g) * 4).to(dtype).cuda()
-    scales = torch.randint(100, 140, (rows, 2), generator=g, dtype=torch.uint8).cuda() if dtype == torch.float8_e4m3fn else None
+    scales = (
+        torch.randint(100, 140, (rows, 2), generator=g, dtype=torch.uint8).cuda()
+        if dtype == torch.float8_e4m3fn
+        else None
+    )
     ids = torch.randint(0, rows, shape, generator=g).cuda()
     got = cuda(table, ids, scales, torch.bfloat16)
     want = ref(table, ids, scales, torch.bfloat16)
@@ -82,8 +88,14 @@ def test_unchecked_engram_paths_do_not_synchronise() -> None:
     from deepinfer_core.model.engram_context import hash_decode_on_device
     from deepinfer_kernels.cuda import engram as ce
 
-    cfg = EngramConfig(layer_ids=(1, 5), max_ngram=4, heads_per_order=3, table_sizes=(101, 211, 307),
-                       vocab_size=1000, pad_id=0)
+    cfg = EngramConfig(
+        layer_ids=(1, 5),
+        max_ngram=4,
+        heads_per_order=3,
+        table_sizes=(101, 211, 307),
+        vocab_size=1000,
+        pad_id=0,
+    )
     h = EngramHasher(cfg)
     g = torch.Generator().manual_seed(5)
     toks, cu = torch.randint(0, 1000, (40,), generator=g), torch.tensor([0, 15, 40])

@@ -11,7 +11,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("variant", ["rows", "vec"])
-@pytest.mark.parametrize(("dtype", "blocks"), [(torch.bfloat16, 0), (torch.float32, 0), (torch.float8_e4m3fn, 2), (torch.float8_e4m3fn, 32)])
+@pytest.mark.parametrize(
+    ("dtype", "blocks"),
+    [(torch.bfloat16, 0), (torch.float32, 0), (torch.float8_e4m3fn, 2), (torch.float8_e4m3fn, 32)],
+)
 @pytest.mark.parametrize("dim", [256, 100])
 @pytest.mark.parametrize("n", [1, 3001])
 def test_gather_variant_exact(variant: str, dtype: torch.dtype, blocks: int, dim: int, n: int) -> None:
@@ -42,6 +45,15 @@ def test_public_op_follows_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(3)
     table = torch.randn(777, 256, generator=g).to(torch.bfloat16).cuda()
     ids = torch.randint(0, 777, (5, 9), generator=g).cuda()
-    assert torch.equal(get_op("engram_gather", "cuda")(table, ids), get_op("engram_gather", "reference")(table, ids))
+    assert torch.equal(
+        get_op("engram_gather", "cuda")(table, ids), get_op("engram_gather", "reference")(table, ids)
+    )
     with pytest.raises(ValueError, match="variant: must be one of"):
-        ce.gather_rows(table, torch.empty(777, 1, dtype=torch.uint8, device="cuda"), ids.reshape(-1), torch.empty(45, 256, device="cuda"), 0, "warp")
+        ce.gather_rows(
+            table,
+            torch.empty(777, 1, dtype=torch.uint8, device="cuda"),
+            ids.reshape(-1),
+            torch.empty(45, 256, device="cuda"),
+            0,
+            "warp",
+        )

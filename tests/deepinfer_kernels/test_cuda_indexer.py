@@ -21,7 +21,10 @@ def _inputs(t: int, s: int, h: int, d: int, g: torch.Generator):
     return q, w, k, ks.to(torch.int32).cuda(), ke.to(torch.int32).cuda()
 
 
-@pytest.mark.parametrize(("t", "s", "h", "d"), [(1, 129, 32, 128), (37, 1000, 32, 128), (16, 64, 64, 128), (5, 300, 4, 32), (0, 64, 32, 128)])
+@pytest.mark.parametrize(
+    ("t", "s", "h", "d"),
+    [(1, 129, 32, 128), (37, 1000, 32, 128), (16, 64, 64, 128), (5, 300, 4, 32), (0, 64, 32, 128)],
+)
 def test_scores_within_tolerance(t: int, s: int, h: int, d: int) -> None:
     from deepinfer_kernels.cuda import _tl
 

@@ -154,7 +154,10 @@ def test_unchecked_fast_path_same_bytes() -> None:
     store(pool, x, slots, "fp4", check=False)
     table = torch.randint(0, 32, (3, 4), dtype=torch.int32, generator=g).cuda()
     lens = torch.tensor([5, 64, 33]).cuda()
-    assert torch.equal(load(pool, table, lens, "fp4", 512, torch.bfloat16, check=False), load_ref(pool, table, lens, "fp4", 512, torch.bfloat16))
+    assert torch.equal(
+        load(pool, table, lens, "fp4", 512, torch.bfloat16, check=False),
+        load_ref(pool, table, lens, "fp4", 512, torch.bfloat16),
+    )
 
 
 def test_rows_not_a_whole_number_of_words_fall_back() -> None:

@@ -47,7 +47,9 @@ def _rows(n: int, dim: int, g: torch.Generator, dtype: torch.dtype) -> torch.Ten
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("fmt", "dim", "bpt"), FORMATS)
 @pytest.mark.parametrize("n", [1, 97, 1000])
-def test_store_variant_bytes_exact(variant: str, fmt: str, dim: int, bpt: int, dtype: torch.dtype, n: int) -> None:
+def test_store_variant_bytes_exact(
+    variant: str, fmt: str, dim: int, bpt: int, dtype: torch.dtype, n: int
+) -> None:
     ck = _ck()
     ref = get_op("kv_store", "reference")
     g = torch.Generator().manual_seed(n * 131 + bpt + dim)
@@ -63,7 +65,9 @@ def test_store_variant_bytes_exact(variant: str, fmt: str, dim: int, bpt: int, d
     for hw, fast in _paths(fmt):
         got = pool.clone()
         ck.store_slots(got, x, slots, fmt, hw_fp8=hw, variant=variant, fast_e2m1=fast)
-        assert torch.equal(got, want), f"{variant} hw={hw} fast_e2m1={fast}: {(got != want).sum().item()} bytes differ"
+        assert torch.equal(got, want), (
+            f"{variant} hw={hw} fast_e2m1={fast}: {(got != want).sum().item()} bytes differ"
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -82,9 +86,16 @@ def test_gather_variant_exact(variant: str, fmt: str, dim: int, bpt: int, out_dt
     t = torch.arange(4 * bs).cuda()
     slots = (table.long()[:, t // bs] * bs + t % bs).masked_fill(t[None, :] >= lens[:, None], -1).reshape(-1)
     for hw, fast in _paths(fmt):
-        got = ck.gather_slots(pool.view(-1, bpt), slots, fmt, dim, out_dtype, hw=hw, variant=variant, fast_e2m1=fast).view(5, 4 * bs, dim)
-        assert torch.equal(got, want), f"{variant} hw={hw} fast_e2m1={fast}: {(got != want).sum().item()} values differ"
-    assert ck.gather_slots(pool.view(-1, bpt), slots[:0], fmt, dim, out_dtype, variant=variant).shape == (0, dim)
+        got = ck.gather_slots(
+            pool.view(-1, bpt), slots, fmt, dim, out_dtype, hw=hw, variant=variant, fast_e2m1=fast
+        ).view(5, 4 * bs, dim)
+        assert torch.equal(got, want), (
+            f"{variant} hw={hw} fast_e2m1={fast}: {(got != want).sum().item()} values differ"
+        )
+    assert ck.gather_slots(pool.view(-1, bpt), slots[:0], fmt, dim, out_dtype, variant=variant).shape == (
+        0,
+        dim,
+    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -100,9 +111,13 @@ def test_fp8_decoders_every_byte_every_scale(variant: str, hw: bool) -> None:
     rows[:, :512] = vals.to(torch.uint8)
     rows[:, 512:] = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 16)
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = ck.gather_slots(rows.cuda(), torch.arange(255).cuda(), "fp8", 512, out_dtype, hw=hw, variant=variant).cpu()
+        got = ck.gather_slots(
+            rows.cuda(), torch.arange(255).cuda(), "fp8", 512, out_dtype, hw=hw, variant=variant
+        ).cpu()
         want = fmt.dequantize(rows).to(out_dtype)
-        assert torch.equal(got, want), f"{variant} hw={hw} {out_dtype}: {(got != want).sum().item()} values differ"
+        assert torch.equal(got, want), (
+            f"{variant} hw={hw} {out_dtype}: {(got != want).sum().item()} values differ"
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -116,9 +131,13 @@ def test_fp4_decoders_every_byte_every_scale(variant: str, fast: bool) -> None:
     rows[:, :256] = ((torch.arange(256)[None, :] + torch.arange(127)[:, None]) % 256).to(torch.uint8)
     rows[:, 256:] = torch.arange(127, dtype=torch.uint8)[:, None].expand(127, 32)
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = ck.gather_slots(rows.cuda(), torch.arange(127).cuda(), "fp4", 512, out_dtype, variant=variant, fast_e2m1=fast).cpu()
+        got = ck.gather_slots(
+            rows.cuda(), torch.arange(127).cuda(), "fp4", 512, out_dtype, variant=variant, fast_e2m1=fast
+        ).cpu()
         want = fmt.dequantize(rows).to(out_dtype)
-        assert torch.equal(got, want), f"{variant} fast={fast} {out_dtype}: {(got != want).sum().item()} values differ"
+        assert torch.equal(got, want), (
+            f"{variant} fast={fast} {out_dtype}: {(got != want).sum().item()} values differ"
+        )
         assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
@@ -140,6 +159,9 @@ def test_public_ops_follow_the_module_flags(variant: str, monkeypatch: pytest.Mo
         assert torch.equal(store(pool.clone(), x, slots, fmt, check=False), want)
         table = torch.randint(0, 24, (3, 5), dtype=torch.int32, generator=g).cuda()
         lens = torch.tensor([80, 1, 33]).cuda()
-        assert torch.equal(load(want, table, lens, fmt, dim, torch.bfloat16), load_ref(want, table, lens, fmt, dim, torch.bfloat16))
+        assert torch.equal(
+            load(want, table, lens, fmt, dim, torch.bfloat16),
+            load_ref(want, table, lens, fmt, dim, torch.bfloat16),
+        )
     with pytest.raises(ValueError, match="variant: must be one of"):
         ck.store_slots(pool.view(-1, 68), x, slots, "mxfp4", variant="warp")

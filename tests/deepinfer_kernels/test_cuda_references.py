@@ -38,7 +38,9 @@ def test_kv_store_and_load_against_loops(fmt: str, dim: int) -> None:
     for b in range(2):
         for t in range(12):
             want = f.dequantize(pool[table[b, t // bs], t % bs]) if t < lens[b] else torch.zeros(dim)
-            torch.testing.assert_close(out[b, t], want, rtol=0, atol=0, equal_nan=True)  # random bytes: NaN codes
+            torch.testing.assert_close(
+                out[b, t], want, rtol=0, atol=0, equal_nan=True
+            )  # random bytes: NaN codes
 
 
 def test_kv_bad_input_named() -> None:
@@ -88,7 +90,9 @@ def test_indexer_scores_and_topk_brute_force() -> None:
     for i in range(t):
         for j in range(s):
             if ks[i] <= j < ke[i]:
-                want = sum(float(w[i, hh]) * max(0.0, float(q[i, hh].double() @ k[j].double())) for hh in range(h))
+                want = sum(
+                    float(w[i, hh]) * max(0.0, float(q[i, hh].double() @ k[j].double())) for hh in range(h)
+                )
                 assert scores[i, j].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
             else:
                 assert scores[i, j] == float("-inf")

@@ -62,10 +62,18 @@ def test_distribution_follows_softmax() -> None:
     """Many positions of one request: token frequencies match softmax(logits / T) (chi-square, 8 tokens)."""
     cuda, _ = _ops()
     n = 20_000
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3]], device="cuda").expand(n, -1).contiguous()
+    logits = (
+        torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3]], device="cuda").expand(n, -1).contiguous()
+    )
     t = torch.full((n,), 0.8, device="cuda")
-    toks = cuda(logits, t, torch.zeros(n, dtype=torch.int64, device="cuda"), torch.ones(n, device="cuda"),
-                torch.full((n,), 1234, device="cuda"), torch.arange(n, device="cuda"))
+    toks = cuda(
+        logits,
+        t,
+        torch.zeros(n, dtype=torch.int64, device="cuda"),
+        torch.ones(n, device="cuda"),
+        torch.full((n,), 1234, device="cuda"),
+        torch.arange(n, device="cuda"),
+    )
     counts = torch.bincount(toks, minlength=8).double().cpu()
     p = torch.softmax(logits[0].double().cpu() / 0.8, dim=0)
     chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())

@@ -26,8 +26,14 @@ def _batch(R: int, D: int, V: int, seed: int, sharp: float = 2.0):  # type: igno
     q = torch.softmax(torch.randn(R, D, V, generator=g) * sharp, -1)
     if R >= 4 and D:
         q[: R // 4] = p[: R // 4, :D]  # drafter == target: all accepted, bonus token
-        p[R // 4 : R // 2, 0, :] = torch.where(torch.rand(R // 2 - R // 4, V, generator=g) < 0.5, 0.0, p[R // 4 : R // 2, 0])
-    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(R, D) if D else torch.zeros(R, 0, dtype=torch.int64)
+        p[R // 4 : R // 2, 0, :] = torch.where(
+            torch.rand(R // 2 - R // 4, V, generator=g) < 0.5, 0.0, p[R // 4 : R // 2, 0]
+        )
+    drafts = (
+        torch.multinomial(q.reshape(-1, V), 1, generator=g).view(R, D)
+        if D
+        else torch.zeros(R, 0, dtype=torch.int64)
+    )
     if R >= 4 and D:
         drafts[-1, 0] = V - 1
     lengths = torch.randint(0, D + 1, (R,), generator=g)
@@ -37,14 +43,19 @@ def _batch(R: int, D: int, V: int, seed: int, sharp: float = 2.0):  # type: igno
     return [t.cuda() for t in (drafts, q, p, lengths, seeds, positions, greedy)]
 
 
-@pytest.mark.parametrize(("R", "D", "V"), [(1, 5, 129_280), (64, 5, 129_280), (97, 3, 1000), (33, 1, 37), (16, 0, 513), (200, 6, 31)])
+@pytest.mark.parametrize(
+    ("R", "D", "V"),
+    [(1, 5, 129_280), (64, 5, 129_280), (97, 3, 1000), (33, 1, 37), (16, 0, 513), (200, 6, 31)],
+)
 def test_kernel_equals_reference_on_gpu(R: int, D: int, V: int) -> None:
     cuda, ref = _ops()
     drafts, q, p, lengths, seeds, positions, greedy = _batch(R, D, V, R * 1000 + D * 10 + V)
     for gr in (greedy, False):
         want = ref(drafts, q, p, lengths, None, gr, seeds=seeds, positions=positions)
         got = cuda(drafts, q, p, lengths, None, gr, seeds=seeds, positions=positions)
-        assert torch.equal(got[0], want[0]), f"accepted counts differ in {(got[0] != want[0]).sum().item()} rows"
+        assert torch.equal(got[0], want[0]), (
+            f"accepted counts differ in {(got[0] != want[0]).sum().item()} rows"
+        )
         assert torch.equal(got[1], want[1]), f"tokens differ in {(got[1] != want[1]).sum().item()} rows"
 
 
@@ -79,9 +90,27 @@ def test_batch_invariance() -> None:
     drafts, q, p, lengths, seeds, positions, greedy = _batch(120, 5, 2000, 11)
     full = cuda(drafts, q, p, lengths, None, greedy, seeds=seeds, positions=positions)
     idx = torch.randperm(120, generator=torch.Generator().manual_seed(2))[:17].cuda()
-    part = cuda(drafts[idx], q[idx], p[idx], lengths[idx], None, greedy[idx], seeds=seeds[idx], positions=positions[idx])
+    part = cuda(
+        drafts[idx],
+        q[idx],
+        p[idx],
+        lengths[idx],
+        None,
+        greedy[idx],
+        seeds=seeds[idx],
+        positions=positions[idx],
+    )
     assert torch.equal(part[0], full[0][idx]) and torch.equal(part[1], full[1][idx])
-    one = cuda(drafts[5:6], q[5:6], p[5:6], lengths[5:6], None, greedy[5:6], seeds=seeds[5:6], positions=positions[5:6])
+    one = cuda(
+        drafts[5:6],
+        q[5:6],
+        p[5:6],
+        lengths[5:6],
+        None,
+        greedy[5:6],
+        seeds=seeds[5:6],
+        positions=positions[5:6],
+    )
     assert int(one[0]) == int(full[0][5]) and int(one[1]) == int(full[1][5])
 
 

@@ -65,7 +65,8 @@ def test_spec_rows_layout(vocab: int) -> None:
     for d in drafts:
         offsets.append(offsets[-1] + 1 + d)
     rows = torch.tensor(
-        [r for i, c in enumerate(constrained) if c for r in range(offsets[i], offsets[i + 1])], dtype=torch.int64
+        [r for i, c in enumerate(constrained) if c for r in range(offsets[i], offsets[i + 1])],
+        dtype=torch.int64,
     )
     n = offsets[-1]
     logits = torch.randn(n, vocab, generator=g).cuda()

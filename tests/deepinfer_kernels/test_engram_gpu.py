@@ -51,7 +51,9 @@ def _cuda_time(fn, iters: int = 20) -> float:
 CONFIGS = {
     "v41_flash": EngramConfig.v41_flash(),
     "tiny": EngramConfig.tiny(),
-    "orders2-3_h8": EngramConfig(layer_ids=(1, 15), max_ngram=3, heads_per_order=8, table_sizes=646_400, vocab_size=129_280),
+    "orders2-3_h8": EngramConfig(
+        layer_ids=(1, 15), max_ngram=3, heads_per_order=8, table_sizes=646_400, vocab_size=129_280
+    ),
 }
 
 
@@ -79,7 +81,9 @@ def test_hash_equals_tile_kernels_bit_for_bit(name: str) -> None:
     grams = h.ngram_token_ids(toks.cuda(), cu.cuda())
     mult, primes, offsets = h.device_params("cuda")
     ours = get_op("engram_hash", "reference")(grams, mult, primes, offsets)  # the torch reference, on the GPU
-    theirs = tk_hash(grams.to(torch.int32).contiguous(), mult.contiguous(), primes.contiguous(), offsets.contiguous())
+    theirs = tk_hash(
+        grams.to(torch.int32).contiguous(), mult.contiguous(), primes.contiguous(), offsets.contiguous()
+    )
     assert theirs.dtype == torch.int32 and theirs.shape == ours.shape
     mism = int((ours != theirs).sum())
     assert mism == 0, f"{mism} of {ours.numel()} row ids differ from tile_kernels.engram_hash"
@@ -95,8 +99,12 @@ def test_full_range_multipliers_against_tile_kernels() -> None:
     tk_hash = _tile_engram_hash()
     rng = np.random.default_rng(3)
     n, layers, heads, t = 4, 2, 8, 32768
-    mult = torch.from_numpy(rng.integers(-(2**63), 2**63 - 1, (layers, n), dtype=np.int64, endpoint=True)).cuda()
-    primes = torch.from_numpy(rng.integers(1_000_000, 2_000_000, (layers, n - 1, heads)).astype(np.int32)).cuda()
+    mult = torch.from_numpy(
+        rng.integers(-(2**63), 2**63 - 1, (layers, n), dtype=np.int64, endpoint=True)
+    ).cuda()
+    primes = torch.from_numpy(
+        rng.integers(1_000_000, 2_000_000, (layers, n - 1, heads)).astype(np.int32)
+    ).cuda()
     offsets = torch.from_numpy(rng.integers(0, 10_000, (layers, (n - 1) * heads)).astype(np.int32)).cuda()
     ids = torch.from_numpy(rng.integers(0, 129_280, (t, n)).astype(np.int32)).cuda()
     ours = get_op("engram_hash", "reference")(ids, mult, primes, offsets)
@@ -112,8 +120,10 @@ def test_full_range_multipliers_against_tile_kernels() -> None:
         cols.append(torch.fmod(hsh.unsqueeze(-1), primes[:, k - 1, :].long().unsqueeze(1)))
     trunc = (torch.cat(cols, -1) + offsets.long().unsqueeze(1)).to(torch.int32)
     if torch.equal(trunc, theirs):
-        pytest.xfail(f"tile_kernels uses a truncated (C) remainder: {int(bad.sum())} negative-hash ids differ; "
-                     "with the public (bounded) multipliers hashes are never negative, so the two agree")
+        pytest.xfail(
+            f"tile_kernels uses a truncated (C) remainder: {int(bad.sum())} negative-hash ids differ; "
+            "with the public (bounded) multipliers hashes are never negative, so the two agree"
+        )
     raise AssertionError(f"{int(bad.sum())} row ids differ and the difference is not the remainder's sign")
 
 
@@ -158,7 +168,9 @@ def test_throughput() -> None:
     for fmt in ("bf16", "fp8"):
         values = torch.randn(rows, 256, device="cuda") * 0.02
         table = LocalEngramTable.from_values(values, fmt)
-        host = HostEngramTable(table.data.cpu(), table.scales.cpu() if table.scales is not None else None, "cuda")
+        host = HostEngramTable(
+            table.data.cpu(), table.scales.cpu() if table.scales is not None else None, "cuda"
+        )
         del values
         for n in (4096 * 24, 65536 * 24):
             ids = torch.randint(0, rows, (n,), device="cuda")

@@ -19,7 +19,9 @@ def pools(seed: int, n_slots: int, device: str = "cpu") -> tuple[torch.Tensor, t
     out = []
     for fmt in ("fp8", "fp4"):
         pool = torch.zeros(n_slots, get_format(fmt, 512).bytes_per_token, dtype=torch.uint8, device=device)
-        ref.op("kv_store")(pool, torch.randn(n_slots, 512, generator=g).to(device), torch.arange(n_slots, device=device), fmt)
+        ref.op("kv_store")(
+            pool, torch.randn(n_slots, 512, generator=g).to(device), torch.arange(n_slots, device=device), fmt
+        )
         out.append(pool)
     return out[0], out[1]
 

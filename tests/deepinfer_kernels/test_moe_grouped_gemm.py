@@ -41,11 +41,20 @@ def oracle(x, w, offs):
 
 
 @settings(max_examples=20, deadline=None)
-@given(rows=st.integers(1, 30), e=st.integers(1, 6), k=st.integers(1, 9), n=st.integers(1, 7),
-       short=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.integers(1, 30),
+    e=st.integers(1, 6),
+    k=st.integers(1, 9),
+    n=st.integers(1, 7),
+    short=st.integers(0, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_reference_matches_oracle(rows, e, k, n, short, seed):
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(rows, k, generator=g, dtype=torch.float64), torch.randn(e, n, k, generator=g, dtype=torch.float64)
+    x, w = (
+        torch.randn(rows, k, generator=g, dtype=torch.float64),
+        torch.randn(e, n, k, generator=g, dtype=torch.float64),
+    )
     offs = routed(rows, e, seed)
     offs = torch.clamp(offs, max=max(rows - short, 0))  # rows past the last end: 0
     got = get_backend("reference").op("moe_grouped_gemm")(x, w, offs)
@@ -116,9 +125,14 @@ def test_config_table_covers_the_sweep_shapes_and_falls_back_to_the_default():
 
 
 @settings(max_examples=60, deadline=None)
-@given(bn=st.sampled_from([32, 64, 96, 128, 192, 256, 512]), bk=st.sampled_from([16, 24, 32, 64, 128, 256]),
-       stages=st.integers(0, 8), threads=st.sampled_from([64, 128, 192, 256, 384]), min_blocks=st.integers(1, 6),
-       ws=st.booleans())
+@given(
+    bn=st.sampled_from([32, 64, 96, 128, 192, 256, 512]),
+    bk=st.sampled_from([16, 24, 32, 64, 128, 256]),
+    stages=st.integers(0, 8),
+    threads=st.sampled_from([64, 128, 192, 256, 384]),
+    min_blocks=st.integers(1, 6),
+    ws=st.booleans(),
+)
 def test_config_validity_is_the_hardware_budget(bn, bk, stages, threads, min_blocks, ws):
     """``valid`` against the budgets written out: wgmma tiles, shared memory a CTA and an SM (1 KB a CTA
     reserved), the registers a thread at that occupancy (the accumulator's share + 26)."""
@@ -126,9 +140,20 @@ def test_config_validity_is_the_hardware_budget(bn, bk, stages, threads, min_blo
     smem = stages * (GG_BM * bk + bn * bk) * 2
     assert c.smem_bytes() == smem
     wg = threads // 128
-    want = (threads % 128 == 0 and bn % (8 * wg) == 0 and bn // wg <= 256 and bk % 16 == 0 and stages >= 1
-            and smem <= 227 * 1024 and (smem + 1024) * min_blocks <= 228 * 1024
-            and 65536 / (min_blocks * (threads + 128 * ws)) >= bn / wg / 2 + 26) if wg else False
+    want = (
+        (
+            threads % 128 == 0
+            and bn % (8 * wg) == 0
+            and bn // wg <= 256
+            and bk % 16 == 0
+            and stages >= 1
+            and smem <= 227 * 1024
+            and (smem + 1024) * min_blocks <= 228 * 1024
+            and 65536 / (min_blocks * (threads + 128 * ws)) >= bn / wg / 2 + 26
+        )
+        if wg
+        else False
+    )
     assert c.valid() == want
     assert c.takes(bn * 3, bk * 5) and not c.takes(bn * 3 + 8, bk) and not c.takes(bn, bk + 8)
 
@@ -183,8 +208,12 @@ def test_sweep_picks_the_fastest_passing_config():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     a, b, c = CANDIDATES[1], CANDIDATES[2], CANDIDATES[3]
-    res = {DEFAULT: {"rel_err": 3e-3, "tail_ok": 1.0, "us": 100.0}, a: {"rel_err": 3e-3, "tail_ok": 1.0, "us": 90.0},
-           b: {"rel_err": 0.5, "tail_ok": 1.0, "us": 50.0}, c: {"rel_err": 3e-3, "tail_ok": 0.0, "us": 60.0}}
+    res = {
+        DEFAULT: {"rel_err": 3e-3, "tail_ok": 1.0, "us": 100.0},
+        a: {"rel_err": 3e-3, "tail_ok": 1.0, "us": 90.0},
+        b: {"rel_err": 0.5, "tail_ok": 1.0, "us": 50.0},
+        c: {"rel_err": 3e-3, "tail_ok": 0.0, "us": 60.0},
+    }
     assert bench.pick_best(res) == a  # b is wrong, c leaves the tail unzeroed
     res[a]["us"] = 100.0
     assert bench.pick_best(res) == DEFAULT  # a tie keeps the default
@@ -198,7 +227,12 @@ def test_sweep_picks_the_fastest_passing_config():
     # the decode step's layout: 8 routed experts, then the shared expert's group of every token
     offs = bench.rows_for(9)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    assert offs.shape == (9,) and int(offs[-1]) == 448 and int(counts[-1]) == 64 and int(counts[:-1].sum()) == 384
+    assert (
+        offs.shape == (9,)
+        and int(offs[-1]) == 448
+        and int(counts[-1]) == 64
+        and int(counts[:-1].sum()) == 384
+    )
 
 
 def _cuda_ops():
@@ -213,7 +247,7 @@ def test_kernel_matches_reference(n: int, k: int) -> None:
     cuda, ref = _cuda_ops()
     for rows in (1, 48, 384, 700):
         g = torch.Generator().manual_seed(rows + n)
-        x = (torch.randn(rows, k, generator=g) / k ** 0.5).bfloat16().cuda()
+        x = (torch.randn(rows, k, generator=g) / k**0.5).bfloat16().cuda()
         w = torch.randn(8, n, k, generator=g).bfloat16().cuda()
         offs = routed(rows, 8, rows, "cuda")
         assert kernel_takes(x, w)
@@ -238,7 +272,7 @@ def test_table_config_matches_reference_at_its_shape(shape) -> None:
         ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(64)]).reshape(-1)
         offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
     rows = int(offs[-1]) + 16
-    x = (torch.randn(rows, k, generator=g) / k ** 0.5).bfloat16().cuda()
+    x = (torch.randn(rows, k, generator=g) / k**0.5).bfloat16().cuda()
     w = torch.randn(e, n, k, generator=g).bfloat16().cuda()
     assert kernel_takes(x, w)
     got = cuda(x, w, offs.cuda())
@@ -258,12 +292,14 @@ def test_every_candidate_config_matches_reference(cfg: GGConfig) -> None:
     n, k = 2 * 256, 4 * 128
     for rows, e, short in ((1, 8, 0), (150, 8, 0), (200, 4, 37), (64, 1, 5)):
         g = torch.Generator().manual_seed(rows + e)
-        x = (torch.randn(rows, k, generator=g) / k ** 0.5).bfloat16().cuda()
+        x = (torch.randn(rows, k, generator=g) / k**0.5).bfloat16().cuda()
         w = torch.randn(e, n, k, generator=g).bfloat16().cuda()
-        offs = torch.clamp(routed(rows, e, rows) if e > 1 else torch.tensor([rows], dtype=torch.int32), max=rows - short)
+        offs = torch.clamp(
+            routed(rows, e, rows) if e > 1 else torch.tensor([rows], dtype=torch.int32), max=rows - short
+        )
         got = moe_grouped_gemm(x, w, offs.cuda(), config=cfg)
         want = ref(x.double(), w.double(), offs.cuda())
-        assert torch.equal(got[rows - short:], torch.zeros_like(got[rows - short:])), (rows, e)
+        assert torch.equal(got[rows - short :], torch.zeros_like(got[rows - short :])), (rows, e)
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert rel < 1e-2, (cfg.name(), rows, e, rel)
 
@@ -333,11 +369,11 @@ def test_executor_fused_moe_and_head_wiring_on_the_reference_backend() -> None:
 def test_kernel_as_the_lm_head() -> None:
     cuda, _ = _cuda_ops()
     g = torch.Generator().manual_seed(2)
-    w = (torch.randn(1, 32768, 5120, generator=g) / 5120 ** 0.5).bfloat16().cuda()
+    w = (torch.randn(1, 32768, 5120, generator=g) / 5120**0.5).bfloat16().cuda()
     for rows in (1, 64, 100):
         h = torch.randn(rows, 5120, generator=g).bfloat16().cuda()
         end = torch.full((1,), rows, dtype=torch.int32, device="cuda")
         got = cuda(h, w, end)
-        want = (h.double() @ w[0].double().t())
+        want = h.double() @ w[0].double().t()
         assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
         assert (got.float().argmax(-1) == want.argmax(-1)).float().mean().item() > 0.95

@@ -59,7 +59,9 @@ def _target(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) 
     return q / q.sum()
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, 4, 1.0), (1.3, -1, 0.8), (1.0, 5, 0.9)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, 4, 1.0), (1.3, -1, 0.8), (1.0, 5, 0.9)]
+)
 def test_distribution_matches_filtered_softmax(temperature: float, top_k: int, top_p: float) -> None:
     logits = torch.randn(12) * 1.5
     draws = _draw(logits, 60_000, temperature, top_k, top_p)
@@ -83,7 +85,14 @@ def test_batch_invariance_and_greedy() -> None:
     shuffled = sample(logits[perm], temp[perm], top_k[perm], top_p[perm], seeds[perm], pos[perm])
     assert torch.equal(shuffled, full[perm])
     for i in torch.randint(0, b, (5,)).tolist():  # alone == in the batch
-        one = sample(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], seeds[i : i + 1], pos[i : i + 1])
+        one = sample(
+            logits[i : i + 1],
+            temp[i : i + 1],
+            top_k[i : i + 1],
+            top_p[i : i + 1],
+            seeds[i : i + 1],
+            pos[i : i + 1],
+        )
         assert one.item() == full[i].item()
     g = temp == 0
     assert torch.equal(full[g], logits[g].argmax(-1))
@@ -97,7 +106,14 @@ def test_masked_tokens_never_drawn_and_dead_rows() -> None:
     logits = logits.masked_fill(~allowed, float("-inf"))
     logits[7] = float("-inf")  # a dead row
     n = logits.shape[0]
-    out = sample(logits, torch.ones(n), torch.full((n,), -1), torch.ones(n), torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    out = sample(
+        logits,
+        torch.ones(n),
+        torch.full((n,), -1),
+        torch.ones(n),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.int64),
+    )
     assert out[7].item() == -1
     rows = torch.arange(n) != 7
     assert bool(allowed[rows, out[rows]].all())
@@ -114,7 +130,14 @@ def test_counter_uniform_is_uniform_and_keyed() -> None:
 
 def test_bad_shapes_name_the_argument() -> None:
     with pytest.raises(ValueError, match="top_p"):
-        sample(torch.randn(3, 5), torch.ones(3), torch.ones(3, dtype=torch.int64), torch.ones(2), torch.zeros(3), torch.zeros(3))
+        sample(
+            torch.randn(3, 5),
+            torch.ones(3),
+            torch.ones(3, dtype=torch.int64),
+            torch.ones(2),
+            torch.zeros(3),
+            torch.zeros(3),
+        )
 
 
 @given(st.integers(1, 9), st.integers(1, 70), st.integers(0, 2**31 - 1))
@@ -134,6 +157,12 @@ def test_greedy_tokens_equal_the_sampler_at_temperature_zero(rows: int, vocab: i
         elif special[r] == 3:
             logits[r, col] = float("inf")
     z = torch.zeros(rows)
-    want = get_op("sample")(logits, z, torch.zeros(rows, dtype=torch.long), torch.ones(rows),
-                            torch.arange(rows), torch.arange(rows))
+    want = get_op("sample")(
+        logits,
+        z,
+        torch.zeros(rows, dtype=torch.long),
+        torch.ones(rows),
+        torch.arange(rows),
+        torch.arange(rows),
+    )
     assert torch.equal(greedy_tokens(logits), want)

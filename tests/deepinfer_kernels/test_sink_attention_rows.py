@@ -39,12 +39,20 @@ def inputs(n, h, d, a, b, seed, dtype=torch.float64, device="cpu"):
         m_b[1] = False  # and one that sees no key at all: only the sink (output 0)
     sink = torch.randn(h, generator=g, dtype=torch.float64) * 2
     cast = [q, k_a, m_a, k_b, m_b, sink]
-    return [None if t is None else (t.to(device) if t.dtype == torch.bool else t.to(device, dtype)) for t in cast]
+    return [
+        None if t is None else (t.to(device) if t.dtype == torch.bool else t.to(device, dtype)) for t in cast
+    ]
 
 
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 4), h=st.integers(1, 4), d=st.sampled_from([4, 16]), a=st.integers(1, 9),
-       b=st.integers(0, 7), seed=st.integers(0, 2**31 - 1))
+@given(
+    n=st.integers(1, 4),
+    h=st.integers(1, 4),
+    d=st.sampled_from([4, 16]),
+    a=st.integers(1, 9),
+    b=st.integers(0, 7),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_reference_matches_oracle_and_the_model(n, h, d, a, b, seed):
     q, k_a, m_a, k_b, m_b, sink = inputs(n, h, d, a, b, seed)
     got = get_backend("reference").op("sink_attention_rows")(q, k_a, m_a, k_b, m_b, sink, 0.3)
@@ -78,8 +86,16 @@ def test_kernel_matches_reference(b: int) -> None:
     for n in (1, 3, 64, 70):
         q, k_a, m_a, k_b, m_b, sink = inputs(n, 64, 512, 128, b, n + b, torch.bfloat16, "cuda")
         assert kernel_takes(q, k_a, k_b)
-        got = cuda(q, k_a, m_a, k_b, m_b, sink, 512 ** -0.5)
-        want = ref(q.double(), k_a.double(), m_a, None if k_b is None else k_b.double(), m_b, sink.double(), 512 ** -0.5)
+        got = cuda(q, k_a, m_a, k_b, m_b, sink, 512**-0.5)
+        want = ref(
+            q.double(),
+            k_a.double(),
+            m_a,
+            None if k_b is None else k_b.double(),
+            m_b,
+            sink.double(),
+            512**-0.5,
+        )
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         # bf16 weights and output against float64: relative to the output's norm; absolute when every row
         # sees no key (n = 1 without top-k keys: the one row is all-masked, its output 0)
@@ -113,13 +129,30 @@ def test_executor_fused_attention_keeps_the_step() -> None:
     from tests.deepinfer_core.model.test_cuda_graphs import greedy_plain_and_flagged
 
     # test_cuda_graphs.v41_heads_config's layers with V4.1's 64 heads and a top-k of 64 (a kernel block)
-    cfg = flash_config(vocab_size=2048, hidden_size=512, num_hidden_layers=4, num_attention_heads=64,
-                       q_lora_rank=256, o_lora_rank=256, o_groups=2, compress_ratios=[0, 2, 1, 1],
-                       kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2, 3], num_encoder_layers=2,
-                       index_n_heads=16, candidate_source_layer_id=2, candidate_topk_blocks=8, index_topk=64,
-                       n_routed_experts=8, moe_intermediate_size=256, engram_layer_ids=[1],
-                       engram_table_sizes=[1009], num_nextn_predict_layers=0, dspark_target_layer_ids=[],
-                       dspark_noise_token_id=2047)
+    cfg = flash_config(
+        vocab_size=2048,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=64,
+        q_lora_rank=256,
+        o_lora_rank=256,
+        o_groups=2,
+        compress_ratios=[0, 2, 1, 1],
+        kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2, 3],
+        num_encoder_layers=2,
+        index_n_heads=16,
+        candidate_source_layer_id=2,
+        candidate_topk_blocks=8,
+        index_topk=64,
+        n_routed_experts=8,
+        moe_intermediate_size=256,
+        engram_layer_ids=[1],
+        engram_table_sizes=[1009],
+        num_nextn_predict_layers=0,
+        dspark_target_layer_ids=[],
+        dspark_noise_token_id=2047,
+    )
     model = DeepSeekV41.from_config(cfg, seed=4, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(9)
     prompts = {i: torch.randint(0, 2048, (150 + 40 * i,), generator=g) for i in range(3)}

@@ -37,7 +37,9 @@ def test_reference_matches_brute_force(seed: int) -> None:
     words = max(words, 1)
     bitmask = _random_bitmask(rng, rows, words, p=float(rng.random()))
     logits = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32))
-    sub = sorted(set(rng.integers(0, rows, size=int(rng.integers(0, rows + 1))).tolist())) if seed % 2 else None
+    sub = (
+        sorted(set(rng.integers(0, rows, size=int(rng.integers(0, rows + 1))).tolist())) if seed % 2 else None
+    )
     want = _brute(logits, bitmask, sub)
     got = apply(logits.clone(), bitmask, None if sub is None else torch.tensor(sub))
     assert torch.equal(got.double(), want)

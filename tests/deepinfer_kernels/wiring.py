@@ -26,8 +26,9 @@ class SpyBackend:
         return lambda *a: (self.record(*a), fn(*a))[1]
 
 
-def reference_decode(model: Any, prompts: dict[int, torch.Tensor], steps: int, drop_at: int, backend: Any,
-                     **flags: bool) -> tuple[list, list]:
+def reference_decode(
+    model: Any, prompts: dict[int, torch.Tensor], steps: int, drop_at: int, backend: Any, **flags: bool
+) -> tuple[list, list]:
     """:func:`_greedy` on a sync-free session of ``model`` whose executor uses ``backend`` and ``flags``."""
     s = Session(model, quantize=True, num_blocks=128, block_size=16, slots=4)
     s.ex.backend, s.ex.sync_free = backend, True

@@ -48,13 +48,19 @@ class DecodeBalancer:
         grace_s: float = 60.0,
         max_scale_in_utilisation: float = 0.8,
     ) -> None:
-        for field, v in (("num_engines", num_engines), ("max_running", max_running), ("kv_capacity", kv_capacity)):
+        for field, v in (
+            ("num_engines", num_engines),
+            ("max_running", max_running),
+            ("kv_capacity", kv_capacity),
+        ):
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"DecodeBalancer.{field}={v!r}: must be an int >= 1")
         if not (math.isfinite(grace_s) and grace_s >= 0):
             raise ValueError(f"DecodeBalancer.grace_s={grace_s!r}: must be finite and >= 0")
         if not 0 < max_scale_in_utilisation <= 1:
-            raise ValueError(f"DecodeBalancer.max_scale_in_utilisation={max_scale_in_utilisation!r}: must be in (0, 1]")
+            raise ValueError(
+                f"DecodeBalancer.max_scale_in_utilisation={max_scale_in_utilisation!r}: must be in (0, 1]"
+            )
         if not isinstance(cost, StepCost):
             raise TypeError("DecodeBalancer.cost: needs base_ns and chunk_ns(q, c) (a scheduler.CostModel)")
         self.cost = cost
@@ -83,7 +89,9 @@ class DecodeBalancer:
         n = int(acc.sum())
         if n == 0:
             return 1.0
-        return max(self.running[acc].sum() / (n * self.max_running), self.kv[acc].sum() / (n * self.kv_capacity))
+        return max(
+            self.running[acc].sum() / (n * self.max_running), self.kv[acc].sum() / (n * self.kv_capacity)
+        )
 
     def step_ns(self) -> np.ndarray:
         """Predicted decode step time of each engine at the current load."""
@@ -129,7 +137,8 @@ class DecodeBalancer:
             raise ValueError(f"engine={engine}: not a live engine of {self.num_engines}")
         if not force and self.utilisation() > self.max_scale_in_utilisation:
             raise ScaleInRefused(
-                f"quota utilisation {self.utilisation():.3f} > {self.max_scale_in_utilisation}: scale-in blocked")
+                f"quota utilisation {self.utilisation():.3f} > {self.max_scale_in_utilisation}: scale-in blocked"
+            )
         if not np.isfinite(self.drain_deadline[engine]):
             self.drain_deadline[engine] = now_s + self.grace_s
         return float(self.drain_deadline[engine])

@@ -52,7 +52,9 @@ def _gaps(rng: np.random.Generator, n: int, agent: bool) -> np.ndarray:
     return np.where(rng.uniform(size=n) < 0.10, tail, body)
 
 
-def session_trace(num_sessions: int, duration_s: float = 21 * DAY, *, agent_share: float = 0.5, seed: int = 0) -> SessionTrace:
+def session_trace(
+    num_sessions: int, duration_s: float = 21 * DAY, *, agent_share: float = 0.5, seed: int = 0
+) -> SessionTrace:
     """Turns of ``num_sessions`` sessions starting uniformly in [0, duration_s) (see the module doc)."""
     if not (num_sessions >= 1 and duration_s > 0 and 0 <= agent_share <= 1):
         raise ValueError("session_trace: need num_sessions >= 1, duration_s > 0, agent_share in [0, 1]")
@@ -80,7 +82,10 @@ class HitRate:
 
 
 def replay_hit_rate(
-    trace: SessionTrace, make_store: Callable[[Callable[[], int]], KVBlockStore], *, block_tokens: int = 1024,
+    trace: SessionTrace,
+    make_store: Callable[[Callable[[], int]], KVBlockStore],
+    *,
+    block_tokens: int = 1024,
     warmup_s: float = 7 * DAY,
 ) -> HitRate:
     """Token hit rate of the trace's turns after ``warmup_s``, replayed through the store that
@@ -113,5 +118,8 @@ def replay_hit_rate(
     def rate(a: int, w: int) -> float:
         return a / w if w else float("nan")
 
-    return HitRate(rate(hit[True], want[True]), rate(hit[False], want[False]),
-                   rate(hit[True] + hit[False], want[True] + want[False]))
+    return HitRate(
+        rate(hit[True], want[True]),
+        rate(hit[False], want[False]),
+        rate(hit[True] + hit[False], want[True] + want[False]),
+    )

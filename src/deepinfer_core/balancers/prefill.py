@@ -140,7 +140,9 @@ class PrefillBalancer:
         for t in range(self.num_tiers):
             if count[t] > target[t]:
                 mine = np.flatnonzero(self.engine_tier == t)
-                free += mine[np.argsort(self.outstanding_ns[mine], kind="stable")][: count[t] - target[t]].tolist()
+                free += mine[np.argsort(self.outstanding_ns[mine], kind="stable")][
+                    : count[t] - target[t]
+                ].tolist()
         moves = []
         for t in range(self.num_tiers):
             for _ in range(max(0, target[t] - count[t])):

@@ -66,8 +66,16 @@ def fluid_bound_s(arrival_s: np.ndarray, work_s: np.ndarray, num_engines: int) -
 
 
 def simulate_prefill(
-    trace: PrefillTrace, balancer, cost: StepCost, *, num_engines: int, round_s: float = 30.0,
-    cap: int = MAX_CHUNK, step_noise: float = 0.0, seed: int = 0, bounds=DEFAULT_TIER_BOUNDS,
+    trace: PrefillTrace,
+    balancer,
+    cost: StepCost,
+    *,
+    num_engines: int,
+    round_s: float = 30.0,
+    cap: int = MAX_CHUNK,
+    step_noise: float = 0.0,
+    seed: int = 0,
+    bounds=DEFAULT_TIER_BOUNDS,
 ) -> PrefillResult:
     """Run ``trace`` through ``balancer`` (``route`` / ``done`` / ``end_round``) on ``num_engines``."""
     rng = np.random.default_rng(seed)
@@ -79,7 +87,9 @@ def simulate_prefill(
     queues: list[deque] = [deque() for _ in range(num_engines)]
     progress = trace.cached_tokens.astype(np.int64).copy()  # tokens computed so far (incl. cached)
     busy = np.zeros(num_engines, dtype=bool)
-    ev: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload); kind 0 arrival 1 step 2 round
+    ev: list[
+        tuple[float, int, int, object]
+    ] = []  # (time, order, kind, payload); kind 0 arrival 1 step 2 round
     seq = 0
     for i in range(n):
         ev.append((float(trace.arrival_s[i]), seq, 0, i))
@@ -149,8 +159,14 @@ def simulate_prefill(
     t0 = float(trace.arrival_s[0]) if n else 0.0
     makespan = float(done_at.max() - t0) if n else 0.0
     bound = fluid_bound_s(trace.arrival_s, work, num_engines)
-    return PrefillResult(getattr(balancer, "name", type(balancer).__name__), makespan, bound,
-                         done_at - trace.arrival_s, np.asarray(tier_of(trace.total_tokens, bounds)), moves)
+    return PrefillResult(
+        getattr(balancer, "name", type(balancer).__name__),
+        makespan,
+        bound,
+        done_at - trace.arrival_s,
+        np.asarray(tier_of(trace.total_tokens, bounds)),
+        moves,
+    )
 
 
 @attrs.frozen
@@ -167,8 +183,14 @@ class DecodeResult:
 
 
 def simulate_decode(
-    trace: DecodeTrace, balancer: DecodeBalancer, cost: StepCost, *, drain: tuple[float, int] | None = None,
-    step_noise: float = 0.0, seed: int = 0, max_steps: int = 10**7,
+    trace: DecodeTrace,
+    balancer: DecodeBalancer,
+    cost: StepCost,
+    *,
+    drain: tuple[float, int] | None = None,
+    step_noise: float = 0.0,
+    seed: int = 0,
+    max_steps: int = 10**7,
 ) -> DecodeResult:
     """Lockstep decode of ``trace`` on ``balancer.num_engines`` engines. ``drain=(t, engine)`` asks to
     drain ``engine`` at time t (refused above the utilisation limit: retried each step)."""
@@ -195,7 +217,9 @@ def simulate_decode(
         if not eng.size and not waiting:
             t = float(trace.arrival_s[nxt])
             continue
-        balancer.report(np.bincount(eng, minlength=m), np.bincount(eng, weights=ctx, minlength=m).astype(np.int64))
+        balancer.report(
+            np.bincount(eng, minlength=m), np.bincount(eng, weights=ctx, minlength=m).astype(np.int64)
+        )
         placed_e, placed_i = [], []
         while waiting:
             i = waiting[0]
@@ -206,8 +230,10 @@ def simulate_decode(
             placed_e.append(e)
             placed_i.append(i)
         if waiting and not eng.size and not placed_i:
-            raise ValueError(f"request {waiting[0]}: {q_ctx[waiting[0]]} context tokens fit no engine "
-                             f"(kv_capacity={balancer.kv_capacity})")
+            raise ValueError(
+                f"request {waiting[0]}: {q_ctx[waiting[0]]} context tokens fit no engine "
+                f"(kv_capacity={balancer.kv_capacity})"
+            )
         if placed_i:
             pi = np.array(placed_i, np.int64)
             eng = np.concatenate([eng, np.array(placed_e, np.int64)])
@@ -255,5 +281,14 @@ def simulate_decode(
             finished += int(fin.sum())
             keep = ~fin
             eng, ctx, rem, rid = eng[keep], ctx[keep], rem[keep], rid[keep]
-    return DecodeResult(balancer.name, steps, t, tokens, sum_mean / sum_max if sum_max else 1.0,
-                        var_mean / var_max if var_max > 0 else 1.0, forwarded, finished, refused)
+    return DecodeResult(
+        balancer.name,
+        steps,
+        t,
+        tokens,
+        sum_mean / sum_max if sum_max else 1.0,
+        var_mean / var_max if var_max > 0 else 1.0,
+        forwarded,
+        finished,
+        refused,
+    )

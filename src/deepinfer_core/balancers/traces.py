@@ -79,7 +79,11 @@ def prefill_trace(
         # extra long agent requests in 20 s bursts every 120 s, ~ a third of the base rate while on
         starts = np.arange(0.0, duration_s, 120.0)
         nb = rng.poisson(rate_per_s / 3 * 20.0, starts.size)
-        bt = np.concatenate([s + rng.uniform(0, 20.0, k) for s, k in zip(starts, nb)]) if nb.sum() else np.zeros(0)
+        bt = (
+            np.concatenate([s + rng.uniform(0, 20.0, k) for s, k in zip(starts, nb)])
+            if nb.sum()
+            else np.zeros(0)
+        )
         bt = bt[bt < duration_s]
         btot = np.clip(rng.lognormal(np.log(200 * K), 0.5, bt.size), 64 * K, 1024 * K).astype(np.int64)
         bcached = (np.floor(btot * rng.uniform(0.7, 0.95, bt.size) / 64) * 64).astype(np.int64)
@@ -93,7 +97,12 @@ def prefill_trace(
 
 
 def decode_trace(
-    duration_s: float, rate_per_s: float, *, agent_share: float = 0.5, max_context: int = 256 * K, seed: int = 0
+    duration_s: float,
+    rate_per_s: float,
+    *,
+    agent_share: float = 0.5,
+    max_context: int = 256 * K,
+    seed: int = 0,
 ) -> DecodeTrace:
     """Decode requests (context from the prefill mix, clipped to ``max_context``; outputs log-normal)."""
     if not (duration_s > 0 and rate_per_s > 0 and max_context >= 1):

@@ -60,8 +60,9 @@ def restart_ep_size(healthy_ranks: int, num_experts: int) -> int:
     return max(g for g in range(1, healthy_ranks + 1) if num_experts % g == 0)
 
 
-def plan_placement(num_layers: int, num_experts: int, ep_size: int, config: EPLBConfig,
-                   load: Any = None) -> ExpertPlacement:
+def plan_placement(
+    num_layers: int, num_experts: int, ep_size: int, config: EPLBConfig, load: Any = None
+) -> ExpertPlacement:
     """A placement for ``ep_size`` ranks: planned on ``load`` [layers, experts] (e.g. the window a failed
     bigger group left), or for uniform load when None."""
     reps = config.num_replicas(num_experts, ep_size)
@@ -71,18 +72,28 @@ def plan_placement(num_layers: int, num_experts: int, ep_size: int, config: EPLB
     return ExpertPlacement.plan(w + 1e-9, reps, 1, 1, ep_size)  # + eps: unseen experts keep a slot order
 
 
-def plan_group(ep: ExpertParallel, local_load: Any, group: Any, device: Any, *,
-               tolerance: float = 0.01) -> tuple[Any, np.ndarray]:
+def plan_group(
+    ep: ExpertParallel, local_load: Any, group: Any, device: Any, *, tolerance: float = 0.01
+) -> tuple[Any, np.ndarray]:
     """The migration-aware plan for the group's load (``local_load`` summed over the EP group, so every
     rank gets the same plan). Collective. Returns (MigrationPlan, the group's load)."""
     load = torch.as_tensor(np.asarray(local_load, dtype=np.int64), device=device)
     dist.all_reduce(load, group=group)
     load_np = load.cpu().numpy()
-    return replan_with_migration(ep.placement, load_np, tolerance=tolerance, expert_bytes=ep.expert_bytes), load_np
+    return replan_with_migration(
+        ep.placement, load_np, tolerance=tolerance, expert_bytes=ep.expert_bytes
+    ), load_np
 
 
-def replan_ep(ep: ExpertParallel, local_load: Any, group: Any, device: Any, *, tolerance: float = 0.01,
-              batch_size: int = 32) -> tuple[Any, Any, np.ndarray]:
+def replan_ep(
+    ep: ExpertParallel,
+    local_load: Any,
+    group: Any,
+    device: Any,
+    *,
+    tolerance: float = 0.01,
+    batch_size: int = 32,
+) -> tuple[Any, Any, np.ndarray]:
     """:func:`plan_group`, then move the changed slots' weights over ``group`` at once and switch the
     routing. Collective. Returns (MigrationPlan, TransferReport, the group's load)."""
     plan, load_np = plan_group(ep, local_load, group, device, tolerance=tolerance)
@@ -126,11 +137,20 @@ class DistConfig:
             raise ValueError(f"DistConfig.eplb: {self.eplb!r} must be an eplb.EPLBConfig or None")
         if not (isinstance(self.tolerance, (int, float)) and 0 <= self.tolerance < 1):
             raise ValueError(f"DistConfig.tolerance: {self.tolerance!r} must be a float in [0, 1)")
-        if isinstance(self.move_batch_size, bool) or not isinstance(self.move_batch_size, int) or self.move_batch_size < 1:
+        if (
+            isinstance(self.move_batch_size, bool)
+            or not isinstance(self.move_batch_size, int)
+            or self.move_batch_size < 1
+        ):
             raise ValueError(f"DistConfig.move_batch_size: {self.move_batch_size!r} must be an int >= 1")
-        if self.moves_per_step is not None and (isinstance(self.moves_per_step, bool) or not isinstance(
-                self.moves_per_step, int) or self.moves_per_step < 1):
-            raise ValueError(f"DistConfig.moves_per_step: {self.moves_per_step!r} must be None or an int >= 1")
+        if self.moves_per_step is not None and (
+            isinstance(self.moves_per_step, bool)
+            or not isinstance(self.moves_per_step, int)
+            or self.moves_per_step < 1
+        ):
+            raise ValueError(
+                f"DistConfig.moves_per_step: {self.moves_per_step!r} must be None or an int >= 1"
+            )
         if not isinstance(self.engine_type, EngineType):
             raise ValueError(f"DistConfig.engine_type: {self.engine_type!r} must be a scheduler.EngineType")
         if self.pd_mode not in ("full", "replay"):
@@ -230,13 +250,21 @@ class DistributedEngine:
     batch-invariant mode gives it.
     """
 
-    def __init__(self, groups: ParallelGroups, config: EngineConfig | None = None, dist_config: DistConfig | None = None,
-                 *, envs: Envs | None = None) -> None:
+    def __init__(
+        self,
+        groups: ParallelGroups,
+        config: EngineConfig | None = None,
+        dist_config: DistConfig | None = None,
+        *,
+        envs: Envs | None = None,
+    ) -> None:
         self.groups = g = groups
         self.dist_config = dc = dist_config if dist_config is not None else DistConfig()
         cfg = config if config is not None else EngineConfig()
         if cfg.speculative:
-            raise ValueError("EngineConfig.speculative: not supported by DistributedEngine yet (docs/distributed.md)")
+            raise ValueError(
+                "EngineConfig.speculative: not supported by DistributedEngine yet (docs/distributed.md)"
+            )
         self.engine = eng = LLMEngine(cfg, envs=envs)
         mc = eng.model_config
         self._vote = _CountingVote(DistributedVote(g.dp, g.device))
@@ -244,8 +272,9 @@ class DistributedEngine:
         self.eplb_config = dc.eplb_config()
         placement = dc.initial_placement
         if placement is None:
-            placement = plan_placement(mc.num_hidden_layers, mc.n_routed_experts, g.group_size, self.eplb_config,
-                                       dc.initial_load)
+            placement = plan_placement(
+                mc.num_hidden_layers, mc.n_routed_experts, g.group_size, self.eplb_config, dc.initial_load
+            )
         self.ep = ExpertParallel(eng.model, g.ep, placement, g.device)
         self.engram_tables: dict[int, Any] = {}
         if dc.engram_sharded and mc.engram_layer_ids:
@@ -281,22 +310,36 @@ class DistributedEngine:
             self._install_vote()
         from deepinfer_core.eplb.stats import ExpertLoadWindow
 
-        self.window = ExpertLoadWindow(mc.num_hidden_layers, mc.n_routed_experts, self.eplb_config.window_steps)
+        self.window = ExpertLoadWindow(
+            mc.num_hidden_layers, mc.n_routed_experts, self.eplb_config.window_steps
+        )
         self.replans: list[Replan] = []
         self._migration: Any = None  # a StagedMigration in flight
         self.steps = 0
         self.failed: str | None = None
         self._late: list[RequestOutput] = []  # requests added after a failure
         self._group_busy = True
-        log.info("rank %d: DistributedEngine, EP %d x %d slots/rank, engram %s, EPLB %s", g.rank, g.group_size,
-                 placement.slots_per_gpu, "sharded" if self.engram_tables else "replicated",
-                 self.eplb_config if dc.online_eplb else "off")
+        log.info(
+            "rank %d: DistributedEngine, EP %d x %d slots/rank, engram %s, EPLB %s",
+            g.rank,
+            g.group_size,
+            placement.slots_per_gpu,
+            "sharded" if self.engram_tables else "replicated",
+            self.eplb_config if dc.online_eplb else "off",
+        )
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None) -> None:
         if self.failed is not None:
-            self._late.append(RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                            prompt_token_ids=(), finish_reason=ERROR, error=self.failed))
+            self._late.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=(),
+                    finish_reason=ERROR,
+                    error=self.failed,
+                )
+            )
             return
         if self.pd is not None and not hasattr(self.pd, "add_request"):
             raise ValueError("add_request: a COMPLETION instance takes hand-offs (add_handoff), not prompts")
@@ -384,8 +427,14 @@ class DistributedEngine:
         old = self.ep.placement
         g, dc = self.groups, self.dist_config
         if dc.moves_per_step is None:
-            plan, rep, load_np = replan_ep(self.ep, self.window.load(), g.ep, g.device, tolerance=dc.tolerance,
-                                           batch_size=dc.move_batch_size)
+            plan, rep, load_np = replan_ep(
+                self.ep,
+                self.window.load(),
+                g.ep,
+                g.device,
+                tolerance=dc.tolerance,
+                batch_size=dc.move_batch_size,
+            )
             sent, commit = rep.bytes_sent, self.steps
         else:
             from deepinfer_core.distributed.migrate import StagedMigration
@@ -393,14 +442,28 @@ class DistributedEngine:
             plan, load_np = plan_group(self.ep, self.window.load(), g.ep, g.device, tolerance=dc.tolerance)
             self._migration = StagedMigration(self.ep, plan.moves, plan.placement, g.ep, dc.moves_per_step)
             sent, commit = 0, -1
-        r = Replan(step=self.steps, live_requests=self.engine.scheduler.num_live, moves=len(plan.moves),
-                   remote_moves=plan.moves.num_remote, bytes_sent=sent,
-                   moe_lb_before=moe_lb(load_np, old), moe_lb_after=moe_lb(load_np, plan.placement),
-                   seconds=time.perf_counter() - t0, commit_step=commit)
+        r = Replan(
+            step=self.steps,
+            live_requests=self.engine.scheduler.num_live,
+            moves=len(plan.moves),
+            remote_moves=plan.moves.num_remote,
+            bytes_sent=sent,
+            moe_lb_before=moe_lb(load_np, old),
+            moe_lb_after=moe_lb(load_np, plan.placement),
+            seconds=time.perf_counter() - t0,
+            commit_step=commit,
+        )
         self.replans.append(r)
-        log.info("rank %d: EPLB re-plan at step %d: %d moves (%d remote), moe_lb %.4f -> %.4f%s", g.rank, r.step,
-                 r.moves, r.remote_moves, r.moe_lb_before, r.moe_lb_after,
-                 "" if dc.moves_per_step is None else f", staged {dc.moves_per_step} moves per step")
+        log.info(
+            "rank %d: EPLB re-plan at step %d: %d moves (%d remote), moe_lb %.4f -> %.4f%s",
+            g.rank,
+            r.step,
+            r.moves,
+            r.remote_moves,
+            r.moe_lb_before,
+            r.moe_lb_after,
+            "" if dc.moves_per_step is None else f", staged {dc.moves_per_step} moves per step",
+        )
 
     def window_load(self) -> np.ndarray:
         """This rank's expert load window [layers, experts] (a restarted group sums the survivors')."""
@@ -410,16 +473,23 @@ class DistributedEngine:
         """Fail every live request of this rank (and those the engine failed in this step) with one
         message naming the rank and the cause; tear the group down."""
         g = self.groups
-        self.failed = (f"distributed group failed (rank {g.rank} of instance {g.instance}, {g.group_size} ranks, "
-                       f"collective timeout {g.timeout_s:g}s): {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        self.failed = (
+            f"distributed group failed (rank {g.rank} of instance {g.instance}, {g.group_size} ranks, "
+            f"collective timeout {g.timeout_s:g}s): {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        )
         log.error("%s; failing %d in-flight requests", self.failed, self.engine.num_live)
-        outs = [attrs.evolve(o, error=self.failed, finish_reason=ERROR) if o.error is not None else o for o in done]
+        outs = [
+            attrs.evolve(o, error=self.failed, finish_reason=ERROR) if o.error is not None else o
+            for o in done
+        ]
         outs += self.engine.reset(self.failed)
         shutdown()  # peers' collectives then fail at once instead of waiting for their timeout
         return outs
 
     # ------------------------------------------------------------------ offline API
-    def generate(self, prompts: Sequence[Any], params: Any = None, *, scatter: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[Any], params: Any = None, *, scatter: bool = True
+    ) -> list[RequestOutput]:
         """Serve ``prompts`` over the instance (collective).
 
         ``scatter`` True: every rank passes the same full list; rank r serves items r, r + size, ...
@@ -428,8 +498,10 @@ class DistributedEngine:
         group fails.
         """
         if self.pd is not None:
-            raise ValueError("generate: a PROMPT / COMPLETION instance is driven with add_request / add_handoff "
-                             "and step() (hand-offs in .handoffs); generate serves NORMAL instances")
+            raise ValueError(
+                "generate: a PROMPT / COMPLETION instance is driven with add_request / add_handoff "
+                "and step() (hand-offs in .handoffs); generate serves NORMAL instances"
+            )
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")

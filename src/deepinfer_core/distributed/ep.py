@@ -71,8 +71,14 @@ class ExpertParallel:
     slots_per_gpu, ...] contiguous: the layout :func:`deepinfer_core.eplb.transfer.execute_moves` moves.
     """
 
-    def __init__(self, model: nn.Module, group: Any, placement: ExpertPlacement,
-                 device: torch.device | str = "cpu", replica_choice: str = "rank") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Any,
+        placement: ExpertPlacement,
+        device: torch.device | str = "cpu",
+        replica_choice: str = "rank",
+    ) -> None:
         if replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"replica_choice={replica_choice!r}: must be one of {list(REPLICA_CHOICES)}")
         self.replica_choice = replica_choice
@@ -89,7 +95,7 @@ class ExpertParallel:
         self.placement = placement
         per = placement.slots_per_gpu
         lo = self.rank * per
-        mine = torch.as_tensor(placement.phy2log[:, lo:lo + per])
+        mine = torch.as_tensor(placement.phy2log[:, lo : lo + per])
         self.w1 = torch.stack([m.w1.data[mine[i].to(m.w1.device)] for i, m in enumerate(moes)]).contiguous()
         self.w3 = torch.stack([m.w3.data[mine[i].to(m.w3.device)] for i, m in enumerate(moes)]).contiguous()
         self.w2 = torch.stack([m.w2.data[mine[i].to(m.w2.device)] for i, m in enumerate(moes)]).contiguous()
@@ -97,8 +103,11 @@ class ExpertParallel:
         self.expert_bytes = sum(int(t[0, 0].numel() * t.element_size()) for t in (self.w1, self.w3, self.w2))
         for b, m in zip(blocks, moes):
             for name in ("w1", "w3", "w2"):  # the full stacks are no longer this rank's to use
-                setattr(m, name, nn.Parameter(torch.empty(0, dtype=self.dtype, device=m.gate.device),
-                                              requires_grad=False))
+                setattr(
+                    m,
+                    name,
+                    nn.Parameter(torch.empty(0, dtype=self.dtype, device=m.gate.device), requires_grad=False),
+                )
             b.ffn = _EPLayer(self, b.layer_id, m)
         self.limit = moes[0].limit
         self._tables(placement)
@@ -114,8 +123,10 @@ class ExpertParallel:
         if not isinstance(p, ExpertPlacement):
             raise TypeError(f"placement: expected an eplb.ExpertPlacement, got {type(p).__name__}")
         if (p.num_layers, p.num_experts, p.num_gpus) != (self.num_layers, self.num_experts, self.size):
-            raise ValueError(f"placement: {p.num_layers} layers x {p.num_experts} experts on {p.num_gpus} GPUs; "
-                             f"this model and EP group need {self.num_layers} x {self.num_experts} on {self.size}")
+            raise ValueError(
+                f"placement: {p.num_layers} layers x {p.num_experts} experts on {p.num_gpus} GPUs; "
+                f"this model and EP group need {self.num_layers} x {self.num_experts} on {self.size}"
+            )
 
     def _tables(self, p: ExpertPlacement) -> None:
         self.log2phy = torch.as_tensor(p.log2phy, dtype=torch.int64, device=self.device)
@@ -126,7 +137,9 @@ class ExpertParallel:
         """Route by ``placement`` from now on; the caller has moved the slot weights to match it."""
         self._check_placement(placement)
         if placement.slots_per_gpu != self.per:
-            raise ValueError(f"placement: {placement.slots_per_gpu} slots per GPU, the weights hold {self.per}")
+            raise ValueError(
+                f"placement: {placement.slots_per_gpu} slots per GPU, the weights hold {self.per}"
+            )
         self.placement = placement
         self._tables(placement)
 
@@ -145,8 +158,14 @@ class ExpertParallel:
     def _header(self, send_counts: torch.Tensor, active: bool, layer: int) -> tuple[list[int], bool, int]:
         """All-to-all of (pairs for rank j, active, layer): returns (pairs from each rank, any active, layer)."""
         w = self.size
-        head = torch.stack([send_counts.to(torch.int64), torch.full((w,), int(active), dtype=torch.int64, device=self.device),
-                            torch.full((w,), layer, dtype=torch.int64, device=self.device)], dim=1).reshape(-1)
+        head = torch.stack(
+            [
+                send_counts.to(torch.int64),
+                torch.full((w,), int(active), dtype=torch.int64, device=self.device),
+                torch.full((w,), layer, dtype=torch.int64, device=self.device),
+            ],
+            dim=1,
+        ).reshape(-1)
         got = self._a2a(head, [3] * w, [3] * w).view(w, 3).cpu()
         self.rounds += 1
         act = got[:, 1] > 0
@@ -154,8 +173,10 @@ class ExpertParallel:
             return [0] * w, False, -1
         layers = set(got[act, 2].tolist())
         if len(layers) != 1 or (active and layers != {layer}):
-            raise ProtocolError(f"EP rank {self.rank}: ranks are in different MoE layers {sorted(layers)} "
-                                f"(this rank: {layer if active else 'idle'})")
+            raise ProtocolError(
+                f"EP rank {self.rank}: ranks are in different MoE layers {sorted(layers)} "
+                f"(this rank: {layer if active else 'idle'})"
+            )
         return got[:, 0].tolist(), True, layers.pop()
 
     def _serve(self, layer: int, recv: list[int], slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -182,8 +203,9 @@ class ExpertParallel:
             start = end
         return out
 
-    def _exchange(self, layer: int, send: list[int], recv: list[int], slots: torch.Tensor,
-                  rows: torch.Tensor) -> torch.Tensor:
+    def _exchange(
+        self, layer: int, send: list[int], recv: list[int], slots: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         got_slots = self._a2a(slots, send, recv)
         got_rows = self._a2a(rows, send, recv)
         y = self._serve(layer, recv, got_slots, got_rows)
@@ -215,8 +237,13 @@ class ExpertParallel:
         self.rows_remote += n * k - send[self.rank]
         recv, _, _ = self._header(send_t, True, layer)
         order_x = order.to(x.device)
-        back = self._exchange(layer, send, recv, (s_sorted % self.per).contiguous(),
-                              x[torch.div(order_x, k, rounding_mode="floor")].to(self.device))
+        back = self._exchange(
+            layer,
+            send,
+            recv,
+            (s_sorted % self.per).contiguous(),
+            x[torch.div(order_x, k, rounding_mode="floor")].to(self.device),
+        )
         buf = x.new_empty(n * k, x.shape[1])
         # weighted where MoE.forward weights it, then summed over k in (token, k) order: the same bits
         buf[order_x] = back.to(x.device) * w.reshape(-1)[order_x][:, None]

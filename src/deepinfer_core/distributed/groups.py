@@ -61,9 +61,16 @@ def _check_int(name: str, v: object, lo: int) -> int:
     return v
 
 
-def init_groups(group_size: int | None = None, *, backend: str | None = None, timeout_s: float = 60.0,
-                init_method: str | None = None, world_size: int | None = None, rank: int | None = None,
-                device: torch.device | str | None = None) -> ParallelGroups:
+def init_groups(
+    group_size: int | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 60.0,
+    init_method: str | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
+    device: torch.device | str | None = None,
+) -> ParallelGroups:
     """Initialise torch.distributed (unless already initialised) and build this rank's groups.
 
     Under ``torchrun`` call it with no arguments (rank, world size and the rendezvous come from the
@@ -85,14 +92,21 @@ def init_groups(group_size: int | None = None, *, backend: str | None = None, ti
         if init_method is not None:
             if world_size is None or rank is None:
                 raise ValueError("init_method: give world_size and rank with it")
-            kw.update(init_method=init_method, world_size=_check_int("world_size", world_size, 1),
-                      rank=_check_int("rank", rank, 0))
+            kw.update(
+                init_method=init_method,
+                world_size=_check_int("world_size", world_size, 1),
+                rank=_check_int("rank", rank, 0),
+            )
         elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise ValueError("init_groups: not under torchrun (RANK / WORLD_SIZE unset); pass init_method, "
-                             "world_size and rank, or use deepinfer_core.distributed.spawn")
+            raise ValueError(
+                "init_groups: not under torchrun (RANK / WORLD_SIZE unset); pass init_method, "
+                "world_size and rank, or use deepinfer_core.distributed.spawn"
+            )
         dist.init_process_group(**kw)
     elif dist.get_backend() != backend:
-        raise ValueError(f"backend={backend!r}: torch.distributed is already initialised with {dist.get_backend()!r}")
+        raise ValueError(
+            f"backend={backend!r}: torch.distributed is already initialised with {dist.get_backend()!r}"
+        )
     world, me = dist.get_world_size(), dist.get_rank()
     size = world if group_size is None else _check_int("group_size", group_size, 1)
     if world % size:
@@ -108,13 +122,30 @@ def init_groups(group_size: int | None = None, *, backend: str | None = None, ti
     mine: dict[str, Any] = {}
     for inst in range(world // size):
         ranks = list(range(inst * size, (inst + 1) * size))
-        made = {kind: dist.new_group(ranks, timeout=timeout, backend=backend) for kind in ("dp", "ep", "engram")}
+        made = {
+            kind: dist.new_group(ranks, timeout=timeout, backend=backend) for kind in ("dp", "ep", "engram")
+        }
         if me in ranks:
             mine = made
-    groups = ParallelGroups(world_size=world, rank=me, group_size=size, instance=me // size, backend=backend,
-                            device=torch.device(device), timeout_s=float(timeout_s), **mine)
-    log.info("rank %d/%d: instance %d of %d ranks (DP = EP = engram group), backend %s, timeout %.1fs",
-             me, world, groups.instance, size, backend, timeout_s)
+    groups = ParallelGroups(
+        world_size=world,
+        rank=me,
+        group_size=size,
+        instance=me // size,
+        backend=backend,
+        device=torch.device(device),
+        timeout_s=float(timeout_s),
+        **mine,
+    )
+    log.info(
+        "rank %d/%d: instance %d of %d ranks (DP = EP = engram group), backend %s, timeout %.1fs",
+        me,
+        world,
+        groups.instance,
+        size,
+        backend,
+        timeout_s,
+    )
     return groups
 
 

@@ -39,16 +39,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: str, args: tuple[Any, ...],
-            kwargs: dict[str, Any], group_size: int | None, backend: str | None, timeout_s: float,
-            threads: int) -> None:
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    out_dir: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    group_size: int | None,
+    backend: str | None,
+    timeout_s: float,
+    threads: int,
+) -> None:
     import torch
 
     torch.set_num_threads(threads)
     res: tuple[str, Any]
     try:
-        groups = init_groups(group_size, backend=backend, timeout_s=timeout_s,
-                             init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+        groups = init_groups(
+            group_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            init_method=f"tcp://127.0.0.1:{port}",
+            world_size=world,
+            rank=rank,
+        )
         res = ("ok", fn(groups, *args, **kwargs))
     except BaseException as e:  # reported to the parent, which raises it
         res = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -58,18 +74,41 @@ def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: s
         pickle.dump(res, f)
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-          group_size: int | None = None, backend: str | None = "gloo", timeout_s: float = 60.0,
-          threads: int = 1) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    group_size: int | None = None,
+    backend: str | None = "gloo",
+    timeout_s: float = 60.0,
+    threads: int = 1,
+) -> list[Any]:
     """Run ``fn(groups, *args, **kwargs)`` on ``nprocs`` fresh processes forming one world; return their
     results in rank order. ``fn`` and its arguments must be picklable (a module-level function). A rank
     that raises makes this raise ``RuntimeError`` with that rank's traceback."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: must be an int >= 1")
     with tempfile.TemporaryDirectory(prefix="deepinfer-spawn-") as tmp:
-        mp.start_processes(_worker, args=(fn, nprocs, free_port(), tmp, tuple(args), dict(kwargs or {}), group_size,
-                                          backend, timeout_s, threads),
-                           nprocs=nprocs, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(
+                fn,
+                nprocs,
+                free_port(),
+                tmp,
+                tuple(args),
+                dict(kwargs or {}),
+                group_size,
+                backend,
+                timeout_s,
+                threads,
+            ),
+            nprocs=nprocs,
+            join=True,
+            start_method="spawn",
+        )
         results = []
         for r in range(nprocs):
             path = Path(tmp) / f"rank{r}.pkl"

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class StagedMigration:
     """One plan's moves, ``moves_per_step`` per :meth:`advance`; collective over ``group``."""
 
-    def __init__(self, ep: ExpertParallel, moves: MovePlan, placement: ExpertPlacement, group: Any,
-                 moves_per_step: int) -> None:
+    def __init__(
+        self, ep: ExpertParallel, moves: MovePlan, placement: ExpertPlacement, group: Any, moves_per_step: int
+    ) -> None:
         if isinstance(moves_per_step, bool) or not isinstance(moves_per_step, int) or moves_per_step < 1:
             raise ValueError(f"moves_per_step={moves_per_step!r}: must be an int >= 1")
         self.ep, self.moves, self.placement, self.group = ep, moves, placement, group
@@ -67,13 +68,25 @@ class StagedMigration:
                     st[self._stage_of[i]].copy_(x)
             elif s_gpu == self.rank:
                 for k, x in enumerate(parts):
-                    reqs.append(dist.isend(x.contiguous(), self._peer(d_gpu), group=self.group,
-                                           tag=(i - self.next) * len(tensors) + k))
+                    reqs.append(
+                        dist.isend(
+                            x.contiguous(),
+                            self._peer(d_gpu),
+                            group=self.group,
+                            tag=(i - self.next) * len(tensors) + k,
+                        )
+                    )
                     self.bytes_sent += x.numel() * x.element_size()
             elif d_gpu == self.rank:
                 for k, st in enumerate(self._stage):
-                    reqs.append(dist.irecv(st[self._stage_of[i]], self._peer(s_gpu), group=self.group,
-                                           tag=(i - self.next) * len(tensors) + k))
+                    reqs.append(
+                        dist.irecv(
+                            st[self._stage_of[i]],
+                            self._peer(s_gpu),
+                            group=self.group,
+                            tag=(i - self.next) * len(tensors) + k,
+                        )
+                    )
         for r in reqs:
             if r is not None:  # None: this rank is not in the group (never here: peers are members)
                 r.wait()
@@ -83,7 +96,9 @@ class StagedMigration:
     def commit(self) -> None:
         """After the last batch: verify across the group, copy the staged slots in, switch routing."""
         if not self.done:
-            raise RuntimeError(f"StagedMigration.commit: {len(self.moves) - self.next} moves still to carry out")
+            raise RuntimeError(
+                f"StagedMigration.commit: {len(self.moves) - self.next} moves still to carry out"
+            )
         for i, j in self._stage_of.items():
             self._fp[i, 1] = fingerprint([st[j] for st in self._stage])
         if len(self.moves):
@@ -93,12 +108,18 @@ class StagedMigration:
             both = both_t.cpu().numpy()
             bad = np.flatnonzero(both[:, 0] != both[:, 1])
             if bad.size:
-                raise RuntimeError(f"{bad.size} staged expert moves arrived corrupted, first (layer, expert, from, to): "
-                                   f"{[self.moves.as_tuples()[k] for k in bad[:5]]}")
+                raise RuntimeError(
+                    f"{bad.size} staged expert moves arrived corrupted, first (layer, expert, from, to): "
+                    f"{[self.moves.as_tuples()[k] for k in bad[:5]]}"
+                )
         tensors = self.ep.weights
         for i, j in self._stage_of.items():
             for t, st in zip(tensors, self._stage):
                 t[int(self._lay[i]), int(self._dst[i])].copy_(st[j])
         self.ep.set_placement(self.placement)
-        log.debug("rank %d: staged migration committed: %d moves in %d batches", self.rank, len(self.moves),
-                  self.batches)
+        log.debug(
+            "rank %d: staged migration committed: %d moves in %d batches",
+            self.rank,
+            len(self.moves),
+            self.batches,
+        )

@@ -123,8 +123,16 @@ class PromptEngine:
     request comes back as a :class:`Handoff` for a :class:`CompletionEngine`.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, mode: str = "full", replay: str = "exact",
-                 keep: int | None = None, engine: LLMEngine | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        mode: str = "full",
+        replay: str = "exact",
+        keep: int | None = None,
+        engine: LLMEngine | None = None,
+        **kw: Any,
+    ) -> None:
         """``mode``: "full" hands the whole state block; "replay" hands the blocks before the hit and the
         encoder rings at it, for a COMPLETION engine made with the same ``replay`` / ``keep``.
         ``engine``: wrap this engine (e.g. a ``DistributedEngine``'s) instead of building one."""
@@ -180,7 +188,9 @@ class PromptEngine:
             if hit and rings is None:
                 # the position ran outside this proxy (e.g. skipped by a prefix hit, or an encoder-only part
                 # of the prefix cache): no rings there, so this request hands its full state block
-                log.debug("prompt engine: %r: no encoder rings at %d, handing the full state", fr.request_id, hit)
+                log.debug(
+                    "prompt engine: %r: no encoder rings at %d, handing the full state", fr.request_id, hit
+                )
                 hit, mode = 0, "full"
         if mode == "replay":
             nb = hit // eng.config.block_size
@@ -189,12 +199,21 @@ class PromptEngine:
         else:
             state = _state_tensors(ex, slot)
         blocks = torch.as_tensor(np.asarray(fr.handoff_block_ids, dtype=np.int64)[:nb], device=ex.device)
-        self._ready.append(Handoff(
-            request_id=fr.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            first_token=int(fr.output_token_ids[0]), params=self._params.pop(fr.request_id, req.params),
-            num_tokens=n, block_size=eng.config.block_size,
-            blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()}, state=state, mode=mode,
-            hit=hit))
+        self._ready.append(
+            Handoff(
+                request_id=fr.request_id,
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                first_token=int(fr.output_token_ids[0]),
+                params=self._params.pop(fr.request_id, req.params),
+                num_tokens=n,
+                block_size=eng.config.block_size,
+                blocks={k: v[blocks].clone() for k, v in _block_caches(ex).items()},
+                state=state,
+                mode=mode,
+                hit=hit,
+            )
+        )
 
     def step(self) -> tuple[list[RequestOutput], list[Handoff]]:
         outs = [o for o in self.engine.step() if o.finished]  # streamed outputs stay local (docs/engine.md)
@@ -209,7 +228,9 @@ def _replay_config(engine: LLMEngine, replay: str, keep: int | None) -> Any:
     from deepinfer_core.swa import ReplayConfig
 
     k = engine.envs.yoco_prefill_keep_tokens if keep is None else keep
-    return ReplayConfig.from_model(engine.model_config, keep=k, block_size=engine.config.block_size, mode=replay)
+    return ReplayConfig.from_model(
+        engine.model_config, keep=k, block_size=engine.config.block_size, mode=replay
+    )
 
 
 def _plan(cfg: Any, num_tokens: int, hit: int) -> Any:
@@ -238,8 +259,9 @@ class _SnapshotExecutor:
         theirs = batch.snapshot_pos
         snap = np.zeros(batch.num_requests, np.int64) if theirs is None else theirs.copy()
         mine = []
-        for i, (slot, s, n) in enumerate(zip(batch.state_slots.tolist(), batch.start_pos.tolist(),
-                                             batch.query_lens.tolist())):
+        for i, (slot, s, n) in enumerate(
+            zip(batch.state_slots.tolist(), batch.start_pos.tolist(), batch.query_lens.tolist())
+        ):
             req = rid_of.get(int(slot))
             if req is None:
                 continue
@@ -252,7 +274,9 @@ class _SnapshotExecutor:
         out = self._inner.execute(batch)
         for i in mine:
             if i in out.snapshots:
-                self._owner._rings[rid_of[int(batch.state_slots[i])].request_id] = out.snapshots[i].detach().clone()
+                self._owner._rings[rid_of[int(batch.state_slots[i])].request_id] = (
+                    out.snapshots[i].detach().clone()
+                )
         return out
 
 
@@ -276,8 +300,15 @@ class CompletionEngine:
     """A COMPLETION (decode-only) engine fed with :class:`Handoff` s; outputs carry every token of the
     request (the PROMPT engine's first one included), as a NORMAL engine's would."""
 
-    def __init__(self, config: EngineConfig | None = None, *, replay: str = "exact", keep: int | None = None,
-                 engine: LLMEngine | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        replay: str = "exact",
+        keep: int | None = None,
+        engine: LLMEngine | None = None,
+        **kw: Any,
+    ) -> None:
         """``replay`` / ``keep``: how replay-mode hand-offs are rebuilt (as the PROMPT side's); ``engine``:
         wrap this engine instead of building one."""
         self.engine = eng = engine if engine is not None else LLMEngine(config, **kw)
@@ -295,14 +326,19 @@ class CompletionEngine:
         """Queue a handed-over request (it decodes from its first token on)."""
         eng = self.engine
         if h.block_size != eng.config.block_size:
-            raise ValueError(f"handoff {h.request_id!r}: block_size {h.block_size}, this engine's is "
-                             f"{eng.config.block_size} (the blocks are copied whole)")
+            raise ValueError(
+                f"handoff {h.request_id!r}: block_size {h.block_size}, this engine's is "
+                f"{eng.config.block_size} (the blocks are copied whole)"
+            )
         sp = h.params
         if sp.max_tokens is not None and sp.max_tokens <= 1:  # the first token was the last: nothing to do
             self._failed.append(self._output(h, None))
             return
-        rest = attrs.evolve(sp, max_tokens=None if sp.max_tokens is None else sp.max_tokens - 1,
-                            min_tokens=max(0, sp.min_tokens - 1))
+        rest = attrs.evolve(
+            sp,
+            max_tokens=None if sp.max_tokens is None else sp.max_tokens - 1,
+            min_tokens=max(0, sp.min_tokens - 1),
+        )
         self._pending[h.request_id] = h
         eng.add_request(h.request_id, [*h.prompt_token_ids, h.first_token], rest)
         try:
@@ -332,7 +368,9 @@ class CompletionEngine:
         table = torch.as_tensor(full_table[:nb], device=ex.device)
         caches = _block_caches(ex)
         if set(caches) != set(h.blocks):
-            raise ValueError(f"handoff {rid!r}: block caches {sorted(h.blocks)}, this executor has {sorted(caches)}")
+            raise ValueError(
+                f"handoff {rid!r}: block caches {sorted(h.blocks)}, this executor has {sorted(caches)}"
+            )
         for k, t in caches.items():
             t[table] = h.blocks[k].to(t.device)
         if h.mode == "full":
@@ -350,8 +388,10 @@ class CompletionEngine:
         ex, p = self.engine.executor, h.num_tokens
         plan = _plan(self.replay_config, p, h.hit)
         if plan.hit != h.hit:
-            raise ValueError(f"handoff {h.request_id!r}: the PROMPT side handed {h.hit} positions, this engine's "
-                             f"replay config plans {plan.hit} (use the same replay / keep / block_size)")
+            raise ValueError(
+                f"handoff {h.request_id!r}: the PROMPT side handed {h.hit} positions, this engine's "
+                f"replay config plans {plan.hit} (use the same replay / keep / block_size)"
+            )
         toks = np.asarray(h.prompt_token_ids, dtype=np.int64)
         if h.hit:
             ex.restore_encoder(slot, h.hit, h.state["rings"], toks[: h.hit])
@@ -362,20 +402,36 @@ class CompletionEngine:
             if st.kind not in (ENCODER_PREFILL, TAIL, PREFILL):
                 raise RuntimeError(f"handoff {h.request_id!r}: unexpected replay step {st.kind}")
             floor = st.floor if st.kind == TAIL and h.hit else 0
-            ex.execute(ForwardBatch(token_ids=toks[st.start:end], query_lens=[end - st.start], start_pos=[st.start],
-                                    block_tables=table[None], state_slots=[slot], num_logits=[0],
-                                    encoder_only=st.kind == ENCODER_PREFILL, decoder_floor=[floor]))
+            ex.execute(
+                ForwardBatch(
+                    token_ids=toks[st.start : end],
+                    query_lens=[end - st.start],
+                    start_pos=[st.start],
+                    block_tables=table[None],
+                    state_slots=[slot],
+                    num_logits=[0],
+                    encoder_only=st.kind == ENCODER_PREFILL,
+                    decoder_floor=[floor],
+                )
+            )
             self.replayed_tokens += end - st.start
 
     def _output(self, h: Handoff, o: RequestOutput | None) -> RequestOutput:
         tok = self.engine.tokenizer
         if o is None:
             ids: tuple[int, ...] = (h.first_token,)
-            return RequestOutput(request_id=h.request_id, prompt=h.prompt, prompt_token_ids=h.prompt_token_ids,
-                                 text=tok.decode(ids), token_ids=ids, finish_reason="length")
+            return RequestOutput(
+                request_id=h.request_id,
+                prompt=h.prompt,
+                prompt_token_ids=h.prompt_token_ids,
+                text=tok.decode(ids),
+                token_ids=ids,
+                finish_reason="length",
+            )
         ids = (h.first_token, *o.token_ids)
-        return attrs.evolve(o, prompt=h.prompt, prompt_token_ids=h.prompt_token_ids, token_ids=ids,
-                            text=tok.decode(ids))
+        return attrs.evolve(
+            o, prompt=h.prompt, prompt_token_ids=h.prompt_token_ids, token_ids=ids, text=tok.decode(ids)
+        )
 
     def step(self) -> list[RequestOutput]:
         out, self._failed = self._failed, []
@@ -396,10 +452,18 @@ def send_handoff(h: Handoff, dst: int, group: Any = None, device: Any = "cpu") -
     """Send ``h`` to global rank ``dst`` (which calls :func:`recv_handoff`)."""
     names = [*(f"b:{k}" for k in h.blocks), *(f"s:{k}" for k in h.state)]
     tensors = [*h.blocks.values(), *h.state.values()]
-    meta = {"request_id": h.request_id, "prompt": h.prompt, "prompt_token_ids": h.prompt_token_ids,
-            "first_token": h.first_token, "params": h.params, "num_tokens": h.num_tokens,
-            "block_size": h.block_size, "mode": h.mode, "hit": h.hit,
-            "tensors": [(n, tuple(t.shape), str(t.dtype).split(".")[-1]) for n, t in zip(names, tensors)]}
+    meta = {
+        "request_id": h.request_id,
+        "prompt": h.prompt,
+        "prompt_token_ids": h.prompt_token_ids,
+        "first_token": h.first_token,
+        "params": h.params,
+        "num_tokens": h.num_tokens,
+        "block_size": h.block_size,
+        "mode": h.mode,
+        "hit": h.hit,
+        "tensors": [(n, tuple(t.shape), str(t.dtype).split(".")[-1]) for n, t in zip(names, tensors)],
+    }
     dist.send_object_list([meta], dst=dst, group=group)
     for t in tensors:
         if t.numel():  # (an empty tensor is rebuilt from its shape)
@@ -419,6 +483,16 @@ def recv_handoff(src: int, group: Any = None, device: Any = "cpu") -> Handoff:
             dist.recv(t, src=src, group=group)
         # the executor's host arrays (model.replay.SLOT_ARRAYS) come back to the host
         (blocks if name.startswith("b:") else state)[name[2:]] = t.cpu() if name[2:] in SLOT_ARRAYS else t
-    return Handoff(request_id=meta["request_id"], prompt=meta["prompt"], prompt_token_ids=meta["prompt_token_ids"],
-                   first_token=meta["first_token"], params=meta["params"], num_tokens=meta["num_tokens"],
-                   block_size=meta["block_size"], blocks=blocks, state=state, mode=meta["mode"], hit=meta["hit"])
+    return Handoff(
+        request_id=meta["request_id"],
+        prompt=meta["prompt"],
+        prompt_token_ids=meta["prompt_token_ids"],
+        first_token=meta["first_token"],
+        params=meta["params"],
+        num_tokens=meta["num_tokens"],
+        block_size=meta["block_size"],
+        blocks=blocks,
+        state=state,
+        mode=meta["mode"],
+        hit=meta["hit"],
+    )

@@ -14,5 +14,15 @@ from deepinfer_core.engine.requests import RequestError
 from deepinfer_core.engine.stats import StepStats
 from deepinfer_core.sampling_params import RequestOutputKind
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLMEngine", "RequestError",
-           "RequestOutput", "RequestOutputKind", "StepStats"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineDeadError",
+    "LLMEngine",
+    "RequestError",
+    "RequestOutput",
+    "RequestOutputKind",
+    "StepStats",
+]

@@ -11,7 +11,11 @@ BACKENDS = ("reference", "cuda")
 DTYPES = ("float32", "float64", "bfloat16")
 PREEMPTION_POLICIES = ("guarded", "deepinfer")
 SWA_REPLAY_MODES = ("exact", "bounded")
-GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "auto")  # auto: per-spec engine with fallback (structured.auto_backend)
+GRAMMAR_BACKENDS = (
+    "xgrammar",
+    "llguidance",
+    "auto",
+)  # auto: per-spec engine with fallback (structured.auto_backend)
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -30,8 +34,11 @@ def _guard_config(v: object) -> object:
             return StoreGuardConfig(**v)
         except (TypeError, ValueError) as e:
             raise ValueError(f"EngineConfig.kv_store_guard: {e}") from None
-    _check(isinstance(v, StoreGuardConfig), "kv_store_guard",
-           f"{type(v).__name__}: must be None, a kvstore.StoreGuardConfig or a dict of its fields")
+    _check(
+        isinstance(v, StoreGuardConfig),
+        "kv_store_guard",
+        f"{type(v).__name__}: must be None, a kvstore.StoreGuardConfig or a dict of its fields",
+    )
     return v
 
 
@@ -112,61 +119,124 @@ class EngineConfig:
         self._check_switches()
 
     def _check_choices(self) -> None:
-        _check(isinstance(self.model, str) and (self.model in MODELS or Path(self.model).is_dir()), "model",
-               f"{self.model!r}: must be one of {list(MODELS)} or a checkpoint directory (no downloads here)")
-        _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"{self.seed!r}: must be an int in [0, 2**63)")
+        _check(
+            isinstance(self.model, str) and (self.model in MODELS or Path(self.model).is_dir()),
+            "model",
+            f"{self.model!r}: must be one of {list(MODELS)} or a checkpoint directory (no downloads here)",
+        )
+        _check(
+            _is_int(self.seed) and 0 <= self.seed < 2**63,
+            "seed",
+            f"{self.seed!r}: must be an int in [0, 2**63)",
+        )
         _check(self.backend in BACKENDS, "backend", f"{self.backend!r}: must be one of {list(BACKENDS)}")
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r}: must be one of {list(DTYPES)}")
 
     def _check_sizes(self) -> None:
         # upper bounds: the C++ core's int32 ids and counts (a larger value would wrap, not fail)
-        _check(_is_int(self.block_size) and 1 <= self.block_size <= 2**20, "block_size",
-               f"{self.block_size!r}: must be an int in [1, 2**20]")
-        _check(self.num_blocks is None or (_is_int(self.num_blocks) and 2 <= self.num_blocks <= 2**31 - 1),
-               "num_blocks", f"{self.num_blocks!r}: must be None (sized from the device) or an int in "
-               "[2, 2**31 - 1] (block 0 is the null block)")
-        _check(self.max_num_seqs is None or (_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 2**20),
-               "max_num_seqs", f"{self.max_num_seqs!r}: must be None (sized from the device) or an int in [1, 2**20]")
-        _check(isinstance(self.gpu_memory_utilization, (int, float)) and not isinstance(self.gpu_memory_utilization, bool)
-               and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-               f"{self.gpu_memory_utilization!r}: must be a number in (0, 1] (the share of the GPU's memory the engine may hold)")
-        _check(_is_int(self.max_num_batched_tokens) and 1 <= self.max_num_batched_tokens <= 32768,
-               "max_num_batched_tokens", f"{self.max_num_batched_tokens!r}: must be an int in [1, 32768]")
-        _check(_is_int(self.max_model_len) and 2 <= self.max_model_len <= 2**31 - 1, "max_model_len",
-               f"{self.max_model_len!r}: must be an int in [2, 2**31 - 1]")
+        _check(
+            _is_int(self.block_size) and 1 <= self.block_size <= 2**20,
+            "block_size",
+            f"{self.block_size!r}: must be an int in [1, 2**20]",
+        )
+        _check(
+            self.num_blocks is None or (_is_int(self.num_blocks) and 2 <= self.num_blocks <= 2**31 - 1),
+            "num_blocks",
+            f"{self.num_blocks!r}: must be None (sized from the device) or an int in "
+            "[2, 2**31 - 1] (block 0 is the null block)",
+        )
+        _check(
+            self.max_num_seqs is None or (_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 2**20),
+            "max_num_seqs",
+            f"{self.max_num_seqs!r}: must be None (sized from the device) or an int in [1, 2**20]",
+        )
+        _check(
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and not isinstance(self.gpu_memory_utilization, bool)
+            and 0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"{self.gpu_memory_utilization!r}: must be a number in (0, 1] (the share of the GPU's memory the engine may hold)",
+        )
+        _check(
+            _is_int(self.max_num_batched_tokens) and 1 <= self.max_num_batched_tokens <= 32768,
+            "max_num_batched_tokens",
+            f"{self.max_num_batched_tokens!r}: must be an int in [1, 32768]",
+        )
+        _check(
+            _is_int(self.max_model_len) and 2 <= self.max_model_len <= 2**31 - 1,
+            "max_model_len",
+            f"{self.max_model_len!r}: must be an int in [2, 2**31 - 1]",
+        )
 
     def _check_options(self) -> None:
-        _check(self.structured_backend in GRAMMAR_BACKENDS, "structured_backend",
-               f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}")
-        _check(self.preemption_policy in PREEMPTION_POLICIES, "preemption_policy",
-               f"{self.preemption_policy!r}: must be one of {list(PREEMPTION_POLICIES)}")
-        _check(self.swa_replay in SWA_REPLAY_MODES, "swa_replay",
-               f"{self.swa_replay!r}: must be one of {list(SWA_REPLAY_MODES)}")
-        _check(self.swa_keep_tokens is None or (_is_int(self.swa_keep_tokens) and 1 <= self.swa_keep_tokens <= 2**20),
-               "swa_keep_tokens", f"{self.swa_keep_tokens!r}: must be None (from DEEPINFER_YOCO_PREFILL_KEEP_TOKENS) "
-               "or an int in [1, 2**20]")
-        _check(_is_int(self.swa_host_bytes) and 0 <= self.swa_host_bytes <= 2**48, "swa_host_bytes",
-               f"{self.swa_host_bytes!r}: must be an int in [0, 2**48] (bytes of host memory for SWA rings)")
+        _check(
+            self.structured_backend in GRAMMAR_BACKENDS,
+            "structured_backend",
+            f"{self.structured_backend!r}: must be one of {list(GRAMMAR_BACKENDS)}",
+        )
+        _check(
+            self.preemption_policy in PREEMPTION_POLICIES,
+            "preemption_policy",
+            f"{self.preemption_policy!r}: must be one of {list(PREEMPTION_POLICIES)}",
+        )
+        _check(
+            self.swa_replay in SWA_REPLAY_MODES,
+            "swa_replay",
+            f"{self.swa_replay!r}: must be one of {list(SWA_REPLAY_MODES)}",
+        )
+        _check(
+            self.swa_keep_tokens is None
+            or (_is_int(self.swa_keep_tokens) and 1 <= self.swa_keep_tokens <= 2**20),
+            "swa_keep_tokens",
+            f"{self.swa_keep_tokens!r}: must be None (from DEEPINFER_YOCO_PREFILL_KEEP_TOKENS) "
+            "or an int in [1, 2**20]",
+        )
+        _check(
+            _is_int(self.swa_host_bytes) and 0 <= self.swa_host_bytes <= 2**48,
+            "swa_host_bytes",
+            f"{self.swa_host_bytes!r}: must be an int in [0, 2**48] (bytes of host memory for SWA rings)",
+        )
 
     def _check_switches(self) -> None:
         if self.kv_store is not None:
             from deepinfer_core.protocols.kvstore import KVBlockStore
 
-            _check(isinstance(self.kv_store, KVBlockStore), "kv_store",
-                   f"{type(self.kv_store).__name__}: must be None or a KVBlockStore (put, get, exists, touch, delete)")
-            _check(self.prefix_caching is True, "kv_store", "needs prefix_caching=True (the store continues its hits)")
-        _check(isinstance(self.kv_store_traffic_class, str) and bool(self.kv_store_traffic_class),
-               "kv_store_traffic_class", f"{self.kv_store_traffic_class!r}: must be a non-empty str (a TTL class)")
+            _check(
+                isinstance(self.kv_store, KVBlockStore),
+                "kv_store",
+                f"{type(self.kv_store).__name__}: must be None or a KVBlockStore (put, get, exists, touch, delete)",
+            )
+            _check(
+                self.prefix_caching is True,
+                "kv_store",
+                "needs prefix_caching=True (the store continues its hits)",
+            )
+        _check(
+            isinstance(self.kv_store_traffic_class, str) and bool(self.kv_store_traffic_class),
+            "kv_store_traffic_class",
+            f"{self.kv_store_traffic_class!r}: must be a non-empty str (a TTL class)",
+        )
         ttl = getattr(self.kv_store, "ttl", None)
         known = getattr(ttl, "ttls_s", None)
-        if self.kv_store is not None and isinstance(known, dict):  # a class the store's TTL policy lacks fails now
-            _check(self.kv_store_traffic_class in known, "kv_store_traffic_class",
-                   f"{self.kv_store_traffic_class!r}: the store's TTL policy knows only {sorted(known)}")
+        if self.kv_store is not None and isinstance(
+            known, dict
+        ):  # a class the store's TTL policy lacks fails now
+            _check(
+                self.kv_store_traffic_class in known,
+                "kv_store_traffic_class",
+                f"{self.kv_store_traffic_class!r}: the store's TTL policy knows only {sorted(known)}",
+            )
         for name in ("quantize", "async_scheduling", "async_overlap", "speculative", "prefix_caching"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r}: must be a bool")
-        _check(self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)
-                                                        and 0 <= self.num_speculative_tokens <= 5),
-               "num_speculative_tokens", f"{self.num_speculative_tokens!r}: must be None (from "
-               "DEEPINFER_USE_NEXTN_DECODE) or an int in [0, 5]")
-        _check(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",
-               f"{self.batch_invariant!r}: must be None (from DEEPINFER_BATCH_INVARIANT) or a bool")
+        _check(
+            self.num_speculative_tokens is None
+            or (_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 5),
+            "num_speculative_tokens",
+            f"{self.num_speculative_tokens!r}: must be None (from "
+            "DEEPINFER_USE_NEXTN_DECODE) or an int in [0, 5]",
+        )
+        _check(
+            self.batch_invariant is None or isinstance(self.batch_invariant, bool),
+            "batch_invariant",
+            f"{self.batch_invariant!r}: must be None (from DEEPINFER_BATCH_INVARIANT) or a bool",
+        )

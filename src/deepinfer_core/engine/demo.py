@@ -33,19 +33,25 @@ def demo() -> None:
     prompts, params, outs = _batch(llm)
     _exact_and_speculative(prompts, params, outs)
     st = llm.engine.stats
-    print(f"  the batch took {st.steps} steps: {st.execute_s:.2f} s running the model, "
-          f"{st.schedule_s + st.build_s + st.sample_s + st.update_s:.3f} s in the engine around it "
-          f"(scheduling, batch building, masks, sampling)")
+    print(
+        f"  the batch took {st.steps} steps: {st.execute_s:.2f} s running the model, "
+        f"{st.schedule_s + st.build_s + st.sample_s + st.update_s:.3f} s in the engine around it "
+        f"(scheduling, batch building, masks, sampling)"
+    )
 
 
 def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutput]]:
     """Five requests batched together (the structured ones when the extra is installed)."""
     from deepinfer_core.sampling_params import SamplingParams
 
-    what = {"tiny": "the shipped checkpoint, trained on Python sources: code prompts read best",
-            "tiny-random": "random weights: the text is noise by design"}.get(llm.config.model, "a checkpoint directory")
-    print(f"  model {llm.config.model!r} ({what}), {llm.config.dtype}, FP4/FP8 KV caches; 5 requests batched "
-          f"together, scheduled one step ahead")
+    what = {
+        "tiny": "the shipped checkpoint, trained on Python sources: code prompts read best",
+        "tiny-random": "random weights: the text is noise by design",
+    }.get(llm.config.model, "a checkpoint directory")
+    print(
+        f"  model {llm.config.model!r} ({what}), {llm.config.dtype}, FP4/FP8 KV caches; 5 requests batched "
+        f"together, scheduled one step ahead"
+    )
     prompts = ["import os\n\n\ndef ", "class Stack:\n    def ", "Give me a ticket code: ", "", "Which pet? "]
     params = [
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
@@ -54,8 +60,13 @@ def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutpu
         SamplingParams(max_tokens=4),
         SamplingParams(temperature=1.0, seed=3, max_tokens=16, so_args={"choice": ["cat", "dog", "axolotl"]}),
     ]
-    labels = ["greedy", "sampled, T=0.8 top-p 0.9", "regex [0-9]{3}-[a-z]{2,4}", "empty prompt",
-              "choice of cat/dog/axolotl"]
+    labels = [
+        "greedy",
+        "sampled, T=0.8 top-p 0.9",
+        "regex [0-9]{3}-[a-z]{2,4}",
+        "empty prompt",
+        "choice of cat/dog/axolotl",
+    ]
     try:
         require_any_engine()
         structured = True
@@ -63,7 +74,11 @@ def _batch(llm: LLM) -> tuple[list[str], list[SamplingParams], list[RequestOutpu
         structured = False
     if not structured:
         keep = [i for i, sp in enumerate(params) if sp.so_args is None]
-        prompts, params, labels = [prompts[i] for i in keep], [params[i] for i in keep], [labels[i] for i in keep]
+        prompts, params, labels = (
+            [prompts[i] for i in keep],
+            [params[i] for i in keep],
+            [labels[i] for i in keep],
+        )
         print(f"  (the regex and choice requests are left out: {install_hint('structured')} adds them)")
     # The empty prompt is refused on purpose and shown below: keep the engine's warning about it quiet.
     eng_log = logging.getLogger("deepinfer_core.engine")
@@ -84,13 +99,17 @@ def _show(llm: LLM, prompts: list[str], labels: list[str], outs: list[RequestOut
     for p, label, o in zip(prompts, labels, outs):
         if o.ok:
             text = printable_completion(o.text, o.token_ids, token_bytes)
-            print(f"  {label:26s} {printable(p)!r} -> {text!r} ({len(o.token_ids)} tokens, "
-                  f"ended by {o.finish_reason})")
+            print(
+                f"  {label:26s} {printable(p)!r} -> {text!r} ({len(o.token_ids)} tokens, "
+                f"ended by {o.finish_reason})"
+            )
         else:
             print(f"  {label:26s} {p!r} -> refused alone, as it should be: {o.error}")
 
 
-def _exact_and_speculative(prompts: list[str], params: list[SamplingParams], outs: list[RequestOutput]) -> None:
+def _exact_and_speculative(
+    prompts: list[str], params: list[SamplingParams], outs: list[RequestOutput]
+) -> None:
     from deepinfer_core.engine import LLM
 
     # Exact mode (float64, unquantised caches): the engine's greedy tokens are the argmax of the
@@ -98,22 +117,29 @@ def _exact_and_speculative(prompts: list[str], params: list[SamplingParams], out
     exact = LLM(seed=0, dtype="float64", quantize=False, num_blocks=32, max_num_seqs=2)
     o = exact.generate(prompts[:1], params[:1], use_tqdm=False)[0]
     seq = torch.tensor(list(o.prompt_token_ids) + list(o.token_ids[:-1]))
-    ref = exact.engine.model.forward_full(seq)[0][len(o.prompt_token_ids) - 1:].argmax(-1).tolist()
+    ref = exact.engine.model.forward_full(seq)[0][len(o.prompt_token_ids) - 1 :].argmax(-1).tolist()
     same = _common_prefix(list(outs[0].token_ids), list(o.token_ids))
     n = len(o.token_ids)
-    default = (f"gives the same {n} tokens" if same == n else
-               f"keeps the same first {same} of {n} tokens (quantised caches move the logits slightly)")
-    print(f"  exact mode (float64, unquantised caches): greedy tokens == argmax of the cache-free forward: "
-          f"{ref == list(o.token_ids)}; the default float32 + FP4/FP8 engine {default}")
+    default = (
+        f"gives the same {n} tokens"
+        if same == n
+        else f"keeps the same first {same} of {n} tokens (quantised caches move the logits slightly)"
+    )
+    print(
+        f"  exact mode (float64, unquantised caches): greedy tokens == argmax of the cache-free forward: "
+        f"{ref == list(o.token_ids)}; the default float32 + FP4/FP8 engine {default}"
+    )
     # Speculative decoding (DSpark drafts verified in the step) must not change the greedy tokens.
     spec = LLM(seed=0, dtype="float64", quantize=False, num_blocks=32, max_num_seqs=2, speculative=True)
     so = spec.generate(prompts[:1], params[:1], use_tqdm=False)[0]
     book = spec.engine.drafts
     assert book is not None  # speculative=True keeps a draft book
     note = " (a rejected draft costs only its verify slot: the tokens are the same either way)"
-    print(f"  speculative=True: same greedy tokens: {so.token_ids == o.token_ids}; {book.accepted} of "
-          f"{book.verified} drafts accepted, {spec.engine.stats.steps} steps instead of "
-          f"{exact.engine.stats.steps}{note}")
+    print(
+        f"  speculative=True: same greedy tokens: {so.token_ids == o.token_ids}; {book.accepted} of "
+        f"{book.verified} drafts accepted, {spec.engine.stats.steps} steps instead of "
+        f"{exact.engine.stats.steps}{note}"
+    )
 
 
 if __name__ == "__main__":

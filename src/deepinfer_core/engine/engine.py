@@ -69,8 +69,9 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 
 def _checked_threads(num_threads: int | None) -> int | None:
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                    or num_threads < 1):
+    if num_threads is not None and (
+        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    ):
         raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
     return num_threads
 
@@ -97,8 +98,14 @@ class LLMEngine:
     and ``LLM`` (llm.py) run on top of ``add_request`` / ``step``.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, envs: Envs | None = None,
-                 model: DeepSeekV41 | None = None, num_threads: int | None = 1) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        envs: Envs | None = None,
+        model: DeepSeekV41 | None = None,
+        num_threads: int | None = 1,
+    ) -> None:
         """``model``: a prebuilt model (its own config) instead of the tiny one drawn from ``seed``: a
         test hook (e.g. a drafter built to copy the target); it must match ``dtype`` / ``backend``.
 
@@ -111,11 +118,15 @@ class LLMEngine:
         self._pin_threads()
         self.config = cfg = config if config is not None else EngineConfig()
         self.envs = envs if envs is not None else get_envs()
-        self.batch_invariant = self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
+        self.batch_invariant = (
+            self.envs.batch_invariant if cfg.batch_invariant is None else cfg.batch_invariant
+        )
         self.backend = get_backend(cfg.backend)
         self.device = self.backend.device
         if model is None:  # "tiny" (shipped checkpoint), "tiny-random" (weights from seed) or a directory
-            model, self.tokenizer = load_model(cfg.model, seed=cfg.seed, dtype=_DTYPES[cfg.dtype], device=self.device)
+            model, self.tokenizer = load_model(
+                cfg.model, seed=cfg.seed, dtype=_DTYPES[cfg.dtype], device=self.device
+            )
         else:
             self.tokenizer = ByteTokenizer(model.cfg.vocab_size)
         self.model_config = model.cfg
@@ -143,9 +154,19 @@ class LLMEngine:
 
     def _log_start(self) -> None:
         cfg = self.config
-        log.info("engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
-                 "batch_invariant=%s", cfg.seed, cfg.dtype, cfg.quantize, self.device, self.num_blocks,
-                 cfg.block_size, self.max_num_seqs, cfg.async_scheduling, self.batch_invariant)
+        log.info(
+            "engine: tiny model (seed %d, %s, quantize=%s) on %s, pool %d x %d, max_num_seqs %d, async=%s, "
+            "batch_invariant=%s",
+            cfg.seed,
+            cfg.dtype,
+            cfg.quantize,
+            self.device,
+            self.num_blocks,
+            cfg.block_size,
+            self.max_num_seqs,
+            cfg.async_scheduling,
+            self.batch_invariant,
+        )
 
     def _pin_threads(self) -> None:
         """torch's CPU threads to ``num_threads`` (at construction, and at a ``step`` that finds them changed)."""
@@ -155,22 +176,34 @@ class LLMEngine:
     def _sized(self, cfg: EngineConfig) -> tuple[EngineConfig, sizing.PoolSize]:
         """``cfg`` with the pool's sizes (engine/sizing.py), and those sizes: on the GPU from the memory
         left after the weights, the per-block / per-slot bytes from two small probe executors' own accounting."""
+
         def memory() -> tuple[int, int]:
             torch.cuda.synchronize(self.device)
             return torch.cuda.mem_get_info(self.device)
 
-        return sizing.resolve(cfg, on_gpu=self.device.type == "cuda",
-                              cost=lambda: sizing.probe_cache_bytes(self._make_executor), memory=memory,
-                              hidden_size=self.model_config.hidden_size,
-                              dtype_bytes=next(self.model.parameters()).element_size())
+        return sizing.resolve(
+            cfg,
+            on_gpu=self.device.type == "cuda",
+            cost=lambda: sizing.probe_cache_bytes(self._make_executor),
+            memory=memory,
+            hidden_size=self.model_config.hidden_size,
+            dtype_bytes=next(self.model.parameters()).element_size(),
+        )
 
     def _make_executor(self, num_blocks: int, num_slots: int) -> ModelExecutor:
         cfg = self.config
-        return ModelExecutor(self.model, num_blocks, cfg.block_size, num_slots,
-                             backtrack_tokens=self.envs.max_backtracking_tokens, quantize=cfg.quantize,
-                             backend=self.backend if cfg.backend == "cuda" else None,
-                             cuda_graphs=self.envs.cuda_graphs, fuse_glue=self.envs.fuse_glue,
-                             draft_context=self.num_speculative_tokens > 0)
+        return ModelExecutor(
+            self.model,
+            num_blocks,
+            cfg.block_size,
+            num_slots,
+            backtrack_tokens=self.envs.max_backtracking_tokens,
+            quantize=cfg.quantize,
+            backend=self.backend if cfg.backend == "cuda" else None,
+            cuda_graphs=self.envs.cuda_graphs,
+            fuse_glue=self.envs.fuse_glue,
+            draft_context=self.num_speculative_tokens > 0,
+        )
 
     def _build_executor(self) -> ModelExecutor:
         ex = self._make_executor(self.num_blocks, self.max_num_seqs)
@@ -184,28 +217,51 @@ class LLMEngine:
         cfg = self.config
         self.kv_pool = PagedKVPool(self.num_blocks, cfg.block_size)
         self.state_pool = StatePool(self.max_num_seqs)
-        self._scheduler = Scheduler(self.kv_pool, SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
-            async_mode=self.step_mode != "sync",
-            preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()]))
+        self._scheduler = Scheduler(
+            self.kv_pool,
+            SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=cfg.max_model_len,
+                eos_token_id=self.tokenizer.eos_token_id,
+                async_mode=self.step_mode != "sync",
+                preemption_policy=PreemptionPolicy[cfg.preemption_policy.upper()],
+            ),
+        )
         # prefix caching + SWA bounded replay (docs/swa.md)
         self.prefix: PrefixCaching | None = make_prefix_caching(
-            cfg, self.model_config, self.kv_pool, self._executor, self._scheduler,
-            keep_default=self.envs.yoco_prefill_keep_tokens, pending_drafts=self.num_speculative_tokens,
-            guard=self._kv_store_guard)
+            cfg,
+            self.model_config,
+            self.kv_pool,
+            self._executor,
+            self._scheduler,
+            keep_default=self.envs.yoco_prefill_keep_tokens,
+            pending_drafts=self.num_speculative_tokens,
+            guard=self._kv_store_guard,
+        )
         if self.prefix is not None and self.prefix.link is not None:
             self._kv_store_guard = self.prefix.link.guard
-        self.requests = RequestTable(self._scheduler, self.state_pool, self.drafts, self.prefix, self.grammars,
-                                     self.outputs, cfg.seed)
+        self.requests = RequestTable(
+            self._scheduler, self.state_pool, self.drafts, self.prefix, self.grammars, self.outputs, cfg.seed
+        )
         # n > 1: samples 1..n-1 of a prompt of a block or more wait for sample 0's prefill (prefix caching)
-        self.groups = SampleGroups(self.requests, self.outputs,
-                                   hold_min_prompt=cfg.block_size if self.prefix is not None else None)
-        self.sampler = TokenSampler(self.requests, self.grammars, self.tokenizer, self.vocab_size, self._sample_op,
-                                    self._apply_mask)
-        self.runner = StepRunner(self._executor, self.state_pool, self.prefix, self.drafts, self.requests,
-                                 self.sampler, self._stats, batch_invariant=self.batch_invariant,
-                                 apply_mask=self._apply_mask)
+        self.groups = SampleGroups(
+            self.requests, self.outputs, hold_min_prompt=cfg.block_size if self.prefix is not None else None
+        )
+        self.sampler = TokenSampler(
+            self.requests, self.grammars, self.tokenizer, self.vocab_size, self._sample_op, self._apply_mask
+        )
+        self.runner = StepRunner(
+            self._executor,
+            self.state_pool,
+            self.prefix,
+            self.drafts,
+            self.requests,
+            self.sampler,
+            self._stats,
+            batch_invariant=self.batch_invariant,
+            apply_mask=self._apply_mask,
+        )
         self.order: StepOrder = make_step_order(self.step_mode, self.runner, self._stats)
         self._idle_steps = 0
 
@@ -215,13 +271,19 @@ class LLMEngine:
             return 0
         n = self.envs.use_nextn_decode if cfg.num_speculative_tokens is None else cfg.num_speculative_tokens
         if self.model.drafter is None:
-            raise ValueError("EngineConfig.speculative: the model has no DSpark drafter (num_nextn_predict_layers = 0)")
+            raise ValueError(
+                "EngineConfig.speculative: the model has no DSpark drafter (num_nextn_predict_layers = 0)"
+            )
         block = self.model.drafter.block
         if n > block:
-            raise ValueError(f"EngineConfig.num_speculative_tokens: {n} must be <= {block} (the drafter's block)")
+            raise ValueError(
+                f"EngineConfig.num_speculative_tokens: {n} must be <= {block} (the drafter's block)"
+            )
         if n > self.envs.max_backtracking_tokens:
-            raise ValueError(f"EngineConfig.num_speculative_tokens: {n} must be <= DEEPINFER_MAX_BACKTRACKING_TOKENS="
-                             f"{self.envs.max_backtracking_tokens} (rejected drafts are rolled back)")
+            raise ValueError(
+                f"EngineConfig.num_speculative_tokens: {n} must be <= DEEPINFER_MAX_BACKTRACKING_TOKENS="
+                f"{self.envs.max_backtracking_tokens} (rejected drafts are rolled back)"
+            )
         return n
 
     # ------------------------------------------------------------------ swappable parts
@@ -252,8 +314,14 @@ class LLMEngine:
         self._stats = self.runner.stats = self.order.stats = st
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None, *,
-                    output_kind: RequestOutputKind | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: Any = None,
+        *,
+        output_kind: RequestOutputKind | None = None,
+    ) -> None:
         """Queue a request; a bad one fails alone (its output, with ``error``, comes from ``step``).
 
         ``output_kind`` overrides ``params.output_kind`` (``LLM.generate`` asks for FINAL_ONLY). Raises
@@ -280,8 +348,10 @@ class LLMEngine:
             text, ids = normalize_prompt(prompt, self.tokenizer)
             sp = normalize_params(params, self.vocab_size)
             if len(ids) >= self.config.max_model_len:
-                raise RequestError(f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
-                                   f"{self.config.max_model_len} (prompts are never truncated)")
+                raise RequestError(
+                    f"prompt_token_ids: {len(ids)} tokens; must be < max_model_len="
+                    f"{self.config.max_model_len} (prompts are never truncated)"
+                )
             if sp.max_tokens is None:  # vLLM's rule: as many as the context leaves
                 sp = attrs.evolve(sp, max_tokens=self.config.max_model_len - len(ids))
         except RequestError as e:
@@ -327,14 +397,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.outputs.ready or self.requests.compiling or self.groups.held
-                        or self.scheduler.has_unfinished())
+            return bool(
+                self.outputs.ready
+                or self.requests.compiling
+                or self.groups.held
+                or self.scheduler.has_unfinished()
+            )
 
     def is_live(self, request_id: str) -> bool:
         """Added and not yet reported by ``step``."""
         with self._lock:
-            return (request_id in self.requests.reqs or self.outputs.is_group(request_id)
-                    or self.outputs.has_ready(request_id))
+            return (
+                request_id in self.requests.reqs
+                or self.outputs.is_group(request_id)
+                or self.outputs.has_ready(request_id)
+            )
 
     def hand_back(self, outputs: list[RequestOutput]) -> None:
         """Outputs taken out of ``step`` by a caller they do not belong to (``LLM.generate`` stepping an

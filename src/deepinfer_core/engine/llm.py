@@ -28,8 +28,11 @@ def _is_token_list(x: object) -> bool:
     """One prompt given as token ids: a non-empty list / tuple of ints, or a 1-D integer array."""
     if isinstance(x, np.ndarray):
         return x.ndim == 1 and x.dtype.kind in "iu"
-    return isinstance(x, list | tuple) and len(x) > 0 and all(isinstance(t, int | np.integer) and not isinstance(t, bool)
-                                                              for t in x)
+    return (
+        isinstance(x, list | tuple)
+        and len(x) > 0
+        and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in x)
+    )
 
 
 def _as_prompt_list(prompts: object) -> list[object]:
@@ -61,10 +64,12 @@ class LLM:
     several times slower (docs/performance.md, engine); ``None`` leaves torch's setting alone.
     """
 
-    def __init__(self, model: str = "tiny", *, num_threads: int | None = 1, envs: Envs | None = None,
-                 **kwargs: Any) -> None:
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                        or num_threads < 1):
+    def __init__(
+        self, model: str = "tiny", *, num_threads: int | None = 1, envs: Envs | None = None, **kwargs: Any
+    ) -> None:
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
             raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1, or None (torch's setting)")
         self.num_threads = num_threads
         self.config = EngineConfig(model=model, **kwargs)
@@ -87,7 +92,10 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams | dict[str, Any]] | None = None,
+        sampling_params: SamplingParams
+        | dict[str, Any]
+        | Sequence[SamplingParams | dict[str, Any]]
+        | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
@@ -101,8 +109,10 @@ class LLM:
         items = _as_prompt_list(prompts)
         if isinstance(sampling_params, list | tuple):
             if len(sampling_params) != len(items):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(items)} prompts; "
-                                 "give one, or one per prompt")
+                raise ValueError(
+                    f"sampling_params: {len(sampling_params)} given for {len(items)} prompts; "
+                    "give one, or one per prompt"
+                )
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(items)
@@ -125,7 +135,9 @@ class LLM:
                 eng.add_request(rid, p, sp, output_kind=RequestOutputKind.FINAL_ONLY)  # type: ignore[arg-type]
             mine = set(ids)
             t0, n_tok = time.perf_counter(), 0
-            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            with tqdm(
+                total=len(ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True
+            ) as bar:
                 while len(done) < len(ids):
                     for o in eng.step():
                         if o.request_id not in mine:  # another caller's request on the step-level API

@@ -236,8 +236,12 @@ class OutputBuilder:
         if error is not None:
             log.warning("request %r failed: %s", req.request_id, error)
         ids = fr.output_token_ids
-        metrics = {**gone.metrics, "arrival_time": req.arrival, "last_token_time": self.clock(),
-                   "num_generated_tokens": len(ids)}
+        metrics = {
+            **gone.metrics,
+            "arrival_time": req.arrival,
+            "last_token_time": self.clock(),
+            "num_generated_tokens": len(ids),
+        }
         text = None
         if hit is not None and stops is not None:  # the text ends at the stop string (vLLM's rule)
             ids, text = ids[: hit.tokens], stops.text()

@@ -22,7 +22,16 @@ ABORT = "abort"  # LLMEngine.abort
 ERROR = "error"  # the request could not be served; ``error`` says why (the rest of the batch is unaffected)
 VIOLATION = "grammar_violation"  # structured.FinishReason.VIOLATION: the finished document failed its check
 
-__all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "VIOLATION", "CompletionOutput", "RequestOutput", "RequestOutputKind"]
+__all__ = [
+    "ABORT",
+    "ERROR",
+    "LENGTH",
+    "STOP",
+    "VIOLATION",
+    "CompletionOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +95,13 @@ class RequestOutput:
         """The completions: ``samples`` with n > 1, else the one made of the flat fields."""
         if self.samples:
             return self.samples
-        return (CompletionOutput(index=0, text=self.text, token_ids=self.token_ids,
-                                 finish_reason=self.finish_reason if self.finished else None,
-                                 stop_reason=self.stop_reason, error=self.error),)
+        return (
+            CompletionOutput(
+                index=0,
+                text=self.text,
+                token_ids=self.token_ids,
+                finish_reason=self.finish_reason if self.finished else None,
+                stop_reason=self.stop_reason,
+                error=self.error,
+            ),
+        )

@@ -78,8 +78,14 @@ class Launched:
     pending: PendingStep | None = None
 
 
-def fill_holes(tokens: np.ndarray, seq_ids: np.ndarray, ix: np.ndarray, ntok: np.ndarray, last_token: np.ndarray,
-               prev: PendingStep | None) -> tuple[np.ndarray, np.ndarray]:
+def fill_holes(
+    tokens: np.ndarray,
+    seq_ids: np.ndarray,
+    ix: np.ndarray,
+    ntok: np.ndarray,
+    last_token: np.ndarray,
+    prev: PendingStep | None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Fill the plan's placeholders (token < 0) in place: from each sequence's last token known on the
     host (``last_token``, per ``ix``), except those the in-flight step ``prev`` sampled, which get a valid
     placeholder (0) here and their value on the device. Returns (flat token positions fed from ``prev``,
@@ -95,8 +101,9 @@ def fill_holes(tokens: np.ndarray, seq_ids: np.ndarray, ix: np.ndarray, ntok: np
     return hole[fed].astype(np.int64), src[fed].astype(np.int64)
 
 
-def batch_feed(fed_pos: np.ndarray, fed_src: np.ndarray, tok_keep: np.ndarray,
-               prev: PendingStep | None) -> TokenFeed | None:
+def batch_feed(
+    fed_pos: np.ndarray, fed_src: np.ndarray, tok_keep: np.ndarray, prev: PendingStep | None
+) -> TokenFeed | None:
     """The feed of one batch: the fed plan tokens that the batch keeps, at their batch positions."""
     if prev is None or fed_pos.size == 0:
         return None

@@ -103,8 +103,18 @@ class RowParts:
 class PrefixCaching:
     """Prefix caching for one engine (one pool, one executor)."""
 
-    def __init__(self, pool: PagedKVPool, executor: ModelExecutor, model_cfg: ModelConfig, *, block_size: int, mode: str,
-                 keep: int, host_bytes: int, pending_drafts: int) -> None:
+    def __init__(
+        self,
+        pool: PagedKVPool,
+        executor: ModelExecutor,
+        model_cfg: ModelConfig,
+        *,
+        block_size: int,
+        mode: str,
+        keep: int,
+        host_bytes: int,
+        pending_drafts: int,
+    ) -> None:
         self.index = PrefixIndex(pool)
         self.ex = executor
         self.bs = block_size
@@ -117,7 +127,11 @@ class PrefixCaching:
         self._metrics: dict[int, list[int]] = {}  # seq -> [cached, replayed], summed over its restarts
         self._ctx = int(executor.tok_ring)
         # tokens a hit always leaves to compute (plan_replay's tail; the model has a decoder here)
-        self.tail = self.cfg.exact_tail(pending_drafts) if self.cfg.mode == "exact" else max(self.cfg.keep, self.cfg.window + pending_drafts)
+        self.tail = (
+            self.cfg.exact_tail(pending_drafts)
+            if self.cfg.mode == "exact"
+            else max(self.cfg.keep, self.cfg.window + pending_drafts)
+        )
         self.link: Any = None  # a kvstore.StoreLink when EngineConfig.kv_store is set
         # encoder-ring snapshots on their way to the host store (CUDA): copied without a synchronisation,
         # put in order before the store is next read (begin), so every lookup sees the same store as if
@@ -143,23 +157,35 @@ class PrefixCaching:
         if nb > ng and not self.link.land(table[ng:nb], fetched[: nb - ng]):  # a failed swap-in is a miss too
             plan = self._plan(n, shared, dig)
         if plan.hit < shared:  # the scheduler's cap is the planner's: a shared block is never recomputed
-            raise RuntimeError(f"prefix caching: seq {seq} was admitted on {shared} shared tokens but the replay "
-                               f"plan keeps only {plan.hit} (scheduler prefix_align / prefix_tail out of step)")
+            raise RuntimeError(
+                f"prefix caching: seq {seq} was admitted on {shared} shared tokens but the replay "
+                f"plan keeps only {plan.hit} (scheduler prefix_align / prefix_tail out of step)"
+            )
         m = self._metrics.setdefault(seq, [0, 0])
         if plan.hit == 0:
             self._seq[seq] = _Seq(toks, dig, None, True)
             return
         nb = plan.hit // self.bs
         self._rebuild_encoder(plan, toks, dig[nb - 1], slot, table)
-        exact_enc = plan.encoder_restored or plan.steps[0].start == 0 or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
+        exact_enc = (
+            plan.encoder_restored
+            or plan.steps[0].start == 0
+            or plan.encoder_replay_tokens >= self.cfg.exact_encoder_replay()
+        )
         self._seq[seq] = _Seq(toks, dig, plan, exact_enc, published=plan.hit)
         self.stats.hits += 1
         self.stats.cached_tokens += plan.hit
         self.stats.replayed_tokens += plan.replayed_tokens
         m[0] += plan.hit
         m[1] += plan.replayed_tokens
-        log.debug("prefix hit seq %d: %d of %d tokens cached (%s), %d replayed", seq, plan.hit, n,
-                  "host rings" if plan.encoder_restored else "encoder replayed", plan.replayed_tokens)
+        log.debug(
+            "prefix hit seq %d: %d of %d tokens cached (%s), %d replayed",
+            seq,
+            plan.hit,
+            n,
+            "host rings" if plan.encoder_restored else "encoder replayed",
+            plan.replayed_tokens,
+        )
 
     def _plan(self, n: int, hit: int, dig: list[bytes]) -> ReplayPlan:
         plan = plan_replay(self.cfg, n, hit, self.pending)
@@ -196,8 +222,15 @@ class PrefixCaching:
         x = min(end, n) // self.al * self.al
         return x if x > start else 0
 
-    def publish(self, seq: int, upto: int, snap: int, rings: torch.Tensor | None, table: np.ndarray,
-                tokens: Callable[[], np.ndarray]) -> None:
+    def publish(
+        self,
+        seq: int,
+        upto: int,
+        snap: int,
+        rings: torch.Tensor | None,
+        table: np.ndarray,
+        tokens: Callable[[], np.ndarray],
+    ) -> None:
         """``seq`` has computed its first ``upto`` tokens exactly: insert its whole blocks below ``upto`` in the
         prefix index, and keep ``rings`` (its encoder rings at ``snap``) in the host store.
         ``tokens()`` gives the sequence's tokens when more are needed than it started with."""
@@ -240,9 +273,19 @@ class PrefixCaching:
         self._puts.clear()
 
     # ------------------------------------------------------------------ one engine step
-    def prepare(self, prefill: bool, rows: np.ndarray, seq_ids: np.ndarray, start: np.ndarray, ntok: np.ndarray,
-                tokens: np.ndarray, tables: np.ndarray, slots: Callable[[np.ndarray], np.ndarray],
-                known: Callable[[int], np.ndarray], cached: np.ndarray | None = None) -> StepRows:
+    def prepare(
+        self,
+        prefill: bool,
+        rows: np.ndarray,
+        seq_ids: np.ndarray,
+        start: np.ndarray,
+        ntok: np.ndarray,
+        tokens: np.ndarray,
+        tables: np.ndarray,
+        slots: Callable[[np.ndarray], np.ndarray],
+        known: Callable[[int], np.ndarray],
+        cached: np.ndarray | None = None,
+    ) -> StepRows:
         """Before a step's main batch: (re)start lookups, skipped hit tokens, the encoder-only parts (run
         here, one executor call), and what the main batch runs of each plan row (``StepRows``).
 
@@ -250,9 +293,14 @@ class PrefixCaching:
         (placeholders filled); ``slots(seq_ids)``: state slots; ``known(seq)``: a sequence's tokens;
         ``cached``: the plan's per-row shared hit (-1: not an admission; None: rows at 0 are admissions).
         """
-        out = StepRows(rows=rows, start=start.astype(np.int64).copy(), ntok=ntok.astype(np.int64).copy(),
-                       tok_mask=np.ones(tokens.shape[0], bool), floor=np.zeros(start.shape[0], np.int64),
-                       snap=np.zeros(start.shape[0], np.int64))
+        out = StepRows(
+            rows=rows,
+            start=start.astype(np.int64).copy(),
+            ntok=ntok.astype(np.int64).copy(),
+            tok_mask=np.ones(tokens.shape[0], bool),
+            floor=np.zeros(start.shape[0], np.int64),
+            snap=np.zeros(start.shape[0], np.int64),
+        )
         off = np.concatenate(([0], np.cumsum(ntok)))
         if not prefill:  # only rows crossing a boundary publish: no per-row Python in most decode steps
             out.decode = True
@@ -282,9 +330,17 @@ class PrefixCaching:
         out.rows = np.asarray([r for r in rows.tolist() if out.ntok[r] > 0], np.int64)
         return out
 
-    def _run_encoder(self, out: StepRows, enc: list[tuple[int, int, int, int]], tokens: np.ndarray, off: np.ndarray,
-                     start: np.ndarray, tables: np.ndarray, seq_ids: np.ndarray,
-                     slots: Callable[[np.ndarray], np.ndarray]) -> bool:
+    def _run_encoder(
+        self,
+        out: StepRows,
+        enc: list[tuple[int, int, int, int]],
+        tokens: np.ndarray,
+        off: np.ndarray,
+        start: np.ndarray,
+        tables: np.ndarray,
+        seq_ids: np.ndarray,
+        slots: Callable[[np.ndarray], np.ndarray],
+    ) -> bool:
         """The step's encoder-only parts ``enc`` ((plan row, start, end, snapshot) each) in one executor
         call, their rings published; False when the executor refused one (failed in ``out``, its row
         dropped)."""
@@ -292,10 +348,16 @@ class PrefixCaching:
 
         er = np.asarray([e[0] for e in enc])
         parts = [tokens[off[r] + a - int(start[r]) : off[r] + b - int(start[r])] for r, a, b, _ in enc]
-        b = ForwardBatch(token_ids=np.concatenate(parts), query_lens=[e[2] - e[1] for e in enc],
-                         start_pos=[e[1] for e in enc], block_tables=tables[er], state_slots=slots(seq_ids[er]),
-                         num_logits=np.zeros(len(enc), np.int64), encoder_only=True,
-                         snapshot_pos=[e[3] for e in enc])
+        b = ForwardBatch(
+            token_ids=np.concatenate(parts),
+            query_lens=[e[2] - e[1] for e in enc],
+            start_pos=[e[1] for e in enc],
+            block_tables=tables[er],
+            state_slots=slots(seq_ids[er]),
+            num_logits=np.zeros(len(enc), np.int64),
+            encoder_only=True,
+            snapshot_pos=[e[3] for e in enc],
+        )
         try:
             res = self.ex.execute(b)
         except BatchError as e:
@@ -305,11 +367,21 @@ class PrefixCaching:
             out.rows = np.setdiff1d(out.rows, er[e.request : e.request + 1])
             return False
         for i, (r, _, e_end, x) in enumerate(enc):
-            self.publish(int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64))
+            self.publish(
+                int(seq_ids[r]), e_end, x, res.snapshots.get(i), tables[r], lambda: np.zeros(0, np.int64)
+            )
         return True
 
-    def after(self, out: StepRows, rows: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray,
-              snapshots: dict[int, torch.Tensor], known: Callable[[int], np.ndarray], fed: np.ndarray) -> None:
+    def after(
+        self,
+        out: StepRows,
+        rows: np.ndarray,
+        seq_ids: np.ndarray,
+        tables: np.ndarray,
+        snapshots: dict[int, torch.Tensor],
+        known: Callable[[int], np.ndarray],
+        fed: np.ndarray,
+    ) -> None:
         """After the main batch ran ``rows`` (its request i = rows[i]): publish completed blocks and rings.
         ``fed``: each plan row's first input token (a decode row's verified token at its start)."""
         which = np.flatnonzero(out.snap[rows] > 0) if out.decode else np.arange(rows.shape[0])
@@ -332,8 +404,9 @@ class PrefixCaching:
         """The sequence stopped (preempted or finished): forget its plan (its metrics stay until taken)."""
         self._seq.pop(seq, None)
 
-    def _rebuild_encoder(self, plan: ReplayPlan, toks: np.ndarray, digest: bytes, slot: int,
-                         table: np.ndarray) -> None:
+    def _rebuild_encoder(
+        self, plan: ReplayPlan, toks: np.ndarray, digest: bytes, slot: int, table: np.ndarray
+    ) -> None:
         """The encoder rings at the hit: restored from the host store, or replayed (the plan's first step)."""
         first = plan.steps[0]
         ctx = toks[max(0, first.start - self._ctx) : first.start]
@@ -353,9 +426,17 @@ class PrefixCaching:
         return int(c), int(r)
 
 
-def make_prefix_caching(cfg: EngineConfig, model_cfg: ModelConfig, pool: PagedKVPool, executor: ModelExecutor,
-                        scheduler: Scheduler, *, keep_default: int, pending_drafts: int,
-                        guard: StoreGuard | None = None) -> PrefixCaching | None:
+def make_prefix_caching(
+    cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    pool: PagedKVPool,
+    executor: ModelExecutor,
+    scheduler: Scheduler,
+    *,
+    keep_default: int,
+    pending_drafts: int,
+    guard: StoreGuard | None = None,
+) -> PrefixCaching | None:
     """The engine's prefix caching per its config (None: off, or a model without a CED decoder).
     ``keep_default``: the SWA keep when ``cfg.swa_keep_tokens`` is unset (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS);
     ``pending_drafts``: the drafts a step may verify (the tail a hit always leaves to compute grows by them);
@@ -363,17 +444,29 @@ def make_prefix_caching(cfg: EngineConfig, model_cfg: ModelConfig, pool: PagedKV
     if not cfg.prefix_caching or model_cfg.encoder_layers >= model_cfg.num_hidden_layers:
         return None
     keep = cfg.swa_keep_tokens if cfg.swa_keep_tokens is not None else keep_default
-    pc = PrefixCaching(pool, executor, model_cfg, block_size=cfg.block_size, mode=cfg.swa_replay,
-                       keep=keep, host_bytes=cfg.swa_host_bytes, pending_drafts=pending_drafts)
+    pc = PrefixCaching(
+        pool,
+        executor,
+        model_cfg,
+        block_size=cfg.block_size,
+        mode=cfg.swa_replay,
+        keep=keep,
+        host_bytes=cfg.swa_host_bytes,
+        pending_drafts=pending_drafts,
+    )
     # admissions share cached blocks up to the largest hit the planner keeps (its tail left new)
     scheduler.set_prefix_sharing(pc.al, pc.tail)
     if cfg.kv_store is not None:
         from deepinfer_core.kvstore import BlockCodec, StoreLink, config_key
 
         # ``guard``: the previous run's (an engine's reset keeps it, and so its breaker's state)
-        pc.link = StoreLink(cfg.kv_store, BlockCodec.from_executor(executor), cfg.block_size,
-                            extra_key=config_key(cfg), traffic_class=cfg.kv_store_traffic_class,
-                            guard=guard if guard is not None else cfg.kv_store_guard)  # type: ignore[arg-type]
+        pc.link = StoreLink(
+            cfg.kv_store,
+            BlockCodec.from_executor(executor),
+            cfg.block_size,
+            extra_key=config_key(cfg),
+            traffic_class=cfg.kv_store_traffic_class,
+            guard=guard if guard is not None else cfg.kv_store_guard,
+        )  # type: ignore[arg-type]
         pc.stats.kv_store_errors = pc.link.guard.stats.errors
     return pc
-

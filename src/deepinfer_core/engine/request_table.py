@@ -78,7 +78,10 @@ class RequestTable:
         self.reqs[rid] = req
         if sp.stop:
             self.stops[rid] = StopStrings(
-                sp.stop, self.outputs.token_bytes(), include=sp.include_stop_str_in_output, min_tokens=sp.min_tokens
+                sp.stop,
+                self.outputs.token_bytes(),
+                include=sp.include_stop_str_in_output,
+                min_tokens=sp.min_tokens,
             )
         if sp.so_args is None:
             self._queue(req)

@@ -25,8 +25,10 @@ def _text_ids(text: str, tokenizer: Tokenizer, field: str) -> tuple[str, tuple[i
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: not text any tokenizer can encode
-        raise RequestError(f"{field}: not valid Unicode text (character {e.object[e.start]!r} at index {e.start} "
-                           "is a lone surrogate); pass valid text or token ids") from None
+        raise RequestError(
+            f"{field}: not valid Unicode text (character {e.object[e.start]!r} at index {e.start} "
+            "is a lone surrogate); pass valid text or token ids"
+        ) from None
     ids = tuple(tokenizer.encode(text))
     if not ids:
         raise RequestError(f"{field}: must not be empty")
@@ -66,15 +68,19 @@ def normalize_prompt(prompt: object, tokenizer: Tokenizer) -> tuple[str | None, 
     if isinstance(prompt, str):
         return _text_ids(prompt, tokenizer, "prompt")
     if isinstance(prompt, bytes | bytearray | memoryview):
-        raise RequestError(f"prompt: {type(prompt).__name__} is not accepted; decode it to str, or pass token ids")
+        raise RequestError(
+            f"prompt: {type(prompt).__name__} is not accepted; decode it to str, or pass token ids"
+        )
     if isinstance(prompt, Mapping):
         keys = set(prompt)
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return _text_ids(prompt["prompt"], tokenizer, "prompt")
         if keys == {"prompt_token_ids"}:
             return None, _token_ids(prompt["prompt_token_ids"], tokenizer.vocab_size, "prompt_token_ids")
-        raise RequestError("prompt: a dict prompt must be {\"prompt\": str} or {\"prompt_token_ids\": [int, ...]}, "
-                           f"got keys {sorted(map(str, keys))}")
+        raise RequestError(
+            'prompt: a dict prompt must be {"prompt": str} or {"prompt_token_ids": [int, ...]}, '
+            f"got keys {sorted(map(str, keys))}"
+        )
     if isinstance(prompt, Sequence | np.ndarray) or hasattr(prompt, "detach"):
         return None, _token_ids(prompt, tokenizer.vocab_size, "prompt_token_ids")
     raise RequestError(f"prompt: must be a str or a sequence of token ids, got {type(prompt).__name__}")
@@ -95,7 +101,9 @@ def normalize_params(params: object, vocab_size: int) -> SamplingParams:
         except ValueError as e:
             raise RequestError(str(e)) from None
     if not isinstance(params, SamplingParams):
-        raise RequestError(f"sampling_params: must be a SamplingParams or a dict, got {type(params).__name__}")
+        raise RequestError(
+            f"sampling_params: must be a SamplingParams or a dict, got {type(params).__name__}"
+        )
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise RequestError(f"SamplingParams.stop_token_ids: {bad} must be < vocab_size={vocab_size}")
@@ -135,7 +143,17 @@ class SeqTable:
     a plan still names after its request ended is dropped like any other dead row.
     """
 
-    _FIELDS = ("last_token", "n_out", "min_tokens", "temperature", "top_k", "top_p", "seed", "dead", "structured")
+    _FIELDS = (
+        "last_token",
+        "n_out",
+        "min_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "dead",
+        "structured",
+    )
 
     def __init__(self, capacity: int = 64) -> None:
         self.last_token = np.zeros(0, np.int64)  # the token sampled last (fills -1 placeholders)

@@ -65,9 +65,19 @@ class _Executed:
 class StepRunner:
     """Batch build, execution, sampling and draft collection for one plan (``run``), and landing (``land``)."""
 
-    def __init__(self, executor: ModelExecutor, state_pool: StatePool, prefix: PrefixCaching | None,
-                 drafts: DraftBook | None, table: RequestTable, sampler: TokenSampler, stats: StepStats, *,
-                 batch_invariant: bool, apply_mask: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        executor: ModelExecutor,
+        state_pool: StatePool,
+        prefix: PrefixCaching | None,
+        drafts: DraftBook | None,
+        table: RequestTable,
+        sampler: TokenSampler,
+        stats: StepStats,
+        *,
+        batch_invariant: bool,
+        apply_mask: Callable[..., Any],
+    ) -> None:
         self.executor = executor
         self.state_pool = state_pool
         self.prefix = prefix
@@ -157,9 +167,18 @@ class StepRunner:
         """Prefix caching: hit tokens skipped, encoder-only parts run, the tail's decoder floor."""
         assert self.prefix is not None
         plan = w.plan
-        pre = self.prefix.prepare(plan.step_type == StepType.PREFILL, rows, plan.seq_ids, plan.start, w.ntok,
-                                  w.tokens, plan.block_tables, self.state_pool.slots, self.table.known_tokens,
-                                  plan.cached)
+        pre = self.prefix.prepare(
+            plan.step_type == StepType.PREFILL,
+            rows,
+            plan.seq_ids,
+            plan.start,
+            w.ntok,
+            w.tokens,
+            plan.block_tables,
+            self.state_pool.slots,
+            self.table.known_tokens,
+            plan.cached,
+        )
         for seq, msg in pre.failed:
             self._fail_row(seq, msg)
         return pre
@@ -203,13 +222,20 @@ class StepRunner:
             temp = np.where(w.spec_row[rows], self.table.seqs.temperature[w.ix[rows]], 0.0)
             spec_kw.update(verify_lens=nd[rows], draft=w.spec_row[rows], temperature=temp)
             self.spec.masks_on(self.executor.spec, plan, rows, w.spec_row, w.tokens, w.ntok, w.ix)
-        batch = ForwardBatch(token_ids=w.tokens[tok_keep], query_lens=qn[rows], start_pos=qs[rows],
-                             block_tables=plan.block_tables[rows], state_slots=self.state_pool.slots(plan.seq_ids[rows]),
-                             num_logits=plan.sample[rows] + nd[rows], **spec_kw)
+        batch = ForwardBatch(
+            token_ids=w.tokens[tok_keep],
+            query_lens=qn[rows],
+            start_pos=qs[rows],
+            block_tables=plan.block_tables[rows],
+            state_slots=self.state_pool.slots(plan.seq_ids[rows]),
+            num_logits=plan.sample[rows] + nd[rows],
+            **spec_kw,
+        )
         return batch, tok_keep
 
-    def _sample(self, w: _Work, res: _Executed,
-                overlap: bool) -> tuple[np.ndarray, PendingStep | None, dict[int, list[int]]]:
+    def _sample(
+        self, w: _Work, res: _Executed, overlap: bool
+    ) -> tuple[np.ndarray, PendingStep | None, dict[int, list[int]]]:
         """Sample the plain rows (on the host, or with ``overlap`` left on the device) and collect the
         executor-verified rows: (tokens per plan row, the pending device tokens, verified rows' tokens)."""
         plan, rows = w.plan, res.rows
@@ -223,7 +249,9 @@ class StepRunner:
         pending = None
         if overlap:  # the tokens stay on the device; engine/overlap.py lands them after the next launch
             tok_t = self.sampler.sample_device(lg, seq, ix, pos)
-            pending = PendingStep(srows.astype(np.int64), seq.astype(np.int64), DeviceTokens(tok_t), plan.num_rows)
+            pending = PendingStep(
+                srows.astype(np.int64), seq.astype(np.int64), DeviceTokens(tok_t), plan.num_rows
+            )
         else:
             sampled[srows] = self.sampler.sample_rows(lg, seq, ix, pos)
         self.stats.tokens_sampled += int(srows.size)
@@ -247,8 +275,9 @@ class StepRunner:
             need &= res.keep_row[r_fed]  # == np.isin(r_fed, rows): r_fed are plan rows
             if need.any():  # after this step's launch: the device is busy meanwhile
                 first[r_fed[need]] = prev.tokens.host()[src[need]]
-        self.prefix.after(pre, res.rows, plan.seq_ids, plan.block_tables, self._snapshots,
-                          self.table.known_tokens, first)
+        self.prefix.after(
+            pre, res.rows, plan.seq_ids, plan.block_tables, self._snapshots, self.table.known_tokens, first
+        )
 
     def _step_tokens(self, plan: Plan, sampled: np.ndarray, got: dict[int, list[int]]) -> StepTokens:
         """The step's tokens as ``Scheduler.update`` takes them; with drafts, flat tokens and a count per row."""
@@ -288,9 +317,13 @@ class StepRunner:
         try:
             return Launched(step.plan, self._land(step.pending))
         except Exception as e:
-            log.exception("engine: step %d failed when its tokens were read; its batch's requests fail",
-                          step.plan.step_id)
-            return Launched(step.plan, self.fail_plan(step.plan, f"engine step failed: {type(e).__name__}: {e}"))
+            log.exception(
+                "engine: step %d failed when its tokens were read; its batch's requests fail",
+                step.plan.step_id,
+            )
+            return Launched(
+                step.plan, self.fail_plan(step.plan, f"engine step failed: {type(e).__name__}: {e}")
+            )
 
     def _land(self, pend: PendingStep) -> StepTokens:
         host = pend.tokens.host()
@@ -322,10 +355,14 @@ class StepRunner:
                 params = inspect.signature(fn).parameters
             except (TypeError, ValueError):
                 params = {}
-            ok = self._feed_ok[key] = "feed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+            ok = self._feed_ok[key] = "feed" in params or any(
+                p.kind is p.VAR_KEYWORD for p in params.values()
+            )
             if not ok:
-                log.info("engine: async overlap off: the executor's execute (%s) takes no device token feed",
-                         getattr(key, "__qualname__", key))
+                log.info(
+                    "engine: async overlap off: the executor's execute (%s) takes no device token feed",
+                    getattr(key, "__qualname__", key),
+                )
         return ok
 
     def needs_host_tokens(self, plan: Plan) -> bool:
@@ -334,17 +371,24 @@ class StepRunner:
         return self.table.grammars.manager is not None and bool(s.structured[s.ix(plan.seq_ids)].any())
 
     # ------------------------------------------------------------------ the executor call
-    def _execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    def _execute(
+        self, batch: ForwardBatch, feed: TokenFeed | None = None
+    ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """Logits of the sampled rows, request by request, and the DSpark outputs (numpy; empty when
         nothing drafts or verifies). ``feed``: batch tokens still on the device (engine/overlap.py)."""
-        kw = {} if feed is None else {"feed": feed}  # executors without the overlap keep their one-argument call
+        kw = (
+            {} if feed is None else {"feed": feed}
+        )  # executors without the overlap keep their one-argument call
         if not self.batch_invariant or batch.num_requests == 1:
             outs = [self.executor.execute(batch, **kw)]
         else:
             outs = self._execute_each(batch, feed)
         logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
-        self._snapshots = (outs[0].snapshots if len(outs) == 1
-                           else {i: o.snapshots[0] for i, o in enumerate(outs) if o.snapshots})
+        self._snapshots = (
+            outs[0].snapshots
+            if len(outs) == 1
+            else {i: o.snapshots[0] for i, o in enumerate(outs) if o.snapshots}
+        )
         spec: dict[str, np.ndarray] = {}
         if self.drafts is not None:
             for name in ("num_accepted", "next_token", "drafts", "draft_confidence"):
@@ -359,11 +403,19 @@ class StepRunner:
         outs = []
         for i in range(batch.num_requests):
             sl = slice(i, i + 1)
-            opt = {n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
-                   for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")}
-            one = ForwardBatch(token_ids=batch.token_ids[off[i]:off[i + 1]], query_lens=batch.query_lens[sl],
-                               start_pos=batch.start_pos[sl], block_tables=batch.block_tables[sl],
-                               state_slots=batch.state_slots[sl], num_logits=batch.num_logits[sl], **opt)
+            opt = {
+                n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
+                for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")
+            }
+            one = ForwardBatch(
+                token_ids=batch.token_ids[off[i] : off[i + 1]],
+                query_lens=batch.query_lens[sl],
+                start_pos=batch.start_pos[sl],
+                block_tables=batch.block_tables[sl],
+                state_slots=batch.state_slots[sl],
+                num_logits=batch.num_logits[sl],
+                **opt,
+            )
             sub = {} if feed is None else {"feed": feed.sub(int(off[i]), int(off[i + 1]))}
             outs.append(self.executor.execute(one, **sub))
         return outs

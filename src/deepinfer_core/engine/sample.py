@@ -29,8 +29,15 @@ class TokenSampler:
     """``sample_rows`` (host tokens) / ``sample_device`` (the overlap's device tokens) and the grammar /
     stop-string bookkeeping around them."""
 
-    def __init__(self, table: RequestTable, grammars: Grammars, tokenizer: Tokenizer, vocab_size: int,
-                 sample_op: Callable[..., torch.Tensor], apply_mask_op: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        table: RequestTable,
+        grammars: Grammars,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        sample_op: Callable[..., torch.Tensor],
+        apply_mask_op: Callable[..., Any],
+    ) -> None:
         self.table = table
         self.grammars = grammars
         self.tokenizer = tokenizer
@@ -38,7 +45,9 @@ class TokenSampler:
         self.sample_op = sample_op
         self.apply_mask = apply_mask_op
 
-    def sample_rows(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def sample_rows(
+        self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
         """Mask (min_tokens, grammar) and sample one token per logits row; advance the grammars.
         ``seq``: the rows' seq ids; ``ix``: their places in the per-sequence arrays."""
         s = self.table.seqs
@@ -57,8 +66,12 @@ class TokenSampler:
         for r in dead_end.tolist():  # the grammar allows no token: the scheduler fails it on a negative token
             req = self.table.by_seq[int(seq[r])]
             assert g is not None
-            self.table.end(req, str(g.finish_reason(req.request_id)), "grammar dead end: no token can continue",
-                           EndHow.BY_TOKEN)
+            self.table.end(
+                req,
+                str(g.finish_reason(req.request_id)),
+                "grammar dead end: no token can continue",
+                EndHow.BY_TOKEN,
+            )
             tok[r] = -1
         tok[failed] = -1
         s.last_token[ix] = tok
@@ -101,7 +114,9 @@ class TokenSampler:
         self.table.end(req, reason, error, EndHow.AFTER_UPDATE)
         return True
 
-    def sample_device(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def sample_device(
+        self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
         """``sample_rows`` for the asynchronous overlap: the tokens stay a device tensor (never read back
         here). Only for rows that need no host token value before the next step: no grammar (the caller
         keeps structured steps synchronous). The host side (last token, stop strings) runs when the
@@ -123,7 +138,9 @@ class TokenSampler:
         cc: list[int] = []
         for r in early.tolist():
             req = self.table.by_seq[int(seq[r])]
-            ban = ([] if req.params.ignore_eos else [self.tokenizer.eos_token_id]) + list(req.params.stop_token_ids)
+            ban = ([] if req.params.ignore_eos else [self.tokenizer.eos_token_id]) + list(
+                req.params.stop_token_ids
+            )
             rr += [r] * len(ban)
             cc += ban
         if rr:
@@ -133,8 +150,14 @@ class TokenSampler:
         """One token per (masked) logits row, on the logits' device: no host synchronisation."""
         s, dev = self.table.seqs, logits.device
         if (s.temperature[ix] > 0).any():
-            return self.sample_op(logits, h2d(s.temperature[ix], dev), h2d(s.top_k[ix], dev),
-                                  h2d(s.top_p[ix], dev), h2d(s.seed[ix], dev), h2d(positions, dev))
+            return self.sample_op(
+                logits,
+                h2d(s.temperature[ix], dev),
+                h2d(s.top_k[ix], dev),
+                h2d(s.top_p[ix], dev),
+                h2d(s.seed[ix], dev),
+                h2d(positions, dev),
+            )
         # every row greedy (known on the host): the sampler's argmax without its full sort and RNG
         return greedy_tokens(logits)
 
@@ -155,7 +178,9 @@ class TokenSampler:
             g.advance(req.request_id, toks)
             why = g.finish_reason(req.request_id)
         except Exception as e:  # a grammar library error fails that request alone
-            self.table.end(req, ERROR, f"SamplingParams.so_args: grammar library error: {e}", EndHow.AFTER_UPDATE)
+            self.table.end(
+                req, ERROR, f"SamplingParams.so_args: grammar library error: {e}", EndHow.AFTER_UPDATE
+            )
             return False
         if why is None:
             return True
@@ -169,8 +194,9 @@ class TokenSampler:
             self.table.end(req, how=EndHow.BY_TOKEN)
         return False
 
-    def _grammar_masks(self, seq: np.ndarray, con: np.ndarray, n: int,
-                       failed: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    def _grammar_masks(
+        self, seq: np.ndarray, con: np.ndarray, n: int, failed: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """Bitmask rows for the constrained rows ``con`` (others allow all) and the dead-end rows. The
         batch is filled in one call; if the library raises, row by row, so only the failing requests
         fail (marked in ``failed``, their rows allow nothing)."""
@@ -183,15 +209,21 @@ class TokenSampler:
             full[torch.as_tensor(con)] = masks.bitmask
             return full, con[masks.dead_end]
         except Exception:  # find the request(s) at fault
-            log.exception("engine: grammar fill failed for a batch of %d; retrying request by request", len(rids))
+            log.exception(
+                "engine: grammar fill failed for a batch of %d; retrying request by request", len(rids)
+            )
         full = torch.full((n, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         dead: list[int] = []
         for r, rid in zip(con.tolist(), rids):
             try:
                 m = g.fill_bitmask([(rid, ())])
             except Exception as e:
-                self.table.end(self.table.reqs[rid], ERROR, f"SamplingParams.so_args: grammar library error: {e}",
-                               EndHow.BY_TOKEN)
+                self.table.end(
+                    self.table.reqs[rid],
+                    ERROR,
+                    f"SamplingParams.so_args: grammar library error: {e}",
+                    EndHow.BY_TOKEN,
+                )
                 failed[r] = True
                 full[r] = 0
                 continue

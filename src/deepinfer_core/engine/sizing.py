@@ -70,15 +70,18 @@ def probe_cache_bytes(make_executor: Callable[[int, int], ModelExecutor]) -> Cac
 def activation_reserve(cfg: EngineConfig, hidden_size: int, dtype_bytes: int) -> int:
     """Bytes kept out of the caches for one step's activations (an estimate; the knob is
     ``gpu_memory_utilization``)."""
-    return max(MIN_RESERVE, cfg.max_num_batched_tokens * hidden_size * dtype_bytes * RESERVE_VECTORS_PER_TOKEN)
+    return max(
+        MIN_RESERVE, cfg.max_num_batched_tokens * hidden_size * dtype_bytes * RESERVE_VECTORS_PER_TOKEN
+    )
 
 
 def blocks_per_seq(cfg: EngineConfig) -> int:
     return -(-cfg.max_model_len // cfg.block_size)
 
 
-def size_pool(cfg: EngineConfig, cost: CacheBytes, *, free_bytes: int, total_bytes: int,
-              reserve_bytes: int) -> PoolSize:
+def size_pool(
+    cfg: EngineConfig, cost: CacheBytes, *, free_bytes: int, total_bytes: int, reserve_bytes: int
+) -> PoolSize:
     """The pool for ``cfg`` on a device with ``free_bytes`` of ``total_bytes`` free now (weights loaded).
 
     Budget: ``gpu_memory_utilization * total - (total - free) - reserve``. ``max_num_seqs`` (when None):
@@ -97,7 +100,8 @@ def size_pool(cfg: EngineConfig, cost: CacheBytes, *, free_bytes: int, total_byt
             f"leaves {budget / gib:.2f} GiB for the KV caches after {used / gib:.1f} GiB in use (weights, other "
             f"processes) and a {reserve_bytes / gib:.1f} GiB activation reserve; one sequence of max_model_len="
             f"{cfg.max_model_len} needs {need_one / gib:.3f} GiB: raise gpu_memory_utilization, lower "
-            "max_model_len, or set num_blocks / max_num_seqs")
+            "max_model_len, or set num_blocks / max_num_seqs"
+        )
     seqs = cfg.max_num_seqs
     if seqs is None:
         fit = (budget // 4) // max(cost.per_slot, 1)
@@ -111,14 +115,23 @@ def size_pool(cfg: EngineConfig, cost: CacheBytes, *, free_bytes: int, total_byt
             raise ValueError(
                 f"EngineConfig.max_num_seqs: {seqs} state slots leave room for {blocks} blocks, fewer than one "
                 f"sequence of max_model_len={cfg.max_model_len} needs ({per_seq + 1}): lower max_num_seqs or "
-                "raise gpu_memory_utilization")
+                "raise gpu_memory_utilization"
+            )
     used_cache = blocks * cost.per_block + seqs * cost.per_slot
-    return PoolSize(num_blocks=blocks, max_num_seqs=seqs, budget_bytes=budget, cache_bytes=used_cache,
-                    source="memory")
+    return PoolSize(
+        num_blocks=blocks, max_num_seqs=seqs, budget_bytes=budget, cache_bytes=used_cache, source="memory"
+    )
 
 
-def resolve(cfg: EngineConfig, *, on_gpu: bool, cost: Callable[[], CacheBytes],
-            memory: Callable[[], tuple[int, int]], hidden_size: int, dtype_bytes: int) -> tuple[EngineConfig, PoolSize]:
+def resolve(
+    cfg: EngineConfig,
+    *,
+    on_gpu: bool,
+    cost: Callable[[], CacheBytes],
+    memory: Callable[[], tuple[int, int]],
+    hidden_size: int,
+    dtype_bytes: int,
+) -> tuple[EngineConfig, PoolSize]:
     """``cfg`` with ``num_blocks`` and ``max_num_seqs`` set. Off the GPU (or both given): the fixed defaults
     for what is None. On the GPU: :func:`size_pool` over ``memory()`` = (free, total) bytes, with
     ``cost()`` (called only then: it builds probe executors) giving the per-block / per-slot bytes."""
@@ -129,10 +142,23 @@ def resolve(cfg: EngineConfig, *, on_gpu: bool, cost: Callable[[], CacheBytes],
         s = DEFAULT_MAX_NUM_SEQS if cfg.max_num_seqs is None else cfg.max_num_seqs
         return attrs.evolve(cfg, num_blocks=n, max_num_seqs=s), PoolSize(n, s, 0, 0, "default")
     free, total = memory()
-    size = size_pool(cfg, cost(), free_bytes=free, total_bytes=total,
-                     reserve_bytes=activation_reserve(cfg, hidden_size, dtype_bytes))
+    size = size_pool(
+        cfg,
+        cost(),
+        free_bytes=free,
+        total_bytes=total,
+        reserve_bytes=activation_reserve(cfg, hidden_size, dtype_bytes),
+    )
     gib = 1 << 30
-    log.info("engine: KV pool from GPU memory (gpu_memory_utilization=%.2f of %.1f GiB, %.1f GiB free after the "
-             "weights): %d blocks x %d tokens, max_num_seqs %d, %.2f GiB of caches", cfg.gpu_memory_utilization,
-             total / gib, free / gib, size.num_blocks, cfg.block_size, size.max_num_seqs, size.cache_bytes / gib)
+    log.info(
+        "engine: KV pool from GPU memory (gpu_memory_utilization=%.2f of %.1f GiB, %.1f GiB free after the "
+        "weights): %d blocks x %d tokens, max_num_seqs %d, %.2f GiB of caches",
+        cfg.gpu_memory_utilization,
+        total / gib,
+        free / gib,
+        size.num_blocks,
+        cfg.block_size,
+        size.max_num_seqs,
+        size.cache_bytes / gib,
+    )
     return attrs.evolve(cfg, num_blocks=size.num_blocks, max_num_seqs=size.max_num_seqs), size

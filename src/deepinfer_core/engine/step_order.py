@@ -136,19 +136,27 @@ class OverlapOrder:
         return [done]
 
 
-def choose_mode(async_scheduling: bool, async_overlap: bool, drafts: DraftBook | None, executor: ModelExecutor) -> str:
+def choose_mode(
+    async_scheduling: bool, async_overlap: bool, drafts: DraftBook | None, executor: ModelExecutor
+) -> str:
     """sync (no async scheduling: always with drafts), async, or overlap (engine/overlap.py): on with
     async scheduling unless the executor must read every step's tokens on the host before the next."""
     if drafts is not None:
-        log.info("engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
-                 drafts.max_drafts, type(drafts.policy).__name__)
+        log.info(
+            "engine: speculative decoding, up to %d drafts per request (%s), synchronous scheduling",
+            drafts.max_drafts,
+            type(drafts.policy).__name__,
+        )
     # a verify row's next position depends on how many drafts are accepted, so with drafts the
     # engine plans each step after the previous one's tokens are applied (see docs/engine.md)
     if not async_scheduling or drafts is not None:
         return "sync"
     if async_overlap and not executor.token_feed_ok:
-        log.info("engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
-                 "placed %r); every step waits for the previous step's tokens", executor.engram_placement)
+        log.info(
+            "engine: async overlap off: the executor hashes Engram n-grams from host tokens (tables "
+            "placed %r); every step waits for the previous step's tokens",
+            executor.engram_placement,
+        )
         return "async"
     return "overlap" if async_overlap else "async"
 

@@ -38,8 +38,14 @@ class StopStrings:
 
     __slots__ = ("_buf", "_include", "_min_tokens", "_ntok", "_pats", "_stops", "_token_bytes", "hit")
 
-    def __init__(self, stops: Sequence[str], token_bytes: Sequence[bytes], *, include: bool = False,
-                 min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        stops: Sequence[str],
+        token_bytes: Sequence[bytes],
+        *,
+        include: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
         if not stops:
             raise ValueError("SamplingParams.stop: needs at least one string")
         self._stops = tuple(stops)

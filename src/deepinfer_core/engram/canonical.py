@@ -57,7 +57,9 @@ class CanonicalTokenMap:
         return cls(np.arange(vocab_size, dtype=np.int64))
 
     @classmethod
-    def from_token_texts(cls, texts: Sequence[str | bytes | None], strip_accents: bool = False) -> CanonicalTokenMap:
+    def from_token_texts(
+        cls, texts: Sequence[str | bytes | None], strip_accents: bool = False
+    ) -> CanonicalTokenMap:
         """Build from each id's text. ``bytes`` that are not valid UTF-8 (partial characters of byte-level
         tokenizers) and ``None`` (control tokens) are kept distinct: they key on themselves, never merge
         with a text token."""

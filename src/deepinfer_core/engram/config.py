@@ -91,11 +91,27 @@ class EngramConfig:
         """DeepSeek-V4.1-Flash's shape as far as public sources show it: layers 1 and 14, orders 2..4,
         8 heads, head_dim 256, vocab 129,280, pad 2. The per-order base size is not published; 16,000,000
         gives 24 sub-tables of ~16M rows, i.e. the reported ~384M rows per layer (an assumption)."""
-        return cls(layer_ids=(1, 14), max_ngram=4, heads_per_order=8, table_sizes=16_000_000,
-                   vocab_size=129_280, pad_id=2, seed=0, head_dim=256)
+        return cls(
+            layer_ids=(1, 14),
+            max_ngram=4,
+            heads_per_order=8,
+            table_sizes=16_000_000,
+            vocab_size=129_280,
+            pad_id=2,
+            seed=0,
+            head_dim=256,
+        )
 
     @classmethod
     def tiny(cls) -> EngramConfig:
         """The tiny test model's Engram: layers 1 and 3, orders 2-3, 2 heads, small primes, vocab 512."""
-        return cls(layer_ids=(1, 3), max_ngram=3, heads_per_order=2, table_sizes=(1009, 2003),
-                   vocab_size=512, pad_id=2, seed=0, head_dim=64)
+        return cls(
+            layer_ids=(1, 3),
+            max_ngram=3,
+            heads_per_order=2,
+            table_sizes=(1009, 2003),
+            vocab_size=512,
+            pad_id=2,
+            seed=0,
+            head_dim=64,
+        )

@@ -62,7 +62,9 @@ def next_prime(start: int, taken: set[int]) -> int:
     return c
 
 
-def derive_multipliers(layer_ids: tuple[int, ...], max_ngram: int, num_canonical: int, seed: int) -> np.ndarray:
+def derive_multipliers(
+    layer_ids: tuple[int, ...], max_ngram: int, num_canonical: int, seed: int
+) -> np.ndarray:
     """Odd int64 multipliers [L, max_ngram], one row per layer (public scheme, see module docstring)."""
     half_bound = max(1, (np.iinfo(np.int64).max // num_canonical) // 2)
     out = np.empty((len(layer_ids), max_ngram), dtype=np.int64)
@@ -101,21 +103,29 @@ class EngramHasher:
     def __init__(self, config: EngramConfig, token_map: CanonicalTokenMap | None = None) -> None:
         tm = token_map if token_map is not None else CanonicalTokenMap.identity(config.vocab_size)
         if tm.vocab_size != config.vocab_size:
-            raise ValueError(f"token_map: covers {tm.vocab_size} ids, config.vocab_size is {config.vocab_size}")
+            raise ValueError(
+                f"token_map: covers {tm.vocab_size} ids, config.vocab_size is {config.vocab_size}"
+            )
         self.config = config
         self.token_map = tm
         self.pad_canonical = int(tm.lookup[config.pad_id])
-        self.multipliers = derive_multipliers(config.layer_ids, config.max_ngram, tm.num_canonical, config.seed)
+        self.multipliers = derive_multipliers(
+            config.layer_ids, config.max_ngram, tm.num_canonical, config.seed
+        )
         self.primes = derive_primes(config)
         flat = self.primes.reshape(len(config.layer_ids), -1)
-        self.offsets = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]], axis=1)
+        self.offsets = np.concatenate(
+            [np.zeros((flat.shape[0], 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]], axis=1
+        )
         self.layer_rows = flat.sum(axis=1)
         if int(self.layer_rows.max()) >= 2**31:
             raise ValueError(
                 f"table_sizes={config.table_sizes}: a layer's table has {int(self.layer_rows.max())} rows; "
                 "int32 row ids allow < 2**31 per layer"
             )
-        self._dev_cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._dev_cache: dict[
+            tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
         self._decode_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         log.debug("EngramHasher: layers %s, rows per layer %s", config.layer_ids, self.layer_rows.tolist())
 
@@ -124,7 +134,9 @@ class EngramHasher:
         try:
             return self.config.layer_ids.index(layer_id)
         except ValueError:
-            raise ValueError(f"layer_id={layer_id}: not an Engram layer; layers are {self.config.layer_ids}") from None
+            raise ValueError(
+                f"layer_id={layer_id}: not an Engram layer; layers are {self.config.layer_ids}"
+            ) from None
 
     def num_rows(self, layer_id: int) -> int:
         """Rows of layer ``layer_id``'s concatenated table."""
@@ -188,10 +200,14 @@ class EngramHasher:
         dist = idx - cu[seg]  # tokens of the same sequence before this one, in this batch
         if context is not None:
             if tuple(context.shape) != (num_seqs, n - 1):
-                raise ValueError(f"context: shape {tuple(context.shape)}, expected [num_seqs={num_seqs}, max_ngram-1={n - 1}]")
+                raise ValueError(
+                    f"context: shape {tuple(context.shape)}, expected [num_seqs={num_seqs}, max_ngram-1={n - 1}]"
+                )
             ctx = context.to(dev, torch.int64)
             if validate and ctx.numel() and int(ctx.min()) < -1:
-                raise ValueError(f"context: id {int(ctx.min())} is invalid; use -1 for 'before the sequence start'")
+                raise ValueError(
+                    f"context: id {int(ctx.min())} is invalid; use -1 for 'before the sequence start'"
+                )
             none = ctx < 0
             ctx = torch.where(none, self.pad_canonical, self.token_map(ctx.clamp_min(0), validate))
         out = torch.empty((t, n), dtype=torch.int64, device=dev)
@@ -218,7 +234,9 @@ class EngramHasher:
         num_seqs = cu.shape[0] - 1
         ctx = np.asarray(context, np.int64)
         if ctx.shape != (num_seqs, n - 1):
-            raise ValueError(f"context: shape {ctx.shape}, expected [num_seqs={num_seqs}, max_ngram-1={n - 1}]")
+            raise ValueError(
+                f"context: shape {ctx.shape}, expected [num_seqs={num_seqs}, max_ngram-1={n - 1}]"
+            )
         idx = np.arange(t)
         seg = np.minimum(np.searchsorted(cu[1:], idx, side="right"), max(num_seqs - 1, 0))
         dist = idx - cu[seg]  # tokens of the same sequence before this one, in this batch
@@ -226,13 +244,17 @@ class EngramHasher:
         grams = np.empty((t, n), np.int64)
         grams[:, 0] = canon
         for k in range(1, n):
-            grams[:, k] = np.where(dist >= k, canon[np.maximum(idx - k, 0)], ctx[seg, np.clip(k - 1 - dist, 0, n - 2)])
+            grams[:, k] = np.where(
+                dist >= k, canon[np.maximum(idx - k, 0)], ctx[seg, np.clip(k - 1 - dist, 0, n - 2)]
+            )
         # the reference op's maths: int64 products wrap (numpy arrays wrap silently, as torch does)
         prod = grams[None, :, :] * self.multipliers[:, None, :]  # [L, T, N]
         h, cols = prod[:, :, 0], []
         for k in range(1, n):
             h = h ^ prod[:, :, k]
-            cols.append(np.mod(h[:, :, None], self.primes[:, None, k - 1, :]))  # floor mod, like torch.remainder
+            cols.append(
+                np.mod(h[:, :, None], self.primes[:, None, k - 1, :])
+            )  # floor mod, like torch.remainder
         return (np.concatenate(cols, axis=-1) + self.offsets[:, None, :]).astype(np.int32)
 
     def hash(
@@ -256,20 +278,26 @@ class EngramHasher:
             return flat.reshape(flat.shape[0], b, t, flat.shape[-1])
         grams = self.ngram_token_ids(token_ids, cu_seqlens, context, validate)
         # the reference op computes in int64; tile_kernels (the cuda op's first choice) takes int32
-        mult, primes, offsets = self.device_params(grams.device, torch.int64 if backend == "reference" else torch.int32)
+        mult, primes, offsets = self.device_params(
+            grams.device, torch.int64 if backend == "reference" else torch.int32
+        )
         return get_op("engram_hash", backend)(grams, mult, primes, offsets, check=validate)
 
 
 def _shape_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens: must be a 1-D int tensor [num_seqs+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens: must be a 1-D int tensor [num_seqs+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     return cu_seqlens.to(torch.int64)
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     cu = _shape_cu_seqlens(cu_seqlens)
     if int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
-        raise ValueError(f"cu_seqlens: must start at 0 and end at num_tokens={num_tokens}, got {int(cu[0])}..{int(cu[-1])}")
+        raise ValueError(
+            f"cu_seqlens: must start at 0 and end at num_tokens={num_tokens}, got {int(cu[0])}..{int(cu[-1])}"
+        )
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError("cu_seqlens: must be non-decreasing")
     return cu

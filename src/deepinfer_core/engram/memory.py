@@ -32,7 +32,10 @@ class EngramMemoryPlan:
 
 
 def plan_memory(
-    table_rows: int | tuple[int, ...] | list[int], row_dim: int, fmt: str, group_size: int,
+    table_rows: int | tuple[int, ...] | list[int],
+    row_dim: int,
+    fmt: str,
+    group_size: int,
     scales_replicated: bool = False,
 ) -> EngramMemoryPlan:
     """Plan for tables of ``table_rows`` rows each (one int: one table). ``scales_replicated``: the fp8
@@ -50,13 +53,21 @@ def plan_memory(
         scale_bytes = bpr - row_dim
         per_rank = sum(rpr) * row_dim + sum(rows) * scale_bytes
     return EngramMemoryPlan(
-        table_rows=rows, row_dim=row_dim, fmt=fmt, group_size=group_size, bytes_per_row=bpr,
-        rows_per_rank=rpr, bytes_per_rank=per_rank, total_bytes=sum(rows) * bpr,
+        table_rows=rows,
+        row_dim=row_dim,
+        fmt=fmt,
+        group_size=group_size,
+        bytes_per_row=bpr,
+        rows_per_rank=rpr,
+        bytes_per_rank=per_rank,
+        total_bytes=sum(rows) * bpr,
         scales_replicated=scales_replicated and fmt == "fp8",
     )
 
 
-def plan_for_config(config: EngramConfig, fmt: str, group_size: int, scales_replicated: bool = False) -> EngramMemoryPlan:
+def plan_for_config(
+    config: EngramConfig, fmt: str, group_size: int, scales_replicated: bool = False
+) -> EngramMemoryPlan:
     """Plan for every layer's table of ``config`` (primes derived as the hasher does)."""
     from deepinfer_core.engram.hashing import derive_primes
 

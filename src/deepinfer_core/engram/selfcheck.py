@@ -21,7 +21,9 @@ import torch.multiprocessing as mp
 
 def _values(num_rows: int, dim: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234 + num_rows)  # same table on every rank
-    return torch.randn(num_rows, dim, generator=g) * torch.exp2(torch.randint(-6, 6, (num_rows, 1), generator=g).float())
+    return torch.randn(num_rows, dim, generator=g) * torch.exp2(
+        torch.randint(-6, 6, (num_rows, 1), generator=g).float()
+    )
 
 
 def run(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
@@ -46,7 +48,9 @@ def run(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
                     torch.randint(first_lo, first_hi, (2, 3), generator=g),  # owned by rank 0 only
                     torch.full((6,), num_rows - 1),  # one id repeated
                     # some ranks ask for nothing at all
-                    torch.empty(0, dtype=torch.int64) if rank % 2 else torch.randint(0, num_rows, (5,), generator=g),
+                    torch.empty(0, dtype=torch.int64)
+                    if rank % 2
+                    else torch.randint(0, num_rows, (5,), generator=g),
                     torch.empty(0, 3, dtype=torch.int64),  # nobody asks for anything
                     torch.randint(0, num_rows, (4, 2), generator=g).to(torch.int32),  # int32 ids
                 ]
@@ -79,7 +83,9 @@ def spawn(world: int, init_file: str, backend: str = "gloo") -> None:
     """Run the check on ``world`` local processes, forked from a forkserver that imported torch once
     (spawning would import torch in every rank; plain fork is unsafe after torch's thread pools start)."""
     mp.set_forkserver_preload(["torch", "torch.distributed", "deepinfer_core.engram"])
-    mp.start_processes(run, args=(world, init_file, backend), nprocs=world, join=True, start_method="forkserver")
+    mp.start_processes(
+        run, args=(world, init_file, backend), nprocs=world, join=True, start_method="forkserver"
+    )
 
 
 def main() -> None:

@@ -55,7 +55,9 @@ class ShardedEngramTable:
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ShardedEngramTable: torch.distributed is not initialised; call init_process_group first")
+            raise RuntimeError(
+                "ShardedEngramTable: torch.distributed is not initialised; call init_process_group first"
+            )
         self.fmt = _check_storage(local_data, local_scales)
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -79,7 +81,10 @@ class ShardedEngramTable:
 
     @classmethod
     def from_full(
-        cls, values: torch.Tensor, fmt: str = "bf16", group: dist.ProcessGroup | None = None,
+        cls,
+        values: torch.Tensor,
+        fmt: str = "bf16",
+        group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
     ) -> ShardedEngramTable:
         """Keep this rank's block of a full [num_rows, dim] table (tests and demos; a server loads only

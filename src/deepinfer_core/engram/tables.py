@@ -35,7 +35,9 @@ def quantize_fp8(values: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.
     """[R, D] floats -> (fp8 e4m3 [R, D], uint8 exponent codes [R, D // block]); each block's scale is the
     smallest power of two that keeps its largest magnitude within the e4m3 range."""
     if values.dim() != 2 or values.shape[1] % block:
-        raise ValueError(f"values: must be [rows, dim] with dim divisible by {block}, got {tuple(values.shape)}")
+        raise ValueError(
+            f"values: must be [rows, dim] with dim divisible by {block}, got {tuple(values.shape)}"
+        )
     v = values.to(torch.float32).unflatten(-1, (values.shape[1] // block, block))
     amax = v.abs().amax(dim=-1)
     exp = torch.ceil(torch.log2(amax.clamp_min(1e-30) / FP8_MAX)).clamp(-127, 127)
@@ -91,7 +93,12 @@ def _check_storage(data: torch.Tensor, scales: torch.Tensor | None) -> str:
     if data.dim() != 2:
         raise ValueError(f"data: must be [rows, dim], got shape {tuple(data.shape)}")
     if data.dtype == torch.float8_e4m3fn:
-        if scales is None or scales.dtype != torch.uint8 or scales.dim() != 2 or scales.shape[0] != data.shape[0]:
+        if (
+            scales is None
+            or scales.dtype != torch.uint8
+            or scales.dim() != 2
+            or scales.shape[0] != data.shape[0]
+        ):
             raise ValueError("scales: an fp8 table needs uint8 exponent codes [rows, dim // 32]")
         if scales.shape[1] == 0 or data.shape[1] % scales.shape[1]:
             raise ValueError(f"scales: {scales.shape[1]} blocks do not divide dim {data.shape[1]}")
@@ -100,7 +107,9 @@ def _check_storage(data: torch.Tensor, scales: torch.Tensor | None) -> str:
         if scales is not None:
             raise ValueError("scales: only fp8 tables take scales")
         return "bf16"
-    raise ValueError(f"data: dtype {data.dtype} is not a table format; use bfloat16 or float8_e4m3fn (+ scales)")
+    raise ValueError(
+        f"data: dtype {data.dtype} is not a table format; use bfloat16 or float8_e4m3fn (+ scales)"
+    )
 
 
 class LocalEngramTable:
@@ -122,7 +131,9 @@ class LocalEngramTable:
         self._gather = get_op("engram_gather", backend)
 
     @classmethod
-    def from_values(cls, values: torch.Tensor, fmt: str = "bf16", device: torch.device | str | None = None) -> LocalEngramTable:
+    def from_values(
+        cls, values: torch.Tensor, fmt: str = "bf16", device: torch.device | str | None = None
+    ) -> LocalEngramTable:
         data, scales = make_storage(values, fmt)
         return cls(data, scales, device)
 
@@ -136,7 +147,9 @@ class LocalEngramTable:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + (self.scales.numel() if self.scales is not None else 0)
+        return self.data.numel() * self.data.element_size() + (
+            self.scales.numel() if self.scales is not None else 0
+        )
 
     def fetch(self, row_ids: torch.Tensor, check: bool = True) -> torch.Tensor:
         """Rows [*row_ids.shape, row_dim] in ``out_dtype``. ``check=False``: no id range check and no host
@@ -201,7 +214,9 @@ class HostEngramTable:
         log.debug("HostEngramTable: %d rows, fmt %s, pinned=%s", self.num_rows, self.fmt, self.pinned)
 
     @classmethod
-    def from_values(cls, values: torch.Tensor, fmt: str = "bf16", device: torch.device | str = "cpu") -> HostEngramTable:
+    def from_values(
+        cls, values: torch.Tensor, fmt: str = "bf16", device: torch.device | str = "cpu"
+    ) -> HostEngramTable:
         data, scales = make_storage(values, fmt)
         return cls(data, scales, device)
 

@@ -55,7 +55,9 @@ class MovePlan:
 
     def as_tuples(self) -> list[tuple[int, int, int, int]]:
         """The moves as (layer, expert, from GPU, to GPU)."""
-        return list(zip(self.layer.tolist(), self.expert.tolist(), self.src_gpu.tolist(), self.dst_gpu.tolist()))
+        return list(
+            zip(self.layer.tolist(), self.expert.tolist(), self.src_gpu.tolist(), self.dst_gpu.tolist())
+        )
 
     def apply(self, old_phy2log: np.ndarray) -> np.ndarray:
         """The slot table after the moves (reads every source from ``old_phy2log``, as an executor must)."""
@@ -113,8 +115,9 @@ def align_within_gpus(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_gpus
     return out.reshape(layers, reps)
 
 
-def diff_placements(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_gpus: int,
-                    expert_bytes: int = 0) -> MovePlan:
+def diff_placements(
+    old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_gpus: int, expert_bytes: int = 0
+) -> MovePlan:
     """Moves filling every slot whose expert changes; sources prefer the same GPU, else spread round-robin."""
     old_phy2log = np.asarray(old_phy2log, dtype=np.int64)
     new_phy2log = np.asarray(new_phy2log, dtype=np.int64)
@@ -142,12 +145,14 @@ def diff_placements(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_gpus: 
     np.minimum.at(local_tab, lg_key, slot_ids.reshape(-1))
     local = local_tab[(lay * num_gpus + dst_gpu) * e_max + expert]
     src = np.where(local < reps, local, pick)
-    return MovePlan(lay.astype(np.int64), expert, src // per, dst_gpu, src, dst.astype(np.int64), per,
-                    int(expert_bytes))
+    return MovePlan(
+        lay.astype(np.int64), expert, src // per, dst_gpu, src, dst.astype(np.int64), per, int(expert_bytes)
+    )
 
 
-def _adjust_counts(old: np.ndarray, w: np.ndarray, c_old: np.ndarray, c_new: np.ndarray,
-                   num_gpus: int) -> np.ndarray:
+def _adjust_counts(
+    old: np.ndarray, w: np.ndarray, c_old: np.ndarray, c_new: np.ndarray, num_gpus: int
+) -> np.ndarray:
     """Old slot table with replica counts changed to ``c_new``, touching as few slots as possible.
 
     Surplus replicas leave the heaviest GPUs; the new ones go, heaviest first, to the lightest GPU that
@@ -238,8 +243,9 @@ def replan_with_migration(
     slots = np.broadcast_to(np.arange(reps).reshape(1, num_gpus, per), (layers, num_gpus, per)).copy()
     target = scratch_max * (1 + tolerance)
     slots = refine_swaps(item_w, slots, max_passes, target=target)
-    mig_tab = align_within_gpus(old.phy2log, np.take_along_axis(cur, slots.reshape(layers, reps), axis=1),
-                                num_gpus)
+    mig_tab = align_within_gpus(
+        old.phy2log, np.take_along_axis(cur, slots.reshape(layers, reps), axis=1), num_gpus
+    )
     mig = ExpertPlacement.from_phy2log(mig_tab, num_e, num_gpus)
     mig_max = mig.gpu_loads(w).max(axis=1)
     changed_mig = (mig_tab != old.phy2log).sum(axis=1)

@@ -44,7 +44,10 @@ class OnlineBalancer:
         if initial is None:
             initial = ExpertPlacement.plan(np.ones((num_layers, num_experts)), reps, 1, 1, num_gpus)
         elif (initial.num_layers, initial.num_experts, initial.num_replicas, initial.num_gpus) != (
-            num_layers, num_experts, reps, num_gpus
+            num_layers,
+            num_experts,
+            reps,
+            num_gpus,
         ):
             raise ValueError(
                 f"initial placement must be {num_layers} layers x {num_experts} experts on {reps} slots / "
@@ -70,12 +73,20 @@ class OnlineBalancer:
         self.window.record(counts)
         if not self.due():
             return None
-        plan = replan_with_migration(self.placement, self.window.load(), tolerance=self.tolerance,
-                                     expert_bytes=self.expert_bytes)
+        plan = replan_with_migration(
+            self.placement, self.window.load(), tolerance=self.tolerance, expert_bytes=self.expert_bytes
+        )
         self.placement = plan.placement
         self.replans += 1
-        logger.info("EPLB re-plan %d at step %d: %d moves (%.2f GB), from scratch would move %.2f GB; "
-                    "balance %.4f (from scratch %.4f)", self.replans, self.steps, len(plan.moves),
-                    plan.moves.moved_bytes / 1e9, plan.scratch_moves.moved_bytes / 1e9,
-                    float(plan.balance.mean()), float(plan.scratch_balance.mean()))
+        logger.info(
+            "EPLB re-plan %d at step %d: %d moves (%.2f GB), from scratch would move %.2f GB; "
+            "balance %.4f (from scratch %.4f)",
+            self.replans,
+            self.steps,
+            len(plan.moves),
+            plan.moves.moved_bytes / 1e9,
+            plan.scratch_moves.moved_bytes / 1e9,
+            float(plan.balance.mean()),
+            float(plan.scratch_balance.mean()),
+        )
         return plan

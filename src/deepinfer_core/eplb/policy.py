@@ -90,8 +90,14 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> np.ndarray:
 
 
 def _apply_swaps(
-    slots: np.ndarray, item_w: np.ndarray, loads: np.ndarray, rows: np.ndarray,
-    pa: np.ndarray, ia: np.ndarray, pb: np.ndarray, ib: np.ndarray,
+    slots: np.ndarray,
+    item_w: np.ndarray,
+    loads: np.ndarray,
+    rows: np.ndarray,
+    pa: np.ndarray,
+    ia: np.ndarray,
+    pb: np.ndarray,
+    ib: np.ndarray,
 ) -> None:
     """Swap item (pa, ia) with (pb, ib) in each listed row; the listed packs of a row must be distinct."""
     sa, sb = slots[rows, pa, ia], slots[rows, pb, ib]
@@ -102,7 +108,9 @@ def _apply_swaps(
     loads[rows, pb] += wa - wb
 
 
-def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, ...]:
+def _best_swap(
+    half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.ndarray | None
+) -> tuple[np.ndarray, ...]:
     """Best single swap between a heavy pack's items ``wh`` [..., ca] and other items ``wg`` [..., cb].
 
     Moving ``d = w_x - w_y`` from a pack of load ``lh`` to one of load ``lg`` leaves the pair maximum at
@@ -121,8 +129,15 @@ def _best_swap(half_gap: np.ndarray, wh: np.ndarray, wg: np.ndarray, bias: np.nd
     return best, s, hg
 
 
-def _pass_pairs(it: int, act: np.ndarray, slots: np.ndarray, item_w: np.ndarray, loads: np.ndarray,
-                target: np.ndarray, tol: np.ndarray) -> np.ndarray:
+def _pass_pairs(
+    it: int,
+    act: np.ndarray,
+    slots: np.ndarray,
+    item_w: np.ndarray,
+    loads: np.ndarray,
+    target: np.ndarray,
+    tol: np.ndarray,
+) -> np.ndarray:
     """k-th heaviest pack with the (k + it)-th lightest, all disjoint pairs at once. Rows that swapped."""
     packs, cap = item_w.shape[1:]
     half = packs // 2
@@ -142,8 +157,14 @@ def _pass_pairs(it: int, act: np.ndarray, slots: np.ndarray, item_w: np.ndarray,
     return ok.any(axis=1)
 
 
-def _pass_top(act: np.ndarray, slots: np.ndarray, item_w: np.ndarray, loads: np.ndarray,
-              target: np.ndarray, tol: np.ndarray) -> np.ndarray:
+def _pass_top(
+    act: np.ndarray,
+    slots: np.ndarray,
+    item_w: np.ndarray,
+    loads: np.ndarray,
+    target: np.ndarray,
+    tol: np.ndarray,
+) -> np.ndarray:
     """The m heaviest packs each take their best swap with any of the m lightest; clashes wait a pass."""
     packs, cap = item_w.shape[1:]
     m = min(packs // 2, 8)
@@ -161,7 +182,7 @@ def _pass_top(act: np.ndarray, slots: np.ndarray, item_w: np.ndarray, loads: np.
     partner = np.take_along_axis(light, best % (m * cap) // cap, axis=1)
     # Keep the swaps disjoint: a partner already taken by a heavier pack waits for the next pass.
     for j in range(1, m):
-        ok[:, j] &= ~((partner[:, :j] == partner[:, j:j + 1]) & ok[:, :j]).any(axis=1)
+        ok[:, j] &= ~((partner[:, :j] == partner[:, j : j + 1]) & ok[:, :j]).any(axis=1)
     rr, kk = np.nonzero(ok)
     if rr.size:
         ia, jb = np.divmod(best[rr, kk], m * cap)
@@ -170,7 +191,10 @@ def _pass_top(act: np.ndarray, slots: np.ndarray, item_w: np.ndarray, loads: np.
 
 
 def refine_swaps(
-    weight: np.ndarray, slots: np.ndarray, max_passes: int = DEFAULT_REFINE_PASSES, target: np.ndarray | None = None
+    weight: np.ndarray,
+    slots: np.ndarray,
+    max_passes: int = DEFAULT_REFINE_PASSES,
+    target: np.ndarray | None = None,
 ) -> np.ndarray:
     """Lower heavy packs by swapping one of their items with a lighter item of another pack.
 
@@ -301,7 +325,9 @@ def rebalance_experts(
     refine_passes = _check_int("refine_passes", refine_passes, minimum=0)
     layers, num_log = w.shape
     if num_replicas < num_log:
-        raise ValueError(f"num_replicas ({num_replicas}) must be >= the number of logical experts ({num_log})")
+        raise ValueError(
+            f"num_replicas ({num_replicas}) must be >= the number of logical experts ({num_log})"
+        )
     if num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
     if num_groups % num_nodes == 0:
@@ -309,12 +335,19 @@ def rebalance_experts(
             raise ValueError(f"logical experts ({num_log}) must be a multiple of num_groups ({num_groups})")
         if num_gpus % num_nodes:
             raise ValueError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
-        phy2log, phyrank, logcnt = _hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus, refine_passes)
+        phy2log, phyrank, logcnt = _hierarchical(
+            w, num_replicas, num_groups, num_nodes, num_gpus, refine_passes
+        )
     else:
         phy2log, phyrank, logcnt = _hierarchical(w, num_replicas, 1, 1, num_gpus, refine_passes)
     log2phy = build_log2phy(phy2log, phyrank, num_log)
-    logger.debug("rebalance_experts: %d layers, %d experts -> %d slots on %d GPUs", layers, num_log,
-                 num_replicas, num_gpus)
+    logger.debug(
+        "rebalance_experts: %d layers, %d experts -> %d slots on %d GPUs",
+        layers,
+        num_log,
+        num_replicas,
+        num_gpus,
+    )
     if is_torch:
         import torch
 

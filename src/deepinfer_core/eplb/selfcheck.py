@@ -32,7 +32,9 @@ def free_port() -> int:
 def expert_tensor(layer: int, expert: int, k: int, device: str = "cpu") -> torch.Tensor:
     """Weights of (layer, expert), tensor k (k=0 float32 matrix, k=1 float64 vector): the oracle."""
     g = torch.Generator().manual_seed(layer * 100_003 + expert * 7 + k)
-    t = torch.randn(SHAPE if k == 0 else SHAPE[:1], generator=g, dtype=torch.float32 if k == 0 else torch.float64)
+    t = torch.randn(
+        SHAPE if k == 0 else SHAPE[:1], generator=g, dtype=torch.float32 if k == 0 else torch.float64
+    )
     return t.to(device)
 
 
@@ -49,15 +51,18 @@ def plans(world: int, seed: int) -> tuple[np.ndarray, np.ndarray, MovePlan]:
 
 def _local_weights(table: np.ndarray, rank: int, world: int, device: str) -> list[torch.Tensor]:
     per = table.shape[1] // world
-    mine = table[:, rank * per:(rank + 1) * per]
+    mine = table[:, rank * per : (rank + 1) * per]
     return [
-        torch.stack([torch.stack([expert_tensor(ly, int(e), k, device) for e in mine[ly]]) for ly in range(LAYERS)])
+        torch.stack(
+            [torch.stack([expert_tensor(ly, int(e), k, device) for e in mine[ly]]) for ly in range(LAYERS)]
+        )
         for k in range(2)
     ]
 
 
-def migrate_and_check(world: int, seed: int, batch_size: int, group: dist.ProcessGroup | None,
-                      device: str = "cpu") -> None:
+def migrate_and_check(
+    world: int, seed: int, batch_size: int, group: dist.ProcessGroup | None, device: str = "cpu"
+) -> None:
     rank = dist.get_rank(group)
     old, new, moves = plans(world, seed)
     weights = _local_weights(old, rank, world, device)
@@ -79,8 +84,11 @@ def corruption_is_caught(world: int, seed: int, device: str = "cpu") -> None:
     per = moves.slots_per_gpu
     weights = [torch.zeros(LAYERS, per, *SHAPE, device=device)]
     honest = transfer.fingerprint
-    received = {weights[0][int(a), int(b) % per].data_ptr()
-                for a, b, g in zip(moves.layer, moves.dst_slot, moves.dst_gpu) if g == rank}
+    received = {
+        weights[0][int(a), int(b) % per].data_ptr()
+        for a, b, g in zip(moves.layer, moves.dst_slot, moves.dst_gpu)
+        if g == rank
+    }
 
     def tampered(ts: Sequence[torch.Tensor]) -> int:
         return honest(ts) + (1 if ts[0].data_ptr() in received else 0)
@@ -132,4 +140,6 @@ if __name__ == "__main__":
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
     run(args.world, backend=args.backend)
-    print(f"eplb selfcheck: {args.world} ranks over {args.backend}: moves reproduce the plan, corruption caught")
+    print(
+        f"eplb selfcheck: {args.world} ranks over {args.backend}: moves reproduce the plan, corruption caught"
+    )

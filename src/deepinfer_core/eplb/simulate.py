@@ -49,11 +49,13 @@ DRIFT_SECONDS = 1_800.0
 DECODE_STEP_SECONDS = 0.013
 PREFILL_STEP_SECONDS = 0.7317
 # Decode at EP64: 64 ranks x 60 requests, each verifying 1 + 3 tokens a step.
-DECODE_TRACE = TraceConfig(requests_per_step=64 * 60, tokens_per_request=4,
-                           drift_steps=DRIFT_SECONDS / DECODE_STEP_SECONDS)
+DECODE_TRACE = TraceConfig(
+    requests_per_step=64 * 60, tokens_per_request=4, drift_steps=DRIFT_SECONDS / DECODE_STEP_SECONDS
+)
 # Prefill at EP4/DP4: 4 ranks x 2 prompts of 8,192 tokens a step (65,536 tokens).
-PREFILL_TRACE = TraceConfig(requests_per_step=8, tokens_per_request=8_192,
-                            drift_steps=DRIFT_SECONDS / PREFILL_STEP_SECONDS)
+PREFILL_TRACE = TraceConfig(
+    requests_per_step=8, tokens_per_request=8_192, drift_steps=DRIFT_SECONDS / PREFILL_STEP_SECONDS
+)
 
 
 def _zipf_logits(rng: np.random.Generator, shape: tuple[int, ...], skew: float) -> np.ndarray:
@@ -184,8 +186,9 @@ def simulate(
         scratch, mig = base.scratch, plan.placement
     if bar is not None:
         bar.close()
-    return SimulationResult(_cat(steps), _cat(lb_s), _cat(lb_m), _cat(lb_p), rs, mb_s, mb_m, bal_s, bal_m,
-                            loads)
+    return SimulationResult(
+        _cat(steps), _cat(lb_s), _cat(lb_m), _cat(lb_p), rs, mb_s, mb_m, bal_s, bal_m, loads
+    )
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:

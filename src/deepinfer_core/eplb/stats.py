@@ -29,7 +29,9 @@ class EPLBConfig:
 
     def num_replicas(self, num_experts: int, num_gpus: int) -> int:
         """Physical slots per layer for ``num_experts`` logical experts on ``num_gpus`` GPUs."""
-        total = _check_int("num_experts", num_experts) + self.redundant_per_gpu * _check_int("num_gpus", num_gpus)
+        total = _check_int("num_experts", num_experts) + self.redundant_per_gpu * _check_int(
+            "num_gpus", num_gpus
+        )
         if total % num_gpus:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_gpus ({num_gpus})")
         return total
@@ -78,11 +80,13 @@ class ExpertPlacement:
         return per_replica.reshape(self.num_layers, self.num_gpus, self.slots_per_gpu).sum(axis=2)
 
     @classmethod
-    def plan(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
-             **kwargs: Any) -> ExpertPlacement:
+    def plan(
+        cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, **kwargs: Any
+    ) -> ExpertPlacement:
         """Run :func:`rebalance_experts` and wrap its output."""
-        phy2log, log2phy, logcnt = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus,
-                                                     **kwargs)
+        phy2log, log2phy, logcnt = rebalance_experts(
+            weight, num_replicas, num_groups, num_nodes, num_gpus, **kwargs
+        )
         return cls(np.asarray(phy2log), np.asarray(log2phy), np.asarray(logcnt), num_gpus)
 
     @classmethod
@@ -108,8 +112,9 @@ class ExpertPlacement:
         np.put_along_axis(rank, order, np.arange(reps) - first, axis=1)
         maxcnt = reps - num_experts + 1
         log2phy = np.full((layers, num_experts * maxcnt), -1, dtype=np.int64)
-        np.put_along_axis(log2phy, phy2log * maxcnt + rank, np.broadcast_to(np.arange(reps), phy2log.shape),
-                          axis=1)
+        np.put_along_axis(
+            log2phy, phy2log * maxcnt + rank, np.broadcast_to(np.arange(reps), phy2log.shape), axis=1
+        )
         return cls(phy2log, log2phy.reshape(layers, num_experts, maxcnt), logcnt, num_gpus)
 
 
@@ -118,7 +123,9 @@ def _as_load(load: Any, layers: int, experts: int) -> np.ndarray:
     if arr.ndim == 1:
         arr = arr[None, :]
     if arr.shape != (layers, experts):
-        raise ValueError(f"load must have shape ({layers}, {experts}) [layers, logical experts], got {arr.shape}")
+        raise ValueError(
+            f"load must have shape ({layers}, {experts}) [layers, logical experts], got {arr.shape}"
+        )
     if np.any(arr < 0) or not np.all(np.isfinite(arr)):
         raise ValueError("load must be finite and non-negative")
     return arr
@@ -143,7 +150,9 @@ def moe_lb_steps(counts: Any, placement: ExpertPlacement) -> np.ndarray:
     """:func:`moe_lb` of each of many steps at once: counts [steps, layers, experts] -> [steps]."""
     c = np.asarray(counts, dtype=np.float64)
     if c.ndim != 3 or c.shape[1:] != (placement.num_layers, placement.num_experts):
-        raise ValueError(f"counts must be [steps, {placement.num_layers}, {placement.num_experts}], got {c.shape}")
+        raise ValueError(
+            f"counts must be [steps, {placement.num_layers}, {placement.num_experts}], got {c.shape}"
+        )
     per_replica = np.take_along_axis(c / placement.logcnt, placement.phy2log[None], axis=2)
     loads = per_replica.reshape(c.shape[0], placement.num_layers, placement.num_gpus, -1).sum(axis=3)
     total_mean = loads.mean(axis=2).sum(axis=1)
@@ -180,7 +189,9 @@ class ExpertLoadWindow:
         """Add one step's token counts [layers, experts] (non-negative integers)."""
         arr = np.asarray(counts)
         if arr.shape != (self.num_layers, self.num_experts):
-            raise ValueError(f"counts must have shape ({self.num_layers}, {self.num_experts}), got {arr.shape}")
+            raise ValueError(
+                f"counts must have shape ({self.num_layers}, {self.num_experts}), got {arr.shape}"
+            )
         if arr.dtype.kind not in "iu":
             if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
                 raise ValueError("counts must be integer token counts")
@@ -196,7 +207,9 @@ class ExpertLoadWindow:
         """Record several steps at once, counts [steps, layers, experts] in step order."""
         arr = np.asarray(counts)
         if arr.ndim != 3 or arr.shape[1:] != (self.num_layers, self.num_experts):
-            raise ValueError(f"counts must be [steps, {self.num_layers}, {self.num_experts}], got {arr.shape}")
+            raise ValueError(
+                f"counts must be [steps, {self.num_layers}, {self.num_experts}], got {arr.shape}"
+            )
         if arr.dtype.kind not in "iu" or np.any(arr < 0):
             raise ValueError("counts must be non-negative integer token counts")
         n = arr.shape[0]
@@ -204,7 +217,7 @@ class ExpertLoadWindow:
             return
         if n >= self.window_steps:
             # Only the last window_steps survive; lay them out as if recorded one by one.
-            last = arr[n - self.window_steps:]
+            last = arr[n - self.window_steps :]
             pos = (self._steps + n - self.window_steps + np.arange(self.window_steps)) % self.window_steps
             self._ring[pos] = last
             self._sum = last.sum(axis=0, dtype=np.int64)

@@ -132,7 +132,9 @@ def execute_moves(
         for r in reqs:
             if r is not None:  # None: this rank is not in the group (never here: peers are members)
                 r.wait()
-    logger.debug("rank %d: sent %d, received %d, local %d in %d batches", rank, sent, received, local, n_batches)
+    logger.debug(
+        "rank %d: sent %d, received %d, local %d in %d batches", rank, sent, received, local, n_batches
+    )
     if verify and len(moves):
         for m in np.flatnonzero(mine_dst).tolist():
             fp[m, 1] = fingerprint([t[int(lay[m]), int(dst_l[m])] for t in tensors])
@@ -144,5 +146,7 @@ def execute_moves(
         bad = np.flatnonzero(both[:, 0] != both[:, 1])
         if bad.size:
             first = [moves.as_tuples()[j] for j in bad[:5]]
-            raise RuntimeError(f"{bad.size} expert moves arrived corrupted, first (layer, expert, from, to): {first}")
+            raise RuntimeError(
+                f"{bad.size} expert moves arrived corrupted, first (layer, expert, from, to): {first}"
+            )
     return TransferReport(sent, received, local, bytes_sent, n_batches, bool(verify))

@@ -39,16 +39,22 @@ def demo() -> None:
     system = rng.integers(0, 129280, size=150).tolist()
     a = system + rng.integers(0, 129280, size=40).tolist()
     b = system + rng.integers(0, 129280, size=25).tolist()
-    print(f"    request A: {index.allocate(1, a)} of {len(a)} tokens found cached (first request), "
-          f"{pool.num_free_blocks} blocks free")
+    print(
+        f"    request A: {index.allocate(1, a)} of {len(a)} tokens found cached (first request), "
+        f"{pool.num_free_blocks} blocks free"
+    )
     index.insert_seq(1, a)
-    print(f"    request B: {index.allocate(2, b)} of {len(b)} tokens found cached (the system prompt's whole blocks), "
-          f"{pool.num_free_blocks} blocks free")
+    print(
+        f"    request B: {index.allocate(2, b)} of {len(b)} tokens found cached (the system prompt's whole blocks), "
+        f"{pool.num_free_blocks} blocks free"
+    )
     pool.fork(2, 3)  # e.g. n=2 sampling
     pool.append_slots(3, 1)
     ops = pool.take_copy_ops()
-    print(f"    fork B (a second sample) and append a token: copy-on-write of the shared last block "
-          f"{ops.tolist()} (src, dst, tokens); block tables {tuple(pool.block_tables([2, 3]).shape)}")
+    print(
+        f"    fork B (a second sample) and append a token: copy-on-write of the shared last block "
+        f"{ops.tolist()} (src, dst, tokens); block tables {tuple(pool.block_tables([2, 3]).shape)}"
+    )
 
     print("  sliding-window ring (window 128 + 6 for rollback): 1,000 tokens written, then 5 drafts rejected")
     n = ring.rollback(1000, 5, 128, 6, high_water=1000)

@@ -108,7 +108,9 @@ def _check_input(x: torch.Tensor, dim: int, name: str) -> torch.Tensor:
 
 def _check_bytes(b: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
     if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8:
-        raise TypeError(f"{name}.dequantize: expected a uint8 tensor, got {getattr(b, 'dtype', type(b).__name__)}")
+        raise TypeError(
+            f"{name}.dequantize: expected a uint8 tensor, got {getattr(b, 'dtype', type(b).__name__)}"
+        )
     if b.ndim == 0 or b.shape[-1] != nbytes:
         raise ValueError(f"{name}.dequantize: last dim must be {nbytes} bytes, got shape {tuple(b.shape)}")
     return b.contiguous()
@@ -179,7 +181,9 @@ def pow2_scale_exponent(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
 
 
 def ue8m0_decode(b: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones(b.shape, dtype=torch.float64, device=b.device), b.to(torch.int32) - UE8M0_BIAS)
+    return torch.ldexp(
+        torch.ones(b.shape, dtype=torch.float64, device=b.device), b.to(torch.int32) - UE8M0_BIAS
+    )
 
 
 def _to_f32_saturated(t: torch.Tensor) -> torch.Tensor:
@@ -251,7 +255,9 @@ class FP8Format:
         x = _groups(_check_input(x, self.dim, self.name), self.group)
         e = pow2_scale_exponent(x.abs().amax(dim=-1, keepdim=True), E4M3_MAX)
         # Divide in float64: 2^-127 scales are subnormal in float32.
-        vals = e4m3_encode((x.to(torch.float64) / torch.ldexp(torch.ones_like(e, dtype=torch.float64), e)).float())
+        vals = e4m3_encode(
+            (x.to(torch.float64) / torch.ldexp(torch.ones_like(e, dtype=torch.float64), e)).float()
+        )
         return torch.cat((vals.flatten(-2), (e + UE8M0_BIAS).to(torch.uint8).squeeze(-1)), dim=-1)
 
     def dequantize(self, b: torch.Tensor) -> torch.Tensor:
@@ -283,8 +289,12 @@ class MXFP4Format:
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         x = _groups(_check_input(x, self.dim, self.name), self.group)
         e = pow2_scale_exponent(x.abs().amax(dim=-1, keepdim=True), E2M1_MAX)
-        codes = e2m1_encode((x.to(torch.float64) / torch.ldexp(torch.ones_like(e, dtype=torch.float64), e)).float())
-        return torch.cat((pack_nibbles(codes.flatten(-2)), (e + UE8M0_BIAS).to(torch.uint8).squeeze(-1)), dim=-1)
+        codes = e2m1_encode(
+            (x.to(torch.float64) / torch.ldexp(torch.ones_like(e, dtype=torch.float64), e)).float()
+        )
+        return torch.cat(
+            (pack_nibbles(codes.flatten(-2)), (e + UE8M0_BIAS).to(torch.uint8).squeeze(-1)), dim=-1
+        )
 
     def dequantize(self, b: torch.Tensor) -> torch.Tensor:
         b = _check_bytes(b, self.bytes_per_token, self.name)
@@ -338,7 +348,9 @@ class V32Format:
             raise ValueError(f"{self.name}: rope_dim must be in [0, dim), got {self.rope_dim!r}")
         _check_dim(self.name, self.dim - self.rope_dim, self.group)
         if self.scale_rule not in V32_SCALE_RULES:
-            raise ValueError(f"{self.name}: scale_rule must be one of {list(V32_SCALE_RULES)}, got {self.scale_rule!r}")
+            raise ValueError(
+                f"{self.name}: scale_rule must be one of {list(V32_SCALE_RULES)}, got {self.scale_rule!r}"
+            )
 
     @property
     def nope_dim(self) -> int:

@@ -35,7 +35,9 @@ class KVModelConfig:
     num_layers: int = 40
     compress_ratios: tuple[int, ...] = attrs.field(default=(0, 0) + (2,) * 18 + (1,) * 20, converter=_ratios)
     kv_source_layer_ids: tuple[int, ...] = attrs.field(default=(2, 8, 14, 20), converter=_ratios)
-    index_source_layer_ids: tuple[int, ...] = attrs.field(default=(2, 8, 14, 20, 24, 28, 32, 36), converter=_ratios)
+    index_source_layer_ids: tuple[int, ...] = attrs.field(
+        default=(2, 8, 14, 20, 24, 28, 32, 36), converter=_ratios
+    )
     head_dim: int = 512
     index_head_dim: int = 128
     window: int = 128
@@ -67,7 +69,9 @@ class KVModelConfig:
         check_int("backtracking", self.backtracking, min_value=0)
         check_int("num_draft_layers", self.num_draft_layers, min_value=0)
         if not 0 <= self.num_persisted_layers <= self.num_layers:
-            raise ValueError(f"num_persisted_layers must be in [0, {self.num_layers}], got {self.num_persisted_layers}")
+            raise ValueError(
+                f"num_persisted_layers must be in [0, {self.num_layers}], got {self.num_persisted_layers}"
+            )
         for f in (self.main_format, self.index_format, self.swa_format):
             bytes_per_token(f, self.head_dim if f != self.index_format else self.index_head_dim)
 
@@ -204,13 +208,17 @@ def block_bytes(cfg: KVModelConfig, block_size: int) -> tuple[int, int]:
     """(main KV bytes, indexer bytes) of one block of ``block_size`` tokens over all source layers."""
     bs = check_int("block_size", block_size, min_value=1)
     if bs % cfg.max_ratio:
-        raise ValueError(f"block_size must be a multiple of the largest compress ratio {cfg.max_ratio}, got {bs}")
+        raise ValueError(
+            f"block_size must be a multiple of the largest compress ratio {cfg.max_ratio}, got {bs}"
+        )
     main = sum(bs // cfg.compress_ratios[i] * cfg.main_bytes_per_entry for i in cfg.kv_source_layer_ids)
     index = sum(bs // cfg.compress_ratios[i] * cfg.index_bytes_per_entry for i in cfg.index_source_layer_ids)
     return main, index
 
 
-def plan_memory(cfg: KVModelConfig, budget_bytes: int, *, max_num_seqs: int, block_size: int = 64) -> MemoryPlan:
+def plan_memory(
+    cfg: KVModelConfig, budget_bytes: int, *, max_num_seqs: int, block_size: int = 64
+) -> MemoryPlan:
     """Reserve one StateBlock per running sequence (``max_num_seqs``), fill the rest with paged blocks.
 
     ValueError (naming the field) when the budget cannot hold the state slots plus the null block and

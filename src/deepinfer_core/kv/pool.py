@@ -80,7 +80,9 @@ class PagedKVPool:
         """Whether a new sequence of ``num_tokens`` tokens fits now."""
         return self.impl.can_allocate(check_int("num_tokens", num_tokens, min_value=0))
 
-    def allocate(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] | np.ndarray | None = None) -> bool:
+    def allocate(
+        self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] | np.ndarray | None = None
+    ) -> bool:
         """New sequence with blocks for ``num_tokens`` tokens; False (no change) if they do not fit.
 
         ``prefix_blocks`` (from :meth:`PrefixIndex.match`) become the first table entries, shared by
@@ -94,11 +96,15 @@ class PagedKVPool:
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         """Whether ``append_slots(seq_id, num_tokens)`` would succeed (copy-on-write block included)."""
-        return self.impl.can_append(check_int("seq_id", seq_id), check_int("num_tokens", num_tokens, min_value=0))
+        return self.impl.can_append(
+            check_int("seq_id", seq_id), check_int("num_tokens", num_tokens, min_value=0)
+        )
 
     def append_slots(self, seq_id: int, num_tokens: int) -> bool:
         """Grow a sequence by ``num_tokens``; False (no change) if the blocks do not fit."""
-        return self.impl.append_slots(check_int("seq_id", seq_id), check_int("num_tokens", num_tokens, min_value=0))
+        return self.impl.append_slots(
+            check_int("seq_id", seq_id), check_int("num_tokens", num_tokens, min_value=0)
+        )
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence; blocks reaching refcount 0 go back (prefix-cached ones stay matchable)."""
@@ -117,13 +123,17 @@ class PagedKVPool:
         return self.impl.num_tokens(check_int("seq_id", seq_id))
 
     # --- batch forms (one C++ call per engine step) ---
-    def allocate_many(self, seq_ids: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    def allocate_many(
+        self, seq_ids: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray
+    ) -> np.ndarray:
         """bool per sequence, in order (each one independent, as if allocate were called in a loop)."""
         return self.impl.allocate_many(as_i64("seq_ids", seq_ids), as_i64("num_tokens", num_tokens))
 
     def append_slots_many(self, seq_ids: Sequence[int] | np.ndarray, num_tokens: int) -> np.ndarray:
         """bool per sequence, in order (each one independent)."""
-        return self.impl.append_slots_many(as_i64("seq_ids", seq_ids), check_int("num_tokens", num_tokens, min_value=0))
+        return self.impl.append_slots_many(
+            as_i64("seq_ids", seq_ids), check_int("num_tokens", num_tokens, min_value=0)
+        )
 
     def free_many(self, seq_ids: Sequence[int] | np.ndarray) -> None:
         """Free each sequence in order (stops at the first unknown id, earlier ones stay freed)."""
@@ -160,7 +170,10 @@ class PagedKVPool:
         With ``ratio`` r > 1 the ranges are compressed-entry indices, valid below floor(num_tokens / r).
         """
         return self.impl.slot_mapping(
-            as_i64("seq_ids", seq_ids), as_i64("starts", starts), as_i64("counts", counts), check_int("ratio", ratio, min_value=1)
+            as_i64("seq_ids", seq_ids),
+            as_i64("starts", starts),
+            as_i64("counts", counts),
+            check_int("ratio", ratio, min_value=1),
         )
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:

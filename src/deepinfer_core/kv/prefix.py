@@ -38,7 +38,9 @@ class PrefixIndex:
         """Cached blocks no sequence holds: reusable on demand, matchable until then."""
         return self._impl.num_evictable_blocks
 
-    def match(self, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None) -> tuple[int, list[int]]:
+    def match(
+        self, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None
+    ) -> tuple[int, list[int]]:
         """Longest cached prefix of ``tokens`` in whole blocks: (number of cached tokens, block ids).
 
         Changes nothing; pass the blocks straight to ``PagedKVPool.allocate(..., prefix_blocks=...)``
@@ -48,7 +50,10 @@ class PrefixIndex:
         return n, blocks.tolist()
 
     def insert(
-        self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int] | np.ndarray, extra_key: bytes | None = None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Sequence[int] | np.ndarray,
+        extra_key: bytes | None = None,
     ) -> None:
         """Record the full blocks of ``tokens`` held in ``blocks`` (blocks must be in use, their KV written).
 
@@ -56,9 +61,13 @@ class PrefixIndex:
         """
         self._impl.cache_blocks(as_tokens("tokens", tokens), as_tokens("blocks", blocks), as_key(extra_key))
 
-    def insert_seq(self, seq_id: int, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None) -> int:
+    def insert_seq(
+        self, seq_id: int, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None
+    ) -> int:
         """:meth:`insert` with the sequence's own block table; returns the number of new entries."""
-        return self._impl.cache_seq(check_int("seq_id", seq_id), as_tokens("tokens", tokens), as_key(extra_key))
+        return self._impl.cache_seq(
+            check_int("seq_id", seq_id), as_tokens("tokens", tokens), as_key(extra_key)
+        )
 
     def allocate(
         self, seq_id: int, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None
@@ -66,7 +75,9 @@ class PrefixIndex:
         """Match and allocate in one C++ call: the new sequence reuses the cached prefix blocks and gets
         fresh blocks for the rest. Returns the number of cached tokens (KV to skip), or None if the
         fresh blocks do not fit (no change)."""
-        n = self._impl.allocate_cached(check_int("seq_id", seq_id), as_tokens("tokens", tokens), as_key(extra_key))
+        n = self._impl.allocate_cached(
+            check_int("seq_id", seq_id), as_tokens("tokens", tokens), as_key(extra_key)
+        )
         return None if n < 0 else n
 
     def evict_all(self) -> int:

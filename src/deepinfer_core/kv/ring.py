@@ -100,7 +100,9 @@ def live_ring_indices(num_tokens: int, window: int, backtracking: int) -> np.nda
     return np.arange(int(lo), int(hi), dtype=np.int64) % _ring(window, backtracking)
 
 
-def ring_positions(num_tokens: int, window: int, backtracking: int, high_water: int | None = None) -> np.ndarray:
+def ring_positions(
+    num_tokens: int, window: int, backtracking: int, high_water: int | None = None
+) -> np.ndarray:
     """int64 [R]: the valid position each ring slot holds (-1: empty, or stale after a rollback)."""
     n = check_int("num_tokens", num_tokens, min_value=0)
     hw = int(_hw(n, high_water))
@@ -125,7 +127,11 @@ def max_rollback(
 
 
 def rollback(
-    num_tokens: IntOrArray, k: IntOrArray, window: int, backtracking: int, high_water: IntOrArray | None = None
+    num_tokens: IntOrArray,
+    k: IntOrArray,
+    window: int,
+    backtracking: int,
+    high_water: IntOrArray | None = None,
 ) -> IntOrArray:
     """New token count after dropping the last ``k`` tokens (rejected drafts); the high-water mark does
     not move. ValueError if the remaining window would need overwritten slots (``k > max_rollback``)."""

@@ -92,7 +92,9 @@ class StatePool:
         lay = self.layout
         assert lay is not None
         if layer not in lay.accumulator_offsets:
-            raise ValueError(f"layer {layer} has no accumulator; compressing layers: {sorted(lay.accumulator_offsets)}")
+            raise ValueError(
+                f"layer {layer} has no accumulator; compressing layers: {sorted(lay.accumulator_offsets)}"
+            )
         off = lay.accumulator_offsets[layer]
         return row[off : off + lay.accumulator_bytes[layer]]
 

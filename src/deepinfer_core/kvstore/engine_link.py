@@ -31,7 +31,9 @@ class BlockCodec:
         n = int(caches[0].shape[0])
         for i, c in enumerate(caches):
             if c.dtype != torch.uint8 or int(c.shape[0]) != n:
-                raise ValueError(f"caches[{i}]: must be uint8 with {n} blocks first, got {c.dtype} {tuple(c.shape)}")
+                raise ValueError(
+                    f"caches[{i}]: must be uint8 with {n} blocks first, got {c.dtype} {tuple(c.shape)}"
+                )
         self.caches = list(caches)
         self.num_blocks = n
         self.widths = [int(c[0].numel()) for c in self.caches]
@@ -59,7 +61,9 @@ class BlockCodec:
         if not ids.size:
             return []
         t = torch.as_tensor(ids, device=self.caches[0].device)
-        flat = torch.cat([c.index_select(0, t).reshape(ids.size, -1) for c in self.caches], dim=1).cpu().numpy()
+        flat = (
+            torch.cat([c.index_select(0, t).reshape(ids.size, -1) for c in self.caches], dim=1).cpu().numpy()
+        )
         return [flat[i] for i in range(ids.size)]
 
     def write(self, block_ids, payloads: Sequence[np.ndarray | bytes]) -> None:
@@ -73,7 +77,11 @@ class BlockCodec:
             return
         rows = []
         for j, p in enumerate(payloads):
-            a = np.frombuffer(p, np.uint8) if isinstance(p, bytes | bytearray | memoryview) else np.asarray(p, np.uint8)
+            a = (
+                np.frombuffer(p, np.uint8)
+                if isinstance(p, bytes | bytearray | memoryview)
+                else np.asarray(p, np.uint8)
+            )
             if a.size != self.nbytes:
                 raise ValueError(f"payloads[{j}]: {a.size} bytes, a block has {self.nbytes}")
             rows.append(a.reshape(-1))
@@ -97,8 +105,16 @@ class StoreLink:
     know, a store capacity below one block, a store that refuses the configuration at start.
     """
 
-    def __init__(self, store, codec: BlockCodec, block_size: int, *, extra_key: bytes, traffic_class: str = "chatbot",
-                 guard: StoreGuard | StoreGuardConfig | None = None) -> None:
+    def __init__(
+        self,
+        store,
+        codec: BlockCodec,
+        block_size: int,
+        *,
+        extra_key: bytes,
+        traffic_class: str = "chatbot",
+        guard: StoreGuard | StoreGuardConfig | None = None,
+    ) -> None:
         if not isinstance(extra_key, bytes) or not extra_key:
             raise ValueError("extra_key: must be non-empty bytes naming the model, weights and cache format")
         ttl = getattr(store, "ttl", None)
@@ -106,8 +122,10 @@ class StoreLink:
             ttl.ttl_ns(traffic_class)  # ValueError naming the known classes, now rather than at every put
         cap = getattr(store, "capacity_bytes", None)
         if isinstance(cap, int) and cap < codec.nbytes:
-            raise ValueError(f"capacity_bytes={cap}: the store holds less than one block of this engine "
-                             f"({codec.nbytes} bytes), so it could never hit")
+            raise ValueError(
+                f"capacity_bytes={cap}: the store holds less than one block of this engine "
+                f"({codec.nbytes} bytes), so it could never hit"
+            )
         self.store = store
         self.codec = codec
         self.block_size = int(block_size)
@@ -142,7 +160,9 @@ class StoreLink:
             if b is None:
                 break
             if len(b) != self.codec.nbytes:  # another engine's layout under the same key: a miss
-                logger.warning("kvstore: block of %d bytes, this engine's are %d (miss)", len(b), self.codec.nbytes)
+                logger.warning(
+                    "kvstore: block of %d bytes, this engine's are %d (miss)", len(b), self.codec.nbytes
+                )
                 break
             g.touch(k)  # best effort: a store that refuses writes still serves the hit
             out.append(np.frombuffer(b, np.uint8))
@@ -189,5 +209,7 @@ def config_key(cfg) -> bytes:
 
     model = cfg.model if cfg.model in ("tiny", "tiny-random") else os.path.realpath(cfg.model)
     seed = cfg.seed if cfg.model == "tiny-random" else "-"
-    return (f"deepinfer-kv|{model}|seed={seed}|{cfg.dtype}|quantize={cfg.quantize}|{cfg.backend}"
-            f"|bs={cfg.block_size}").encode()
+    return (
+        f"deepinfer-kv|{model}|seed={seed}|{cfg.dtype}|quantize={cfg.quantize}|{cfg.backend}"
+        f"|bs={cfg.block_size}"
+    ).encode()

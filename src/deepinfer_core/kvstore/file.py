@@ -40,7 +40,12 @@ class FileKVStore(record.RecordReads):
     call_timeout_s = None  # a hung mount blocks a call for ever: a StoreGuard gives each call a deadline
 
     def __init__(
-        self, root: str | os.PathLike, ttl: TTLPolicy | None = None, *, fsync: bool = True, clock: Clock = wall_clock_ns
+        self,
+        root: str | os.PathLike,
+        ttl: TTLPolicy | None = None,
+        *,
+        fsync: bool = True,
+        clock: Clock = wall_clock_ns,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -104,7 +109,9 @@ class FileKVStore(record.RecordReads):
             # The open fd pins this inode: a concurrent rename replaces the name, not our bytes, so the
             # mtime and the content we check below belong to one file.
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device where a block goes: damage, a miss
+            if not stat.S_ISREG(
+                st.st_mode
+            ):  # a directory, a FIFO, a device where a block goes: damage, a miss
                 self.stats.corrupt += 1
                 log.warning("kvstore: %s is not a regular file (treated as a miss)", path)
                 return None

@@ -219,16 +219,33 @@ class _CauseLog:
         what = "a miss" if side == READ else "a skipped write"
         if ent is None:
             self._seen[cause] = [1, 0, now]
-            log.warning("kvstore: %s failed (%s, kind %r): %s; treated as %s. Later %s errors of this cause are "
-                        "counted (kv_store_errors[%r]) and summarised every %.0f s", op, type(exc).__name__, kind,
-                        _short(exc), what, side, kind, self.interval_s)
+            log.warning(
+                "kvstore: %s failed (%s, kind %r): %s; treated as %s. Later %s errors of this cause are "
+                "counted (kv_store_errors[%r]) and summarised every %.0f s",
+                op,
+                type(exc).__name__,
+                kind,
+                _short(exc),
+                what,
+                side,
+                kind,
+                self.interval_s,
+            )
             return
         ent[0] += 1
         ent[1] += 1
         if now - ent[2] >= self.interval_s:
-            log.warning("kvstore: %d more %s errors (%s, kind %r) in the last %.0f s (%.2f/s, %d in all); last: %s",
-                        ent[1], side, type(exc).__name__, kind, now - ent[2], ent[1] / max(now - ent[2], 1e-9),
-                        ent[0], _short(exc))
+            log.warning(
+                "kvstore: %d more %s errors (%s, kind %r) in the last %.0f s (%.2f/s, %d in all); last: %s",
+                ent[1],
+                side,
+                type(exc).__name__,
+                kind,
+                now - ent[2],
+                ent[1] / max(now - ent[2], 1e-9),
+                ent[0],
+                _short(exc),
+            )
             ent[1], ent[2] = 0, now
 
 
@@ -246,8 +263,13 @@ class StoreGuard:
     seconds (tests inject one).
     """
 
-    def __init__(self, store: Any, config: StoreGuardConfig | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Any,
+        config: StoreGuardConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if config is not None and not isinstance(config, StoreGuardConfig):
             raise TypeError(f"config: must be a StoreGuardConfig, got {type(config).__name__}")
         self.store = store
@@ -259,7 +281,9 @@ class StoreGuard:
         self._workers = _Workers(cfg.max_hung_calls + 2)
         self._log = _CauseLog(cfg.log_interval_s, clock)
         own = getattr(store, "call_timeout_s", None)  # the backend's own bound on a call, if any
-        self._inline = {s: cfg.timeout(s) is None or (own is not None and own <= cfg.timeout(s)) for s in (READ, WRITE)}
+        self._inline = {
+            s: cfg.timeout(s) is None or (own is not None and own <= cfg.timeout(s)) for s in (READ, WRITE)
+        }
         self._probe_class: str | None = None  # the traffic class of the last put (a write probe's class)
 
     # ------------------------------------------------------------------ the store's calls
@@ -271,12 +295,21 @@ class StoreGuard:
 
     def touch(self, key: bytes, *, traffic_class: str | None = None) -> bool:
         # restarting a TTL is a write: a read-only or full store refuses it while its reads still hit
-        return bool(self._call(WRITE, "touch", lambda k: self.store.touch(k, traffic_class=traffic_class), (key,), False))
+        return bool(
+            self._call(
+                WRITE, "touch", lambda k: self.store.touch(k, traffic_class=traffic_class), (key,), False
+            )
+        )
 
     def put(self, key: bytes, data: Any, *, traffic_class: str = "chatbot") -> bool:
         self._probe_class = traffic_class
-        ok = self._call(WRITE, "put", lambda k, d: self.store.put(k, d, traffic_class=traffic_class) or True,
-                        (key, data), False)
+        ok = self._call(
+            WRITE,
+            "put",
+            lambda k, d: self.store.put(k, d, traffic_class=traffic_class) or True,
+            (key, data),
+            False,
+        )
         return bool(ok)
 
     def delete(self, key: bytes) -> bool:
@@ -306,7 +339,7 @@ class StoreGuard:
                 self.stats.skipped_writes += 1
 
     def state(self, side: str) -> str:
-        """"closed" (calls go through), "open" (skipped; waiting for the back-off) or "probing"."""
+        """ "closed" (calls go through), "open" (skipped; waiting for the back-off) or "probing"."""
         return self._breakers[side].state
 
     def check_store(self) -> None:
@@ -326,9 +359,15 @@ class StoreGuard:
         except Exception as e:
             kind = classify(e)
             self._count("check", kind)
-            log.warning("kvstore: the store did not answer at start (%s: %s, kind %r); the engine starts without "
-                        "it (every lookup a miss, no writes) and probes it every %.3g-%.3g s", type(e).__name__,
-                        _short(e), kind, self.config.backoff_s, self.config.max_backoff_s)
+            log.warning(
+                "kvstore: the store did not answer at start (%s: %s, kind %r); the engine starts without "
+                "it (every lookup a miss, no writes) and probes it every %.3g-%.3g s",
+                type(e).__name__,
+                _short(e),
+                kind,
+                self.config.backoff_s,
+                self.config.max_backoff_s,
+            )
             with self._lock:
                 for b in self._breakers.values():
                     self._open(b, quiet=True)
@@ -390,7 +429,9 @@ class StoreGuard:
             b.failures += 1
             at_once = side == WRITE and kind in ("full", "permission")
             if b.state == "closed" and (at_once or b.failures >= self.config.failure_threshold):
-                self._open(b, why=f"{b.failures} consecutive failures, last {type(exc).__name__}: {_short(exc)}")
+                self._open(
+                    b, why=f"{b.failures} consecutive failures, last {type(exc).__name__}: {_short(exc)}"
+                )
                 if kind in ("timeout", "connection"):  # the store is down or unreachable: both sides are
                     other = self._breakers[WRITE if side == READ else READ]
                     if other.state == "closed":
@@ -400,14 +441,23 @@ class StoreGuard:
         """(under the lock) Open ``b`` for its next back-off."""
         cfg, now = self.config, self.clock()
         b.opens += 1
-        wait = min(cfg.max_backoff_s, cfg.backoff_s * 2.0 ** min(b.opens - 1, 60)) * (1.0 + 0.1 * random.random())
+        wait = min(cfg.max_backoff_s, cfg.backoff_s * 2.0 ** min(b.opens - 1, 60)) * (
+            1.0 + 0.1 * random.random()
+        )
         if b.state == "closed":
             b.since, b.skipped = now, 0
             self.stats.breaker_opens += 1
             if not quiet:
-                log.warning("kvstore: %ss paused for %.2f s (%s); every %s meanwhile is a %s, probed after the "
-                            "back-off (doubling to %.0f s)", b.side, wait, why, b.side,
-                            "miss" if b.side == READ else "skipped write", cfg.max_backoff_s)
+                log.warning(
+                    "kvstore: %ss paused for %.2f s (%s); every %s meanwhile is a %s, probed after the "
+                    "back-off (doubling to %.0f s)",
+                    b.side,
+                    wait,
+                    why,
+                    b.side,
+                    "miss" if b.side == READ else "skipped write",
+                    cfg.max_backoff_s,
+                )
         else:
             log.debug("kvstore: %s probe failed; next in %.2f s", b.side, wait)
         b.state, b.until, b.failures = "open", now + wait, 0
@@ -418,7 +468,9 @@ class StoreGuard:
             if side == READ:
                 fn: Callable[[], Any] = lambda: self.store.get(PROBE_KEY)  # noqa: E731 - a hit or a miss both answer
             else:
-                cls = self._probe_class or next(iter(getattr(getattr(self.store, "ttl", None), "ttls_s", None) or ["chatbot"]))
+                cls = self._probe_class or next(
+                    iter(getattr(getattr(self.store, "ttl", None), "ttls_s", None) or ["chatbot"])
+                )
                 fn = lambda: self.store.put(PROBE_KEY, b"", traffic_class=cls)  # noqa: E731
             if self._inline[side]:
                 fn()
@@ -435,5 +487,9 @@ class StoreGuard:
             b = self._breakers[side]
             b.state, b.failures = "closed", 0  # ``opens`` stays until a real call succeeds (a full disk
             # answers a small probe, then refuses the next block: the back-off keeps growing)
-            log.warning("kvstore: %ss resumed: the store answered a probe after %.1f s (%d calls skipped meanwhile)",
-                        side, self.clock() - b.since, b.skipped)
+            log.warning(
+                "kvstore: %ss resumed: the store answered a probe after %.1f s (%d calls skipped meanwhile)",
+                side,
+                self.clock() - b.since,
+                b.skipped,
+            )

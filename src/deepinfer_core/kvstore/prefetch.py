@@ -69,16 +69,27 @@ class Prefetcher:
     fault is a miss and its breaker skips a store that is down."""
 
     def __init__(
-        self, store, *, num_workers: int = 4, max_inflight_bytes: int = 1 << 30, expected_block_bytes: int = 1 << 20
+        self,
+        store,
+        *,
+        num_workers: int = 4,
+        max_inflight_bytes: int = 1 << 30,
+        expected_block_bytes: int = 1 << 20,
     ) -> None:
-        for name, v in (("num_workers", num_workers), ("max_inflight_bytes", max_inflight_bytes),
-                        ("expected_block_bytes", expected_block_bytes)):
+        for name, v in (
+            ("num_workers", num_workers),
+            ("max_inflight_bytes", max_inflight_bytes),
+            ("expected_block_bytes", expected_block_bytes),
+        ):
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"Prefetcher.{name}={v!r}: must be an int >= 1")
         if expected_block_bytes > max_inflight_bytes:
             raise ValueError("Prefetcher.expected_block_bytes: must be <= max_inflight_bytes")
-        self.store = store if isinstance(store, StoreGuard) else StoreGuard(
-            store, StoreGuardConfig(read_timeout_s=None, write_timeout_s=None))
+        self.store = (
+            store
+            if isinstance(store, StoreGuard)
+            else StoreGuard(store, StoreGuardConfig(read_timeout_s=None, write_timeout_s=None))
+        )
         self.max_inflight_bytes = max_inflight_bytes
         self.expected_block_bytes = expected_block_bytes
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="kvstore-prefetch")

@@ -122,7 +122,9 @@ class TTLPolicy:
             if not isinstance(name, str) or not 1 <= len(name.encode()) <= 255:
                 raise ValueError(f"TTLPolicy.ttls_s: class name {name!r} must be a str of 1..255 bytes")
             if not (isinstance(ttl, int | float) and np.isfinite(ttl) and ttl > 0):
-                raise ValueError(f"TTLPolicy.ttls_s[{name!r}]={ttl!r}: must be a finite number of seconds > 0")
+                raise ValueError(
+                    f"TTLPolicy.ttls_s[{name!r}]={ttl!r}: must be a finite number of seconds > 0"
+                )
 
     def ttl_ns(self, traffic_class: str) -> int:
         """TTL of ``traffic_class`` in ns; ValueError naming the known classes otherwise."""
@@ -198,7 +200,11 @@ class RecordReads:
 
 
 def block_keys(
-    tokens: Sequence[int] | np.ndarray, block_size: int, extra_key: bytes | None = None, *, digest_size: int = 16
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra_key: bytes | None = None,
+    *,
+    digest_size: int = 16,
 ) -> list[bytes]:
     """Chained content hashes of the full blocks of ``tokens``: key_i = H(key_{i-1}, extra_key, block_i).
 

@@ -35,7 +35,9 @@ class RedisKVStore(record.RecordReads):
     ) -> None:
         if (client is None) == (url is None):
             raise ValueError("RedisKVStore: pass exactly one of client= or url=")
-        if not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and 0 < timeout_s <= 3600):
+        if not (
+            isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and 0 < timeout_s <= 3600
+        ):
             raise ValueError(f"timeout_s={timeout_s!r}: must be seconds in (0, 3600]")
         if client is None:
             from deepinfer_core.extras import require
@@ -46,8 +48,9 @@ class RedisKVStore(record.RecordReads):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
 
-            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                          retry=Retry(NoBackoff(), 0))
+            client = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+            )
         if getattr(getattr(client, "connection_pool", None), "connection_kwargs", {}).get("decode_responses"):
             raise ValueError("client: must not use decode_responses=True (blocks are bytes)")
         if not isinstance(namespace, bytes):

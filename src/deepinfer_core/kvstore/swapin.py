@@ -33,9 +33,15 @@ def stage(host_blocks: Sequence[np.ndarray], num_layers: int, layer_bytes: int, 
 
     for j, b in enumerate(host_blocks):
         if b.dtype != np.uint8 or b.size != num_layers * layer_bytes:
-            raise ValueError(f"host_blocks[{j}]: must be uint8 of {num_layers} x {layer_bytes} bytes, got {b.dtype} {b.size}")
-    stacked = np.stack(list(host_blocks)) if len(host_blocks) else np.empty((0, num_layers * layer_bytes), np.uint8)
-    t = torch.from_numpy(np.ascontiguousarray(stacked.reshape(-1, num_layers, layer_bytes).transpose(1, 0, 2)))
+            raise ValueError(
+                f"host_blocks[{j}]: must be uint8 of {num_layers} x {layer_bytes} bytes, got {b.dtype} {b.size}"
+            )
+    stacked = (
+        np.stack(list(host_blocks)) if len(host_blocks) else np.empty((0, num_layers * layer_bytes), np.uint8)
+    )
+    t = torch.from_numpy(
+        np.ascontiguousarray(stacked.reshape(-1, num_layers, layer_bytes).transpose(1, 0, 2))
+    )
     return t.pin_memory() if pin else t
 
 
@@ -56,13 +62,21 @@ class LayerwiseSwapIn:
         width = int(self.dst[0].shape[1])
         for i, d in enumerate(self.dst):
             if d.dtype != torch.uint8 or d.dim() != 2 or int(d.shape[1]) != width:
-                raise ValueError(f"dst_layers[{i}]: must be uint8 [pool_blocks, {width}], got {d.dtype} {tuple(d.shape)}")
+                raise ValueError(
+                    f"dst_layers[{i}]: must be uint8 [pool_blocks, {width}], got {d.dtype} {tuple(d.shape)}"
+                )
         device = self.dst[0].device
         self._cuda = device.type == "cuda"
         if isinstance(host_blocks, torch.Tensor):
-            if host_blocks.dtype != torch.uint8 or tuple(host_blocks.shape[::2]) != (nl, width) or host_blocks.dim() != 3:
-                raise ValueError(f"host_blocks: a staged tensor must be uint8 [{nl}, n, {width}], got "
-                                 f"{host_blocks.dtype} {tuple(host_blocks.shape)}")
+            if (
+                host_blocks.dtype != torch.uint8
+                or tuple(host_blocks.shape[::2]) != (nl, width)
+                or host_blocks.dim() != 3
+            ):
+                raise ValueError(
+                    f"host_blocks: a staged tensor must be uint8 [{nl}, n, {width}], got "
+                    f"{host_blocks.dtype} {tuple(host_blocks.shape)}"
+                )
             self._src = host_blocks.contiguous()
         else:
             self._src = stage(host_blocks, nl, width, pin=self._cuda)
@@ -79,7 +93,9 @@ class LayerwiseSwapIn:
         self._events: list = []
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))  # the cache may be written just before
+            self._stream.wait_stream(
+                torch.cuda.current_stream(device)
+            )  # the cache may be written just before
             with torch.cuda.stream(self._stream):
                 for i in range(nl):
                     src = self._src[i].to(device, non_blocking=True)

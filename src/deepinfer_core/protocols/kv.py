@@ -79,7 +79,9 @@ class StatePool(Protocol):
 class PrefixIndex(Protocol):
     """Content-addressed index of full KV blocks, shared with a :class:`KVBlockPool` by refcount."""
 
-    def match(self, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None) -> tuple[int, list[int]]:
+    def match(
+        self, tokens: Sequence[int] | np.ndarray, extra_key: bytes | None = None
+    ) -> tuple[int, list[int]]:
         """Longest cached prefix of ``tokens`` in whole blocks: (number of cached tokens, block ids).
 
         Hits must be exact: an implementation verifies tokens (or uses a 128-bit hash) so that a hash
@@ -88,6 +90,8 @@ class PrefixIndex(Protocol):
         """
         ...
 
-    def insert(self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], extra_key: bytes | None = None) -> None:
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, blocks: Sequence[int], extra_key: bytes | None = None
+    ) -> None:
         """Record the full blocks of ``tokens`` (held in ``blocks``) so later requests can hit them."""
         ...

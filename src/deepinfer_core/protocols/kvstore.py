@@ -23,7 +23,9 @@ class KVBlockStore(Protocol):
     - a corrupt or truncated block is a miss, never wrong bytes.
     """
 
-    def put(self, key: bytes, data: bytes | bytearray | memoryview, *, traffic_class: str = "chatbot") -> None:
+    def put(
+        self, key: bytes, data: bytes | bytearray | memoryview, *, traffic_class: str = "chatbot"
+    ) -> None:
         """Store ``data`` under ``key`` (16..64 bytes) with the TTL of ``traffic_class``; replaces any block there."""
         ...
 

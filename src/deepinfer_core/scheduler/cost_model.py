@@ -79,7 +79,9 @@ class CostModel:
         ca = np.asarray(c, dtype=np.float64).reshape(-1)
         ya = np.asarray(ns, dtype=np.float64).reshape(-1)
         if not (qa.shape == ca.shape == ya.shape):
-            raise ValueError(f"CostModel.fit: q, c, ns must have the same length, got {qa.size}, {ca.size}, {ya.size}")
+            raise ValueError(
+                f"CostModel.fit: q, c, ns must have the same length, got {qa.size}, {ca.size}, {ya.size}"
+            )
         if qa.size < 4:
             raise ValueError(f"CostModel.fit: need >= 4 samples for 4 coefficients, got {qa.size}")
         if not (np.all(qa >= 1) and np.all(ca >= 0) and np.all(np.isfinite(ya)) and np.all(ya >= 0)):

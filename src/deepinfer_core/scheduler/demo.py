@@ -38,17 +38,27 @@ def demo() -> None:
     q, c = rng.integers(1, 32768, 200), rng.integers(0, 65536, 200)
     fit = CostModel.fit(q, c, true.predict(q, c) * (1 + 0.02 * rng.standard_normal(200)))
     names = ("base_ns", "token_ns", "quad_ns", "ctx_ns")
-    print("  prefill step-time model cost(q tokens, c cached) fitted from 200 noisy timings: "
-          + ", ".join(f"{k}={v:.4g} (true {w:.4g})" for k, v, w in zip(names, fit.as_tuple(), true.as_tuple())))
-    print(f"  so a 3 ms prefill step takes {fit.max_chunk(0, 3e6):,} tokens of a fresh prompt, "
-          f"{fit.max_chunk(32768, 3e6):,} after 32,768 cached tokens (attention to the cache costs time)")
+    print(
+        "  prefill step-time model cost(q tokens, c cached) fitted from 200 noisy timings: "
+        + ", ".join(f"{k}={v:.4g} (true {w:.4g})" for k, v, w in zip(names, fit.as_tuple(), true.as_tuple()))
+    )
+    print(
+        f"  so a 3 ms prefill step takes {fit.max_chunk(0, 3e6):,} tokens of a fresh prompt, "
+        f"{fit.max_chunk(32768, 3e6):,} after 32,768 cached tokens (attention to the cache costs time)"
+    )
 
     # 2) Serve 12 requests asynchronously on a pool small enough to force preemption.
     tok = ByteTokenizer()
     max_tokens: dict[str, int] = {}
     pool = PagedKVPool(num_blocks=40, block_size=16)
-    cfg = SchedulerConfig(max_num_seqs=8, max_model_len=512, eos_token_id=tok.eos_token_id,
-                          time_budget_ns=2e6, async_mode=True, prefill_attempt_interval=2)
+    cfg = SchedulerConfig(
+        max_num_seqs=8,
+        max_model_len=512,
+        eos_token_id=tok.eos_token_id,
+        time_budget_ns=2e6,
+        async_mode=True,
+        prefill_attempt_interval=2,
+    )
     sched = Scheduler(pool, cfg, cost_model=fit)
     for i in range(12):
         prompt = tok.encode(f"Request {i}: " + "tell me about paged attention " * int(rng.integers(1, 5)))
@@ -70,16 +80,22 @@ def demo() -> None:
             inflight.append((plan, _fake_model(plan, last, tok.encode(" ")[0])))
         if inflight and (len(inflight) > 1 or not sched.num_live):
             finished += sched.update(*inflight.popleft())
-    print(f"  12 requests on a deliberately small KV pool (39 blocks), a stand-in model: "
-          f"{steps[StepType.PREFILL]} prefill steps ({min(chunk_tokens)}-{max(chunk_tokens)} tokens each), "
-          f"{steps[StepType.DECODE]} decode steps; {preempted} preemptions when the pool ran out")
+    print(
+        f"  12 requests on a deliberately small KV pool (39 blocks), a stand-in model: "
+        f"{steps[StepType.PREFILL]} prefill steps ({min(chunk_tokens)}-{max(chunk_tokens)} tokens each), "
+        f"{steps[StepType.DECODE]} decode steps; {preempted} preemptions when the pool ran out"
+    )
     reasons = Counter(f.finish_reason.name for f in finished)
     exact = all(len(f.output_token_ids) == max_tokens[f.request_id] for f in finished)
     print(f"  every request got exactly its max_tokens outputs, preempted ones included: {exact}")
-    print(f"  {len(finished)} requests ended ({dict(reasons)}); all KV blocks returned: {pool.num_free_blocks}/39 free")
+    print(
+        f"  {len(finished)} requests ended ({dict(reasons)}); all KV blocks returned: {pool.num_free_blocks}/39 free"
+    )
     f0 = max(finished, key=lambda f: (f.num_preemptions, len(f.output_token_ids)))
-    print(f"  {f0.request_id}: {len(f0.output_token_ids)} tokens, preempted {f0.num_preemptions}x, "
-          f"stand-in text {printable(tok.decode(f0.output_token_ids[:24]))!r}...")
+    print(
+        f"  {f0.request_id}: {len(f0.output_token_ids)} tokens, preempted {f0.num_preemptions}x, "
+        f"stand-in text {printable(tok.decode(f0.output_token_ids[:24]))!r}..."
+    )
 
 
 if __name__ == "__main__":

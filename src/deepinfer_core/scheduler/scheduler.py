@@ -51,8 +51,10 @@ def _draft_arrays(seq_ids: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
     if ks.dtype != np.int32 and ks.size and (ks.min() < 0 or ks.max() > MAX_DRAFTS):
         # checked before the cast so a huge value cannot wrap into range
         bad = int(np.flatnonzero((ks < 0) | (ks > MAX_DRAFTS))[0])
-        raise ValueError(f"draft_counts[{bad}]={int(ks[bad])} (draft_seq_ids[{bad}]={int(seqs[bad])}): "
-                         f"must be in [0, {MAX_DRAFTS}]")
+        raise ValueError(
+            f"draft_counts[{bad}]={int(ks[bad])} (draft_seq_ids[{bad}]={int(seqs[bad])}): "
+            f"must be in [0, {MAX_DRAFTS}]"
+        )
     if seqs.dtype == np.uint64 and seqs.size and seqs.max() > np.iinfo(np.int64).max:
         bad = int(np.argmax(seqs))
         raise ValueError(f"draft_seq_ids[{bad}]={int(seqs[bad])}: not a live request of this scheduler")
@@ -149,7 +151,9 @@ class Scheduler:
                 seq,
                 np.ascontiguousarray(prompt, dtype=np.int32),
                 # None: as many as max_model_len leaves (SamplingParams' vLLM rule)
-                sp.max_tokens if sp.max_tokens is not None else max(1, self.config.max_model_len - prompt.size),
+                sp.max_tokens
+                if sp.max_tokens is not None
+                else max(1, self.config.max_model_len - prompt.size),
                 sp.min_tokens,
                 sp.ignore_eos,
                 [int(t) for t in sp.stop_token_ids],
@@ -268,11 +272,20 @@ class Scheduler:
         row i lie flat in ``result``: for a sampling row 1..1 + ``plan.num_drafts[i]`` (its accepted
         drafts, then the correction / bonus token), for a row that does not sample 0 or 1 (ignored).
         Tokens are stop-checked one by one; those after a stop are dropped."""
-        if type(result) is np.ndarray and result.dtype is _I32 and result.ndim == 1 and result.flags.c_contiguous:
+        if (
+            type(result) is np.ndarray
+            and result.dtype is _I32
+            and result.ndim == 1
+            and result.flags.c_contiguous
+        ):
             sampled = result  # the executor's usual form: no conversion
         else:
             sampled = np.ascontiguousarray(np.asarray(result).reshape(-1), dtype=np.int32)
-        counts = _NO_COUNTS if num_sampled is None else np.ascontiguousarray(np.asarray(num_sampled).reshape(-1), np.int32)
+        counts = (
+            _NO_COUNTS
+            if num_sampled is None
+            else np.ascontiguousarray(np.asarray(num_sampled).reshape(-1), np.int32)
+        )
         ended = self._impl.update(plan.step_id, sampled, counts)
         if not ended:
             return []
@@ -307,7 +320,15 @@ class Scheduler:
 
     def request_info(self, request_id: str) -> dict[str, int]:
         """status, num_computed, pending, schedule_cnt, process_cnt, num_preemptions, output_len."""
-        keys = ("status", "num_computed", "pending", "schedule_cnt", "process_cnt", "num_preemptions", "output_len")
+        keys = (
+            "status",
+            "num_computed",
+            "pending",
+            "schedule_cnt",
+            "process_cnt",
+            "num_preemptions",
+            "output_len",
+        )
         return dict(zip(keys, self._impl.request_info(self._seq_of[request_id])))
 
     def output_token_ids(self, request_id: str) -> list[int]:

@@ -88,7 +88,11 @@ class SchedulerConfig:
     prefix_tail: int = 1
 
     def __attrs_post_init__(self) -> None:
-        _check(isinstance(self.engine_type, EngineType), "engine_type", f"{self.engine_type!r} must be an EngineType")
+        _check(
+            isinstance(self.engine_type, EngineType),
+            "engine_type",
+            f"{self.engine_type!r} must be an EngineType",
+        )
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"{self.max_num_seqs} must be >= 1")
         _check(
             1 <= self.max_num_batched_tokens <= MAX_STEP_TOKENS,
@@ -114,14 +118,26 @@ class SchedulerConfig:
             "preemption_policy",
             f"{self.preemption_policy!r} must be a PreemptionPolicy (GUARDED or DEEPINFER)",
         )
-        _check(isinstance(self.max_preemptions, int) and self.max_preemptions >= 0, "max_preemptions",
-               f"{self.max_preemptions!r} must be an int >= 0")
-        _check(isinstance(self.headroom_steps, int) and 0 <= self.headroom_steps <= 2**20, "headroom_steps",
-               f"{self.headroom_steps!r} must be an int in [0, 2**20]")
-        _check(isinstance(self.prefix_align, int) and self.prefix_align >= 0, "prefix_align",
-               f"{self.prefix_align!r} must be an int >= 0 (0: off), a multiple of the pool's block size")
-        _check(isinstance(self.prefix_tail, int) and self.prefix_tail >= 1, "prefix_tail",
-               f"{self.prefix_tail!r} must be an int >= 1")
+        _check(
+            isinstance(self.max_preemptions, int) and self.max_preemptions >= 0,
+            "max_preemptions",
+            f"{self.max_preemptions!r} must be an int >= 0",
+        )
+        _check(
+            isinstance(self.headroom_steps, int) and 0 <= self.headroom_steps <= 2**20,
+            "headroom_steps",
+            f"{self.headroom_steps!r} must be an int in [0, 2**20]",
+        )
+        _check(
+            isinstance(self.prefix_align, int) and self.prefix_align >= 0,
+            "prefix_align",
+            f"{self.prefix_align!r} must be an int >= 0 (0: off), a multiple of the pool's block size",
+        )
+        _check(
+            isinstance(self.prefix_tail, int) and self.prefix_tail >= 1,
+            "prefix_tail",
+            f"{self.prefix_tail!r} must be an int >= 1",
+        )
 
 
 def _prompt(v: object) -> tuple[int, ...]:
@@ -192,9 +208,24 @@ class Plan:
         "width",
     )
 
-    def __init__(self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int, names_at: int) -> None:
-        step_id, step_type, self._i32, self._i64, self.num_rows, self._ntok, self._nblk, self._npre, self._nk, \
-            self.predicted_ns, self.width, rcap, tcap = raw
+    def __init__(
+        self, raw: tuple, preempted: tuple[str, ...], names: np.ndarray, base: int, names_at: int
+    ) -> None:
+        (
+            step_id,
+            step_type,
+            self._i32,
+            self._i64,
+            self.num_rows,
+            self._ntok,
+            self._nblk,
+            self._npre,
+            self._nk,
+            self.predicted_ns,
+            self.width,
+            rcap,
+            tcap,
+        ) = raw
         self._rcap = rcap
         self._tok = 7 * rcap + 1  # start of token_ids; block_ids follow the token region
         self._blk = self._tok + tcap
@@ -205,8 +236,10 @@ class Plan:
         self._names, self._base, self._names_at = names, base, names_at
 
     def __repr__(self) -> str:
-        return (f"Plan(step_id={self.step_id}, step_type={self.step_type.name}, rows={self.num_rows}, "
-                f"tokens={self._ntok}, blocks={self._nblk}, preempted={self.preempted})")
+        return (
+            f"Plan(step_id={self.step_id}, step_type={self.step_type.name}, rows={self.num_rows}, "
+            f"tokens={self._ntok}, blocks={self._nblk}, preempted={self.preempted})"
+        )
 
     # ---- the arrays: regions of the core's two buffers, which it wrote the plan into; R = row capacity,
     #      T = token capacity (int32: num_tokens | start | sample | num_drafts | cached | kv_load_num_tokens,

@@ -35,7 +35,9 @@ class DistributedVote:
     def decide(self, has_prefill: bool, has_decode: bool) -> tuple[bool, bool, bool]:
         import torch
 
-        flags = torch.tensor([int(has_prefill), int(not has_prefill), int(has_decode)], dtype=torch.int32, device=self.device)
+        flags = torch.tensor(
+            [int(has_prefill), int(not has_prefill), int(has_decode)], dtype=torch.int32, device=self.device
+        )
         self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self.group)
         some_lack, any_prefill, any_decode = bool(flags[1]), bool(flags[0]), bool(flags[2])
         return (not some_lack, any_prefill, any_decode)

@@ -14,8 +14,10 @@ def demo() -> None:
     prof = StepTimeProfile.published()
     rng = np.random.default_rng(0)
     model = AcceptanceModel()
-    print("  per-draft confidences drawn from a calibrated model; step times from the published decode curve "
-          "(all throughput below is modelled, not measured)")
+    print(
+        "  per-draft confidences drawn from a calibrated model; step times from the published decode curve "
+        "(all throughput below is modelled, not measured)"
+    )
     for requests in (8, 60, 96):
         _, conf = model.draw(rng, requests)
         v, f = MTPVarlen(prof).plan(conf), FixedLength(prof).plan(conf)

@@ -60,7 +60,14 @@ def verify(
     from deepinfer_kernels import get_op
 
     num_accepted, next_token = get_op("spec_verify", backend)(
-        draft_tokens, draft_probs, target_probs, verify_lengths, generator, greedy, seeds=seeds, positions=positions
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        verify_lengths,
+        generator,
+        greedy,
+        seeds=seeds,
+        positions=positions,
     )
     R, D = draft_tokens.shape
     dev = num_accepted.device

@@ -10,9 +10,13 @@ def check_bitmask(bitmask: torch.Tensor, row: int, words: int) -> None:
     if not isinstance(bitmask, torch.Tensor):
         raise TypeError(f"bitmask: must be a torch.Tensor, got {type(bitmask).__name__}")
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
-        raise ValueError(f"bitmask: must be a 2-D int32 CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        raise ValueError(
+            f"bitmask: must be a 2-D int32 CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
+        )
     if bitmask.shape[1] != words:
-        raise ValueError(f"bitmask: has {bitmask.shape[1]} words per row; this vocabulary needs {words} (ceil(vocab/32))")
+        raise ValueError(
+            f"bitmask: has {bitmask.shape[1]} words per row; this vocabulary needs {words} (ceil(vocab/32))"
+        )
     if not 0 <= row < bitmask.shape[0]:
         raise IndexError(f"row={row}: must be in [0, {bitmask.shape[0]})")
     if not bitmask.is_contiguous():

@@ -53,10 +53,22 @@ def make_fast_fill(
     import numpy as np
 
     ff = _FastFill(
-        kind, keys, mgr._fast_views, mgr, type(mgr).fill_bitmask if fallback is None else fallback,
-        backend.fill_keys if kind == 0 else None, backend.accept_key if kind == 1 else None,
-        batch_mask_type, np.empty, np.zeros, np.dtype(np.int64), np.dtype(np.bool_),
-        mgr._words, mgr._vocab_size, mgr._tail_keep_c, int(backend.eos_token_id),
+        kind,
+        keys,
+        mgr._fast_views,
+        mgr,
+        type(mgr).fill_bitmask if fallback is None else fallback,
+        backend.fill_keys if kind == 0 else None,
+        backend.accept_key if kind == 1 else None,
+        batch_mask_type,
+        np.empty,
+        np.zeros,
+        np.dtype(np.int64),
+        np.dtype(np.bool_),
+        mgr._words,
+        mgr._vocab_size,
+        mgr._tail_keep_c,
+        int(backend.eos_token_id),
         sorted(getattr(backend, "key_refuse", ())),
     )
     return ff

@@ -26,8 +26,13 @@ def _u8_next(tab: Sequence[bytes], s: int, t: Any) -> int:
 
 
 def _fill_request(
-    m: GrammarMatcher, bm: torch.Tensor, base: int, drafts: Sequence[int],
-    u8: Sequence[bytes] | None = None, s0: int = 0, rs: list[int] | None = None,
+    m: GrammarMatcher,
+    bm: torch.Tensor,
+    base: int,
+    drafts: Sequence[int],
+    u8: Sequence[bytes] | None = None,
+    s0: int = 0,
+    rs: list[int] | None = None,
 ) -> int:
     """Accept-draft-then-fill rows ``base..base+k``; roll back; return how many drafts were accepted."""
     fill = getattr(m, "fill_unchecked", m.fill_next_token_bitmask)
@@ -69,8 +74,14 @@ def _fill_request(
 
 
 def _fill_wavefront(
-    fill_rows: Any, matchers: list[GrammarMatcher], bm: torch.Tensor, offsets: list[int], drafts: list[Sequence[int]],
-    u8: Sequence[bytes] | None = None, s0: Sequence[int] | None = None, rs: list[int] | None = None,
+    fill_rows: Any,
+    matchers: list[GrammarMatcher],
+    bm: torch.Tensor,
+    offsets: list[int],
+    drafts: list[Sequence[int]],
+    u8: Sequence[bytes] | None = None,
+    s0: Sequence[int] | None = None,
+    rs: list[int] | None = None,
 ) -> list[int]:
     """The same rows as :func:`_fill_request`, one draft depth at a time across the batch.
 
@@ -127,7 +138,9 @@ def _fill_wavefront(
     return accepted
 
 
-def fill_general(mgr: Any, batch: Sequence[tuple[Hashable, Sequence[int]]], out: torch.Tensor | None, batch_mask: type) -> Any:
+def fill_general(
+    mgr: Any, batch: Sequence[tuple[Hashable, Sequence[int]]], out: torch.Tensor | None, batch_mask: type
+) -> Any:
     """Any backend, any ``out``: the reference the fast path is tested against."""
     # Per-call and per-request costs in Python are what this layer adds to the engines' own work,
     # so one loop gathers offsets and matchers, the buffer views are cached between calls, and the
@@ -163,11 +176,14 @@ def fill_general(mgr: Any, batch: Sequence[tuple[Hashable, Sequence[int]]], out:
         rs = s0
     elif fill_rows is not None:
         batch_drafts: list[Sequence[int]] = [d for _, d in batch]
-        num_drafts = np.array(_fill_wavefront(fill_rows, matchers, bm, offsets, batch_drafts, tab, s0, rs),
-                              dtype=np.int64)
+        num_drafts = np.array(
+            _fill_wavefront(fill_rows, matchers, bm, offsets, batch_drafts, tab, s0, rs), dtype=np.int64
+        )
     else:
-        k = [_fill_request(m, bm, off, d, tab, s0[i] if s0 is not None else 0, rs)
-             for i, (m, off, (_, d)) in enumerate(zip(matchers, offsets, batch))]
+        k = [
+            _fill_request(m, bm, off, d, tab, s0[i] if s0 is not None else 0, rs)
+            for i, (m, off, (_, d)) in enumerate(zip(matchers, offsets, batch))
+        ]
         num_drafts = np.array(k, dtype=np.int64)
     if u8 is not None and total:  # the byte filter, before the dead-row pass (it can empty a row)
         u8.apply_ptr(bm.data_ptr(), mgr._words, rs)
@@ -181,7 +197,10 @@ def fill_general(mgr: Any, batch: Sequence[tuple[Hashable, Sequence[int]]], out:
         mgr._cut_rows(batch, a, offs, dead_rows, num_drafts, dead_end)
     return batch_mask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
 
-def views(mgr: Any, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+
+def views(
+    mgr: Any, rows: int, out: torch.Tensor | None
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
     """(tensor rows, the same memory as numpy, its last column when it has padding bits)."""
     if out is None:
         if mgr._buf.shape[0] < rows:
@@ -193,7 +212,9 @@ def views(mgr: Any, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, 
             hit = mgr._view_cache[rows] = (bm, a, a[:, -1] if mgr._tail_keep is not None else None)
         return hit
     if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or not out.is_contiguous():
-        raise ValueError(f"out: must be a contiguous 2-D int32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out: must be a contiguous 2-D int32 CPU tensor, got {out.dtype} {tuple(out.shape)}"
+        )
     if out.shape[1] != mgr._words or out.shape[0] < rows:
         raise ValueError(f"out: shape {tuple(out.shape)}; needs at least [{rows}, {mgr._words}]")
     bm = out[:rows]

@@ -86,8 +86,15 @@ class AutoBackend:
         p = self.backends[first]
         self._primary_type = XGrammarMatcher if first == "xgrammar" else LLGuidanceMatcher
         # The manager's fast path, over the primary engine's keys (see batch_key).
-        for attr in ("fill_keys", "accept_key", "fast_fill_kind", "key_refuse", "key_eos", "key_inline_eos",
-                     "key_check_eos"):
+        for attr in (
+            "fill_keys",
+            "accept_key",
+            "fast_fill_kind",
+            "key_refuse",
+            "key_eos",
+            "key_inline_eos",
+            "key_check_eos",
+        ):
             if hasattr(p, attr):
                 setattr(self, attr, getattr(p, attr))
         # ... and the other engine's, for the manager's second C++ call (batches served by it alone).
@@ -125,13 +132,20 @@ class AutoBackend:
                 refused.append((engine, str(e)))
                 continue
             if refused:
-                log.info("auto backend: %s refused the %s (%s); %s serves it", refused[-1][0], spec.kind,
-                         refused[-1][1].splitlines()[0][:200], engine)
+                log.info(
+                    "auto backend: %s refused the %s (%s); %s serves it",
+                    refused[-1][0],
+                    spec.kind,
+                    refused[-1][1].splitlines()[0][:200],
+                    engine,
+                )
             return AutoGrammar(engine=engine, compiled=compiled, refused=tuple(refused))
         if spec.kind == "json_schema":
             engine, extra = RELAXED
             if engine not in self.backends:
-                raise ValueError("no engine could compile the spec: " + "; ".join(f"{e}: {m}" for e, m in refused))
+                raise ValueError(
+                    "no engine could compile the spec: " + "; ".join(f"{e}: {m}" for e, m in refused)
+                )
             mine = spec.options_for(engine)
             add = {k: v for k, v in extra.items() if k not in mine}
             if add:
@@ -142,14 +156,21 @@ class AutoBackend:
                 except ValueError as e:
                     refused.append((f"{engine} (relaxed)", str(e)))
                 else:
-                    log.info("auto backend: every engine refused the json_schema; %s serves it relaxed (%s)",
-                             engine, ", ".join(sorted(add)))
-                    return AutoGrammar(engine=engine, compiled=compiled, refused=tuple(refused), relaxed=tuple(sorted(add)))
+                    log.info(
+                        "auto backend: every engine refused the json_schema; %s serves it relaxed (%s)",
+                        engine,
+                        ", ".join(sorted(add)),
+                    )
+                    return AutoGrammar(
+                        engine=engine, compiled=compiled, refused=tuple(refused), relaxed=tuple(sorted(add))
+                    )
         raise ValueError("no engine could compile the spec: " + "; ".join(f"{e}: {m}" for e, m in refused))
 
     def matcher(self, compiled: AutoGrammar) -> Any:
         if not isinstance(compiled, AutoGrammar):
-            raise TypeError(f"compiled: expected an AutoGrammar from compile(), got {type(compiled).__name__}")
+            raise TypeError(
+                f"compiled: expected an AutoGrammar from compile(), got {type(compiled).__name__}"
+            )
         return self.backends[compiled.engine].matcher(compiled.compiled)
 
     def engine_of(self, matcher: Any) -> str:

@@ -25,7 +25,10 @@ def demo() -> None:
             "json_schema",
             {
                 "type": "object",
-                "properties": {"city": {"enum": ["Hangzhou", "Beijing"]}, "temp_c": {"type": "integer", "minimum": -40, "maximum": 50}},
+                "properties": {
+                    "city": {"enum": ["Hangzhou", "Beijing"]},
+                    "temp_c": {"type": "integer", "minimum": -40, "maximum": 50},
+                },
                 "required": ["city", "temp_c"],
                 "additionalProperties": False,
             },
@@ -64,10 +67,14 @@ def demo() -> None:
             why = mgr.finish_reason(rid)
             if mgr.error(rid):
                 # the invalid grammar is refused alone; the other requests are not affected
-                print(f"    {rid:5s} refused as expected ({why.value if why else None}): "
-                      f"{(mgr.error(rid) or '').splitlines()[0]}")
+                print(
+                    f"    {rid:5s} refused as expected ({why.value if why else None}): "
+                    f"{(mgr.error(rid) or '').splitlines()[0]}"
+                )
             else:
-                print(f"    {rid:5s} {KIND_LABEL[rid]:22s} -> {printable(text)!r} ({why.value if why else None})")
+                print(
+                    f"    {rid:5s} {KIND_LABEL[rid]:22s} -> {printable(text)!r} ({why.value if why else None})"
+                )
             if rid == "json" and why == "stop":
                 json.loads(text)  # the constrained text is valid JSON
         mgr.close()

@@ -52,7 +52,9 @@ class Outcome:
     advance_s: float = 0.0  # CPU seconds in advance (the byte filter's step and the final check included)
 
 
-def load_sample(root: str | Path, sets: Sequence[str] | None = None, per_set: int | None = None) -> list[tuple[str, str]]:
+def load_sample(
+    root: str | Path, sets: Sequence[str] | None = None, per_set: int | None = None
+) -> list[tuple[str, str]]:
     """(``set/file``, schema text) for the sample under ``root`` (its manifest.json lists the files);
     the text is kept as written, so key order reaches the grammar unchanged."""
     root = Path(root)
@@ -89,8 +91,15 @@ def _spec(text: str, options: dict[str, Any] | None) -> GrammarSpec | None:
 
 
 def run_sample(
-    mgr: Any, backend_name: str, schemas: Iterable[tuple[str, str]], token_bytes: Sequence[bytes], *,
-    seed: int = 0, max_tokens: int = 2048, batch: int = 1, options: dict[str, Any] | None = None,
+    mgr: Any,
+    backend_name: str,
+    schemas: Iterable[tuple[str, str]],
+    token_bytes: Sequence[bytes],
+    *,
+    seed: int = 0,
+    max_tokens: int = 2048,
+    batch: int = 1,
+    options: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[Outcome]:
     """Decode every schema once through ``mgr``; ``batch`` requests run together (refilled as they end)."""
@@ -151,8 +160,21 @@ def run_sample(
             data = b"".join(token_bytes[t] for t in st["toks"])
             verdict, err = judge(data, st["text"]) if done == "stop" else ("", mgr.error(r))
             engine = mgr.metrics(r).get("grammar_engine")
-            outs.append(Outcome(r, backend_name, True, engine, done, len(st["toks"]), verdict, err, st["mask_s"],
-                                st["rows"], st["adv_s"]))
+            outs.append(
+                Outcome(
+                    r,
+                    backend_name,
+                    True,
+                    engine,
+                    done,
+                    len(st["toks"]),
+                    verdict,
+                    err,
+                    st["mask_s"],
+                    st["rows"],
+                    st["adv_s"],
+                )
+            )
             mgr.remove_request(r)
             del live[r]
             if progress:
@@ -178,7 +200,8 @@ def summarize(outs: Sequence[Outcome]) -> dict[str, Any]:
     rows = sum(o.rows for o in outs)
     mask_s = sum(o.mask_s for o in outs)
     return {
-        "schemas": n, **dict(c),
+        "schemas": n,
+        **dict(c),
         "compiled_pct": round(100 * c["compiled"] / max(n, 1), 1),
         "valid_pct": round(100 * c["valid"] / max(n, 1), 1),
         "tokens": rows,

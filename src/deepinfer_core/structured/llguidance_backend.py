@@ -101,7 +101,9 @@ class LLGuidanceMatcher:
         bitmask[row].zero_()
         self._m = self._template.deep_copy()
         if self._history and not self._m.consume_tokens(self._history):
-            raise RuntimeError(f"llguidance could not replay {len(self._history)} tokens: {self._m.get_error()}")
+            raise RuntimeError(
+                f"llguidance could not replay {len(self._history)} tokens: {self._m.get_error()}"
+            )
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -112,7 +114,9 @@ class LLGuidanceMatcher:
             n -= 1
             llg_n = n + self._eos_recorded  # the EOS taken after a stop is not in llguidance's history
         if n > len(self._history):
-            raise ValueError(f"num_tokens={num_tokens}: only {len(self._history) + self._terminated} tokens were accepted")
+            raise ValueError(
+                f"num_tokens={num_tokens}: only {len(self._history) + self._terminated} tokens were accepted"
+            )
         if llg_n > 0 and not self._m.rollback(llg_n):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self._m.get_error()}")
         if n > 0:
@@ -155,14 +159,22 @@ class LLGuidanceBackend:
 
         self._vocab: GrammarVocab = grammar_vocab(tokenizer, vocab_size)
         self._tok = llguidance_tokenizer(self._vocab, tokenizer)
-        self._json_opts = {"whitespace_flexible": bool(json_any_whitespace), "item_separator": ",", "key_separator": ":"}
+        self._json_opts = {
+            "whitespace_flexible": bool(json_any_whitespace),
+            "item_separator": ",",
+            "key_separator": ":",
+        }
         self._llg = llg
         # llguidance's LLExecutor fills a batch on its own threads, but measured here it costs ~2x the
         # CPU per row of calling each matcher (1-2 threads, 128k vocabulary; docs/performance.md), so
         # it is used only when asked for with mask_threads > 1.
-        self._executor = llg.LLExecutor(num_threads=mask_threads) if mask_threads and mask_threads > 1 else None
+        self._executor = (
+            llg.LLExecutor(num_threads=mask_threads) if mask_threads and mask_threads > 1 else None
+        )
         self._nbytes = self._vocab.bitmask_words * 4
-        self._last_bm: torch.Tensor | None = None  # fill_keys' cached buffer address (a strong ref keeps it valid)
+        self._last_bm: torch.Tensor | None = (
+            None  # fill_keys' cached buffer address (a strong ref keeps it valid)
+        )
         self._last_ptr = 0
         # The manager's draft loop steps non-EOS tokens on our matchers inline (see _fastpath).
         self.key_inline_eos = self._vocab.eos_token_id
@@ -171,7 +183,9 @@ class LLGuidanceBackend:
         # fill_keys / fill_rows / accept_token itself; with an executor the Python fast path runs.
         self.fast_fill_kind: str | None = "llguidance" if self._executor is None else None
 
-    def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    def fill_rows(
+        self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the manager's batch path)."""
         words = self._vocab.bitmask_words
         if self._executor is None:
@@ -206,7 +220,11 @@ class LLGuidanceBackend:
         return matcher
 
     def fill_keys(
-        self, keys: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int] | None, debug_print: bool = False
+        self,
+        keys: list[LLGuidanceMatcher],
+        bitmask: torch.Tensor,
+        rows: list[int] | None,
+        debug_print: bool = False,
     ) -> None:
         """:meth:`fill_rows` for the manager; ``rows=None`` means row ``i`` for ``keys[i]`` *without*
         the per-row checks (EOS taken, error state), which the manager then runs through
@@ -268,7 +286,9 @@ class LLGuidanceBackend:
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
         if spec.kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(spec.text, overrides={**self._json_opts, **spec.options_for("llguidance")})
+            return llg.LLMatcher.grammar_from_json_schema(
+                spec.text, overrides={**self._json_opts, **spec.options_for("llguidance")}
+            )
         if spec.kind == "ebnf":
             return llg.grammar_from("ebnf", spec.text)
         return llg.grammar_from("choice", json.dumps(list(spec.choices)))
@@ -318,5 +338,7 @@ class LLGuidanceBackend:
 
     def matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
         if not isinstance(compiled, LLGuidanceGrammar):
-            raise TypeError(f"compiled: expected an LLGuidanceGrammar from compile(), got {type(compiled).__name__}")
+            raise TypeError(
+                f"compiled: expected an LLGuidanceGrammar from compile(), got {type(compiled).__name__}"
+            )
         return LLGuidanceMatcher(compiled.template, self._vocab.bitmask_words, self._vocab.eos_token_id)

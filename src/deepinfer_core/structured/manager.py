@@ -92,8 +92,14 @@ class StructuredOutputManager:
     """
 
     def __init__(
-        self, backend: GrammarBackend, *, compile_workers: int = 2, cache_size: int = 256, fast_path: bool = True,
-        utf8: bool = True, validate: bool = True,
+        self,
+        backend: GrammarBackend,
+        *,
+        compile_workers: int = 2,
+        cache_size: int = 256,
+        fast_path: bool = True,
+        utf8: bool = True,
+        validate: bool = True,
     ) -> None:
         """``utf8``: intersect every mask with the byte filter (needs the backend's ``vocab`` and the C++
         extension); ``validate``: check finished JSON documents against their schema (see the module
@@ -121,12 +127,16 @@ class StructuredOutputManager:
         # Fast path (backends with batch keys; fast_path=False keeps the general path, which tests use
         # as the reference): request id -> the backend's batch key, for requests with a live matcher
         # and no finish reason, so a step is one dict lookup per request.
-        self._keys: dict[Hashable, Any] | None = {} if fast_path and _fastpath.has_fast_path(backend) else None
+        self._keys: dict[Hashable, Any] | None = (
+            {} if fast_path and _fastpath.has_fast_path(backend) else None
+        )
         self._fill_keys = getattr(backend, "fill_keys", None)
         # >= 0: the backend's draft-free fill skips per-row checks; rows allowing only this token (or
         # nothing) are handed to backend.check_rows (llguidance's error and after-EOS rows look so).
         check_eos = getattr(backend, "key_check_eos", None) if self._keys is not None else None
-        self._check_eos = -1 if check_eos is None or not callable(getattr(backend, "check_rows", None)) else int(check_eos)
+        self._check_eos = (
+            -1 if check_eos is None or not callable(getattr(backend, "check_rows", None)) else int(check_eos)
+        )
         # rows -> (tensor view, its address, the BatchMask a draft-free batch of that size returns when
         # no row is dead: offsets, num_drafts and dead_end are then the same every step, read-only).
         self._fast_views: dict[int, tuple[torch.Tensor, int, BatchMask | None]] = {}
@@ -146,7 +156,9 @@ class StructuredOutputManager:
         second = getattr(backend, "second_fast_backend", None) if self._fast_fill is not None else None
         if second is not None:
             self._keys2 = {}
-            self._fast_fill2 = _fastpath.make_fast_fill(self, second, BatchMask, self._keys2, type(self)._fill_general)
+            self._fast_fill2 = _fastpath.make_fast_fill(
+                self, second, BatchMask, self._keys2, type(self)._fill_general
+            )
             if self._fast_fill2 is None:
                 self._keys2 = None
         self._validate = validate
@@ -165,8 +177,10 @@ class StructuredOutputManager:
             if self._fast_fill2 is not None:
                 self._fast_fill2.set_utf8(self._u8f, self._u8)
         elif utf8:
-            log.warning("structured outputs: no byte filter (backend without `vocab`, or the C++ extension "
-                        "predates it); masks are the engine's alone")
+            log.warning(
+                "structured outputs: no byte filter (backend without `vocab`, or the C++ extension "
+                "predates it); masks are the engine's alone"
+            )
 
     # ----- submission and compilation -------------------------------------------------------------
     @property
@@ -202,8 +216,10 @@ class StructuredOutputManager:
         spec = GrammarSpec.of(spec)
         name = getattr(self._backend, "name", None)
         if spec.engine is not None and name in ("xgrammar", "llguidance") and spec.engine != name:
-            raise ValueError(f"so_args.engine: {spec.engine!r}, but this manager's backend is {name!r} "
-                             "(the 'auto' backend serves either engine)")
+            raise ValueError(
+                f"so_args.engine: {spec.engine!r}, but this manager's backend is {name!r} "
+                "(the 'auto' backend serves either engine)"
+            )
         self._requests[request_id] = _Request(spec, self._compiled_future(spec))
 
     def _get(self, request_id: Hashable) -> _Request:
@@ -248,7 +264,9 @@ class StructuredOutputManager:
     def _start(self, req: _Request, rid: Hashable, res: Any, grammar: Any) -> None:
         """A request's matcher exists: its byte-filter state, document buffer and metrics."""
         spec = req.spec
-        engine = getattr(grammar, "engine", None) or getattr(self._backend, "name", type(self._backend).__name__)
+        engine = getattr(grammar, "engine", None) or getattr(
+            self._backend, "name", type(self._backend).__name__
+        )
         req.metrics = {"grammar_engine": engine}
         refused = getattr(grammar, "refused", ())
         if refused:
@@ -261,7 +279,12 @@ class StructuredOutputManager:
                 ws = getattr(self._backend, "json_whitespace", None)
                 variant = 2 if ws is not None and ws(spec) else 1
             self._u8[rid] = 8 * variant
-        if spec.kind == "json_schema" and isinstance(res, _Compiled) and self._validate and self._token_bytes is not None:
+        if (
+            spec.kind == "json_schema"
+            and isinstance(res, _Compiled)
+            and self._validate
+            and self._token_bytes is not None
+        ):
             req.doc = bytearray()
             req.validator = res
 
@@ -293,7 +316,9 @@ class StructuredOutputManager:
     def matcher(self, request_id: Hashable) -> GrammarMatcher:
         req = self._get(request_id)
         if not self._resolve(req, request_id) or req.matcher is None:
-            raise RuntimeError(f"request_id={request_id!r}: grammar is not ready (finish_reason={req.finish})")
+            raise RuntimeError(
+                f"request_id={request_id!r}: grammar is not ready (finish_reason={req.finish})"
+            )
         return req.matcher
 
     def remove_request(self, request_id: Hashable) -> None:
@@ -316,7 +341,9 @@ class StructuredOutputManager:
     def _active_matcher(self, rid: Hashable) -> GrammarMatcher:
         req = self._get(rid)
         if not self._resolve(req, rid):
-            raise RuntimeError(f"request_id={rid!r}: grammar still compiling; schedule it once ready() lists it")
+            raise RuntimeError(
+                f"request_id={rid!r}: grammar still compiling; schedule it once ready() lists it"
+            )
         if req.finish is not None or req.matcher is None:
             raise RuntimeError(f"request_id={rid!r}: already finished ({req.finish}); it has no next mask")
         return req.matcher
@@ -358,7 +385,9 @@ class StructuredOutputManager:
             assert self._fill_keys is not None  # the fast path's keys exist only with the backend's fill_keys
             try:
                 self._fill_keys(keys, bm, None, False)
-            except RuntimeError:  # xgrammar: a matcher past EOS (stepped outside the manager); no state changed
+            except (
+                RuntimeError
+            ):  # xgrammar: a matcher past EOS (stepped outside the manager); no state changed
                 return self._fill_general(batch, out)
             if _COUNT_DEAD(ptr, n, self._words, self._tail_keep_c, self._check_eos) == 0:
                 return same if same is not None else self._same_mask(n)
@@ -366,7 +395,12 @@ class StructuredOutputManager:
         return self._fill_general(batch, out)
 
     def _fast_dead(
-        self, batch: Sequence[tuple[Hashable, Sequence[int]]], keys: list[Any], bm: torch.Tensor, ptr: int, n: int
+        self,
+        batch: Sequence[tuple[Hashable, Sequence[int]]],
+        keys: list[Any],
+        bm: torch.Tensor,
+        ptr: int,
+        n: int,
     ) -> BatchMask:
         """A draft-free fast step (Python or C++) whose pass flagged rows: dead rows, and for a backend
         with unchecked rows (llguidance) EOS-only rows, whose matchers are checked here."""
@@ -383,8 +417,12 @@ class StructuredOutputManager:
         return BatchMask(bitmask=bm, offsets=offs, num_drafts=num_drafts, dead_end=dead_end)
 
     def _drafts_tail(
-        self, batch: Sequence[tuple[Hashable, Sequence[int]]], bm: torch.Tensor, offsets: list[int],
-        accepted: list[int], dead: list[int],
+        self,
+        batch: Sequence[tuple[Hashable, Sequence[int]]],
+        bm: torch.Tensor,
+        offsets: list[int],
+        accepted: list[int],
+        dead: list[int],
     ) -> BatchMask:
         """A drafted fast step (Python or C++) with dead rows (copies and padding already done)."""
         offs, num_drafts = np.array(offsets, dtype=np.int64), np.array(accepted, dtype=np.int64)
@@ -415,8 +453,12 @@ class StructuredOutputManager:
     def _same_mask(self, n: int) -> BatchMask:
         """The draft-free, no-dead-row result for ``n`` requests: identical every step, so built once."""
         bm, ptr, _ = self._fast_views[n]
-        same = BatchMask(bitmask=bm, offsets=_frozen(np.arange(n + 1, dtype=np.int64)),
-                         num_drafts=_frozen(np.zeros(n, dtype=np.int64)), dead_end=_frozen(np.zeros(n, dtype=bool)))
+        same = BatchMask(
+            bitmask=bm,
+            offsets=_frozen(np.arange(n + 1, dtype=np.int64)),
+            num_drafts=_frozen(np.zeros(n, dtype=np.int64)),
+            dead_end=_frozen(np.zeros(n, dtype=bool)),
+        )
         self._fast_views[n] = (bm, ptr, same)
         return same
 
@@ -433,14 +475,22 @@ class StructuredOutputManager:
         bm, ptr, _ = self._fast_view(total)
         try:
             accepted, copies = _fastpath.fill_drafts(self._backend, keys, bm, offsets, drafts)
-        except (RuntimeError, TypeError):  # the depth-0 fill (no state changed) or a non-int draft (rolled back)
+        except (
+            RuntimeError,
+            TypeError,
+        ):  # the depth-0 fill (no state changed) or a non-int draft (rolled back)
             return None
         dead = _fastpath.FINISH_PTR(ptr, total, self._words, self._tail_keep_c, copies)
         return self._drafts_tail(batch, bm, offsets, accepted, dead)
 
     def _cut_rows(
-        self, batch: Sequence[tuple[Hashable, Sequence[int]]], a: np.ndarray, offs: np.ndarray, dead_rows: list[int],
-        num_drafts: np.ndarray, dead_end: np.ndarray,
+        self,
+        batch: Sequence[tuple[Hashable, Sequence[int]]],
+        a: np.ndarray,
+        offs: np.ndarray,
+        dead_rows: list[int],
+        num_drafts: np.ndarray,
+        dead_end: np.ndarray,
     ) -> None:
         """Finish requests whose row 0 is dead; cut drafts before a dead later row."""
         for i in np.unique(np.searchsorted(offs, dead_rows, side="right") - 1):
@@ -452,11 +502,20 @@ class StructuredOutputManager:
         """Any backend, any ``out``: the reference the fast path is tested against (``_general.py``)."""
         return _general.fill_general(self, batch, out, BatchMask)
 
-    def _views(self, rows: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+    def _views(
+        self, rows: int, out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
         return _general.views(self, rows, out)
 
     def _cut_dead(
-        self, rid: Hashable, a: np.ndarray, base: int, end: int, num_drafts: np.ndarray, dead_end: np.ndarray, i: int
+        self,
+        rid: Hashable,
+        a: np.ndarray,
+        base: int,
+        end: int,
+        num_drafts: np.ndarray,
+        dead_end: np.ndarray,
+        i: int,
     ) -> None:
         live = np.asarray(a[base:end].any(axis=1))
         if not live[0]:
@@ -495,8 +554,12 @@ class StructuredOutputManager:
                 if msg:
                     self._errors[request_id] = msg
                 self._end(request_id)
-                log.warning("request %r: %s rejected committed token %d", request_id,
-                            "the byte filter" if ns == _REJECT else "grammar", t)
+                log.warning(
+                    "request %r: %s rejected committed token %d",
+                    request_id,
+                    "the byte filter" if ns == _REJECT else "grammar",
+                    t,
+                )
                 return j
             if u8 is not None:
                 assert ns is not None  # the byte filter's next state (set above whenever u8 is)
@@ -520,7 +583,9 @@ class StructuredOutputManager:
             req.metrics["grammar_check_error"] = v.error
         if not v.ok:
             req.finish = FinishReason.VIOLATION
-            self._errors[request_id] = f"{req.metrics.get('grammar_engine')} accepted an invalid document: {v.error}"
+            self._errors[request_id] = (
+                f"{req.metrics.get('grammar_engine')} accepted an invalid document: {v.error}"
+            )
             log.info("request %r: grammar_violation: %s", request_id, v.error)
 
 

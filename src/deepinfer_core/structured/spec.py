@@ -82,7 +82,10 @@ def _canonical_options(value: Any) -> str:
         except json.JSONDecodeError as e:
             raise _fail("options", f"not valid JSON: {e}") from None
     if not isinstance(value, Mapping):
-        raise _fail("options", f"must be a dict {{engine: {{option: value}}}} with engines in {list(ENGINES)}, got {value!r}")
+        raise _fail(
+            "options",
+            f"must be a dict {{engine: {{option: value}}}} with engines in {list(ENGINES)}, got {value!r}",
+        )
     out: dict[str, dict[str, Any]] = {}
     for engine, opts in value.items():
         if engine not in ENGINE_OPTIONS:
@@ -151,7 +154,9 @@ class GrammarSpec:
         elif not isinstance(self.text, str) or not self.text.strip():
             raise _fail("text", f"{self.kind} needs a non-empty string, got {self.text!r}")
         if self.options and self.kind != "json_schema":
-            raise _fail("options", f"engine options apply to json_schema constraints only, this is {self.kind!r}")
+            raise _fail(
+                "options", f"engine options apply to json_schema constraints only, this is {self.kind!r}"
+            )
         size = sum(map(len, self.text)) if isinstance(self.text, tuple) else len(self.text)
         if size > MAX_SPEC_CHARS:
             raise _fail("text", f"{size} characters; at most {MAX_SPEC_CHARS} are allowed")
@@ -161,17 +166,26 @@ class GrammarSpec:
         """From ``SamplingParams.so_args``: ``{"regex": ...}``, ``{"json_schema": ...}``, ... plus, optionally,
         ``"options": {engine: {option: value}}`` and ``"engine": "xgrammar" | "llguidance"``."""
         if not isinstance(so_args, Mapping):
-            raise ValueError(f"so_args: must be a dict with exactly one key of {list(KINDS)}, got {so_args!r}")
+            raise ValueError(
+                f"so_args: must be a dict with exactly one key of {list(KINDS)}, got {so_args!r}"
+            )
         kinds = [k for k in so_args if k in KINDS]
         extra = [k for k in so_args if k not in KINDS and k not in SO_ARGS_EXTRA]
         if len(kinds) != 1 or extra:
-            raise ValueError(f"so_args: must have exactly one key of {list(KINDS)} (and optionally "
-                             f"{list(SO_ARGS_EXTRA)}), got keys {list(so_args)}")
+            raise ValueError(
+                f"so_args: must have exactly one key of {list(KINDS)} (and optionally "
+                f"{list(SO_ARGS_EXTRA)}), got keys {list(so_args)}"
+            )
         try:
-            return cls(kinds[0], so_args[kinds[0]], options=so_args.get("options"), engine=so_args.get("engine"))
+            return cls(
+                kinds[0], so_args[kinds[0]], options=so_args.get("options"), engine=so_args.get("engine")
+            )
         except ValueError as e:
-            raise ValueError(str(e).replace("GrammarSpec.options", "so_args.options").replace(
-                "GrammarSpec.engine", "so_args.engine")) from None
+            raise ValueError(
+                str(e)
+                .replace("GrammarSpec.options", "so_args.options")
+                .replace("GrammarSpec.engine", "so_args.engine")
+            ) from None
 
     @classmethod
     def of(cls, spec: GrammarSpec | Mapping[str, Any]) -> GrammarSpec:
@@ -191,4 +205,3 @@ class GrammarSpec:
     def choice_ebnf(self) -> str:
         """The choices as a GBNF grammar (JSON string literals are valid GBNF string literals)."""
         return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices)
-

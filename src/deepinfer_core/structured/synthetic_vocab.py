@@ -34,7 +34,12 @@ def _corpus(num_lines: int, seed: int) -> Iterator[str]:
     for _ in range(num_lines):
         r = rng.random()
         if r < 0.4:
-            rec = {rng.choice(lexicon): rng.choice([rng.randint(-999, 99999), rng.choice(lexicon), rng.random() < 0.5, None]) for _ in range(rng.randint(1, 4))}
+            rec = {
+                rng.choice(lexicon): rng.choice(
+                    [rng.randint(-999, 99999), rng.choice(lexicon), rng.random() < 0.5, None]
+                )
+                for _ in range(rng.randint(1, 4))
+            }
             yield json.dumps(rec, ensure_ascii=False, separators=(",", ":") if rng.random() < 0.5 else None)
         elif r < 0.8:
             words = [rng.choice(lexicon) for _ in range(rng.randint(3, 12))]
@@ -42,7 +47,7 @@ def _corpus(num_lines: int, seed: int) -> Iterator[str]:
                 words[0] = words[0].capitalize()
             yield " ".join(words) + rng.choice([".", ",", "!", "?", ":", ""])
         else:
-            yield " ".join(f"{rng.randint(0, 10**rng.randint(1, 7))}" for _ in range(rng.randint(1, 6)))
+            yield " ".join(f"{rng.randint(0, 10 ** rng.randint(1, 7))}" for _ in range(rng.randint(1, 6)))
 
 
 def train_bpe(vocab_size: int, *, num_lines: int | None = None, seed: int = 0) -> object:

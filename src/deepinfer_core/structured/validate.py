@@ -52,11 +52,29 @@ def _no_constant(name: str) -> Any:
 
 
 # Formats jsonschema checks once its format extras are installed (jsonschema[format-nongpl]).
-CHECKABLE_FORMATS = frozenset({
-    "date", "date-time", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
-    "uri", "uri-reference", "iri", "iri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-    "regex", "uuid",
-})
+CHECKABLE_FORMATS = frozenset(
+    {
+        "date",
+        "date-time",
+        "time",
+        "duration",
+        "email",
+        "idn-email",
+        "hostname",
+        "idn-hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "iri",
+        "iri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+        "regex",
+        "uuid",
+    }
+)
 _warned: set[str] = set()
 
 
@@ -100,8 +118,12 @@ def make_validator(schema_text: str) -> tuple[Any | None, str | None]:
     missing = [f for f in unchecked_formats(schema, cls.FORMAT_CHECKER) if f not in _warned]
     if missing:
         _warned.update(missing)
-        log.warning("the post-hoc schema check cannot check format(s) %s (their checker packages are not "
-                    "installed): %s", missing, install_hint("structured"))
+        log.warning(
+            "the post-hoc schema check cannot check format(s) %s (their checker packages are not "
+            "installed): %s",
+            missing,
+            install_hint("structured"),
+        )
     return validator, None
 
 

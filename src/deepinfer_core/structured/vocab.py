@@ -72,7 +72,8 @@ class _LLGuidanceTokenizerSource:
         self.eos_token_id = vocab.eos_token_id
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
         self.tokens: Sequence[bytes] = [
-            b"\xff[" + str(i).encode() + b"]" if i in vocab.special_ids else b for i, b in enumerate(vocab.token_bytes)
+            b"\xff[" + str(i).encode() + b"]" if i in vocab.special_ids else b
+            for i, b in enumerate(vocab.token_bytes)
         ]
         self.special_token_ids = sorted(vocab.special_ids)
         self._tokenizer = tokenizer

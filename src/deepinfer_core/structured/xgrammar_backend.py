@@ -25,7 +25,9 @@ class XGrammarMatcher:
 
     __slots__ = ("_done", "_eos", "_m", "_refuse", "_words")
 
-    def __init__(self, matcher: Any, words: int, refuse: frozenset[int], eos: int) -> None:  # xgrammar's (untyped)
+    def __init__(
+        self, matcher: Any, words: int, refuse: frozenset[int], eos: int
+    ) -> None:  # xgrammar's (untyped)
         self._m = matcher
         self._words = words
         self._refuse = refuse
@@ -149,7 +151,9 @@ class XGrammarBackend:
                 return c.compile_grammar(spec.text)
             return c.compile_grammar(spec.choice_ebnf())
         except (RuntimeError, ValueError) as e:  # xgrammar reports parse errors as RuntimeError
-            raise ValueError(f"xgrammar could not compile the {spec.kind}: {_strip_location(str(e))}") from None
+            raise ValueError(
+                f"xgrammar could not compile the {spec.kind}: {_strip_location(str(e))}"
+            ) from None
 
     def fill_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` in one call (the manager's batch path)."""
@@ -169,14 +173,18 @@ class XGrammarBackend:
             return None
         return getattr(matcher._m, "_handle", None)
 
-    def fill_keys(self, keys: list[object], bitmask: torch.Tensor, rows: list[int] | None, debug_print: bool) -> None:
+    def fill_keys(
+        self, keys: list[object], bitmask: torch.Tensor, rows: list[int] | None, debug_print: bool
+    ) -> None:
         """Fill ``bitmask[rows[i]]`` (``rows=None``: row ``i``) for the handles ``keys`` in one call.
 
         Replaced in ``__init__`` by xgrammar's bound batch call (same signature). Raises RuntimeError
         (from xgrammar, before any state changes) if a matcher already accepted EOS; the manager then
         takes its general path, which writes such rows as all-zero.
         """
-        raise RuntimeError("xgrammar has no BatchGrammarMatcher handle here: the manager's general path fills masks")
+        raise RuntimeError(
+            "xgrammar has no BatchGrammarMatcher handle here: the manager's general path fills masks"
+        )
 
     def accept_key(self, key: Any, token: int) -> int:
         """Draft step on a handle: 0 rejected (state unchanged), 1 accepted, 2 accepted EOS (the end).
@@ -187,7 +195,12 @@ class XGrammarBackend:
         return 2 if token == self._eos else 1
 
     def matcher(self, compiled: object) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._vocab.bitmask_words, self._refuse, self._vocab.eos_token_id)
+        return XGrammarMatcher(
+            self._xgr.GrammarMatcher(compiled),
+            self._vocab.bitmask_words,
+            self._refuse,
+            self._vocab.eos_token_id,
+        )
 
 
 def _strip_location(msg: str) -> str:

@@ -89,18 +89,34 @@ class ReplayConfig:
         if self.encoder_replay is not None:
             _int("ReplayConfig.encoder_replay", self.encoder_replay, 1)
         if self.compress_ratios and len(self.compress_ratios) < self.num_layers:
-            raise _err("ReplayConfig.compress_ratios", f"{len(self.compress_ratios)} values, need num_layers={self.num_layers}")
+            raise _err(
+                "ReplayConfig.compress_ratios",
+                f"{len(self.compress_ratios)} values, need num_layers={self.num_layers}",
+            )
         if any(r < 0 for r in self.compress_ratios):
             raise _err("ReplayConfig.compress_ratios", "values must be >= 0")
 
     @classmethod
-    def from_model(cls, cfg: object, keep: int, block_size: int = 1, mode: str = BOUNDED,
-                   encoder_replay: int | None = None) -> ReplayConfig:
+    def from_model(
+        cls,
+        cfg: object,
+        keep: int,
+        block_size: int = 1,
+        mode: str = BOUNDED,
+        encoder_replay: int | None = None,
+    ) -> ReplayConfig:
         """From a ``deepinfer_core.model.ModelConfig`` (duck-typed: no model import here)."""
         n = int(cfg.num_hidden_layers)  # type: ignore[attr-defined]
-        return cls(window=int(cfg.sliding_window), num_layers=n, encoder_layers=int(cfg.encoder_layers),  # type: ignore[attr-defined]
-                   keep=keep, compress_ratios=tuple(cfg.compress_ratios[:n]), block_size=block_size,  # type: ignore[attr-defined]
-                   mode=mode, encoder_replay=encoder_replay)
+        return cls(
+            window=int(cfg.sliding_window),
+            num_layers=n,
+            encoder_layers=int(cfg.encoder_layers),  # type: ignore[attr-defined]
+            keep=keep,
+            compress_ratios=tuple(cfg.compress_ratios[:n]),
+            block_size=block_size,  # type: ignore[attr-defined]
+            mode=mode,
+            encoder_replay=encoder_replay,
+        )
 
     @property
     def decoder_layers(self) -> int:
@@ -200,8 +216,13 @@ class ReplayPlan:
         return out
 
 
-def plan_replay(cfg: ReplayConfig, num_tokens: int, hit: int, pending_drafts: int = 0,
-                host_state: bool | Sequence[int] = False) -> ReplayPlan:
+def plan_replay(
+    cfg: ReplayConfig,
+    num_tokens: int,
+    hit: int,
+    pending_drafts: int = 0,
+    host_state: bool | Sequence[int] = False,
+) -> ReplayPlan:
     """Plan the prefill of ``num_tokens`` tokens whose first ``hit`` have cached block KV.
 
     ``pending_drafts``: draft tokens that may be rolled back right after (the tail keeps ``w + d`` tokens
@@ -231,31 +252,101 @@ def plan_replay(cfg: ReplayConfig, num_tokens: int, hit: int, pending_drafts: in
     elif h > 0:
         restored = bool(host_state)
     if h == 0:
-        full = ReplayStep(kind=PREFILL, start=0, end=n, layers=(0, nl), floor=0, floor_layers=(0, 0),
-                          source_layer=None, writes_blocks=True, logits=True)
-        return ReplayPlan(num_tokens=n, requested_hit=h0, hit=0, mode=cfg.mode, encoder_restored=False, steps=(full,),
-                          encoder_replay_tokens=0, decoder_replay_tokens=0, exact=True)
+        full = ReplayStep(
+            kind=PREFILL,
+            start=0,
+            end=n,
+            layers=(0, nl),
+            floor=0,
+            floor_layers=(0, 0),
+            source_layer=None,
+            writes_blocks=True,
+            logits=True,
+        )
+        return ReplayPlan(
+            num_tokens=n,
+            requested_hit=h0,
+            hit=0,
+            mode=cfg.mode,
+            encoder_restored=False,
+            steps=(full,),
+            encoder_replay_tokens=0,
+            decoder_replay_tokens=0,
+            exact=True,
+        )
     steps: list[ReplayStep] = []
     enc_exact = True
     if restored:
-        steps.append(ReplayStep(kind=ENCODER_RESTORE, start=h, end=h, layers=(0, 0), floor=h, floor_layers=(0, 0),
-                                source_layer=None, writes_blocks=False, logits=False))
+        steps.append(
+            ReplayStep(
+                kind=ENCODER_RESTORE,
+                start=h,
+                end=h,
+                layers=(0, 0),
+                floor=h,
+                floor_layers=(0, 0),
+                source_layer=None,
+                writes_blocks=False,
+                logits=False,
+            )
+        )
         enc_tokens = 0
     else:
         span = cfg.exact_encoder_replay() if exact_mode else (cfg.encoder_replay or w)
         a = max(0, h - span)
         enc_exact = a == 0 or h - a >= cfg.exact_encoder_replay()
         if h > a:  # (a window of 1 has no state to rebuild)
-            steps.append(ReplayStep(kind=ENCODER_REPLAY, start=a, end=h, layers=(0, e), floor=a, floor_layers=(0, e),
-                                    source_layer=None, writes_blocks=False, logits=False))
+            steps.append(
+                ReplayStep(
+                    kind=ENCODER_REPLAY,
+                    start=a,
+                    end=h,
+                    layers=(0, e),
+                    floor=a,
+                    floor_layers=(0, e),
+                    source_layer=None,
+                    writes_blocks=False,
+                    logits=False,
+                )
+            )
         enc_tokens = h - a
     t0 = max(h, n - tail) if has_decoder else h
     if t0 > h:
-        steps.append(ReplayStep(kind=ENCODER_PREFILL, start=h, end=t0, layers=(0, e), floor=0, floor_layers=(0, 0),
-                                source_layer=e, writes_blocks=True, logits=False))
-    steps.append(ReplayStep(kind=TAIL, start=t0, end=n, layers=(0, nl), floor=t0, floor_layers=(e, nl),
-                            source_layer=None, writes_blocks=True, logits=True))
+        steps.append(
+            ReplayStep(
+                kind=ENCODER_PREFILL,
+                start=h,
+                end=t0,
+                layers=(0, e),
+                floor=0,
+                floor_layers=(0, 0),
+                source_layer=e,
+                writes_blocks=True,
+                logits=False,
+            )
+        )
+    steps.append(
+        ReplayStep(
+            kind=TAIL,
+            start=t0,
+            end=n,
+            layers=(0, nl),
+            floor=t0,
+            floor_layers=(e, nl),
+            source_layer=None,
+            writes_blocks=True,
+            logits=True,
+        )
+    )
     dec_exact = not has_decoder or t0 == 0 or n - t0 >= cfg.exact_tail(d)
-    return ReplayPlan(num_tokens=n, requested_hit=h0, hit=h, mode=cfg.mode, encoder_restored=restored,
-                      steps=tuple(steps), encoder_replay_tokens=enc_tokens,
-                      decoder_replay_tokens=(n - t0) if has_decoder else 0, exact=enc_exact and dec_exact)
+    return ReplayPlan(
+        num_tokens=n,
+        requested_hit=h0,
+        hit=h,
+        mode=cfg.mode,
+        encoder_restored=restored,
+        steps=tuple(steps),
+        encoder_replay_tokens=enc_tokens,
+        decoder_replay_tokens=(n - t0) if has_decoder else 0,
+        exact=enc_exact and dec_exact,
+    )

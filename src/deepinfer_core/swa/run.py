@@ -21,8 +21,16 @@ from deepinfer_core.swa.plan import (
 )
 
 
-def run_plan(ex: ModelExecutor, plan: ReplayPlan, tokens: np.ndarray, slot: int, block_table: np.ndarray,
-             host_rings: Any = None, chunk: int | None = None, snapshot_pos: int = 0) -> Any:
+def run_plan(
+    ex: ModelExecutor,
+    plan: ReplayPlan,
+    tokens: np.ndarray,
+    slot: int,
+    block_table: np.ndarray,
+    host_rings: Any = None,
+    chunk: int | None = None,
+    snapshot_pos: int = 0,
+) -> Any:
     """Execute ``plan`` for ``tokens`` (all ``plan.num_tokens`` of them) in ``slot`` with ``block_table``
     (whose first ``plan.hit // block`` blocks hold the cached KV). Returns the last token's logits [V].
 
@@ -55,9 +63,17 @@ def run_plan(ex: ModelExecutor, plan: ReplayPlan, tokens: np.ndarray, slot: int,
             c1 = min(st.end, c0 + step)
             last = st.logits and c1 == st.end
             sp = snapshot_pos if c0 < snapshot_pos <= c1 else 0
-            b = ForwardBatch(token_ids=toks[c0:c1], query_lens=[c1 - c0], start_pos=[c0], block_tables=table[None],
-                             state_slots=[slot], num_logits=[int(last)], encoder_only=st.kind == ENCODER_PREFILL,
-                             decoder_floor=[st.floor if st.kind == TAIL else 0], snapshot_pos=[sp])
+            b = ForwardBatch(
+                token_ids=toks[c0:c1],
+                query_lens=[c1 - c0],
+                start_pos=[c0],
+                block_tables=table[None],
+                state_slots=[slot],
+                num_logits=[int(last)],
+                encoder_only=st.kind == ENCODER_PREFILL,
+                decoder_floor=[st.floor if st.kind == TAIL else 0],
+                snapshot_pos=[sp],
+            )
             out = ex.execute(b)
             if sp:
                 snap = out.snapshots[0]

@@ -25,7 +25,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def prefix_digests(tokens: Sequence[int] | np.ndarray, block: int, start: Sequence[bytes] = ()) -> list[bytes]:
+def prefix_digests(
+    tokens: Sequence[int] | np.ndarray, block: int, start: Sequence[bytes] = ()
+) -> list[bytes]:
     """Chained digests of every whole ``block`` of ``tokens``: element i names tokens [0, (i+1) block).
 
     ``start`` continues an earlier call's list (only the blocks after it are hashed), so a growing

@@ -65,7 +65,9 @@ def e2m1_value(code):
     c = code & 7
     # For c >= 2: (2 + (c & 1)) * 2**((c >> 1) - 2), i.e. 1, 1.5, 2, 3, 4, 6; c = 1 is the subnormal 0.5.
     mag = T.if_then_else(
-        c < 2, T.Cast("float32", c) * T.float32(0.5), T.Cast("float32", 2 + (c & 1)) * T.reinterpret(((c >> 1) - 2 + 127) << 23, "float32")
+        c < 2,
+        T.Cast("float32", c) * T.float32(0.5),
+        T.Cast("float32", 2 + (c & 1)) * T.reinterpret(((c >> 1) - 2 + 127) << 23, "float32"),
     )
     return T.if_then_else((code & 8) != 0, -mag, mag)
 
@@ -141,7 +143,9 @@ def e4m3_value_hw(code):
 def ue8m0_scale_f32_bits(code):
     """ue8m0 byte (int32 0..254) -> 2**(code - 127) in float32 built from its bits (code 0 is the
     subnormal 2**-127): exact, no float64."""
-    return T.if_then_else(code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32"))
+    return T.if_then_else(
+        code == 0, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret(code << 23, "float32")
+    )
 
 
 def fp8_times_scale(word, j, sv, saturate: bool):

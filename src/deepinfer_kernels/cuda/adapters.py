@@ -47,17 +47,30 @@ def flash_mla_sparse_decode(
     if q.dim() != 4 or q.shape[2] not in (64, 128):
         raise ValueError(f"q: must be [b, s_q, h_q in (64, 128), d], got {tuple(q.shape)}")
     if indices.dim() != 3 or indices.shape[-1] % 64:
-        raise ValueError(f"indices: must be [b, s_q, topk], topk a multiple of 64, got {tuple(indices.shape)}")
+        raise ValueError(
+            f"indices: must be [b, s_q, topk], topk a multiple of 64, got {tuple(indices.shape)}"
+        )
     meta = kwargs.pop("tile_scheduler_metadata", None)
     if meta is None:
         meta = fm.get_mla_metadata(cache_seqlens, q.shape[1] * q.shape[2], 1)[0]
     return fm.flash_mla_with_kvcache(
-        q, k_cache, block_table, cache_seqlens, head_dim_v, meta, is_fp8_kvcache=True, indices=indices, **kwargs
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        meta,
+        is_fp8_kvcache=True,
+        indices=indices,
+        **kwargs,
     )
 
 
 def deep_gemm_grouped_fp8(
-    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, m_indices: torch.Tensor
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    m_indices: torch.Tensor,
 ) -> torch.Tensor:
     """DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``: (a fp8 [M, K], scales), (b fp8 [G, N, K], scales),
     out bf16 [M, N], m_indices int32 [M] (expert of each row; segments aligned as DeepGEMM requires)."""
@@ -83,7 +96,9 @@ def tile_kernels_topk_gate(scores: torch.Tensor, k: int) -> torch.Tensor:
     -> expert ids int64 [tokens, k]; ties go to the smaller id. Tested against torch in test_cuda_adapters."""
     _require("tile_kernels")
     if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores: must be float32 [tokens, experts], got {scores.dtype} {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores: must be float32 [tokens, experts], got {scores.dtype} {tuple(scores.shape)}"
+        )
     if not 1 <= k <= min(scores.shape[1], 32):
         raise ValueError(f"k={k}: must be in [1, min(experts, 32)]")
     return importlib.import_module("tile_kernels.moe").topk_gate(scores.contiguous(), k)

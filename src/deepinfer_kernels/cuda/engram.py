@@ -51,14 +51,19 @@ def _build_hash(n: int, heads: int, layers: int):
                         r = hs % sizes[layer, k - 1, j]
                         if r < 0:
                             r = r + sizes[layer, k - 1, j]
-                        out[layer, t, (k - 1) * heads + j] = T.Cast("int32", r + offsets[layer, (k - 1) * heads + j])
+                        out[layer, t, (k - 1) * heads + j] = T.Cast(
+                            "int32", r + offsets[layer, (k - 1) * heads + j]
+                        )
 
     return ngram_hash
 
 
 @register("engram_hash", "cuda")
 def engram_hash(
-    ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor,
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
     check: bool = True,
 ) -> torch.Tensor:
     """Same contract as the reference (int32 [L, T, (N-1)*H], ``check`` included); tile_kernels when
@@ -70,8 +75,9 @@ def engram_hash(
     return engram_hash_tilelang(ngram_token_ids, multipliers, vocab_sizes, offsets, check=check)
 
 
-def _validate(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
-              check: bool = True) -> tuple[int, int, int, int]:
+def _validate(
+    ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, check: bool = True
+) -> tuple[int, int, int, int]:
     # The reference's checks on shapes and dtypes; its table-size check (a read back) only with ``check``.
     ref._check_int("ngram_token_ids", ids, 2)
     ref._check_int("multipliers", mult, 2)
@@ -80,16 +86,21 @@ def _validate(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offset
     t, n = ids.shape
     layers, heads = sizes.shape[0], sizes.shape[2]
     if n < 2 or tuple(mult.shape) != (layers, n) or tuple(sizes.shape) != (layers, n - 1, heads):
-        raise ValueError(f"engram_hash: inconsistent shapes ids {tuple(ids.shape)}, multipliers {tuple(mult.shape)}, vocab_sizes {tuple(sizes.shape)}")
+        raise ValueError(
+            f"engram_hash: inconsistent shapes ids {tuple(ids.shape)}, multipliers {tuple(mult.shape)}, vocab_sizes {tuple(sizes.shape)}"
+        )
     if tuple(offsets.shape) != (layers, (n - 1) * heads):
-        raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]")
+        raise ValueError(
+            f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]"
+        )
     if check and sizes.numel() and int(sizes.min()) <= 0:
         raise ValueError("vocab_sizes: table sizes must be positive")
     return t, n, layers, heads
 
 
-def engram_hash_tilelang(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
-                         check: bool = True) -> torch.Tensor:
+def engram_hash_tilelang(
+    ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, check: bool = True
+) -> torch.Tensor:
     """The TileLang hash kernel (always; used when tile_kernels is absent, and tested on its own)."""
     t, n, layers, heads = _validate(ids, mult, sizes, offsets, check)
     dev = ids.device
@@ -107,8 +118,9 @@ def engram_hash_tilelang(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Ten
     return out
 
 
-def engram_hash_tile_kernels(ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
-                             check: bool = True) -> torch.Tensor:
+def engram_hash_tile_kernels(
+    ids: torch.Tensor, mult: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, check: bool = True
+) -> torch.Tensor:
     """Adapter to ``tile_kernels.engram_hash`` (int32 ids / sizes / offsets, int64 multipliers, same layout)."""
     _validate(ids, mult, sizes, offsets, check)
     from tile_kernels.engram.engram_hash_kernel import engram_hash as tk_hash
@@ -145,7 +157,9 @@ def _build_gather(dim: int, table_dtype: str, out_dtype: str, blocks: int):
                 if n < n_dyn:
                     row = ids[n]
                     if fp8:
-                        v = T.Cast("float32", table[row, j]) * C.ue8m0_scale_f32(T.Cast("int32", scales[row, j // per]))
+                        v = T.Cast("float32", table[row, j]) * C.ue8m0_scale_f32(
+                            T.Cast("int32", scales[row, j // per])
+                        )
                         out[n, j] = T.Cast(out_dtype, v)
                     else:
                         out[n, j] = T.Cast(out_dtype, table[row, j])
@@ -204,7 +218,14 @@ GATHER_VARIANTS = ("rows", "vec")
 GATHER_VARIANT = "rows"
 
 
-def gather_rows(table: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, blocks: int, variant: str | None = None) -> None:
+def gather_rows(
+    table: torch.Tensor,
+    scales: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    blocks: int,
+    variant: str | None = None,
+) -> None:
     """Launch a gather kernel (no checks): ``out[i] = dequant(table[ids[i]])``; ids int64 [N], out [N, dim]."""
     v = GATHER_VARIANT if variant is None else variant
     if v not in GATHER_VARIANTS:
@@ -217,19 +238,28 @@ def gather_rows(table: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, ou
     tname = "float8_e4m3fn" if table.dtype == torch.float8_e4m3fn else torch_dtype_name(table.dtype)
     oname = torch_dtype_name(out.dtype)
     build = _build_gather_vec if v == "vec" else _build_gather
-    kern = compile_kernel(("engram_gather", v, dim, tname, oname, blocks), lambda: build(dim, tname, oname, blocks))
+    kern = compile_kernel(
+        ("engram_gather", v, dim, tname, oname, blocks), lambda: build(dim, tname, oname, blocks)
+    )
     kern(table, scales, ids, out)
 
 
 @register("engram_gather", "cuda")
 def engram_gather(
-    table: torch.Tensor, row_ids: torch.Tensor, scales: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    table: torch.Tensor,
+    row_ids: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
     check: bool = True,
 ) -> torch.Tensor:
     """Same contract as the reference ``engram_gather`` (``check`` included); one TileLang gather (+ fp8
     dequantisation) kernel."""
     fp8 = table.dtype == torch.float8_e4m3fn
-    if not HAVE_TILELANG or table.device.type != "cuda" or not (fp8 or table.dtype in (torch.bfloat16, torch.float32, torch.float16)):
+    if (
+        not HAVE_TILELANG
+        or table.device.type != "cuda"
+        or not (fp8 or table.dtype in (torch.bfloat16, torch.float32, torch.float16))
+    ):
         return ref.engram_gather(table, row_ids, scales, out_dtype, check=check)
     if table.dim() != 2:
         raise ValueError(f"table: must be 2-D [rows, dim], got shape {tuple(table.shape)}")
@@ -240,7 +270,9 @@ def engram_gather(
     if check and flat.numel():
         lo, hi = torch.aminmax(flat)
         if int(lo) < 0 or int(hi) >= rows:
-            raise IndexError(f"row_ids: id {int(lo) if int(lo) < 0 else int(hi)} is outside [0, num_rows={rows})")
+            raise IndexError(
+                f"row_ids: id {int(lo) if int(lo) < 0 else int(hi)} is outside [0, num_rows={rows})"
+            )
     if fp8:
         if scales is None:
             raise ValueError("scales: required for an fp8 table")

@@ -53,8 +53,17 @@ from deepinfer_kernels.ops.grouped_gemm import (
 from deepinfer_kernels.registry import register
 
 log = logging.getLogger(__name__)
-__all__ = ["CANDIDATES", "CONFIGS", "DEFAULT", "SWEEP_SHAPES", "GGConfig", "config_for", "kernel_takes", "moe_grouped_gemm",
-           "precompile"]
+__all__ = [
+    "CANDIDATES",
+    "CONFIGS",
+    "DEFAULT",
+    "SWEEP_SHAPES",
+    "GGConfig",
+    "config_for",
+    "kernel_takes",
+    "moe_grouped_gemm",
+    "precompile",
+]
 _BM = ref.GG_BM
 
 
@@ -107,8 +116,14 @@ def _key(e: int, n: int, k: int, dtype: str, cfg: GGConfig) -> tuple:
 
 def kernel_takes(x: torch.Tensor, w: torch.Tensor, cfg: GGConfig | None = None) -> bool:
     """Whether these inputs run the kernel (else the reference); ``cfg`` None: the shape's table entry."""
-    if not (HAVE_TILELANG and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
-            and w.dim() == 3 and x.shape[0] > 0):
+    if not (
+        HAVE_TILELANG
+        and x.device.type == "cuda"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dim() == 2
+        and w.dim() == 3
+        and x.shape[0] > 0
+    ):
         return False
     c = cfg or config_for(w.shape[0], w.shape[1], x.shape[1])
     return c is not None and c.takes(w.shape[1], x.shape[1])
@@ -136,7 +151,9 @@ def _kernel(job: tuple[int, int, int, str, GGConfig]):
     return k
 
 
-def precompile(jobs: list[tuple[int, int, int, str, GGConfig]], workers: int | None = None) -> dict[tuple, float | str]:
+def precompile(
+    jobs: list[tuple[int, int, int, str, GGConfig]], workers: int | None = None
+) -> dict[tuple, float | str]:
     """Compile every (E, N, K, dtype, config) of ``jobs`` into the kernel cache, ``workers`` at a time
     (threads: TileLang's lowering releases the GIL and nvcc runs as a subprocess, as in its own
     ``par_compile``, which also builds the prim_funcs first, in the calling thread). Returns {job: compile
@@ -170,7 +187,9 @@ def precompile(jobs: list[tuple[int, int, int, str, GGConfig]], workers: int | N
 
 
 @register("moe_grouped_gemm", "cuda")
-def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, config: GGConfig | None = None) -> torch.Tensor:
+def moe_grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, config: GGConfig | None = None
+) -> torch.Tensor:
     """Same contract as the reference; the shapes of :func:`kernel_takes` run the TileLang kernel (no host
     synchronisation: capturable in a CUDA graph). ``config``: a launch configuration other than the
     shape's table entry (the sweep, the tests)."""

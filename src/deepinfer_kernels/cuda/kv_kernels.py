@@ -31,7 +31,9 @@ def _pack_nibbles(codes, w):
 
 def _pow2_f32(e):
     """2.0**e as float32 for int32 e in [-127, 127] (2**-127 is the subnormal 0x00400000)."""
-    return T.if_then_else(e == -127, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret((e + 127) << 23, "float32"))
+    return T.if_then_else(
+        e == -127, T.reinterpret(T.int32(0x00400000), "float32"), T.reinterpret((e + 127) << 23, "float32")
+    )
 
 
 def _word_loop(bpt: int, gpt: int, vw: int):
@@ -92,11 +94,27 @@ def _build_store(
                             e = C.pow2_exponent_f64(amax, 448.0)
                             inv = C.pow2_f64(-e)
                             for j in T.unroll(group):
-                                if hw_fp8:  # the hardware cvt (RNE, satfinite); 2^-e is exact in float32 for e <= 126
-                                    q = T.min(T.max(vals[j] * T.reinterpret((127 - e) << 23, "float32"), T.float32(-448.0)), T.float32(448.0))
-                                    codes[j] = T.Cast("uint32", T.reinterpret(T.Cast("float8_e4m3fn", q), "uint8"))
+                                if (
+                                    hw_fp8
+                                ):  # the hardware cvt (RNE, satfinite); 2^-e is exact in float32 for e <= 126
+                                    q = T.min(
+                                        T.max(
+                                            vals[j] * T.reinterpret((127 - e) << 23, "float32"),
+                                            T.float32(-448.0),
+                                        ),
+                                        T.float32(448.0),
+                                    )
+                                    codes[j] = T.Cast(
+                                        "uint32", T.reinterpret(T.Cast("float8_e4m3fn", q), "uint8")
+                                    )
                                 else:
-                                    q = T.min(T.max(T.Cast("float32", T.Cast("float64", vals[j]) * inv), T.float32(-448.0)), T.float32(448.0))
+                                    q = T.min(
+                                        T.max(
+                                            T.Cast("float32", T.Cast("float64", vals[j]) * inv),
+                                            T.float32(-448.0),
+                                        ),
+                                        T.float32(448.0),
+                                    )
                                     codes[j] = T.Cast("uint32", C.e4m3_bits(q))
                             sb = e + 127
                         elif fmt == "mxfp4":
@@ -113,7 +131,9 @@ def _build_store(
                                     codes[j] = T.Cast("uint32", C.e2m1_code(q))
                             sb = e + 127
                         else:  # fp4: e4m3 scale = amax / 6 rounded up to an e4m3 value
-                            sc = T.min(T.max(T.ieee_fdiv(amax, T.float32(6.0)), T.float32(2.0**-9)), T.float32(448.0))
+                            sc = T.min(
+                                T.max(T.ieee_fdiv(amax, T.float32(6.0)), T.float32(2.0**-9)), T.float32(448.0)
+                            )
                             sb = C.e4m3_bits_hw(sc) if hw_fp8 else C.e4m3_bits(sc)
                             sv = C.e4m3_value_hw(sb) if hw_fp8 else C.e4m3_value(sb)
                             if (sv < sc) & (sb < 0x7E):
@@ -132,7 +152,10 @@ def _build_store(
                         for w in T.unroll(vw):
                             if fmt == "fp8":
                                 words[gg * vw + w] = T.reinterpret(
-                                    codes[4 * w] | (codes[4 * w + 1] << T.uint32(8)) | (codes[4 * w + 2] << T.uint32(16)) | (codes[4 * w + 3] << T.uint32(24)),
+                                    codes[4 * w]
+                                    | (codes[4 * w + 1] << T.uint32(8))
+                                    | (codes[4 * w + 2] << T.uint32(16))
+                                    | (codes[4 * w + 3] << T.uint32(24)),
                                     "int32",
                                 )
                             else:
@@ -220,7 +243,9 @@ def _build_store_fp4_bf16x2_interleaved(dim: int, gpt: int = 4):
                     ss[k] = slots[(base + 32 * k) // groups]
                     if ss[k] >= 0:
                         for j in T.vectorized(ipg):
-                            raw[k * ipg + j] = x32[(base + 32 * k) // groups, ((base + 32 * k) % groups) * ipg + j]
+                            raw[k * ipg + j] = x32[
+                                (base + 32 * k) // groups, ((base + 32 * k) % groups) * ipg + j
+                            ]
             for k in T.unroll(gpt):
                 if ss[k] >= 0:
                     m2 = T.uint32(0)
@@ -241,12 +266,24 @@ def _build_store_fp4_bf16x2_interleaved(dim: int, gpt: int = 4):
                         h = gt(mag[j], th[3])
                         m1 = gt(mag[j], pick(h, th[5], th[1]))
                         m2 = gt(mag[j], pick(m1, pick(h, th[6], th[2]), pick(h, th[4], th[0])))
-                        sgn = (h | m1 | m2) & (T.reinterpret(raw[k * ipg + j], "uint32") >> T.uint32(12)) & T.uint32(0x00080008)
-                        m2 = (h & T.uint32(0x00040004)) | (m1 & T.uint32(0x00020002)) | (m2 & T.uint32(0x00010001)) | sgn
+                        sgn = (
+                            (h | m1 | m2)
+                            & (T.reinterpret(raw[k * ipg + j], "uint32") >> T.uint32(12))
+                            & T.uint32(0x00080008)
+                        )
+                        m2 = (
+                            (h & T.uint32(0x00040004))
+                            | (m1 & T.uint32(0x00020002))
+                            | (m2 & T.uint32(0x00010001))
+                            | sgn
+                        )
                         pairs[j] = (m2 & T.uint32(0xF)) | ((m2 >> T.uint32(12)) & T.uint32(0xF0))
                     for w in T.unroll(vw):
                         words[w] = T.reinterpret(
-                            pairs[4 * w] | (pairs[4 * w + 1] << T.uint32(8)) | (pairs[4 * w + 2] << T.uint32(16)) | (pairs[4 * w + 3] << T.uint32(24)),
+                            pairs[4 * w]
+                            | (pairs[4 * w + 1] << T.uint32(8))
+                            | (pairs[4 * w + 2] << T.uint32(16))
+                            | (pairs[4 * w + 3] << T.uint32(24)),
                             "int32",
                         )
                     for w in T.vectorized(vw):
@@ -265,8 +302,15 @@ def _out_row(t, place):
     return (t // k) * total + col + t % k
 
 
-def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int = 1, fast_e2m1: bool = True,
-                  place: tuple[int, int, int] | None = None):
+def _build_gather(
+    fmt: str,
+    dim: int,
+    out_dtype: str,
+    hw: bool = False,
+    gpt: int = 1,
+    fast_e2m1: bool = True,
+    place: tuple[int, int, int] | None = None,
+):
     group, groups, value_bytes, bpt = _sizes(fmt, dim)
     vb = _LAYOUT[fmt][1]
     vw = vb // 4
@@ -320,16 +364,23 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
                             sv = C.ue8m0_scale_f32_bits(code)
                             if code < 247:
                                 for j in T.unroll(group):
-                                    res[j] = T.Cast(out_dtype, C.fp8_times_scale(words[gg * vw + j // 4], j, sv, False))
+                                    res[j] = T.Cast(
+                                        out_dtype, C.fp8_times_scale(words[gg * vw + j // 4], j, sv, False)
+                                    )
                             else:
                                 for j in T.unroll(group):
-                                    res[j] = T.Cast(out_dtype, C.fp8_times_scale(words[gg * vw + j // 4], j, sv, True))
+                                    res[j] = T.Cast(
+                                        out_dtype, C.fp8_times_scale(words[gg * vw + j // 4], j, sv, True)
+                                    )
                         elif fmt == "fp8":
                             sc = C.pow2_f64(code - 127)
                             for j in T.unroll(group):
                                 byte = (words[gg * vw + j // 4] >> (8 * (j % 4))) & 0xFF
                                 v = T.Cast("float64", C.e4m3_signed_value(byte)) * sc
-                                res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
+                                res[j] = T.Cast(
+                                    out_dtype,
+                                    T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))),
+                                )
                         elif fmt == "fp4" and fast_e2m1:
                             # value = (e2m1 * 2^-14 as float16) * (scale * 2^14): both factors exact, so the
                             # float32 product is the reference's exact e2m1 * scale.
@@ -347,14 +398,19 @@ def _build_gather(fmt: str, dim: int, out_dtype: str, hw: bool = False, gpt: int
                             for j in T.unroll(group):
                                 nib = (words[gg * vw + j // 8] >> (4 * (j % 8))) & 0xF
                                 v = T.Cast("float64", C.e2m1_value(nib)) * sc
-                                res[j] = T.Cast(out_dtype, T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))))
+                                res[j] = T.Cast(
+                                    out_dtype,
+                                    T.Cast("float32", T.min(T.max(v, T.float64(-_FMAX)), T.float64(_FMAX))),
+                                )
                         for j in T.vectorized(group):  # 16-byte stores of the group's outputs
                             out[r, (g0 + gg) * group + j] = res[j]
 
     return gather
 
 
-def _build_gather_lanes(fmt: str, dim: int, out_dtype: str, vpt: int = 8, place: tuple[int, int, int] | None = None):
+def _build_gather_lanes(
+    fmt: str, dim: int, out_dtype: str, vpt: int = 8, place: tuple[int, int, int] | None = None
+):
     """Gather with ``vpt`` values a thread (a slice of one scale group): a warp reads the codes of 256
     values contiguously and writes their 512 bytes of bf16 with one 16-byte store per thread, where the
     group layout's stores land 64 bytes apart. fp8 (hardware decode) and fp4 (float16-bit decode) only."""

@@ -69,7 +69,10 @@ FAST_E2M1 = True
 # the same groups a thread. Every variant is tested byte for byte against the reference and timed side
 # by side in benchmarks/kernels.py; the defaults are what the H200 measured fastest.
 _LAYOUTS = {
-    "group": ("group", 1), "group2": ("group", 2), "group4": ("group", 4), "lanes": ("lanes", 1),
+    "group": ("group", 1),
+    "group2": ("group", 2),
+    "group4": ("group", 4),
+    "lanes": ("lanes", 1),
     "bf16x2i4": ("bf16x2i", 4),
 }
 VARIANTS = tuple(_LAYOUTS)
@@ -108,10 +111,14 @@ def store_slots(
     hw = (HW_FP8 if hw_fp8 is None else hw_fp8) and name in ("fp8", "fp4")
     fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name != "fp8"
     if layout == "bf16x2i" and name == "fp4" and dt == "bfloat16" and hw and fast:
-        kern = compile_kernel(("kv_store_bf16x2i", gpt, dim), lambda: _build_store_fp4_bf16x2_interleaved(dim, gpt))
+        kern = compile_kernel(
+            ("kv_store_bf16x2i", gpt, dim), lambda: _build_store_fp4_bf16x2_interleaved(dim, gpt)
+        )
         kern(pool, pool.view(torch.int32), x.contiguous().view(torch.int32), slots.contiguous())
         return
-    kern = compile_kernel(("kv_store", gpt, name, dim, dt, hw, fast), lambda: _build_store(name, dim, dt, hw, gpt, fast))
+    kern = compile_kernel(
+        ("kv_store", gpt, name, dim, dt, hw, fast), lambda: _build_store(name, dim, dt, hw, gpt, fast)
+    )
     kern(pool, pool.view(torch.int32), x.contiguous(), slots.contiguous())
 
 
@@ -151,16 +158,22 @@ def gather_slots(
     hw = (HW_FP8_DECODE if hw is None else hw) and name == "fp8"
     fast = (FAST_E2M1 if fast_e2m1 is None else fast_e2m1) and name == "fp4"
     if layout == "lanes" and ((name == "fp8" and hw) or (name == "fp4" and fast)):
-        kern = compile_kernel(("kv_gather_lanes", name, dim, dt, place), lambda: _build_gather_lanes(name, dim, dt, place=place))
+        kern = compile_kernel(
+            ("kv_gather_lanes", name, dim, dt, place), lambda: _build_gather_lanes(name, dim, dt, place=place)
+        )
     else:
-        kern = compile_kernel(("kv_gather", gpt, name, dim, dt, hw, fast, place),
-                              lambda: _build_gather(name, dim, dt, hw, gpt, fast, place))
+        kern = compile_kernel(
+            ("kv_gather", gpt, name, dim, dt, hw, fast, place),
+            lambda: _build_gather(name, dim, dt, hw, gpt, fast, place),
+        )
     kern(pool, pool.view(torch.int32), slots.contiguous(), out)
     return out if into is None else into[0]
 
 
 @register("kv_store", "cuda")
-def kv_store(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: str = "fp8", check: bool = True) -> torch.Tensor:
+def kv_store(
+    pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: str = "fp8", check: bool = True
+) -> torch.Tensor:
     """Same contract and bytes as the reference ``kv_store``; fp8 / fp4 / mxfp4 run the TileLang kernel.
 
     ``check=False`` skips the two device-synchronising value checks (slot range, NaN in ``x``): for the
@@ -181,13 +194,17 @@ def kv_store(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fm
             raise ValueError(f"{f.name}.quantize: x contains NaN (cannot be saturated)")
     else:
         if slot_mapping.shape != (x.shape[0],):
-            raise ValueError(f"slot_mapping: must have shape ({x.shape[0]},), got {tuple(slot_mapping.shape)}")
+            raise ValueError(
+                f"slot_mapping: must have shape ({x.shape[0]},), got {tuple(slot_mapping.shape)}"
+            )
         slots = slot_mapping.to(pool.device, torch.int64)
     store_slots(flat, x, slots, name)
     return pool
 
 
-def _store_static(pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: object) -> torch.Tensor:
+def _store_static(
+    pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: object
+) -> torch.Tensor:
     """The reference store's bytes with fixed shapes and no host synchronisation (for formats / dims the
     kernels do not take, e.g. the tiny model's 66-byte fp8 rows, inside a CUDA graph): a skipped row (slot
     < 0) repeats the first kept row's write (same slot, same bytes: no race); with none kept, slot 0
@@ -229,7 +246,9 @@ def kv_load(
     num_blocks, bs, _ = pool.shape
     flat = ref.flat_pool(pool, f.bytes_per_token)
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table: must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table: must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     b, m = block_table.shape
     if seq_lens.shape != (b,):
         raise ValueError(f"seq_lens: must have shape ({b},), got {tuple(seq_lens.shape)}")
@@ -249,7 +268,12 @@ def kv_load(
 
 @register("swa_ring_write", "cuda")
 def swa_ring_write(
-    ring: torch.Tensor, x: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, fmt: str = "fp8", check: bool = True
+    ring: torch.Tensor,
+    x: torch.Tensor,
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    fmt: str = "fp8",
+    check: bool = True,
 ) -> torch.Tensor:
     """Same contract as the reference: the ring slots feed the ``kv_store`` kernel."""
     return kv_store(ring, x, ref.last_writer_only(ref.ring_slots(ring, states, positions)), fmt, check)
@@ -278,13 +302,26 @@ def swa_ring_read(
 
 
 @register("kv_gather", "cuda")
-def kv_gather(pool: torch.Tensor, slots: torch.Tensor, fmt: str = "fp8", dim: int = 512,
-              out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, col: int = 0) -> torch.Tensor:
+def kv_gather(
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    fmt: str = "fp8",
+    dim: int = 512,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    col: int = 0,
+) -> torch.Tensor:
     """Same contract as the reference ``kv_gather`` (``out`` / ``col`` included): one TileLang gather +
     dequantise, no checks (fixed shapes, no host synchronisation: capturable in a CUDA graph)."""
     name = _usable(fmt, dim, pool)
-    if name is None or out_dtype not in (torch.float32, torch.bfloat16, torch.float16) or (
-            out is not None and not (out.is_contiguous() and out.dtype == out_dtype and out.device == pool.device)):
+    if (
+        name is None
+        or out_dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        or (
+            out is not None
+            and not (out.is_contiguous() and out.dtype == out_dtype and out.device == pool.device)
+        )
+    ):
         return ref.kv_gather(pool, slots, fmt, dim, out_dtype, out, col)
     f = ref.resolve_format(fmt, dim)
     flat = ref.flat_pool(pool, f.bytes_per_token)

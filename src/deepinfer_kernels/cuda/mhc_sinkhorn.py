@@ -68,8 +68,16 @@ def _build(n: int, iters: int):
 def mhc_sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """Same contract as the reference; float32 CUDA inputs run the kernel (no host synchronisation:
     capturable in a CUDA graph), anything else the reference."""
-    if not HAVE_TILELANG or logits.device.type != "cuda" or logits.dtype != torch.float32 or logits.dim() < 2 \
-            or logits.shape[-1] != logits.shape[-2] or isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+    if (
+        not HAVE_TILELANG
+        or logits.device.type != "cuda"
+        or logits.dtype != torch.float32
+        or logits.dim() < 2
+        or logits.shape[-1] != logits.shape[-2]
+        or isinstance(iters, bool)
+        or not isinstance(iters, int)
+        or iters < 0
+    ):
         return ref.mhc_sinkhorn(logits, iters)
     n = logits.shape[-1]
     x = logits.reshape(-1, n * n).contiguous()

@@ -25,7 +25,11 @@ def _build_keys(d: int):
     r_dyn = T.dynamic("R")
 
     @T.prim_func
-    def keys(conf: T.Tensor((r_dyn, d), "float64"), nd: T.Tensor((r_dyn,), "int32"), key: T.Tensor((r_dyn * d,), "float64")):
+    def keys(
+        conf: T.Tensor((r_dyn, d), "float64"),
+        nd: T.Tensor((r_dyn,), "int32"),
+        key: T.Tensor((r_dyn * d,), "float64"),
+    ):
         # One thread per request: the running product left to right, as the reference and the C++ greedy.
         with T.Kernel(T.ceildiv(r_dyn, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
@@ -45,7 +49,9 @@ def _build_rank(d: int):
     r_dyn = T.dynamic("R")
 
     @T.prim_func
-    def rank(key: T.Tensor((n_dyn,), "float64"), total: T.Tensor((1,), "int64"), out: T.Tensor((r_dyn,), "int32")):
+    def rank(
+        key: T.Tensor((n_dyn,), "float64"), total: T.Tensor((1,), "int64"), out: T.Tensor((r_dyn,), "int32")
+    ):
         # One thread per (request, draft); all threads of a warp read the same key at once (a broadcast).
         with T.Kernel(T.ceildiv(n_dyn, _THREADS), threads=_THREADS) as bx:
             tx = T.get_thread_binding(0)
@@ -84,6 +90,8 @@ def mtp_redistribute(
     if r == 0 or d == 0:
         return out
     keys = torch.empty(r * d, dtype=torch.float64, device=dev)
-    compile_kernel(("mtp_keys", d), lambda: _build_keys(d))(confidences.to(torch.float64).contiguous(), nd.contiguous(), keys)
+    compile_kernel(("mtp_keys", d), lambda: _build_keys(d))(
+        confidences.to(torch.float64).contiguous(), nd.contiguous(), keys
+    )
     compile_kernel(("mtp_rank", d), lambda: _build_rank(d))(keys, total_t, out)
     return out

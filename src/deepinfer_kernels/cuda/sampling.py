@@ -39,7 +39,9 @@ def _mix64(x):
 def _argmax_key(score, v):
     """int64 key ordered like (score, -v): the score's order-preserving bits above the inverted token id."""
     bits = T.Cast("uint64", T.reinterpret(score, "uint32"))
-    ordered = T.if_then_else((bits & T.uint64(0x80000000)) != T.uint64(0), bits ^ T.uint64(0xFFFFFFFF), bits | T.uint64(0x80000000))
+    ordered = T.if_then_else(
+        (bits & T.uint64(0x80000000)) != T.uint64(0), bits ^ T.uint64(0xFFFFFFFF), bits | T.uint64(0x80000000)
+    )
     k = (ordered << T.uint64(32)) | (T.uint64(0xFFFFFFFF) - T.Cast("uint64", v))
     return T.reinterpret(k ^ T.uint64(1 << 63), "int64")
 
@@ -74,12 +76,16 @@ def _build(vocab: int, dtype: str):
                             # Only survivors pay for the RNG (with top-k / top-p that is a few tokens a row).
                             if (xs > thr_val[bx]) | ((xs == thr_val[bx]) & (v <= thr_idx[bx])):
                                 h = _mix64(T.reinterpret(key[bx], "uint64") ^ _mix64(T.Cast("uint64", v)))
-                                u = (T.Cast("float32", T.Cast("int32", h >> T.uint64(40))) + T.float32(0.5)) * T.float32(2.0**-24)
+                                u = (
+                                    T.Cast("float32", T.Cast("int32", h >> T.uint64(40))) + T.float32(0.5)
+                                ) * T.float32(2.0**-24)
                                 g = -T.log(-T.log(u))
                                 keys[tx] = T.max(keys[tx], _argmax_key(xs + g, v))
             T.reduce_max(keys, best, dim=0)
             for _ in T.Parallel(1):
-                idx = T.Cast("int64", T.uint64(0xFFFFFFFF) - (T.reinterpret(best[0], "uint64") & T.uint64(0xFFFFFFFF)))
+                idx = T.Cast(
+                    "int64", T.uint64(0xFFFFFFFF) - (T.reinterpret(best[0], "uint64") & T.uint64(0xFFFFFFFF))
+                )
                 out[bx] = T.if_then_else(mode[bx] == 2, T.int64(-1), idx)
 
     return sample

@@ -105,14 +105,29 @@ def _build(k_len: int, scale: float, dtype: str):
 def kernel_takes(q: torch.Tensor, k_a: torch.Tensor, k_b: torch.Tensor | None) -> bool:
     """Whether these inputs run the kernel (else the reference)."""
     n_keys = k_a.shape[1] + (0 if k_b is None else k_b.shape[1]) if k_a.dim() == 3 else 0
-    return (HAVE_TILELANG and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
-            and q.dim() == 3 and q.shape[1] == _H and q.shape[2] == _D and k_a.dim() == 3
-            and n_keys > 0 and n_keys % _BS == 0)
+    return (
+        HAVE_TILELANG
+        and q.device.type == "cuda"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.dim() == 3
+        and q.shape[1] == _H
+        and q.shape[2] == _D
+        and k_a.dim() == 3
+        and n_keys > 0
+        and n_keys % _BS == 0
+    )
 
 
 @register("sink_attention_rows", "cuda")
-def sink_attention_rows(q: torch.Tensor, k_a: torch.Tensor, mask_a: torch.Tensor, k_b: torch.Tensor | None,
-                        mask_b: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def sink_attention_rows(
+    q: torch.Tensor,
+    k_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    k_b: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Same contract as the reference; the shapes of :func:`kernel_takes` run the TileLang kernel (no host
     synchronisation: capturable in a CUDA graph). The kernel reads one key set: given two, they are
     concatenated first (a copy; the decode path gathers both into one buffer instead, ``kv_gather(out=)``)."""
@@ -126,6 +141,14 @@ def sink_attention_rows(q: torch.Tensor, k_a: torch.Tensor, mask_a: torch.Tensor
     mask = mask_a if k_b is None else torch.cat([mask_a, mask_b], 1)  # type: ignore[list-item]
     k_len = keys.shape[1]
     dt = torch_dtype_name(q.dtype)
-    kern = compile_kernel(("sink_attention_rows", k_len, float(scale), dt), lambda: _build(k_len, float(scale), dt))
-    kern(q.contiguous(), keys.contiguous(), mask.contiguous().view(torch.uint8), sink.to(torch.float32).contiguous(), out)
+    kern = compile_kernel(
+        ("sink_attention_rows", k_len, float(scale), dt), lambda: _build(k_len, float(scale), dt)
+    )
+    kern(
+        q.contiguous(),
+        keys.contiguous(),
+        mask.contiguous().view(torch.uint8),
+        sink.to(torch.float32).contiguous(),
+        out,
+    )
     return out

@@ -99,17 +99,26 @@ def _build(D: int, V: int):
                     else:
                         go = 0
                 else:
-                    u = _uniform(T.reinterpret(acc_key[bx], "uint64") ^ (T.reinterpret(pos[bx] + k, "uint64") * T.uint64(_POS_MUL)), 0)
+                    u = _uniform(
+                        T.reinterpret(acc_key[bx], "uint64")
+                        ^ (T.reinterpret(pos[bx] + k, "uint64") * T.uint64(_POS_MUL)),
+                        0,
+                    )
                     if (
                         (k < ln)
                         & (go != 0)
-                        & (T.Cast("float64", u) * T.Cast("float64", q[bx, k, tok[bx, k]]) < T.Cast("float64", p[bx, k, tok[bx, k]]))
+                        & (
+                            T.Cast("float64", u) * T.Cast("float64", q[bx, k, tok[bx, k]])
+                            < T.Cast("float64", p[bx, k, tok[bx, k]])
+                        )
                     ):
                         nacc = nacc + 1
                     else:
                         go = 0
             # correction / bonus at position nacc
-            rkey = T.reinterpret(res_key[bx], "uint64") ^ (T.reinterpret(pos[bx] + T.Cast("int64", nacc), "uint64") * T.uint64(_POS_MUL))
+            rkey = T.reinterpret(res_key[bx], "uint64") ^ (
+                T.reinterpret(pos[bx] + T.Cast("int64", nacc), "uint64") * T.uint64(_POS_MUL)
+            )
             rej = nacc < ln
             key = T.int64(_INIT)
             key2 = T.int64(_INIT)
@@ -161,7 +170,16 @@ def spec_verify(
     """Same contract as the reference; counter mode (``seeds`` / ``positions``) on CUDA runs the kernel,
     generator mode (and CPU tensors) the reference."""
     if seeds is None or positions is None or not HAVE_TILELANG or target_probs.device.type != "cuda":
-        return ref.spec_verify(draft_tokens, draft_probs, target_probs, verify_lengths, generator, greedy, seeds=seeds, positions=positions)
+        return ref.spec_verify(
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            verify_lengths,
+            generator,
+            greedy,
+            seeds=seeds,
+            positions=positions,
+        )
     R, D, V = ref._check(draft_tokens, draft_probs, target_probs, verify_lengths)
     ref._check_counter(seeds, positions, R, generator)
     dev = target_probs.device

@@ -84,7 +84,9 @@ def apply_token_bitmask(
     if rows is None:
         if n_rows == 0 or vocab == 0:
             return logits
-        kern = compile_kernel(("bitmask", vocab, words, dtype, False), lambda: _build(vocab, words, dtype, False))
+        kern = compile_kernel(
+            ("bitmask", vocab, words, dtype, False), lambda: _build(vocab, words, dtype, False)
+        )
         kern(logits, bitmask)
         return logits
     idx = torch.as_tensor(rows).to(device=logits.device, dtype=torch.int64)

@@ -61,12 +61,16 @@ def engram_hash(
     if tuple(vocab_sizes.shape) != (layers, n - 1, heads):
         raise ValueError(f"vocab_sizes: shape {tuple(vocab_sizes.shape)}, expected [L, N-1={n - 1}, H]")
     if tuple(offsets.shape) != (layers, (n - 1) * heads):
-        raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]")
+        raise ValueError(
+            f"offsets: shape {tuple(offsets.shape)}, expected [L={layers}, (N-1)*H={(n - 1) * heads}]"
+        )
     if check and vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
         raise ValueError("vocab_sizes: table sizes must be positive")
     dev = ngram_token_ids.device
     # int64 products wrap on overflow (two's complement) on every torch backend, like the CUDA kernel.
-    prod = ngram_token_ids.to(torch.int64).unsqueeze(0) * multipliers.to(dev, torch.int64).unsqueeze(1)  # [L, T, N]
+    prod = ngram_token_ids.to(torch.int64).unsqueeze(0) * multipliers.to(dev, torch.int64).unsqueeze(
+        1
+    )  # [L, T, N]
     sizes = vocab_sizes.to(dev, torch.int64)
     h = prod[:, :, 0]
     cols = []
@@ -130,4 +134,3 @@ def engram_gather(
             raise ValueError(f"scales: only fp8 tables take scales, table is {table.dtype}")
         out = table.index_select(0, flat).to(out_dtype)
     return out.reshape(*row_ids.shape, table.shape[1])
-

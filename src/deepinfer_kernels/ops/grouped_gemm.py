@@ -21,7 +21,9 @@ import torch
 from deepinfer_kernels.registry import register
 
 
-def check_grouped_gemm_inputs(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tuple[int, int, int, int]:
+def check_grouped_gemm_inputs(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
+) -> tuple[int, int, int, int]:
     if x.dim() != 2:
         raise ValueError(f"x: must be [rows, in_features], got shape {tuple(x.shape)}")
     if w.dim() != 3 or w.shape[2] != x.shape[1]:
@@ -29,7 +31,9 @@ def check_grouped_gemm_inputs(x: torch.Tensor, w: torch.Tensor, offs: torch.Tens
     if w.dtype != x.dtype:
         raise ValueError(f"w: dtype {w.dtype} must equal x's {x.dtype}")
     if offs.dim() != 1 or offs.shape[0] != w.shape[0] or offs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offs: must be int32 [{w.shape[0]}] (each expert's end row), got {offs.dtype} {tuple(offs.shape)}")
+        raise ValueError(
+            f"offs: must be int32 [{w.shape[0]}] (each expert's end row), got {offs.dtype} {tuple(offs.shape)}"
+        )
     return x.shape[0], x.shape[1], w.shape[0], w.shape[1]
 
 
@@ -76,7 +80,11 @@ class GGConfig(NamedTuple):
         total = self.threads + (128 if self.ws else 0)
         if self.threads % 128 or wg < 1 or self.bn % (8 * wg) or self.bn // wg > 256 or self.bk % 16:
             return False
-        if self.stages < 1 or self.smem_bytes() > _SMEM_BYTES or (self.smem_bytes() + 1024) * self.min_blocks > _SM_SMEM:
+        if (
+            self.stages < 1
+            or self.smem_bytes() > _SMEM_BYTES
+            or (self.smem_bytes() + 1024) * self.min_blocks > _SM_SMEM
+        ):
             return False
         # a 64 x (bn / wg) wgmma accumulator needs bn / wg / 2 registers a thread, plus ~26 (ptxas refused
         # 80 for bn 128 with one consumer warpgroup)
@@ -86,7 +94,9 @@ class GGConfig(NamedTuple):
         return n % self.bn == 0 and k % self.bk == 0
 
     def name(self) -> str:
-        return f"bn{self.bn}_bk{self.bk}_s{self.stages}_t{self.threads}_mb{self.min_blocks}" + ("" if self.ws else "_nows")
+        return f"bn{self.bn}_bk{self.bk}_s{self.stages}_t{self.threads}_mb{self.min_blocks}" + (
+            "" if self.ws else "_nows"
+        )
 
     def pass_configs(self) -> dict[str, bool]:
         return {} if self.ws else {"tl.disable_warp_specialized": True}
@@ -160,8 +170,10 @@ def load_configs(path: str) -> dict[tuple[int, int, int], GGConfig]:
             shape = tuple(int(v) for v in row["shape"])
             cfg = GGConfig(**row["config"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path} entry {i}: {e!r} (need 'shape': [E, N, K] and 'config' with fields "
-                             f"{', '.join(GGConfig._fields)})") from None
+            raise ValueError(
+                f"{path} entry {i}: {e!r} (need 'shape': [E, N, K] and 'config' with fields "
+                f"{', '.join(GGConfig._fields)})"
+            ) from None
         if len(shape) != 3 or min(shape) < 1 or not cfg.valid():
             raise ValueError(f"{path} entry {i}: shape {shape} / config {cfg} is not a valid launch")
         out[shape] = cfg

@@ -37,7 +37,9 @@ def flat_pool(pool: torch.Tensor, bytes_per_token: int) -> torch.Tensor:
     if pool.dtype != torch.uint8:
         raise ValueError(f"pool: must be uint8, got {pool.dtype}")
     if pool.dim() not in (2, 3) or pool.shape[-1] != bytes_per_token:
-        raise ValueError(f"pool: must be [blocks, block_size, {bytes_per_token}] or [slots, {bytes_per_token}], got {tuple(pool.shape)}")
+        raise ValueError(
+            f"pool: must be [blocks, block_size, {bytes_per_token}] or [slots, {bytes_per_token}], got {tuple(pool.shape)}"
+        )
     if not pool.is_contiguous():
         raise ValueError("pool: must be contiguous")
     return pool.view(-1, bytes_per_token)
@@ -45,7 +47,9 @@ def flat_pool(pool: torch.Tensor, bytes_per_token: int) -> torch.Tensor:
 
 def check_slots(name: str, slots: torch.Tensor, n: int, num_slots: int) -> torch.Tensor:
     if slots.dtype not in (torch.int32, torch.int64) or slots.shape != (n,):
-        raise ValueError(f"{name}: must be int32/int64 of shape ({n},), got {slots.dtype} {tuple(slots.shape)}")
+        raise ValueError(
+            f"{name}: must be int32/int64 of shape ({n},), got {slots.dtype} {tuple(slots.shape)}"
+        )
     if n and int(slots.max()) >= num_slots:
         raise IndexError(f"{name}: slot {int(slots.max())} is outside the pool's {num_slots} slots")
     return slots.to(torch.int64)
@@ -53,7 +57,11 @@ def check_slots(name: str, slots: torch.Tensor, n: int, num_slots: int) -> torch
 
 @register("kv_store")
 def kv_store(
-    pool: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, fmt: str | CacheFormat = "fp8", check: bool = True
+    pool: torch.Tensor,
+    x: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: str | CacheFormat = "fp8",
+    check: bool = True,
 ) -> torch.Tensor:
     """Quantise ``x [T, dim]`` into ``fmt`` and write token ``i`` to slot ``slot_mapping[i]`` (skipped if < 0)."""
     if x.dim() != 2:
@@ -82,11 +90,15 @@ def kv_load(
     ``check``: see ``kv_store`` (the reference always checks)."""
     f = resolve_format(fmt, dim)
     if pool.dim() != 3:
-        raise ValueError(f"pool: must be [blocks, block_size, bytes] for kv_load, got shape {tuple(pool.shape)}")
+        raise ValueError(
+            f"pool: must be [blocks, block_size, bytes] for kv_load, got shape {tuple(pool.shape)}"
+        )
     num_blocks, bs, _ = pool.shape
     flat = flat_pool(pool, f.bytes_per_token)
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table: must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table: must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     b, m = block_table.shape
     if seq_lens.shape != (b,):
         raise ValueError(f"seq_lens: must have shape ({b},), got {tuple(seq_lens.shape)}")
@@ -107,7 +119,9 @@ def ring_slots(ring: torch.Tensor, states: torch.Tensor, positions: torch.Tensor
         raise ValueError(f"ring: must be [num_states, ring_len, bytes], got shape {tuple(ring.shape)}")
     n, ring_len = ring.shape[0], ring.shape[1]
     if states.shape != positions.shape or states.dim() != 1:
-        raise ValueError(f"states / positions: must be 1-D of one shape, got {tuple(states.shape)} and {tuple(positions.shape)}")
+        raise ValueError(
+            f"states / positions: must be 1-D of one shape, got {tuple(states.shape)} and {tuple(positions.shape)}"
+        )
     if states.numel() and (int(states.min()) < 0 or int(states.max()) >= n):
         raise IndexError(f"states: must be in [0, {n})")
     if positions.numel() and int(positions.min()) < 0:
@@ -148,17 +162,23 @@ def swa_ring_write(
     return kv_store(ring, x, last_writer_only(ring_slots(ring, states, positions)), fmt)
 
 
-def ring_window_slots(ring: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_window_slots(
+    ring: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(flat slots [B, window], valid [B, window]) of positions ``lengths - window .. lengths - 1``."""
     ring_len = ring.shape[1]
     if not 0 < window <= ring_len:
         raise ValueError(f"window={window}: must be in [1, ring_len={ring_len}]")
     if lengths.shape != states.shape:
-        raise ValueError(f"lengths: must have the shape of states {tuple(states.shape)}, got {tuple(lengths.shape)}")
+        raise ValueError(
+            f"lengths: must have the shape of states {tuple(states.shape)}, got {tuple(lengths.shape)}"
+        )
     j = torch.arange(window, device=ring.device)
     pos = lengths.to(ring.device, torch.int64)[:, None] - window + j[None, :]
     valid = pos >= 0
-    slots = ring_slots(ring, states.to(ring.device)[:, None].expand_as(pos).reshape(-1), pos.clamp(min=0).reshape(-1))
+    slots = ring_slots(
+        ring, states.to(ring.device)[:, None].expand_as(pos).reshape(-1), pos.clamp(min=0).reshape(-1)
+    )
     return slots.view_as(pos), valid
 
 
@@ -193,8 +213,15 @@ def check_gather_out(out: torch.Tensor, slots: torch.Tensor, dim: int, col: int)
 
 
 @register("kv_gather")
-def kv_gather(pool: torch.Tensor, slots: torch.Tensor, fmt: str | CacheFormat = "fp8", dim: int = 512,
-              out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, col: int = 0) -> torch.Tensor:
+def kv_gather(
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    fmt: str | CacheFormat = "fp8",
+    dim: int = 512,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    col: int = 0,
+) -> torch.Tensor:
     """Rows ``slots`` (int64, any shape; < 0 gives zeros) of a paged pool or ring, dequantised to
     ``[*slots.shape, dim]``. No value checks: the executor's decode gathers, whose slots come from its
     validated tables (a device-side range check would synchronise). With ``out`` ([rows, total, dim],

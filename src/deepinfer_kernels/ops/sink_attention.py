@@ -20,8 +20,14 @@ import torch
 from deepinfer_kernels.registry import register
 
 
-def check_sink_attention_inputs(q: torch.Tensor, k_a: torch.Tensor, mask_a: torch.Tensor, k_b: torch.Tensor | None,
-                                mask_b: torch.Tensor | None, sink: torch.Tensor) -> tuple[int, int, int]:
+def check_sink_attention_inputs(
+    q: torch.Tensor,
+    k_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    k_b: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    sink: torch.Tensor,
+) -> tuple[int, int, int]:
     if q.dim() != 3:
         raise ValueError(f"q: must be [rows, heads, dim], got shape {tuple(q.shape)}")
     n, h, d = q.shape
@@ -32,8 +38,10 @@ def check_sink_attention_inputs(q: torch.Tensor, k_a: torch.Tensor, mask_a: torc
         if k.dtype != q.dtype:
             raise ValueError(f"{kn}: dtype {k.dtype} must equal q's {q.dtype}")
         if m is None or m.dtype != torch.bool or tuple(m.shape) != tuple(k.shape[:2]):
-            raise ValueError(f"{mn}: must be bool [{n}, {k.shape[1]}], got "
-                             f"{None if m is None else (m.dtype, tuple(m.shape))}")
+            raise ValueError(
+                f"{mn}: must be bool [{n}, {k.shape[1]}], got "
+                f"{None if m is None else (m.dtype, tuple(m.shape))}"
+            )
     if k_b is None and mask_b is not None:
         raise ValueError("mask_b: given without k_b")
     if sink.shape != (h,):
@@ -42,8 +50,15 @@ def check_sink_attention_inputs(q: torch.Tensor, k_a: torch.Tensor, mask_a: torc
 
 
 @register("sink_attention_rows")
-def sink_attention_rows(q: torch.Tensor, k_a: torch.Tensor, mask_a: torch.Tensor, k_b: torch.Tensor | None,
-                        mask_b: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def sink_attention_rows(
+    q: torch.Tensor,
+    k_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    k_b: torch.Tensor | None,
+    mask_b: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     check_sink_attention_inputs(q, k_a, mask_a, k_b, mask_b, sink)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     keys = k_a if k_b is None else torch.cat([k_a, k_b], 1)

@@ -124,7 +124,9 @@ def spec_verify(
     next_token = p_next.argmax(dim=-1)
     if not all_greedy and counter:
         assert draft_probs is not None and seeds is not None and positions is not None
-        sampled = _counter_resample(draft_probs, target_probs, rows, num_accepted, lengths, seeds.to(dev), positions.to(dev))
+        sampled = _counter_resample(
+            draft_probs, target_probs, rows, num_accepted, lengths, seeds.to(dev), positions.to(dev)
+        )
         next_token = torch.where(g, next_token, sampled)
     elif not all_greedy:
         assert draft_probs is not None
@@ -140,16 +142,22 @@ def spec_verify(
     return num_accepted, next_token
 
 
-def _check_counter(seeds: torch.Tensor | None, positions: torch.Tensor | None, R: int, generator: torch.Generator | None) -> bool:
+def _check_counter(
+    seeds: torch.Tensor | None, positions: torch.Tensor | None, R: int, generator: torch.Generator | None
+) -> bool:
     if seeds is None and positions is None:
         return False
     if seeds is None or positions is None:
         raise ValueError("seeds / positions: counter mode needs both (int [requests]), or neither")
     if generator is not None:
-        raise ValueError("generator: not used in counter mode (seeds / positions given); pass one or the other")
+        raise ValueError(
+            "generator: not used in counter mode (seeds / positions given); pass one or the other"
+        )
     for name, t in (("seeds", seeds), ("positions", positions)):
         if t.shape != (R,) or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"{name}: must be an integer tensor of shape ({R},), got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: must be an integer tensor of shape ({R},), got {t.dtype} {tuple(t.shape)}"
+            )
     return True
 
 

@@ -57,7 +57,9 @@ def check_inputs(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask: must be a 2-D int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)}")
     if bitmask.shape[0] != logits.shape[0]:
-        raise ValueError(f"bitmask: {bitmask.shape[0]} rows but logits has {logits.shape[0]}; one row per logits row")
+        raise ValueError(
+            f"bitmask: {bitmask.shape[0]} rows but logits has {logits.shape[0]}; one row per logits row"
+        )
 
 
 @register("apply_token_bitmask")
@@ -80,7 +82,9 @@ def apply_token_bitmask(
     if rows.numel() == 0:
         return logits
     if int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]:
-        raise IndexError(f"rows: indices must be in [0, {logits.shape[0]}), got [{int(rows.min())}, {int(rows.max())}]")
+        raise IndexError(
+            f"rows: indices must be in [0, {logits.shape[0]}), got [{int(rows.min())}, {int(rows.max())}]"
+        )
     banned = _unpack(bitmask.index_select(0, rows), logits.shape[1], allowed=False)
     sub = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
     logits.index_copy_(0, rows, sub)

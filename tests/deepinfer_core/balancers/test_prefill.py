@@ -46,8 +46,11 @@ def test_apportion_quota_property(n, demand):
         assert np.all(np.abs(out - ideal) < 1 + 1e-9)
         # and no allocation with the same sum is closer in the max norm by a whole engine (brute force)
         if n <= 12:
-            best = min(max(abs(np.array(c) - ideal)) for c in itertools.product(range(n + 1), repeat=4)
-                       if sum(c) == n and all(c[t] == 0 for t in range(4) if not active[t]))
+            best = min(
+                max(abs(np.array(c) - ideal))
+                for c in itertools.product(range(n + 1), repeat=4)
+                if sum(c) == n and all(c[t] == 0 for t in range(4) if not active[t])
+            )
             assert max(abs(out - ideal)) < best + 1
 
 
@@ -66,8 +69,11 @@ def test_chunks_and_request_cost(new, cached, cap):
 
 
 @settings(max_examples=40)
-@given(reqs=st.lists(st.tuples(st.integers(1, 600_000), st.floats(0, 0.95)), min_size=1, max_size=60),
-       n=st.integers(1, 12), seed=st.integers(0, 2**31))
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 600_000), st.floats(0, 0.95)), min_size=1, max_size=60),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 2**31),
+)
 def test_route_is_least_work_within_tier(reqs, n, seed):
     bal = PrefillBalancer(n, COST)
     rng = np.random.default_rng(seed)
@@ -93,8 +99,11 @@ def test_route_is_least_work_within_tier(reqs, n, seed):
 
 
 @settings(max_examples=40)
-@given(demand=st.lists(st.floats(0, 1e9, allow_nan=False), min_size=4, max_size=4), n=st.integers(1, 24),
-       load=st.lists(st.floats(0, 1e9, allow_nan=False), min_size=24, max_size=24))
+@given(
+    demand=st.lists(st.floats(0, 1e9, allow_nan=False), min_size=4, max_size=4),
+    n=st.integers(1, 24),
+    load=st.lists(st.floats(0, 1e9, allow_nan=False), min_size=24, max_size=24),
+)
 def test_end_round_reaches_the_apportioned_targets(demand, n, load):
     bal = PrefillBalancer(n, COST, carry_backlog=False)
     bal.outstanding_ns[:] = load[:n]
@@ -105,7 +114,9 @@ def test_end_round_reaches_the_apportioned_targets(demand, n, load):
     want = apportion(n, d) if d.sum() > 0 else np.bincount(before, minlength=4)
     assert np.array_equal(np.bincount(bal.engine_tier, minlength=4), want)
     moved = {e for e, _, _ in moves}
-    assert len(moved) == len(moves) == int(np.sum(before != bal.engine_tier))  # each engine moves once, only if needed
+    assert (
+        len(moved) == len(moves) == int(np.sum(before != bal.engine_tier))
+    )  # each engine moves once, only if needed
     assert len(moves) == int(np.maximum(np.bincount(before, minlength=4) - want, 0).sum())  # the fewest moves
     for t in range(4):  # engines leaving a tier are its least loaded ones
         left = [e for e in moved if before[e] == t]

@@ -50,8 +50,11 @@ def test_prefill_by_hand():
 
 
 @settings(max_examples=40)
-@given(a=st.lists(st.floats(0, 100), min_size=1, max_size=8), w=st.lists(st.floats(0.01, 50), min_size=8, max_size=8),
-       n=st.integers(1, 4))
+@given(
+    a=st.lists(st.floats(0, 100), min_size=1, max_size=8),
+    w=st.lists(st.floats(0.01, 50), min_size=8, max_size=8),
+    n=st.integers(1, 4),
+)
 def test_fluid_bound_brute_force(a, w, n):
     arr = np.array(a)
     work = np.array(w[: arr.size])
@@ -76,13 +79,20 @@ def test_prefill_invariants_and_target(shape):
     n = 8
     mean_s = 0.15  # measured mean request cost of the mix under PC, seconds (checked below)
     tr = prefill_trace(240, 0.9 * n / mean_s, shape=shape, seed=4)
-    own = np.array([prefill_request_ns(PC, t - c, c) for t, c in zip(tr.total_tokens, tr.cached_tokens)]) * 1e-9
+    own = (
+        np.array([prefill_request_ns(PC, t - c, c) for t, c in zip(tr.total_tokens, tr.cached_tokens)]) * 1e-9
+    )
     assert 0.08 < own.mean() < 0.25
     for bal in (PrefillBalancer(n, PC), LeastWorkPrefill(n, PC)):
         res = simulate_prefill(tr, bal, PC, num_engines=n, round_s=10.0)
         assert np.all(np.isfinite(res.ttft_s))  # nothing lost
         # packing can share a step's base, so a request may beat its standalone cost, never its variable part
-        var = own - np.array([-(-(t - c) // 32768) for t, c in zip(tr.total_tokens, tr.cached_tokens)]) * PC.base_ns * 1e-9
+        var = (
+            own
+            - np.array([-(-(t - c) // 32768) for t, c in zip(tr.total_tokens, tr.cached_tokens)])
+            * PC.base_ns
+            * 1e-9
+        )
         assert np.all(res.ttft_s >= var - 1e-9)
         assert res.efficiency <= 1 + 1e-9
         assert res.efficiency >= 0.85, (shape, res.policy, res.efficiency)

@@ -26,11 +26,15 @@ def _one_thread():
 
 def _case(seed: int) -> tuple[list[str], list[SamplingParams]]:
     rng = random.Random(seed)
-    prompts = ["".join(rng.choice("abcdefghij klmnopq,.") for _ in range(rng.randint(17, 90))) for _ in range(4)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(3, 7), ignore_eos=True),
-              SamplingParams(temperature=0.9, seed=seed, max_tokens=rng.randint(3, 7), ignore_eos=True),
-              SamplingParams(temperature=1.1, top_k=30, max_tokens=rng.randint(3, 7), ignore_eos=True),  # no seed
-              SamplingParams(temperature=0.8, seed=seed + 1, max_tokens=1, ignore_eos=True)]  # ends on the P side
+    prompts = [
+        "".join(rng.choice("abcdefghij klmnopq,.") for _ in range(rng.randint(17, 90))) for _ in range(4)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(3, 7), ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=seed, max_tokens=rng.randint(3, 7), ignore_eos=True),
+        SamplingParams(temperature=1.1, top_k=30, max_tokens=rng.randint(3, 7), ignore_eos=True),  # no seed
+        SamplingParams(temperature=0.8, seed=seed + 1, max_tokens=1, ignore_eos=True),
+    ]  # ends on the P side
     return prompts, params
 
 
@@ -55,9 +59,12 @@ def test_handoff_tokens_equal_normal_engine() -> None:
     # the NORMAL engine gets the resolved seed of the unseeded request (the PROMPT engine picked it)
     seeds = {h.request_id: h.params.seed for h in handoffs}
     ref_params = [attrs.evolve(sp, seed=seeds.get(str(i), sp.seed)) for i, sp in enumerate(params)]
-    want = [o.token_ids for o in LLM(**{k: getattr(CFG, k) for k in ("seed", "num_blocks", "max_num_seqs",
-                                                                     "batch_invariant")})
-            .generate(prompts, ref_params, use_tqdm=False)]
+    want = [
+        o.token_ids
+        for o in LLM(
+            **{k: getattr(CFG, k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant")}
+        ).generate(prompts, ref_params, use_tqdm=False)
+    ]
     got = [done[str(i)].token_ids for i in range(len(prompts))]
     assert got == want, f"seed {seed}"
     assert all(done[str(i)].ok and done[str(i)].prompt == prompts[i] for i in range(len(prompts)))
@@ -83,8 +90,10 @@ def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     cfg = attrs.evolve(CFG, dtype="float64")
-    params = [SamplingParams(temperature=0.0 if i == 0 else 0.9, seed=seed + i, max_tokens=4, ignore_eos=True)
-              for i in range(3)]
+    params = [
+        SamplingParams(temperature=0.0 if i == 0 else 0.9, seed=seed + i, max_tokens=4, ignore_eos=True)
+        for i in range(3)
+    ]
     pe, ce = PromptEngine(cfg, mode="replay", replay="exact"), CompletionEngine(cfg, replay="exact")
     # the tokenizer merges characters, so a prompt's token count is drawn through it: keep drawing until
     # each prompt is long enough for a hit (the case under test), without capping it at a fixed length
@@ -108,17 +117,23 @@ def test_replay_handoff_persisted_half_equals_normal_engine() -> None:
         assert h.hit == pe.hit_of(h.num_tokens) and h.hit % cfg.block_size == 0
         assert h.hit > 0, f"seed {seed}: prompt of {h.num_tokens} tokens got no hit (the test needs one)"
         assert set(h.state) == {"rings"}  # the persisted half only: encoder rings
-        assert tuple(h.state["rings"].shape) == (pe.engine.model_config.encoder_layers, ex.swa_ring,
-                                                 ex.fmt.swa.bytes_per_token)
+        assert tuple(h.state["rings"].shape) == (
+            pe.engine.model_config.encoder_layers,
+            ex.swa_ring,
+            ex.fmt.swa.bytes_per_token,
+        )
         assert all(t.shape[0] == h.hit // cfg.block_size for t in h.blocks.values())
         ce.add_handoff(h)
     done = {}
     while ce.has_unfinished():
         done.update({o.request_id: o for o in ce.step() if o.finished})
     assert ce.replayed_tokens > 0
-    want = [o.token_ids for o in LLM(**{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs",
-                                                                     "batch_invariant", "dtype")})
-            .generate(prompts, params, use_tqdm=False)]
+    want = [
+        o.token_ids
+        for o in LLM(
+            **{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant", "dtype")}
+        ).generate(prompts, params, use_tqdm=False)
+    ]
     assert [done[str(i)].token_ids for i in range(3)] == want, f"seed {seed}"
 
 
@@ -148,7 +163,11 @@ def test_replay_handoff_with_prefix_hits_on_the_prompt_side() -> None:
     prefix = getattr(pe.engine, "prefix", None)
     if prefix is not None:
         assert prefix.stats.hits > 0, f"seed {seed}: no prefix hit on the PROMPT side (the test needs one)"
-    llm = LLM(**{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant", "dtype")})
+    llm = LLM(
+        **{k: getattr(cfg, k) for k in ("seed", "num_blocks", "max_num_seqs", "batch_invariant", "dtype")}
+    )
     for k, prompts in enumerate(rounds):
         want = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        assert [done[f"{k}.{i}"].token_ids for i in range(len(prompts))] == want, f"seed {seed}: round {k} ({modes})"
+        assert [done[f"{k}.{i}"].token_ids for i in range(len(prompts))] == want, (
+            f"seed {seed}: round {k} ({modes})"
+        )

@@ -38,7 +38,12 @@ def test_plan_placement_follows_the_load() -> None:
     load = rng.exponential(size=(layers, experts)) ** 2
     cfg = EPLBConfig(window_steps=10, replan_interval=10, redundant_per_gpu=2)
     p = plan_placement(layers, experts, gpus, cfg, load)
-    assert (p.num_layers, p.num_experts, p.num_gpus, p.num_replicas) == (layers, experts, gpus, experts + 2 * gpus)
+    assert (p.num_layers, p.num_experts, p.num_gpus, p.num_replicas) == (
+        layers,
+        experts,
+        gpus,
+        experts + 2 * gpus,
+    )
     assert (p.logcnt.sum(1) == experts + 2 * gpus).all() and (p.logcnt >= 1).all()
     # a hotter expert never has fewer replicas than a colder one of the same layer (greedy replication)
     for lay in range(layers):
@@ -56,8 +61,13 @@ def test_dist_config_errors_name_the_field() -> None:
     assert DistConfig().eplb_config() is DECODE  # NORMAL engine: the decode window and interval
     assert DistConfig(eplb=PREFILL).eplb_config() is PREFILL
     assert DistConfig(engine_type=EngineType.PROMPT).eplb_config() is PREFILL  # a prefill instance
-    for kw, field in ((dict(tolerance=1.0), "tolerance"), (dict(move_batch_size=0), "move_batch_size"),
-                      (dict(eplb=3), "eplb"), (dict(engine_type=1), "engine_type"), (dict(pd_mode="x"), "pd_mode")):
+    for kw, field in (
+        (dict(tolerance=1.0), "tolerance"),
+        (dict(move_batch_size=0), "move_batch_size"),
+        (dict(eplb=3), "eplb"),
+        (dict(engine_type=1), "engine_type"),
+        (dict(pd_mode="x"), "pd_mode"),
+    ):
         with pytest.raises(ValueError, match=f"DistConfig.{field}"):
             DistConfig(**kw)  # type: ignore[arg-type]
 
@@ -95,6 +105,7 @@ def _ep_layer_vs_moe(groups, seed: int, trials: int) -> tuple[list[str], int, in
     bad: list[str] = []
     moved = 0
     for t in range(trials):
+
         class Blk(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
@@ -113,26 +124,43 @@ def _ep_layer_vs_moe(groups, seed: int, trials: int) -> tuple[list[str], int, in
         ecfg = EPLBConfig(window_steps=1, replan_interval=1, redundant_per_gpu=int(rng.integers(0, 3)))
         load = rng.exponential(size=(1, cfg.n_routed_experts)) ** 2
         choice = "rank" if t % 2 == 0 else "token"
-        ep = ExpertParallel(model, groups.ep, plan_placement(1, cfg.n_routed_experts, groups.group_size, ecfg, load),
-                            replica_choice=choice)
+        ep = ExpertParallel(
+            model,
+            groups.ep,
+            plan_placement(1, cfg.n_routed_experts, groups.group_size, ecfg, load),
+            replica_choice=choice,
+        )
         for phase in ("first", "after re-plan"):
             n = int(rng.integers(0, 40, size=groups.group_size)[groups.group_rank])
-            x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(seed * 7 + t * 13 + groups.rank),
-                            dtype=torch.float64)
+            x = torch.randn(
+                n,
+                cfg.hidden_size,
+                generator=torch.Generator().manual_seed(seed * 7 + t * 13 + groups.rank),
+                dtype=torch.float64,
+            )
             if n:
                 out, counts = model.layers[0].ffn(x)
                 want, wc = ref(x)
                 if not torch.equal(counts, wc):
                     bad.append(f"trial {t} {phase}: counts differ")
                 # "rank": the same rows in the same matmuls as the reference, bit for bit; "token" splits them
-                ok = torch.equal(out, want) if choice == "rank" else torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+                ok = (
+                    torch.equal(out, want)
+                    if choice == "rank"
+                    else torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+                )
                 if not ok:
                     bad.append(f"trial {t} {phase} ({choice}): max diff {float((out - want).abs().max())}")
             ep.drain()
             if phase == "first":
                 new_load = rng.integers(0, 50, size=(1, cfg.n_routed_experts))
-                plan, _, _ = replan_ep(ep, new_load if groups.rank == 0 else np.zeros_like(new_load), groups.ep,
-                                       groups.device, tolerance=0.0)
+                plan, _, _ = replan_ep(
+                    ep,
+                    new_load if groups.rank == 0 else np.zeros_like(new_load),
+                    groups.ep,
+                    groups.device,
+                    tolerance=0.0,
+                )
                 moved += plan.moves.num_remote
     return bad, moved, groups.group_rank, groups.timeout_s
 
@@ -159,8 +187,20 @@ def test_example_distributed_generate_spawned() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    r = subprocess.run([sys.executable, str(root / "examples" / "distributed_generate.py"), "--nproc", "2", "--quick",
-                        "--check"], capture_output=True, text=True, timeout=300, cwd=root)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "distributed_generate.py"),
+            "--nproc",
+            "2",
+            "--quick",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "tokens equal to the single-process engine: True" in r.stdout
     assert "token-expert rows sent to the other rank" in r.stdout
@@ -169,7 +209,9 @@ def test_example_distributed_generate_spawned() -> None:
 _PREFIX_CFG = dict(seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
 
 
-def _prefix_rounds(groups, rounds: list[list[str]], params: object) -> tuple[list[list[tuple[int, ...]]], tuple, int]:
+def _prefix_rounds(
+    groups, rounds: list[list[str]], params: object
+) -> tuple[list[list[tuple[int, ...]]], tuple, int]:
     from deepinfer_core.distributed import DistributedEngine
     from deepinfer_core.engine import EngineConfig
 
@@ -177,7 +219,11 @@ def _prefix_rounds(groups, rounds: list[list[str]], params: object) -> tuple[lis
     got = [[o.token_ids for o in eng.generate(r, params)] for r in rounds]
     prefix = getattr(eng.engine, "prefix", None)
     st = prefix.stats if prefix is not None else None
-    return got, ((st.hits, st.encoder_replays, st.host_restores) if st is not None else None), eng.sync.dummies
+    return (
+        got,
+        ((st.hits, st.encoder_replays, st.host_restores) if st is not None else None),
+        eng.sync.dummies,
+    )
 
 
 @pytest.mark.distributed
@@ -199,7 +245,9 @@ def test_dp_engine_with_prefix_hits_equals_single_process() -> None:
     want = [[o.token_ids for o in llm.generate(r, sp, use_tqdm=False)] for r in rounds]
     for rank, (got, stats, _) in enumerate(res):
         assert got == want, f"seed {seed}: rank {rank}"
-        assert stats is None or stats[0] > 0, f"seed {seed}: rank {rank} had no prefix hit (the test needs one)"
+        assert stats is None or stats[0] > 0, (
+            f"seed {seed}: rank {rank} had no prefix hit (the test needs one)"
+        )
     # an encoder replay (the executor's replay_encoder, not execute) happened on some rank: a[:100] hits
     # a's blocks at 96, where no rings were kept
     assert res[0][1] is None or res[0][1][1] + res[1][1][1] > 0, f"seed {seed}: {[r[1] for r in res]}"

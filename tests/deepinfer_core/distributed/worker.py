@@ -48,7 +48,10 @@ def engine_config() -> EngineConfig:
 
 
 def outputs_json(outs: list) -> list[dict]:
-    return [{"id": o.request_id, "tokens": list(o.token_ids), "error": o.error, "reason": o.finish_reason} for o in outs]
+    return [
+        {"id": o.request_id, "tokens": list(o.token_ids), "error": o.error, "reason": o.finish_reason}
+        for o in outs
+    ]
 
 
 def load_case(path: str) -> tuple[list, list[SamplingParams]]:
@@ -66,17 +69,34 @@ def scenario_equal(groups, prompts, params) -> dict:
     mc = eng.engine.model_config
     bad = np.random.default_rng(0).exponential(size=(mc.num_hidden_layers, mc.n_routed_experts)) ** 3
     cfg = EPLBConfig(window_steps=2, replan_interval=3, redundant_per_gpu=1)
-    eng2 = DistributedEngine(groups, engine_config(), DistConfig(
-        eplb=cfg, tolerance=0.0, initial_placement=plan_placement(mc.num_hidden_layers, mc.n_routed_experts,
-                                                                  groups.group_size, cfg, bad)))
+    eng2 = DistributedEngine(
+        groups,
+        engine_config(),
+        DistConfig(
+            eplb=cfg,
+            tolerance=0.0,
+            initial_placement=plan_placement(
+                mc.num_hidden_layers, mc.n_routed_experts, groups.group_size, cfg, bad
+            ),
+        ),
+    )
     res["replan"] = outputs_json(eng2.generate(prompts, params))
     res["replans"] = _replans(eng2)
     res["steps"] = eng2.steps
     # the same, the moves spread over the following steps (8 a step) while the old placement serves
     cfg3 = EPLBConfig(window_steps=2, replan_interval=5, redundant_per_gpu=1)
-    eng3 = DistributedEngine(groups, engine_config(), DistConfig(
-        eplb=cfg3, tolerance=0.0, moves_per_step=8,
-        initial_placement=plan_placement(mc.num_hidden_layers, mc.n_routed_experts, groups.group_size, cfg3, bad)))
+    eng3 = DistributedEngine(
+        groups,
+        engine_config(),
+        DistConfig(
+            eplb=cfg3,
+            tolerance=0.0,
+            moves_per_step=8,
+            initial_placement=plan_placement(
+                mc.num_hidden_layers, mc.n_routed_experts, groups.group_size, cfg3, bad
+            ),
+        ),
+    )
     res["staged"] = outputs_json(eng3.generate(prompts, params))
     res["staged_replans"] = _replans(eng3)
     res["pd"] = scenario_pd(groups, prompts, params)
@@ -87,10 +107,15 @@ def scenario_equal(groups, prompts, params) -> dict:
 def scenario_pd_dp(groups, prompts, params) -> list[dict]:
     """A DP2 / EP2 PROMPT instance (replay mode), then a DP2 / EP2 COMPLETION instance on the same ranks;
     rank r's hand-offs go to rank 1 - r over the world group. Every rank returns all outputs in order."""
-    pe = DistributedEngine(groups, engine_config(), DistConfig(engine_type=EngineType.PROMPT, pd_mode="replay",
-                                                               online_eplb=False))
+    pe = DistributedEngine(
+        groups,
+        engine_config(),
+        DistConfig(engine_type=EngineType.PROMPT, pd_mode="replay", online_eplb=False),
+    )
     early = _serve_local(pe, prompts, params, groups)
-    ce = DistributedEngine(groups, engine_config(), DistConfig(engine_type=EngineType.COMPLETION, online_eplb=False))
+    ce = DistributedEngine(
+        groups, engine_config(), DistConfig(engine_type=EngineType.COMPLETION, online_eplb=False)
+    )
     other = 1 - groups.rank
     mine = pe.handoffs
     for r in (0, 1):  # rank 0 sends first, then rank 1 (point to point, no deadlock)
@@ -156,17 +181,34 @@ def _pd(groups, prompts, params, mode: str) -> list[dict] | None:
 
 
 def _replans(eng: DistributedEngine) -> list[dict]:
-    return [{"step": r.step, "live": r.live_requests, "remote": r.remote_moves, "bytes": r.bytes_sent,
-             "lb_before": r.moe_lb_before, "lb_after": r.moe_lb_after, "commit": r.commit_step,
-             "batches": r.batches} for r in eng.replans]
+    return [
+        {
+            "step": r.step,
+            "live": r.live_requests,
+            "remote": r.remote_moves,
+            "bytes": r.bytes_sent,
+            "lb_before": r.moe_lb_before,
+            "lb_after": r.moe_lb_after,
+            "commit": r.commit_step,
+            "batches": r.batches,
+        }
+        for r in eng.replans
+    ]
 
 
 def _served_alone(groups, prompts, params, load):
     # the restarted, smaller group (one rank here): EP size and placement re-planned on the old window
-    eng = DistributedEngine(groups, engine_config(), DistConfig(online_eplb=False, initial_load=np.asarray(load)))
+    eng = DistributedEngine(
+        groups, engine_config(), DistConfig(online_eplb=False, initial_load=np.asarray(load))
+    )
     outs = eng.generate(prompts, params, scatter=False)
-    return {"outputs": outputs_json(outs), "num_gpus": eng.placement.num_gpus, "load": np.asarray(load).tolist(),
-            "slots": eng.placement.num_replicas, "logcnt": eng.placement.logcnt.tolist()}
+    return {
+        "outputs": outputs_json(outs),
+        "num_gpus": eng.placement.num_gpus,
+        "load": np.asarray(load).tolist(),
+        "slots": eng.placement.num_replicas,
+        "logcnt": eng.placement.logcnt.tolist(),
+    }
 
 
 def scenario_fail(groups, prompts, params, mode: str, out_dir: Path) -> dict:
@@ -202,9 +244,12 @@ def scenario_fail(groups, prompts, params, mode: str, out_dir: Path) -> dict:
         ids = [int(o["id"]) for o in failed]
         # in this process: the old group is torn down, a new one of the healthy size starts
         # (a file store: under torchrun a tcp:// rendezvous would go to the agent's store)
-        alone = init_groups(init_method=f"file://{out_dir / 'restart.store'}", world_size=size, rank=0,
-                            timeout_s=TIMEOUT_S)
-        res["restart"] = _served_alone(alone, [prompts[i] for i in ids], [params[i] for i in ids], eng.window_load())
+        alone = init_groups(
+            init_method=f"file://{out_dir / 'restart.store'}", world_size=size, rank=0, timeout_s=TIMEOUT_S
+        )
+        res["restart"] = _served_alone(
+            alone, [prompts[i] for i in ids], [params[i] for i in ids], eng.window_load()
+        )
         shutdown()
         res["restart"]["ids"] = ids
     return res

@@ -16,7 +16,7 @@ def greedy_oracle(model: DeepSeekV41, prompt_ids: list[int] | tuple[int, ...], n
     for _ in range(n):
         logits = model.forward_full(torch.tensor(seq))[0][-1]
         seq.append(int(torch.argmax(logits)))
-    return seq[len(prompt_ids):]
+    return seq[len(prompt_ids) :]
 
 
 def random_prompts(seed: int, count: int, lo: int, hi: int) -> list[str]:
@@ -26,12 +26,13 @@ def random_prompts(seed: int, count: int, lo: int, hi: int) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi))) for _ in range(count)]
 
 
-def teacher_forced_argmax(model: DeepSeekV41, prompt_ids: list[int] | tuple[int, ...],
-                          output_ids: list[int] | tuple[int, ...]) -> list[int]:
+def teacher_forced_argmax(
+    model: DeepSeekV41, prompt_ids: list[int] | tuple[int, ...], output_ids: list[int] | tuple[int, ...]
+) -> list[int]:
     """Argmax after each prefix of prompt + output[:-1], from one cache-free forward (it is causal)."""
     seq = list(prompt_ids) + list(output_ids)
     logits = model.forward_full(torch.tensor(seq[:-1]))[0]
-    return torch.argmax(logits[len(prompt_ids) - 1:], dim=-1).tolist()
+    return torch.argmax(logits[len(prompt_ids) - 1 :], dim=-1).tolist()
 
 
 def drain(eng: Any, limit: int = 2000) -> dict:

@@ -17,11 +17,20 @@ from tests.deepinfer_core.engine.helpers import random_prompts
 def test_cuda_backend_matches_reference() -> None:
     seed = random.randrange(2**31)
     prompts = random_prompts(seed, 4, 20, 80)
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=seed, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_k=20, seed=seed + 1, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=seed + 2, max_tokens=16, so_args={"regex": "[0-9]{3}-[a-z]{2}"})]
-    kw = {"model": "tiny-random", "seed": seed % 1000, "dtype": "float64", "quantize": False, "num_blocks": 128, "max_num_seqs": 8}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=seed, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=seed + 1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=seed + 2, max_tokens=16, so_args={"regex": "[0-9]{3}-[a-z]{2}"}),
+    ]
+    kw = {
+        "model": "tiny-random",
+        "seed": seed % 1000,
+        "dtype": "float64",
+        "quantize": False,
+        "num_blocks": 128,
+        "max_num_seqs": 8,
+    }
     ref = LLM(backend="reference", **kw).generate(prompts, params, use_tqdm=False)
     got = LLM(backend="cuda", **kw).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref], f"seed {seed}"
@@ -39,7 +48,9 @@ def test_default_cuda_engine_replays_graphs() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
-        llm = LLM(backend="cuda", num_blocks=128, max_num_seqs=8, envs=Envs(use_nextn_decode=0, cuda_graphs=graphs))
+        llm = LLM(
+            backend="cuda", num_blocks=128, max_num_seqs=8, envs=Envs(use_nextn_decode=0, cuda_graphs=graphs)
+        )
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         ex = llm.engine.executor
         assert ex.cuda_graphs == graphs
@@ -67,8 +78,14 @@ def test_boundary_snapshots_replay_graphs_and_serve_follow_ups(monkeypatch: pyte
     seed = random.randrange(2**31)
     prompts = random_prompts(seed, 3, 20, 30)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # crosses 2-3 boundaries of 16
-    kw = {"model": "tiny-random", "seed": seed % 1000, "dtype": "float64", "quantize": False, "num_blocks": 128,
-          "max_num_seqs": 4}
+    kw = {
+        "model": "tiny-random",
+        "seed": seed % 1000,
+        "dtype": "float64",
+        "quantize": False,
+        "num_blocks": 128,
+        "max_num_seqs": 4,
+    }
     outs = {}
     for backend in ("reference", "cuda"):
         llm = LLM(backend=backend, **kw)
@@ -79,6 +96,8 @@ def test_boundary_snapshots_replay_graphs_and_serve_follow_ups(monkeypatch: pyte
             assert not g.failed and calls["body"] == 2 * g.captures, (calls, g.captures, g.replays)
         enc = llm.engine.tokenizer.encode
         follow = [list(enc(p)) + list(o.token_ids) + list(enc(p[:8])) for p, o in zip(prompts, first)]
-        second = llm.generate(follow, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        second = llm.generate(
+            follow, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )
         outs[backend] = ([o.token_ids for o in first], [o.token_ids for o in second])
     assert outs["cuda"] == outs["reference"], f"seed {seed}"

@@ -36,8 +36,14 @@ def case() -> dict:
     other = attrs.evolve(params[1], seed=seed + 17)
     llm = LLM(model="tiny-random", seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
     outs = llm.generate([*prompts, prompts[1], prompts[1]], [*params, params[1], other], use_tqdm=False)
-    return {"seed": seed, "prompts": prompts, "params": params, "llm": llm, "outs": outs,
-            "batched": [o.token_ids for o in outs[:3]]}
+    return {
+        "seed": seed,
+        "prompts": prompts,
+        "params": params,
+        "llm": llm,
+        "outs": outs,
+        "batched": [o.token_ids for o in outs[:3]],
+    }
 
 
 def test_alone_equals_batched(case: dict) -> None:
@@ -50,9 +56,20 @@ def test_alone_equals_batched(case: dict) -> None:
 def test_other_batch_and_sync_scheduling(case: dict) -> None:
     # reversed order, extra requests around them, synchronous scheduling, a fresh engine
     extra = random_prompts(case["seed"] + 1, 2, 5, 90)
-    llm = LLM(model="tiny-random", seed=7, num_blocks=128, max_num_seqs=8, async_scheduling=False, batch_invariant=True)
+    llm = LLM(
+        model="tiny-random",
+        seed=7,
+        num_blocks=128,
+        max_num_seqs=8,
+        async_scheduling=False,
+        batch_invariant=True,
+    )
     prompts = [extra[0], *case["prompts"][::-1], extra[1]]
-    params = [SamplingParams(temperature=1.0, max_tokens=5), *case["params"][::-1], SamplingParams(max_tokens=N + 3)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=5),
+        *case["params"][::-1],
+        SamplingParams(max_tokens=N + 3),
+    ]
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)][1:4][::-1]
     assert got == case["batched"], f"seed {case['seed']}"
 

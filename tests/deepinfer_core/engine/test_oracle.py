@@ -23,7 +23,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
 def case() -> dict:
     seed = random.randrange(2**31)
     prompts = random_prompts(seed, 3, 24, 56)  # past the window (16), through compression and top-k
-    llm = LLM(model="tiny-random", seed=seed % 1000, dtype="float64", quantize=False, num_blocks=64, block_size=16, max_num_seqs=4)
+    llm = LLM(
+        model="tiny-random",
+        seed=seed % 1000,
+        dtype="float64",
+        quantize=False,
+        num_blocks=64,
+        block_size=16,
+        max_num_seqs=4,
+    )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return {"seed": seed, "prompts": prompts, "llm": llm, "outs": outs}
 
@@ -41,8 +49,9 @@ def test_greedy_equals_full_forward_oracle(case: dict) -> None:
         assert len(o.token_ids) == N_TOKENS and o.finish_reason == "length"
         assert o.text == llm.tokenizer.decode(o.token_ids)
         # every token is the argmax of the full forward over everything before it (one causal forward)
-        assert teacher_forced_argmax(model, o.prompt_token_ids, o.token_ids) == list(o.token_ids), \
+        assert teacher_forced_argmax(model, o.prompt_token_ids, o.token_ids) == list(o.token_ids), (
             f"seed {case['seed']}, prompt {o.prompt!r}"
+        )
     # and literally: greedy decoding by re-running the full forward on the growing sequence
     o = case["outs"][0]
     assert greedy_oracle(model, o.prompt_token_ids, 6) == list(o.token_ids[:6]), f"seed {case['seed']}"
@@ -55,9 +64,18 @@ def test_greedy_equals_full_forward_oracle(case: dict) -> None:
         # preempts the longest-output requests, which are recomputed by prefill later
         # (the seed's victim rule: the default guarded policy holds admission back instead of preempting,
         # and must give the same tokens under the same tight pool)
-        pytest.param({"async_scheduling": False, "num_blocks": "tight", "block_size": 8,
-                      "preemption_policy": "deepinfer"}, id="sync-preempted"),
-        pytest.param({"num_blocks": "tight", "block_size": 8, "preemption_policy": "deepinfer"}, id="async-preempted"),
+        pytest.param(
+            {
+                "async_scheduling": False,
+                "num_blocks": "tight",
+                "block_size": 8,
+                "preemption_policy": "deepinfer",
+            },
+            id="sync-preempted",
+        ),
+        pytest.param(
+            {"num_blocks": "tight", "block_size": 8, "preemption_policy": "deepinfer"}, id="async-preempted"
+        ),
         pytest.param({"num_blocks": "tight", "block_size": 8}, id="async-tight-guarded"),
         pytest.param({"max_num_batched_tokens": 40}, id="chunked-prefill"),
     ],
@@ -65,8 +83,20 @@ def test_greedy_equals_full_forward_oracle(case: dict) -> None:
 def test_same_tokens_sync_preempted_chunked(case: dict, kw: dict) -> None:
     if kw.get("num_blocks") == "tight":
         kw = kw | {"num_blocks": sum(-(-len(p) // 8) for p in case["prompts"]) + 2}
-    llm = LLM(**({"model": "tiny-random", "seed": case["seed"] % 1000, "dtype": "float64", "quantize": False, "num_blocks": 64,
-                  "block_size": 16, "max_num_seqs": 4} | kw))
+    llm = LLM(
+        **(
+            {
+                "model": "tiny-random",
+                "seed": case["seed"] % 1000,
+                "dtype": "float64",
+                "quantize": False,
+                "num_blocks": 64,
+                "block_size": 16,
+                "max_num_seqs": 4,
+            }
+            | kw
+        )
+    )
     outs = llm.generate(case["prompts"], GREEDY, use_tqdm=False)
     assert _streams(outs) == _streams(case["outs"]), f"seed {case['seed']}"
     if kw.get("preemption_policy") == "deepinfer":

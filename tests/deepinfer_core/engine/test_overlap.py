@@ -60,8 +60,13 @@ def workload(seed: int, n: int, sampled: bool, **extra) -> list[tuple[str, list[
     for i in range(n):
         prompt = [rng.randrange(3, 250) for _ in range(rng.randint(1, 30))]
         temp = 0.9 if sampled and rng.random() < 0.7 else 0.0
-        sp = SamplingParams(temperature=temp, seed=rng.randrange(2**31), max_tokens=rng.randint(1, 14),
-                            ignore_eos=rng.random() < 0.5, **extra)
+        sp = SamplingParams(
+            temperature=temp,
+            seed=rng.randrange(2**31),
+            max_tokens=rng.randint(1, 14),
+            ignore_eos=rng.random() < 0.5,
+            **extra,
+        )
         out.append((f"r{i}", prompt, sp))
     return out
 
@@ -75,27 +80,38 @@ def run(eng: LLMEngine, reqs: list) -> dict:
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("limits", [
-    pytest.param({}, id="ample"),
-    pytest.param({"num_blocks": 14, "max_num_seqs": 4}, id="preempting"),
-    pytest.param({"max_num_batched_tokens": 16}, id="chunked"),
-    pytest.param({"batch_invariant": True}, id="batch-invariant"),
-])
+@pytest.mark.parametrize(
+    "limits",
+    [
+        pytest.param({}, id="ample"),
+        pytest.param({"num_blocks": 14, "max_num_seqs": 4}, id="preempting"),
+        pytest.param({"max_num_batched_tokens": 16}, id="chunked"),
+        pytest.param({"batch_invariant": True}, id="batch-invariant"),
+    ],
+)
 def test_overlap_equals_sync(sampled: bool, limits: dict) -> None:
     reqs = workload(3 + sampled, 10, sampled)
     eng = engine(**limits)
     assert eng.step_mode == "overlap"
     got = run(eng, reqs)
     assert got == reference(reqs)
-    assert eng.stats.overlap_steps > eng.stats.steps // 2  # most steps launched ahead of the previous one's read
+    assert (
+        eng.stats.overlap_steps > eng.stats.steps // 2
+    )  # most steps launched ahead of the previous one's read
     assert eng.stats.host_wait_steps == 0
     all_free(eng)
 
 
 def test_preemption_is_exercised() -> None:
     """The tight pool really preempts requests whose rows are in flight (else the case above proves nothing)."""
-    reqs = [(rid, p + [7] * 12, SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=24, ignore_eos=True))
-            for rid, p, sp in workload(3, 8, True)]
+    reqs = [
+        (
+            rid,
+            p + [7] * 12,
+            SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=24, ignore_eos=True),
+        )
+        for rid, p, sp in workload(3, 8, True)
+    ]
     eng = engine(num_blocks=12, max_num_seqs=4)
     for rid, p, sp in reqs:
         eng.add_request(rid, p, sp)
@@ -126,10 +142,13 @@ def test_stops_min_tokens_eos_and_one_token() -> None:
         if kind == 0:
             sp = SamplingParams(temperature=0.0, max_tokens=1)
         elif kind == 1:
-            sp = SamplingParams(temperature=0.8, seed=i, max_tokens=20, stop=["e", "a", " "], min_tokens=rng.randint(0, 3))
+            sp = SamplingParams(
+                temperature=0.8, seed=i, max_tokens=20, stop=["e", "a", " "], min_tokens=rng.randint(0, 3)
+            )
         elif kind == 2:
-            sp = SamplingParams(temperature=0.8, seed=i, max_tokens=20, stop_token_ids=tuple(range(60, 140)),
-                                min_tokens=2)
+            sp = SamplingParams(
+                temperature=0.8, seed=i, max_tokens=20, stop_token_ids=tuple(range(60, 140)), min_tokens=2
+            )
         else:
             sp = SamplingParams(temperature=1.5, seed=i, max_tokens=20, stop_token_ids=(eos,))
         reqs.append((f"s{i}", prompt, sp))
@@ -144,7 +163,11 @@ def test_aborts_mid_flight() -> None:
     every block and slot comes back."""
     reqs = workload(7, 8, True)
     for i, (rid, p, sp) in enumerate(reqs):
-        reqs[i] = (rid, p, SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=12, ignore_eos=True))
+        reqs[i] = (
+            rid,
+            p,
+            SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=12, ignore_eos=True),
+        )
     want = reference(reqs)
     eng = engine()
     for rid, p, sp in reqs:
@@ -216,7 +239,9 @@ def test_failed_step_fails_its_batch_only(monkeypatch: pytest.MonkeyPatch) -> No
 def test_structured_rows_run_synchronously() -> None:
     pytest.importorskip("xgrammar")
     reqs = workload(2, 4, False)
-    reqs.append(("j", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=16, so_args={"regex": "[a-c]{3,5}"})))
+    reqs.append(
+        ("j", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=16, so_args={"regex": "[a-c]{3,5}"}))
+    )
     eng = engine()
     real, seen = eng.runner.run, []
 
@@ -237,13 +262,25 @@ def test_host_engram_tables_turn_the_overlap_off() -> None:
     model, _ = load_model("tiny-random", seed=11, dtype=torch.float64, device="cpu")
     assert model.cfg.engram_layer_ids  # the tiny model has Engram layers: the feed hashes on the device
     assert ModelExecutor(model, 32, 8, 4, quantize=False, draft_context=False).token_feed_ok
-    assert not ModelExecutor(model, 32, 8, 4, quantize=False, draft_context=False, engram_placement="host").token_feed_ok
-    assert not ModelExecutor(model, 32, 8, 4, quantize=False).token_feed_ok  # a drafter context reads host tokens
+    assert not ModelExecutor(
+        model, 32, 8, 4, quantize=False, draft_context=False, engram_placement="host"
+    ).token_feed_ok
+    assert not ModelExecutor(
+        model, 32, 8, 4, quantize=False
+    ).token_feed_ok  # a drafter context reads host tokens
     with pytest.raises(ValueError, match="feed"):
         ex = ModelExecutor(model, 32, 8, 4, quantize=False, draft_context=False, engram_placement="host")
-        b = ForwardBatch(token_ids=np.asarray([5]), query_lens=[1], start_pos=[0], block_tables=np.asarray([[1]]),
-                         state_slots=[0], num_logits=[1])
-        ex.execute(b, feed=TokenFeed(np.zeros(1, np.int64), np.zeros(1, np.int64), DeviceTokens(torch.tensor([7]))))
+        b = ForwardBatch(
+            token_ids=np.asarray([5]),
+            query_lens=[1],
+            start_pos=[0],
+            block_tables=np.asarray([[1]]),
+            state_slots=[0],
+            num_logits=[1],
+        )
+        ex.execute(
+            b, feed=TokenFeed(np.zeros(1, np.int64), np.zeros(1, np.int64), DeviceTokens(torch.tensor([7])))
+        )
 
 
 @pytest.mark.parametrize("sync_free", [False, True], ids=["plain", "sync-free-rows"])
@@ -260,23 +297,41 @@ def test_executor_feed_equals_host_tokens(sync_free: bool) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, size=n) for n in (5, 9, 3)]
     tables = np.asarray([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
-    pre = ForwardBatch(token_ids=np.concatenate(prompts), query_lens=[len(p) for p in prompts], start_pos=[0, 0, 0],
-                       block_tables=tables, state_slots=[0, 1, 2], num_logits=[1, 1, 1])
+    pre = ForwardBatch(
+        token_ids=np.concatenate(prompts),
+        query_lens=[len(p) for p in prompts],
+        start_pos=[0, 0, 0],
+        block_tables=tables,
+        state_slots=[0, 1, 2],
+        num_logits=[1, 1, 1],
+    )
     for ex in exs:
         ex.execute(pre)
     pos = np.asarray([len(p) for p in prompts])
     for step in range(3):
         toks = rng.integers(3, 250, size=3)
-        b = ForwardBatch(token_ids=toks, query_lens=[1, 1, 1], start_pos=pos, block_tables=tables,
-                         state_slots=[0, 1, 2], num_logits=[1, 1, 1])
+        b = ForwardBatch(
+            token_ids=toks,
+            query_lens=[1, 1, 1],
+            start_pos=pos,
+            block_tables=tables,
+            state_slots=[0, 1, 2],
+            num_logits=[1, 1, 1],
+        )
         want = exs[0].execute(b).logits
         src = torch.as_tensor(np.concatenate(([9, 9], toks[::-1], [4])))  # the previous step's rows, shuffled
         fed = np.asarray([0, 2]) if step != 1 else np.asarray([1])  # some tokens fed, the others host ids
         host_ids = toks.copy()
         host_ids[fed] = 0
         feed = TokenFeed(fed.astype(np.int64), (4 - fed).astype(np.int64), DeviceTokens(src))
-        bf = ForwardBatch(token_ids=host_ids, query_lens=[1, 1, 1], start_pos=pos, block_tables=tables,
-                          state_slots=[0, 1, 2], num_logits=[1, 1, 1])
+        bf = ForwardBatch(
+            token_ids=host_ids,
+            query_lens=[1, 1, 1],
+            start_pos=pos,
+            block_tables=tables,
+            state_slots=[0, 1, 2],
+            num_logits=[1, 1, 1],
+        )
         got = exs[1].execute(bf, feed=feed).logits
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert exs[1].state.fed  # its ring holds placeholders until resolved
@@ -285,8 +340,11 @@ def test_executor_feed_equals_host_tokens(sync_free: bool) -> None:
         pos = pos + 1
 
 
-action = st.one_of(st.tuples(st.just("add"), st.integers(0, 10**6)), st.tuples(st.just("abort"), st.integers(0, 50)),
-                   st.tuples(st.just("step"), st.integers(1, 4)))
+action = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 10**6)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+)
 
 
 @settings(max_examples=12, deadline=None)
@@ -309,7 +367,9 @@ def test_random_interleavings(actions: list, tight: bool) -> None:
             rng = random.Random(v)
             rid = f"q{len(added)}"
             p = [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))]
-            sp = SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=v, max_tokens=rng.randint(1, 10), ignore_eos=True)
+            sp = SamplingParams(
+                temperature=rng.choice([0.0, 1.0]), seed=v, max_tokens=rng.randint(1, 10), ignore_eos=True
+            )
             added[rid] = (p, sp)
             eng.add_request(rid, p, sp)
         elif kind == "abort" and added:
@@ -337,10 +397,20 @@ def test_cuda_overlap_equals_sync() -> None:
     synchronous engine's, stops and aborted-early rows included."""
     from deepinfer_core.envs import Envs
 
-    kw = dict(model="tiny-random", seed=5, dtype="float64", quantize=False, num_blocks=256, block_size=8,
-              max_num_seqs=8, backend="cuda")
-    reqs = workload(4, 8, True) + [(f"t{i}", [5 + i, 6, 7], SamplingParams(temperature=0.8, seed=i, max_tokens=16,
-                                                                          stop=["e", " "])) for i in range(3)]
+    kw = dict(
+        model="tiny-random",
+        seed=5,
+        dtype="float64",
+        quantize=False,
+        num_blocks=256,
+        block_size=8,
+        max_num_seqs=8,
+        backend="cuda",
+    )
+    reqs = workload(4, 8, True) + [
+        (f"t{i}", [5 + i, 6, 7], SamplingParams(temperature=0.8, seed=i, max_tokens=16, stop=["e", " "]))
+        for i in range(3)
+    ]
     envs = Envs(use_nextn_decode=0, cuda_graphs=False)
     want = run(LLMEngine(EngineConfig(async_scheduling=False, **kw), envs=envs), reqs)
     eng = LLMEngine(EngineConfig(**kw), envs=envs)
@@ -357,13 +427,17 @@ def test_cuda_overlap_with_graphs_equals_plain_async() -> None:
     from deepinfer_core.envs import Envs
 
     prompts = [[random.Random(i).randrange(3, 250) for _ in range(20 + 7 * i)] for i in range(6)]
-    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + 3 * i, ignore_eos=True)
-          for i in range(6)]
+    sp = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + 3 * i, ignore_eos=True)
+        for i in range(6)
+    ]
     reqs = [(f"g{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sp))]
     outs = {}
     for ov in (False, True):
-        eng = LLMEngine(EngineConfig(backend="cuda", num_blocks=128, max_num_seqs=8, async_overlap=ov),
-                        envs=Envs(use_nextn_decode=0, cuda_graphs=True))
+        eng = LLMEngine(
+            EngineConfig(backend="cuda", num_blocks=128, max_num_seqs=8, async_overlap=ov),
+            envs=Envs(use_nextn_decode=0, cuda_graphs=True),
+        )
         outs[ov] = run(eng, reqs)
         g = eng.executor.graphs()
         assert not g.failed and g.replays >= 8
@@ -380,7 +454,9 @@ def test_cuda_overlap_steady_state_never_synchronises() -> None:
 
     from deepinfer_core.envs import Envs
 
-    eng = LLMEngine(EngineConfig(backend="cuda", num_blocks=128, max_num_seqs=8), envs=Envs(use_nextn_decode=0))
+    eng = LLMEngine(
+        EngineConfig(backend="cuda", num_blocks=128, max_num_seqs=8), envs=Envs(use_nextn_decode=0)
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(4):
         eng.add_request(f"w{i}", [5 + i] * 30, sp)
@@ -411,8 +487,16 @@ def _oracle_ids(h, toks: np.ndarray, cu: np.ndarray, ctx: np.ndarray) -> np.ndar
     from tests.deepinfer_core.engram._oracle import oracle_hash
 
     seqs = [(int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]  # (the model's map is the identity)
-    got = oracle_hash(toks.tolist(), seqs, h.multipliers.tolist(), h.primes.tolist(), h.offsets.tolist(),
-                      h.pad_canonical, None, ctx.tolist())
+    got = oracle_hash(
+        toks.tolist(),
+        seqs,
+        h.multipliers.tolist(),
+        h.primes.tolist(),
+        h.offsets.tolist(),
+        h.pad_canonical,
+        None,
+        ctx.tolist(),
+    )
     return np.asarray(got, np.int32).reshape(len(h.config.layer_ids), len(toks), h.config.num_columns)
 
 
@@ -439,7 +523,9 @@ def test_device_hash_equals_the_hasher(lens: list, seed: int) -> None:
     ones = np.arange(len(lens) + 1)
     want1 = _oracle_ids(h, toks[: len(lens)], ones, ctx)
     np.testing.assert_array_equal(h.hash_host(toks[: len(lens)], ones, ctx), want1)
-    np.testing.assert_array_equal(hash_decode_on_device(h, torch.as_tensor(toks[: len(lens)]), ctx).numpy(), want1)
+    np.testing.assert_array_equal(
+        hash_decode_on_device(h, torch.as_tensor(toks[: len(lens)]), ctx).numpy(), want1
+    )
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -461,8 +547,12 @@ def test_unchecked_row_fetch_equals_the_table(fmt: str) -> None:
         rows = [vals[i].to(torch.bfloat16) for i in ids.reshape(-1).tolist()]
     else:
         data, codes = quantize_fp8(vals)
-        rows = [torch.cat([data[i, b * 32:(b + 1) * 32].double() * 2.0 ** (int(codes[i, b]) - 127) for b in range(2)])
-                .to(torch.bfloat16) for i in ids.reshape(-1).tolist()]
+        rows = [
+            torch.cat(
+                [data[i, b * 32 : (b + 1) * 32].double() * 2.0 ** (int(codes[i, b]) - 127) for b in range(2)]
+            ).to(torch.bfloat16)
+            for i in ids.reshape(-1).tolist()
+        ]
     assert torch.equal(got, torch.stack(rows).reshape(3, 11, 4, 64))
     with pytest.raises(IndexError, match="row_ids: id 97"):  # the table itself still checks
         t.fetch(torch.tensor([97]))
@@ -481,7 +571,11 @@ def test_device_hash_and_fetch_dispatch_no_syncing_op() -> None:
     h = model.engram_hasher
     rng = np.random.default_rng(5)
     v, n1 = model.cfg.vocab_size, h.config.max_ngram - 1
-    toks, cu, ctx = torch.as_tensor(rng.integers(0, v, 9)), torch.tensor([0, 4, 9]), torch.as_tensor(rng.integers(-1, v, (2, n1)))
+    toks, cu, ctx = (
+        torch.as_tensor(rng.integers(0, v, 9)),
+        torch.tensor([0, 4, 9]),
+        torch.as_tensor(rng.integers(-1, v, (2, n1))),
+    )
     ctx1 = rng.integers(-1, v, (9, n1))
     tables = hashed_row_tables(model.engram_tables)
     h.device_params("cpu", torch.int64)  # the once-per-device parameter copies, outside the count

@@ -26,14 +26,20 @@ TAIL = 4 * 15 + 1  # the tiny model's exact decoder span: D (w - 1) + 1
 
 @functools.cache
 def reference() -> LLM:
-    return LLM(num_blocks=512, block_size=16, max_num_seqs=16, async_scheduling=False, prefix_caching=False, **EXACT)
+    return LLM(
+        num_blocks=512, block_size=16, max_num_seqs=16, async_scheduling=False, prefix_caching=False, **EXACT
+    )
 
 
 def _workload(seed: int, n_prefix: int, n_req: int, lo: int = 90, hi: int = 110):
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(3, 259, int(rng.integers(lo, hi))).tolist() for _ in range(n_prefix)]
-    prompts = [prefixes[i % n_prefix] + rng.integers(3, 259, int(rng.integers(0, 20))).tolist() for i in range(n_req)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 6)), ignore_eos=True) for _ in prompts]
+    prompts = [
+        prefixes[i % n_prefix] + rng.integers(3, 259, int(rng.integers(0, 20))).tolist() for i in range(n_req)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 6)), ignore_eos=True) for _ in prompts
+    ]
     return prompts, params
 
 
@@ -47,21 +53,36 @@ def _check_free(llm: LLM) -> None:
 
 def _waves(llm: LLM, prompts, params):
     half = max(1, len(prompts) // 2)
-    return (llm.generate(prompts[:half], params[:half], use_tqdm=False)
-            + llm.generate(prompts, params, use_tqdm=False))
+    return llm.generate(prompts[:half], params[:half], use_tqdm=False) + llm.generate(
+        prompts, params, use_tqdm=False
+    )
 
 
 @settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31), n_prefix=st.integers(1, 2), n_req=st.integers(2, 4),
-       block_size=st.sampled_from([8, 16]), token_cap=st.sampled_from([24, 64, 4096]), async_mode=st.booleans(),
-       spare=st.sampled_from([0, 2, 8, 64]))
-def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(seed, n_prefix, n_req, block_size, token_cap,
-                                                                 async_mode, spare) -> None:
+@given(
+    seed=st.integers(0, 2**31),
+    n_prefix=st.integers(1, 2),
+    n_req=st.integers(2, 4),
+    block_size=st.sampled_from([8, 16]),
+    token_cap=st.sampled_from([24, 64, 4096]),
+    async_mode=st.booleans(),
+    spare=st.sampled_from([0, 2, 8, 64]),
+)
+def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(
+    seed, n_prefix, n_req, block_size, token_cap, async_mode, spare
+) -> None:
     prompts, params = _workload(seed, n_prefix, n_req)
     want = _waves(reference(), prompts, params)
     need = max(-(-(len(p) + sp.max_tokens) // block_size) for p, sp in zip(prompts, params))
-    llm = LLM(num_blocks=need + 2 + spare, block_size=block_size, max_num_seqs=3, max_num_batched_tokens=token_cap,
-              async_scheduling=async_mode, swa_replay="exact", **EXACT)
+    llm = LLM(
+        num_blocks=need + 2 + spare,
+        block_size=block_size,
+        max_num_seqs=3,
+        max_num_batched_tokens=token_cap,
+        async_scheduling=async_mode,
+        swa_replay="exact",
+        **EXACT,
+    )
     got = _waves(llm, prompts, params)
     for g, w in zip(got, want):
         assert g.ok and w.ok, (g.error, w.error)
@@ -72,8 +93,12 @@ def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(seed, n_prefi
     # the planner's largest hit for each prompt (whole groups, the tail left new) bounds every hit
     pc = llm.engine.prefix
     cap = [plan_replay(pc.cfg, len(p), len(p), pc.pending).hit for p in prompts]
-    most = [plan_replay(pc.cfg, len(p) + sp.max_tokens, len(p) + sp.max_tokens, pc.pending).hit  # after a preemption
-            for p, sp in zip(prompts, params)]
+    most = [
+        plan_replay(
+            pc.cfg, len(p) + sp.max_tokens, len(p) + sp.max_tokens, pc.pending
+        ).hit  # after a preemption
+        for p, sp in zip(prompts, params)
+    ]
     half = max(1, len(prompts) // 2)
     for i, g in enumerate(got):
         j = i if i < half else i - half
@@ -82,7 +107,11 @@ def test_exact_prefix_caching_gives_the_tokens_of_a_run_without_it(seed, n_prefi
     # wave nothing evicted its blocks, and admission takes them before allocating (shared, not copied, so
     # its own allocation cannot evict them): it hits the whole planned cap, however tight the pool
     if half == 1:
-        assert got[half].cached_tokens == cap[0] if not got[half].num_preemptions else got[half].cached_tokens >= cap[0]
+        assert (
+            got[half].cached_tokens == cap[0]
+            if not got[half].num_preemptions
+            else got[half].cached_tokens >= cap[0]
+        )
     if spare >= 64:
         assert sum(g.cached_tokens > 0 for g in got[half:]) >= 1
     _check_free(llm)
@@ -97,7 +126,9 @@ def test_a_hit_shares_the_cached_blocks() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     want = reference().generate(prompts, [params, params], use_tqdm=False)
     bs = 16
-    llm = LLM(num_blocks=64, block_size=bs, max_num_seqs=4, async_scheduling=False, swa_replay="exact", **EXACT)
+    llm = LLM(
+        num_blocks=64, block_size=bs, max_num_seqs=4, async_scheduling=False, swa_replay="exact", **EXACT
+    )
     eng = llm.engine
     pool, pc = eng.kv_pool, eng.prefix
     cap = plan_replay(pc.cfg, len(prompts[1]), len(prompts[1]), pc.pending).hit
@@ -140,8 +171,15 @@ def test_preempted_request_rehits_its_own_prefix() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in prompts]
     want = reference().generate(prompts, params, use_tqdm=False)
     # room for both prompts but not for both to grow: the seed's policy preempts one
-    llm = LLM(num_blocks=sum(-(-len(p) // 16) for p in prompts) + 2, block_size=16, max_num_seqs=2, async_scheduling=False, swa_replay="exact",
-              preemption_policy="deepinfer", **EXACT)
+    llm = LLM(
+        num_blocks=sum(-(-len(p) // 16) for p in prompts) + 2,
+        block_size=16,
+        max_num_seqs=2,
+        async_scheduling=False,
+        swa_replay="exact",
+        preemption_policy="deepinfer",
+        **EXACT,
+    )
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     pre = [g for g in got if g.num_preemptions]
@@ -152,7 +190,9 @@ def test_preempted_request_rehits_its_own_prefix() -> None:
 
 def test_bounded_mode_serves_hits_and_frees_everything() -> None:
     prompts, params = _workload(3, 1, 4, lo=120, hi=130)
-    llm = LLM(num_blocks=128, block_size=16, max_num_seqs=4, swa_replay="bounded", swa_keep_tokens=22, **EXACT)
+    llm = LLM(
+        num_blocks=128, block_size=16, max_num_seqs=4, swa_replay="bounded", swa_keep_tokens=22, **EXACT
+    )
     got = _waves(llm, prompts, params)
     assert all(g.ok for g in got)
     hit = [g for g in got if g.cached_tokens]
@@ -167,7 +207,9 @@ def test_speculative_and_structured_requests_with_prefix_caching() -> None:
     spec = {"speculative": True, "num_speculative_tokens": 3}
     ref = LLM(num_blocks=256, block_size=16, max_num_seqs=4, prefix_caching=False, **spec, **EXACT)
     llm = LLM(num_blocks=256, block_size=16, max_num_seqs=4, swa_replay="exact", **spec, **EXACT)
-    assert [g.token_ids for g in _waves(llm, prompts, params)] == [w.token_ids for w in _waves(ref, prompts, params)]
+    assert [g.token_ids for g in _waves(llm, prompts, params)] == [
+        w.token_ids for w in _waves(ref, prompts, params)
+    ]
     assert llm.engine.prefix.stats.hits >= 1
     _check_free(llm)
     so = SamplingParams(temperature=0.0, max_tokens=12, so_args={"regex": "[ab]{3,8}"})

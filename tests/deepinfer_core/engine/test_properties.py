@@ -36,26 +36,48 @@ request = st.tuples(
 
 
 @settings(max_examples=6, deadline=None)
-@given(reqs=st.lists(request, min_size=1, max_size=5), block_size=st.sampled_from([4, 8, 16]),
-       max_num_seqs=st.integers(1, 4), token_cap=st.integers(8, 64), async_mode=st.booleans(),
-       spare_blocks=st.integers(0, 6))
-def test_random_workloads_match_unconstrained_run(reqs: list, block_size: int, max_num_seqs: int, token_cap: int,
-                                                  async_mode: bool, spare_blocks: int) -> None:
+@given(
+    reqs=st.lists(request, min_size=1, max_size=5),
+    block_size=st.sampled_from([4, 8, 16]),
+    max_num_seqs=st.integers(1, 4),
+    token_cap=st.integers(8, 64),
+    async_mode=st.booleans(),
+    spare_blocks=st.integers(0, 6),
+)
+def test_random_workloads_match_unconstrained_run(
+    reqs: list, block_size: int, max_num_seqs: int, token_cap: int, async_mode: bool, spare_blocks: int
+) -> None:
     prompts = [p for p, _, _, _ in reqs]
-    params = [SamplingParams(temperature=0.0 if s is None else 1.0, seed=s, max_tokens=n, stop_token_ids=tuple(stop),
-                             ignore_eos=True) for _, n, s, stop in reqs]
+    params = [
+        SamplingParams(
+            temperature=0.0 if s is None else 1.0,
+            seed=s,
+            max_tokens=n,
+            stop_token_ids=tuple(stop),
+            ignore_eos=True,
+        )
+        for _, n, s, stop in reqs
+    ]
     want = reference_engine().generate(prompts, params, use_tqdm=False)
     # the largest request must fit alone (else the scheduler rightly refuses it); the rest contend
     need = max(-(-(len(p) + n - 1) // block_size) for p, n, _, _ in reqs)
-    llm = LLM(num_blocks=need + 1 + spare_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=token_cap, async_scheduling=async_mode, **EXACT)
+    llm = LLM(
+        num_blocks=need + 1 + spare_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=token_cap,
+        async_scheduling=async_mode,
+        **EXACT,
+    )
     got = llm.generate(prompts, params, use_tqdm=False)
     for g, w, sp in zip(got, want, params):
         assert g.ok and w.ok, (g.error, w.error)
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
         # (forward_full cannot take a 1-token sequence: its ratio-2 compressor has no whole group)
         if sp.greedy and len(g.prompt_token_ids) >= 2:
-            assert teacher_forced_argmax(llm.engine.model, g.prompt_token_ids, g.token_ids) == list(g.token_ids)
+            assert teacher_forced_argmax(llm.engine.model, g.prompt_token_ids, g.token_ids) == list(
+                g.token_ids
+            )
     eng = llm.engine
     assert not eng.has_unfinished()
     assert eng.kv_pool.num_free_blocks == eng.config.num_blocks - 1

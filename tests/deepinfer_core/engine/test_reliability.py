@@ -13,8 +13,11 @@ from deepinfer_core.engine import LLM, LLMEngine
 from deepinfer_core.sampling_params import SamplingParams
 from tests.deepinfer_core.engine.helpers import drain
 
-MODES = {"sync": dict(async_scheduling=False), "async": dict(async_scheduling=True),
-         "spec": dict(speculative=True, num_speculative_tokens=2)}
+MODES = {
+    "sync": dict(async_scheduling=False),
+    "async": dict(async_scheduling=True),
+    "spec": dict(speculative=True, num_speculative_tokens=2),
+}
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 
 
@@ -31,15 +34,18 @@ def test_abort_at_full_occupancy_admits_waiting(mode: str) -> None:
     eng = LLM(model="tiny-random", seed=1, num_blocks=64, block_size=8, max_num_seqs=2, **MODES[mode]).engine
     rng = random.Random(5)
     for i in range(8):
-        eng.add_request(f"r{i}", [rng.randrange(3, 259) for _ in range(rng.randint(2, 12))],
-                        {**GREEDY, "max_tokens": 12})
+        eng.add_request(
+            f"r{i}", [rng.randrange(3, 259) for _ in range(rng.randint(2, 12))], {**GREEDY, "max_tokens": 12}
+        )
     done: dict = {}
     for i in range(0, 8, 2):
         done.update({o.request_id: o for o in eng.step() if o.finished})
         done.update({o.request_id: o for o in eng.step() if o.finished})  # both seats are taken now
         assert eng.scheduler.num_running == 2 or i >= 6
         eng.abort(f"r{i}")
-        done.update({o.request_id: o for o in eng.step() if o.finished})  # admits a waiting one into r{i}'s seat
+        done.update(
+            {o.request_id: o for o in eng.step() if o.finished}
+        )  # admits a waiting one into r{i}'s seat
     done.update(drain(eng, 500))
     assert len(done) == 8 and all(o.ok for o in done.values()), [o.error for o in done.values()]
     assert {r for r, o in done.items() if o.finish_reason == "abort"} >= {"r0", "r2", "r4"}
@@ -51,8 +57,11 @@ def test_grammar_end_under_ignore_eos_at_full_occupancy(mode: str) -> None:
     pytest.importorskip("xgrammar")
     eng = LLM(model="tiny-random", seed=2, num_blocks=64, block_size=8, max_num_seqs=2, **MODES[mode]).engine
     for i in range(6):  # each ends itself (the grammar accepts "ab") while others wait for its seat
-        eng.add_request(f"g{i}", [5, 6, 7 + i], {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
-                                                 "so_args": {"choice": ["ab"]}})
+        eng.add_request(
+            f"g{i}",
+            [5, 6, 7 + i],
+            {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, "so_args": {"choice": ["ab"]}},
+        )
         eng.add_request(f"p{i}", [9, 10 + i], GREEDY)
     done = drain(eng, 500)
     assert len(done) == 12
@@ -67,7 +76,15 @@ def test_grammar_end_under_ignore_eos_at_full_occupancy(mode: str) -> None:
 def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unexpected error inside a step fails that step's requests (with the error), the engine keeps
     serving later requests, and their tokens equal a clean engine's."""
-    llm = LLM(model="tiny-random", seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True, **MODES[mode])
+    llm = LLM(
+        model="tiny-random",
+        seed=3,
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=4,
+        batch_invariant=True,
+        **MODES[mode],
+    )
     eng = llm.engine
     real = eng.executor.execute
     calls = {"n": 0}
@@ -87,8 +104,15 @@ def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyP
     _all_free(eng)
     eng.add_request("c", [5, 6, 7], GREEDY)
     (c,) = drain(eng, 500).values()
-    (want,) = LLM(model="tiny-random", seed=3, num_blocks=64, block_size=8, max_num_seqs=4, batch_invariant=True,
-                  **MODES[mode]).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    (want,) = LLM(
+        model="tiny-random",
+        seed=3,
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=4,
+        batch_invariant=True,
+        **MODES[mode],
+    ).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert c.ok and c.token_ids == want.token_ids
     _all_free(eng)
 
@@ -96,7 +120,9 @@ def test_failed_step_fails_its_batch_only(mode: str, monkeypatch: pytest.MonkeyP
 def test_failing_update_resets_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure the step cannot repair (the scheduler's update itself) resets the engine: every live
     request fails with the reason, every block and slot is free, and the engine serves again."""
-    eng = LLM(model="tiny-random", seed=4, num_blocks=32, block_size=8, max_num_seqs=2, async_scheduling=False).engine
+    eng = LLM(
+        model="tiny-random", seed=4, num_blocks=32, block_size=8, max_num_seqs=2, async_scheduling=False
+    ).engine
     for i in range(4):
         eng.add_request(f"r{i}", [5, 6, 7 + i], GREEDY)
     eng.step()
@@ -123,7 +149,9 @@ def test_abort_all_and_reset_return_everything() -> None:
         eng.add_request(f"s{i}", [5, 6], GREEDY)
     eng.step()
     outs = eng.reset("maintenance")
-    assert sorted(o.request_id for o in outs) == ["s0", "s1", "s2"] and all(o.error == "maintenance" for o in outs)
+    assert sorted(o.request_id for o in outs) == ["s0", "s1", "s2"] and all(
+        o.error == "maintenance" for o in outs
+    )
     _all_free(eng)
     assert not eng.has_unfinished()
 
@@ -165,8 +193,11 @@ def test_front_end_thread_adds_and_aborts_while_loop_steps() -> None:
     t.start()
     rng = random.Random(0)
     for i in range(n):
-        eng.add_request(f"f{i}", [rng.randrange(3, 259) for _ in range(rng.randint(2, 10))],
-                        {**GREEDY, "max_tokens": rng.randint(1, 8)})
+        eng.add_request(
+            f"f{i}",
+            [rng.randrange(3, 259) for _ in range(rng.randint(2, 10))],
+            {**GREEDY, "max_tokens": rng.randint(1, 8)},
+        )
         if i % 3 == 2:
             eng.abort(f"f{rng.randrange(i)}")
     stop.set()
@@ -200,13 +231,26 @@ def test_prompt_shapes() -> None:
 
 
 def test_validation_rules() -> None:
-    assert SamplingParams(max_tokens=2.0).max_tokens == 2 and type(SamplingParams(max_tokens=2.0).max_tokens) is int
+    assert (
+        SamplingParams(max_tokens=2.0).max_tokens == 2
+        and type(SamplingParams(max_tokens=2.0).max_tokens) is int
+    )
     assert SamplingParams(top_k=0).top_k == -1  # vLLM: 0 or -1 is off
     assert SamplingParams(temperature=1e-38).temperature == 0.01  # vLLM's floor, logged
     assert SamplingParams(temperature=np.float32(0.5)).temperature == 0.5
-    for kw in ({"seed": 1.5}, {"top_k": 5.5}, {"stop_token_ids": [True]}, {"max_tokens": True},
-               {"temperature": float("inf")}, {"ignore_eos": "no"}, {"ignore_eos": None}, {"ignore_eos": 2},
-               {"top_k": 2**64}, {"max_tokens": 2**31}, {"stop_token_ids": 5}):
+    for kw in (
+        {"seed": 1.5},
+        {"top_k": 5.5},
+        {"stop_token_ids": [True]},
+        {"max_tokens": True},
+        {"temperature": float("inf")},
+        {"ignore_eos": "no"},
+        {"ignore_eos": None},
+        {"ignore_eos": 2},
+        {"top_k": 2**64},
+        {"max_tokens": 2**31},
+        {"stop_token_ids": 5},
+    ):
         field = next(iter(kw))
         with pytest.raises(ValueError, match=rf"SamplingParams\.{field}"):
             SamplingParams(**kw)
@@ -214,17 +258,24 @@ def test_validation_rules() -> None:
 
 def test_max_tokens_none_fills_the_context() -> None:
     llm = LLM(model="tiny-random", seed=9, num_blocks=32, block_size=8, max_num_seqs=2, max_model_len=24)
-    (o,) = llm.generate([[5, 6, 7, 8]], {"temperature": 0.0, "ignore_eos": True, "max_tokens": None}, use_tqdm=False)
+    (o,) = llm.generate(
+        [[5, 6, 7, 8]], {"temperature": 0.0, "ignore_eos": True, "max_tokens": None}, use_tqdm=False
+    )
     assert o.ok and o.finish_reason == "length" and len(o.token_ids) == 20
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_grammar_library_limit_is_the_requests_error(backend: str) -> None:
     pytest.importorskip(backend)
-    llm = LLM(model="tiny-random", seed=10, num_blocks=64, block_size=8, max_num_seqs=2, structured_backend=backend)
+    llm = LLM(
+        model="tiny-random", seed=10, num_blocks=64, block_size=8, max_num_seqs=2, structured_backend=backend
+    )
     options = [f"opt{i}" for i in range(2500)]  # past llguidance's 2,000 items per parser row
-    big, plain = llm.generate(["pick: ", "x"], [{"temperature": 0.0, "max_tokens": 8, "so_args": {"choice": options}},
-                                                GREEDY], use_tqdm=False)
+    big, plain = llm.generate(
+        ["pick: ", "x"],
+        [{"temperature": 0.0, "max_tokens": 8, "so_args": {"choice": options}}, GREEDY],
+        use_tqdm=False,
+    )
     assert plain.ok
     if backend == "llguidance":
         assert not big.ok and big.token_ids == () and "max is 2000" in big.error and "so_args" in big.error

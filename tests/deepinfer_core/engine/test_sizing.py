@@ -37,11 +37,26 @@ def _cfg(**kw: object) -> EngineConfig:
 
 
 @settings(max_examples=60, deadline=None)
-@given(per_block=st.integers(1, 1 << 20), per_slot=st.integers(1, 1 << 24), total=st.integers(1 << 30, 1 << 38),
-       used_share=st.floats(0.0, 0.5), util=st.floats(0.3, 1.0), seqs=st.one_of(st.none(), st.integers(1, 512)),
-       mml=st.integers(16, 8192), reserve=st.integers(0, 1 << 31))
-def test_size_pool_is_the_largest_pool_that_fits(per_block: int, per_slot: int, total: int, used_share: float,
-                                                 util: float, seqs: int | None, mml: int, reserve: int) -> None:
+@given(
+    per_block=st.integers(1, 1 << 20),
+    per_slot=st.integers(1, 1 << 24),
+    total=st.integers(1 << 30, 1 << 38),
+    used_share=st.floats(0.0, 0.5),
+    util=st.floats(0.3, 1.0),
+    seqs=st.one_of(st.none(), st.integers(1, 512)),
+    mml=st.integers(16, 8192),
+    reserve=st.integers(0, 1 << 31),
+)
+def test_size_pool_is_the_largest_pool_that_fits(
+    per_block: int,
+    per_slot: int,
+    total: int,
+    used_share: float,
+    util: float,
+    seqs: int | None,
+    mml: int,
+    reserve: int,
+) -> None:
     """Brute-force oracle: the chosen pool fits the budget, one more block would not (or the cap binds),
     and a budget below one full-length sequence is refused naming the field."""
     cfg = _cfg(max_num_seqs=seqs, max_model_len=mml, gpu_memory_utilization=util)
@@ -73,11 +88,23 @@ def test_size_pool_is_the_largest_pool_that_fits(per_block: int, per_slot: int, 
 
 
 def test_reference_backend_keeps_the_fixed_defaults(engine: LLMEngine) -> None:
-    cfg, size = sizing.resolve(_cfg(), on_gpu=False, cost=lambda: pytest.fail("no probe off the GPU"),
-                               memory=lambda: pytest.fail("no memory query off the GPU"), hidden_size=8, dtype_bytes=4)
+    cfg, size = sizing.resolve(
+        _cfg(),
+        on_gpu=False,
+        cost=lambda: pytest.fail("no probe off the GPU"),
+        memory=lambda: pytest.fail("no memory query off the GPU"),
+        hidden_size=8,
+        dtype_bytes=4,
+    )
     assert (cfg.num_blocks, cfg.max_num_seqs, size.source) == (1024, 32, "default")
-    cfg, size = sizing.resolve(_cfg(num_blocks=40, max_num_seqs=3), on_gpu=True, cost=lambda: pytest.fail("probe"),
-                               memory=lambda: pytest.fail("memory"), hidden_size=8, dtype_bytes=4)
+    cfg, size = sizing.resolve(
+        _cfg(num_blocks=40, max_num_seqs=3),
+        on_gpu=True,
+        cost=lambda: pytest.fail("probe"),
+        memory=lambda: pytest.fail("memory"),
+        hidden_size=8,
+        dtype_bytes=4,
+    )
     assert (cfg.num_blocks, cfg.max_num_seqs, size.source) == (40, 3, "config")
     eng = LLMEngine(EngineConfig(model="tiny-random", max_model_len=64))
     assert (eng.config.num_blocks, eng.config.max_num_seqs) == (1024, 32)
@@ -88,13 +115,25 @@ def test_gpu_path_sizes_from_memory_with_fake_numbers() -> None:
     """resolve() on the GPU path with a fake card: the config carries the chosen sizes."""
     cost = sizing.CacheBytes(per_block=4096, per_slot=1 << 20)
     gib = 1 << 30
-    cfg, size = sizing.resolve(_cfg(max_model_len=1024), on_gpu=True, cost=lambda: cost,
-                               memory=lambda: (70 * gib, 80 * gib), hidden_size=256, dtype_bytes=2)
+    cfg, size = sizing.resolve(
+        _cfg(max_model_len=1024),
+        on_gpu=True,
+        cost=lambda: cost,
+        memory=lambda: (70 * gib, 80 * gib),
+        hidden_size=256,
+        dtype_bytes=2,
+    )
     assert size.source == "memory" and cfg.max_num_seqs == sizing.GPU_MAX_NUM_SEQS
     assert cfg.num_blocks == sizing.FULL_FILLS_CAP * 256 * 64 + 1  # plenty of memory: the cap binds
     with pytest.raises(ValueError, match=r"EngineConfig\.gpu_memory_utilization"):
-        sizing.resolve(_cfg(max_model_len=1024, gpu_memory_utilization=0.1), on_gpu=True, cost=lambda: cost,
-                       memory=lambda: (70 * gib, 80 * gib), hidden_size=256, dtype_bytes=2)
+        sizing.resolve(
+            _cfg(max_model_len=1024, gpu_memory_utilization=0.1),
+            on_gpu=True,
+            cost=lambda: cost,
+            memory=lambda: (70 * gib, 80 * gib),
+            hidden_size=256,
+            dtype_bytes=2,
+        )
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, True, "0.9", None])
@@ -117,6 +156,9 @@ def test_cuda_engine_fills_the_budget_it_chose() -> None:
     eng = LLMEngine(EngineConfig(model="tiny", backend="cuda", max_model_len=512, gpu_memory_utilization=0.3))
     free, total = torch.cuda.mem_get_info()
     held = sum(eng.executor.cache_bytes().values())
-    assert eng.config.num_blocks > 1024 or eng.config.num_blocks == sizing.FULL_FILLS_CAP * eng.config.max_num_seqs * 32 + 1
+    assert (
+        eng.config.num_blocks > 1024
+        or eng.config.num_blocks == sizing.FULL_FILLS_CAP * eng.config.max_num_seqs * 32 + 1
+    )
     assert total - free <= 0.3 * total + (1 << 30)
     assert held > 0

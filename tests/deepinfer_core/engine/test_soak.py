@@ -26,9 +26,14 @@ def rss_mib() -> float:
 
 
 def table_sizes(eng: LLMEngine) -> dict[str, int]:
-    s = {"reqs": len(eng.requests.reqs), "by_seq": len(eng.requests.by_seq), "seq_rows": eng.requests.seqs.capacity,
-         "sched_ids": len(eng.scheduler._seq_of) + len(eng.scheduler._id_of), "failed": len(eng.outputs.ready),
-         "compiling": len(eng.requests.compiling)}
+    s = {
+        "reqs": len(eng.requests.reqs),
+        "by_seq": len(eng.requests.by_seq),
+        "seq_rows": eng.requests.seqs.capacity,
+        "sched_ids": len(eng.scheduler._seq_of) + len(eng.scheduler._id_of),
+        "failed": len(eng.outputs.ready),
+        "compiling": len(eng.requests.compiling),
+    }
     if eng.drafts is not None:
         s["drafts"] = len(eng.drafts._tokens) + len(eng.drafts._conf)
     return s
@@ -37,7 +42,14 @@ def table_sizes(eng: LLMEngine) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS from /proc (Linux)")
 def test_soak_memory_flat() -> None:
-    eng = LLM(model="tiny-random", seed=0, num_blocks=256, block_size=16, max_num_seqs=64, max_num_batched_tokens=512).engine
+    eng = LLM(
+        model="tiny-random",
+        seed=0,
+        num_blocks=256,
+        block_size=16,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+    ).engine
     rng = random.Random(1234)
     live: list[str] = []
     done = 0
@@ -47,9 +59,16 @@ def test_soak_memory_flat() -> None:
     while done < N:
         while submitted < N and len(live) < 96:  # keep the engine full, a queue waiting
             rid = f"s{submitted}"
-            eng.add_request(rid, [rng.randrange(3, 259) for _ in range(rng.randint(1, 6))],
-                            {"temperature": 0.0 if rng.random() < 0.5 else 1.0, "seed": rng.randrange(2**32),
-                             "max_tokens": rng.randint(1, 3), "ignore_eos": True})
+            eng.add_request(
+                rid,
+                [rng.randrange(3, 259) for _ in range(rng.randint(1, 6))],
+                {
+                    "temperature": 0.0 if rng.random() < 0.5 else 1.0,
+                    "seed": rng.randrange(2**32),
+                    "max_tokens": rng.randint(1, 3),
+                    "ignore_eos": True,
+                },
+            )
             live.append(rid)
             submitted += 1
         if live and rng.random() < 0.3:

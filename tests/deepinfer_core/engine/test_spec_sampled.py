@@ -20,8 +20,12 @@ def test_seeded_sampled_requests_draft_and_stay_batch_invariant() -> None:
     seed = random.randrange(2**31)
     prompts = random_prompts(seed, 4, 10, 40)
     # top_p = 1 and no top_k: the full distribution, which the executor's verification samples from
-    sampled = [SamplingParams(temperature=0.8, seed=seed + i, max_tokens=12, ignore_eos=True) for i in range(3)]
-    kw = dict(seed=seed % 1000, num_blocks=128, max_num_seqs=8, speculative=True, envs=Envs(batch_invariant=True))
+    sampled = [
+        SamplingParams(temperature=0.8, seed=seed + i, max_tokens=12, ignore_eos=True) for i in range(3)
+    ]
+    kw = dict(
+        seed=seed % 1000, num_blocks=128, max_num_seqs=8, speculative=True, envs=Envs(batch_invariant=True)
+    )
     alone = []
     for p, s in zip(prompts[:3], sampled):
         llm = LLM(**kw)
@@ -30,6 +34,9 @@ def test_seeded_sampled_requests_draft_and_stay_batch_invariant() -> None:
         assert book is not None and book.verified > 0, "sampled requests must verify drafts"
     mixed_llm = LLM(**kw)
     greedy = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
-    outs = mixed_llm.generate([prompts[3], prompts[1], prompts[0], prompts[2]],
-                              [greedy, sampled[1], sampled[0], sampled[2]], use_tqdm=False)
+    outs = mixed_llm.generate(
+        [prompts[3], prompts[1], prompts[0], prompts[2]],
+        [greedy, sampled[1], sampled[0], sampled[2]],
+        use_tqdm=False,
+    )
     assert [outs[2].token_ids, outs[1].token_ids, outs[3].token_ids] == alone, f"seed {seed}"

@@ -42,8 +42,16 @@ def _speculative_equals_plain(seed: int, varlen: bool) -> bool:
     # a stop token and min_tokens on one request: stops inside accepted runs, and the EOS ban before
     sp[1] = SamplingParams(temperature=0.0, max_tokens=14, min_tokens=3)
     # the seed's victim rule preempts readily under this pool (the default guarded policy mostly avoids it)
-    kw = dict(model="tiny-random", seed=seed % 1000, dtype="float64", quantize=False, block_size=4, num_blocks=24, max_num_seqs=4,
-              preemption_policy="deepinfer")
+    kw = dict(
+        model="tiny-random",
+        seed=seed % 1000,
+        dtype="float64",
+        quantize=False,
+        block_size=4,
+        num_blocks=24,
+        max_num_seqs=4,
+        preemption_policy="deepinfer",
+    )
     envs = Envs(enable_mtp_varlen=varlen)
     plain = LLM(**kw, envs=envs)
     spec = LLM(**kw, speculative=True, envs=envs)
@@ -93,8 +101,10 @@ def test_copying_drafter_same_text_fewer_steps() -> None:
 def test_seeded_sampling_is_batch_invariant_with_speculation() -> None:
     seed = random.randrange(2**31)
     prompts = random_prompts(seed, 4, 10, 40)
-    sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=seed + i, max_tokens=8, ignore_eos=True)
-               for i in range(2)]
+    sampled = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=seed + i, max_tokens=8, ignore_eos=True)
+        for i in range(2)
+    ]
     greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for _ in range(2)]
     # batch-invariant mode (each request its own executor call): the engine's exact guarantee. The default
     # float32 mode can differ in a last-place bit between batch shapes, with or without speculation
@@ -102,7 +112,9 @@ def test_seeded_sampling_is_batch_invariant_with_speculation() -> None:
     kw = dict(model="tiny-random", seed=5, num_blocks=128, max_num_seqs=8, envs=Envs(batch_invariant=True))
     alone = [_run(LLM(**kw), [p], s)[0] for p, s in zip(prompts[:2], sampled)]
     spec = LLM(**kw, speculative=True)
-    mixed = _run(spec, [prompts[2], prompts[0], prompts[3], prompts[1]], [greedy[0], sampled[0], greedy[1], sampled[1]])
+    mixed = _run(
+        spec, [prompts[2], prompts[0], prompts[3], prompts[1]], [greedy[0], sampled[0], greedy[1], sampled[1]]
+    )
     assert [mixed[1], mixed[3]] == alone, f"seed {seed}"
     assert spec.engine.stats.verify_rows > 0  # the greedy neighbours did verify drafts
     # and speculation changes nothing for the greedy ones either (same batch-invariant engine setup)
@@ -114,8 +126,10 @@ def test_structured_requests_do_not_draft() -> None:
     import re
 
     llm = LLM(model="tiny-random", seed=2, num_blocks=128, max_num_seqs=4, speculative=True)
-    sp = [SamplingParams(temperature=0.0, max_tokens=16, so_args={"regex": r"[0-9]{3}-[a-z]{2,4}"}),
-          SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
+    sp = [
+        SamplingParams(temperature=0.0, max_tokens=16, so_args={"regex": r"[0-9]{3}-[a-z]{2,4}"}),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    ]
     plain = LLM(model="tiny-random", seed=2, num_blocks=128, max_num_seqs=4)
     got = llm.generate(["code:", "hello"], sp, use_tqdm=False)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", got[0].text), got[0].text

@@ -15,7 +15,9 @@ TOK = ByteTokenizer()
 TB = TOK.token_bytes()
 
 
-def oracle(tokens: list[int], stops: list[str], include: bool, min_tokens: int) -> tuple[str, int, int] | None:
+def oracle(
+    tokens: list[int], stops: list[str], include: bool, min_tokens: int
+) -> tuple[str, int, int] | None:
     """The first token count n >= min_tokens at which some stop string occurs in the text ending inside
     token n's bytes; the earliest such occurrence. (stop, cut, n)."""
     text = b""
@@ -42,8 +44,12 @@ def oracle(tokens: list[int], stops: list[str], include: bool, min_tokens: int) 
 ALPHA = "ab\u00e9\u4e2d\n"  # ASCII, 2- and 3-byte characters
 
 
-@given(text=st.text(alphabet=ALPHA, max_size=40), stops=st.lists(st.text(alphabet=ALPHA, min_size=1, max_size=4),
-       min_size=1, max_size=3), include=st.booleans(), min_tokens=st.integers(0, 12))
+@given(
+    text=st.text(alphabet=ALPHA, max_size=40),
+    stops=st.lists(st.text(alphabet=ALPHA, min_size=1, max_size=4), min_size=1, max_size=3),
+    include=st.booleans(),
+    min_tokens=st.integers(0, 12),
+)
 def test_matches_the_oracle(text: str, stops: list[str], include: bool, min_tokens: int) -> None:
     toks = TOK.encode(text)
     want = oracle(toks, stops, include, min_tokens)
@@ -52,7 +58,7 @@ def test_matches_the_oracle(text: str, stops: list[str], include: bool, min_toke
     rng, i, hit = random.Random(len(toks)), 0, None
     while i < len(toks) and hit is None:
         k = rng.randint(1, 4)
-        hit = s.feed(toks[i:i + k])
+        hit = s.feed(toks[i : i + k])
         i += k
     if want is None:
         assert hit is None and s.text() == text

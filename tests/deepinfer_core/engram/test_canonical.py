@@ -81,7 +81,17 @@ def test_from_hf_byte_level_vocabulary() -> None:
     tokenizers = pytest.importorskip("tokenizers")
     from deepinfer_core.tokenizer import HFTokenizer
 
-    vocab = {"hello": 0, "Hello": 1, "Ġhello": 2, "ĠHELLO": 3, "world": 4, "Ċ": 5, "Ġ": 6, "ĠĠ": 7, "[UNK]": 8}
+    vocab = {
+        "hello": 0,
+        "Hello": 1,
+        "Ġhello": 2,
+        "ĠHELLO": 3,
+        "world": 4,
+        "Ċ": 5,
+        "Ġ": 6,
+        "ĠĠ": 7,
+        "[UNK]": 8,
+    }
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.add_special_tokens(["<eos>"])
     hf = HFTokenizer(tok, eos_token="<eos>")

@@ -15,7 +15,9 @@ from ._oracle import oracle_hash
 
 
 def _cfg(**kw) -> EngramConfig:
-    base = dict(layer_ids=(1, 5, 9), max_ngram=4, heads_per_order=3, table_sizes=(101, 211, 307), vocab_size=1000)
+    base = dict(
+        layer_ids=(1, 5, 9), max_ngram=4, heads_per_order=3, table_sizes=(101, 211, 307), vocab_size=1000
+    )
     base.update(kw)
     return EngramConfig(**base)
 
@@ -23,7 +25,14 @@ def _cfg(**kw) -> EngramConfig:
 def _oracle_for(h: EngramHasher, tokens, seqs, context=None):
     tm = None if h.token_map.is_identity() else h.token_map.lookup
     return oracle_hash(
-        tokens, seqs, h.multipliers.tolist(), h.primes.tolist(), h.offsets.tolist(), h.pad_canonical, tm, context
+        tokens,
+        seqs,
+        h.multipliers.tolist(),
+        h.primes.tolist(),
+        h.offsets.tolist(),
+        h.pad_canonical,
+        tm,
+        context,
     )
 
 
@@ -31,7 +40,9 @@ def _seqs(cu):
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 
-@pytest.mark.parametrize("cfg", [_cfg(), EngramConfig.tiny(), _cfg(max_ngram=2, heads_per_order=1, table_sizes=7)])
+@pytest.mark.parametrize(
+    "cfg", [_cfg(), EngramConfig.tiny(), _cfg(max_ngram=2, heads_per_order=1, table_sizes=7)]
+)
 def test_packed_batch_matches_oracle(cfg: EngramConfig) -> None:
     g = torch.Generator().manual_seed(0)
     h = EngramHasher(cfg)
@@ -106,8 +117,12 @@ def test_host_hash_equals_the_oracle_and_the_torch_path(lens: list[int], seed: i
     toks = rng.integers(0, cfg.vocab_size, int(cu[-1]))
     ctx = rng.integers(-1, cfg.vocab_size, (len(lens), cfg.max_ngram - 1))
     got = h.hash_host(toks, cu, ctx)
-    assert got.dtype == np.int32 and got.tolist() == _oracle_for(h, toks.tolist(), _seqs(cu.tolist()), ctx.tolist())
-    assert np.array_equal(got, h.hash(torch.from_numpy(toks), torch.from_numpy(cu), torch.from_numpy(ctx)).numpy())
+    assert got.dtype == np.int32 and got.tolist() == _oracle_for(
+        h, toks.tolist(), _seqs(cu.tolist()), ctx.tolist()
+    )
+    assert np.array_equal(
+        got, h.hash(torch.from_numpy(toks), torch.from_numpy(cu), torch.from_numpy(ctx)).numpy()
+    )
 
 
 def test_full_range_multipliers_wrap_like_int64() -> None:
@@ -118,7 +133,9 @@ def test_full_range_multipliers_wrap_like_int64() -> None:
     primes = np.array([[[1_000_003, 999_983, 65_537]] * (n - 1)] * layers, dtype=np.int64)
     offsets = rng.integers(0, 1000, (layers, (n - 1) * heads))
     ids = rng.integers(0, 2**31 - 1, (50, n))
-    got = get_op("engram_hash")(torch.from_numpy(ids), torch.from_numpy(mult), torch.from_numpy(primes), torch.from_numpy(offsets))
+    got = get_op("engram_hash")(
+        torch.from_numpy(ids), torch.from_numpy(mult), torch.from_numpy(primes), torch.from_numpy(offsets)
+    )
     for t in range(50):
         for li in range(layers):
             h, row = 0, []
@@ -126,7 +143,10 @@ def test_full_range_multipliers_wrap_like_int64() -> None:
                 h ^= (int(ids[t, k]) * int(mult[li, k])) & ((1 << 64) - 1)
                 if k:
                     s = h - (1 << 64) if h >= (1 << 63) else h
-                    row += [s % int(p) + int(o) for p, o in zip(primes[li, k - 1], offsets[li, (k - 1) * heads : k * heads])]
+                    row += [
+                        s % int(p) + int(o)
+                        for p, o in zip(primes[li, k - 1], offsets[li, (k - 1) * heads : k * heads])
+                    ]
             assert got[li, t].tolist() == row
 
 
@@ -227,9 +247,19 @@ def test_op_bad_shapes() -> None:
     op = get_op("engram_hash")
     ids = torch.zeros(4, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="multipliers"):
-        op(ids, torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2, 1, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32))
+        op(
+            ids,
+            torch.ones(2, 2, dtype=torch.int64),
+            torch.ones(2, 2, 1, dtype=torch.int32),
+            torch.zeros(2, 2, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="vocab_sizes"):
-        op(ids, torch.ones(2, 3, dtype=torch.int64), torch.zeros(2, 2, 1, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32))
+        op(
+            ids,
+            torch.ones(2, 3, dtype=torch.int64),
+            torch.zeros(2, 2, 1, dtype=torch.int32),
+            torch.zeros(2, 2, dtype=torch.int32),
+        )
 
 
 def test_cuda_backend_on_cpu_tensors_is_the_reference() -> None:

@@ -20,7 +20,9 @@ from deepinfer_kernels import get_op
 def _values(rows: int, dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # rows of very different magnitudes so the per-block scales matter
-    return torch.randn(rows, dim, generator=g) * torch.exp2(torch.randint(-12, 8, (rows, 1), generator=g).float())
+    return torch.randn(rows, dim, generator=g) * torch.exp2(
+        torch.randint(-12, 8, (rows, 1), generator=g).float()
+    )
 
 
 def test_quantize_fp8_scales_and_error() -> None:
@@ -58,7 +60,9 @@ def test_fetch_equals_brute_force(cls, fmt: str) -> None:
     else:
         data, codes = quantize_fp8(x)
         for i, r in zip(ids.reshape(-1).tolist(), got.reshape(-1, 64)):
-            row = torch.cat([data[i, b * 32 : (b + 1) * 32].float() * 2.0 ** (int(codes[i, b]) - 127) for b in range(2)])
+            row = torch.cat(
+                [data[i, b * 32 : (b + 1) * 32].float() * 2.0 ** (int(codes[i, b]) - 127) for b in range(2)]
+            )
             assert torch.equal(r, row.to(torch.bfloat16))
     assert table.fetch(torch.empty(0, dtype=torch.int64)).shape == (0, 64)
 

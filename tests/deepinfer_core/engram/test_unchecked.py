@@ -27,7 +27,9 @@ from ._oracle import oracle_hash
 def _table_values(rows: int, dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # magnitudes 2**-8 .. 2**6 per row: the fp8 block scales differ and no product is subnormal
-    return torch.randn(rows, dim, generator=g) * torch.exp2(torch.randint(-8, 6, (rows, 1), generator=g).float())
+    return torch.randn(rows, dim, generator=g) * torch.exp2(
+        torch.randint(-8, 6, (rows, 1), generator=g).float()
+    )
 
 
 def _brute_rows(values: torch.Tensor, fmt: str, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -38,8 +40,15 @@ def _brute_rows(values: torch.Tensor, fmt: str, ids: torch.Tensor, out_dtype: to
         rows = [stored[i].to(torch.float64) for i in ids.reshape(-1).tolist()]
     else:
         data, codes = quantize_fp8(values)
-        rows = [torch.cat([data[i, b * 32:(b + 1) * 32].to(torch.float64) * 2.0 ** (int(codes[i, b]) - 127)
-                           for b in range(dim // 32)]) for i in ids.reshape(-1).tolist()]
+        rows = [
+            torch.cat(
+                [
+                    data[i, b * 32 : (b + 1) * 32].to(torch.float64) * 2.0 ** (int(codes[i, b]) - 127)
+                    for b in range(dim // 32)
+                ]
+            )
+            for i in ids.reshape(-1).tolist()
+        ]
     flat = torch.stack(rows) if rows else torch.empty(0, dim, dtype=torch.float64)
     return flat.to(out_dtype).reshape(*ids.shape, dim)
 
@@ -53,11 +62,24 @@ def _table(values: torch.Tensor, fmt: str, out_dtype: torch.dtype = torch.bfloat
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 200), blocks=st.integers(1, 3), fmt=st.sampled_from(["bf16", "fp8"]),
-       shape=st.lists(st.integers(0, 5), max_size=3), id_dtype=st.sampled_from([torch.int16, torch.int32, torch.int64]),
-       out_dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**31 - 1))
-def test_unchecked_fetch_equals_checked_and_brute_force(rows: int, blocks: int, fmt: str, shape: list[int],
-                                                        id_dtype: torch.dtype, out_dtype: torch.dtype, seed: int) -> None:
+@given(
+    rows=st.integers(1, 200),
+    blocks=st.integers(1, 3),
+    fmt=st.sampled_from(["bf16", "fp8"]),
+    shape=st.lists(st.integers(0, 5), max_size=3),
+    id_dtype=st.sampled_from([torch.int16, torch.int32, torch.int64]),
+    out_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_unchecked_fetch_equals_checked_and_brute_force(
+    rows: int,
+    blocks: int,
+    fmt: str,
+    shape: list[int],
+    id_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    seed: int,
+) -> None:
     values = _table_values(rows, 32 * blocks, seed)
     t = _table(values, fmt, out_dtype)
     g = torch.Generator().manual_seed(seed)
@@ -75,7 +97,12 @@ def test_unchecked_fetch_equals_checked_and_brute_force(rows: int, blocks: int, 
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 100), past=st.integers(0, 50), negative=st.booleans(), fmt=st.sampled_from(["bf16", "fp8"]))
+@given(
+    rows=st.integers(1, 100),
+    past=st.integers(0, 50),
+    negative=st.booleans(),
+    fmt=st.sampled_from(["bf16", "fp8"]),
+)
 def test_checked_fetch_still_raises_naming_the_ids(rows: int, past: int, negative: bool, fmt: str) -> None:
     t = _table(_table_values(rows, 32, rows), fmt)
     bad = -1 - past if negative else rows + past
@@ -97,23 +124,46 @@ _HASHERS: dict[tuple, EngramHasher] = {}
 def _hasher(layers: int, max_ngram: int, heads: int, base: int, vocab: int, seed: int) -> EngramHasher:
     key = (layers, max_ngram, heads, base, vocab, seed)
     if key not in _HASHERS:
-        cfg = EngramConfig(layer_ids=tuple(range(0, 3 * layers, 3)), max_ngram=max_ngram, heads_per_order=heads,
-                           table_sizes=base, vocab_size=vocab, pad_id=0, seed=seed)
+        cfg = EngramConfig(
+            layer_ids=tuple(range(0, 3 * layers, 3)),
+            max_ngram=max_ngram,
+            heads_per_order=heads,
+            table_sizes=base,
+            vocab_size=vocab,
+            pad_id=0,
+            seed=seed,
+        )
         _HASHERS[key] = EngramHasher(cfg)
     return _HASHERS[key]
 
 
 def _oracle(h: EngramHasher, toks: np.ndarray, cu: np.ndarray, ctx: np.ndarray) -> list:
     seqs = [(int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
-    return oracle_hash(toks.tolist(), seqs, h.multipliers.tolist(), h.primes.tolist(), h.offsets.tolist(),
-                       h.pad_canonical, None, ctx.tolist())
+    return oracle_hash(
+        toks.tolist(),
+        seqs,
+        h.multipliers.tolist(),
+        h.primes.tolist(),
+        h.offsets.tolist(),
+        h.pad_canonical,
+        None,
+        ctx.tolist(),
+    )
 
 
 @settings(max_examples=50, deadline=None)
-@given(layers=st.integers(1, 3), max_ngram=st.integers(2, 4), heads=st.integers(1, 3), base=st.integers(2, 400),
-       vocab=st.integers(2, 300), lens=st.lists(st.integers(0, 7), min_size=1, max_size=5), seed=st.integers(0, 999))
-def test_unvalidated_hash_equals_validated_and_oracle(layers: int, max_ngram: int, heads: int, base: int, vocab: int,
-                                                      lens: list[int], seed: int) -> None:
+@given(
+    layers=st.integers(1, 3),
+    max_ngram=st.integers(2, 4),
+    heads=st.integers(1, 3),
+    base=st.integers(2, 400),
+    vocab=st.integers(2, 300),
+    lens=st.lists(st.integers(0, 7), min_size=1, max_size=5),
+    seed=st.integers(0, 999),
+)
+def test_unvalidated_hash_equals_validated_and_oracle(
+    layers: int, max_ngram: int, heads: int, base: int, vocab: int, lens: list[int], seed: int
+) -> None:
     h = _hasher(layers, max_ngram, heads, base, vocab, seed)
     rng = np.random.default_rng(seed)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -137,9 +187,17 @@ def test_device_params_dtypes_and_cache() -> None:
     h = _hasher(2, 3, 2, 50, 100, 1)
     m32, p32, o32 = h.device_params("cpu")
     m64, p64, o64 = h.device_params("cpu", torch.int64)
-    assert (p32.dtype, o32.dtype, p64.dtype, o64.dtype) == (torch.int32, torch.int32, torch.int64, torch.int64)
+    assert (p32.dtype, o32.dtype, p64.dtype, o64.dtype) == (
+        torch.int32,
+        torch.int32,
+        torch.int64,
+        torch.int64,
+    )
     assert m32.dtype == m64.dtype == torch.int64
-    assert p64.tolist() == h.primes.tolist() == p32.tolist() and o64.tolist() == h.offsets.tolist() == o32.tolist()
+    assert (
+        p64.tolist() == h.primes.tolist() == p32.tolist()
+        and o64.tolist() == h.offsets.tolist() == o32.tolist()
+    )
     assert h.device_params("cpu", torch.int64)[1] is p64  # cached
     m0, pd, od = h.decode_params("cpu")  # broadcast over a decode step's tokens
     assert m0.tolist() == h.multipliers[:, :1].tolist() and pd.dtype == od.dtype == torch.int64
@@ -185,7 +243,11 @@ def test_unchecked_paths_read_no_value_on_meta(fmt: str) -> None:
     assert h.hash(x, validate=False).shape == (2, 12, cols)  # no cu_seqlens: [0, T] built on the device
     assert h.hash(x.reshape(3, 4), validate=False).shape == (2, 3, 4, cols)
     grams = h.ngram_token_ids(x, cu, ctx, validate=False)
-    assert get_op("engram_hash")(grams, *h.device_params("meta", torch.int64), check=False).shape == (2, 12, cols)
+    assert get_op("engram_hash")(grams, *h.device_params("meta", torch.int64), check=False).shape == (
+        2,
+        12,
+        cols,
+    )
     with pytest.raises(RuntimeError, match="meta"):
         h.hash(x, cu, ctx)
     with pytest.raises(RuntimeError, match="meta"):
@@ -198,7 +260,11 @@ def test_unchecked_paths_dispatch_no_syncing_op() -> None:
     t = _table(_table_values(40, 64, 0), "fp8")
     ids = torch.randint(0, 40, (3, 5), dtype=torch.int32)
     h = _hasher(2, 4, 2, 60, 100, 3)
-    x, cu, ctx = torch.randint(0, 100, (12,)), torch.tensor([0, 5, 12]), torch.tensor([[5, -1, -1], [7, 8, 9]])
+    x, cu, ctx = (
+        torch.randint(0, 100, (12,)),
+        torch.tensor([0, 5, 12]),
+        torch.tensor([[5, -1, -1], [7, 8, 9]]),
+    )
     want_rows, want_ids = t.fetch(ids), h.hash(x, cu, ctx)
     with SyncOps() as free:
         rows = t.fetch(ids, check=False)

@@ -57,7 +57,7 @@ def _layer(w: list[float], num_phy: int, groups: int, nodes: int, gpus: int) -> 
     per_node_phy = num_phy // nodes
     per_gpu = num_phy // gpus
     gpus_per_node = gpus // nodes
-    gload = [sum(w[g * gsize:(g + 1) * gsize]) for g in range(groups)]
+    gload = [sum(w[g * gsize : (g + 1) * gsize]) for g in range(groups)]
     gpack, grank = _pack(gload, nodes)
     node_experts: list[list[int]] = [[0] * per_node_log for _ in range(nodes)]
     for g in range(groups):
@@ -77,8 +77,9 @@ def _layer(w: list[float], num_phy: int, groups: int, nodes: int, gpus: int) -> 
     return phy2log, cnt_all
 
 
-def reference_rebalance(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
-                        num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+def reference_rebalance(
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(phy2log, logcnt) of the public greedy, one layer at a time."""
     if num_groups % num_nodes:
         num_groups = num_nodes = 1

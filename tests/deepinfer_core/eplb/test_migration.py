@@ -30,7 +30,7 @@ def drifts(draw: st.DrawFn) -> tuple[ExpertPlacement, np.ndarray, float]:
 
 def _per_gpu(tab: np.ndarray, gpus: int) -> list[list[Counter]]:
     per = tab.shape[1] // gpus
-    return [[Counter(row[g * per:(g + 1) * per].tolist()) for g in range(gpus)] for row in tab]
+    return [[Counter(row[g * per : (g + 1) * per].tolist()) for g in range(gpus)] for row in tab]
 
 
 @given(drifts())
@@ -75,7 +75,9 @@ def test_align_keeps_every_expert_a_gpu_already_had() -> None:
     out = align_within_gpus(old, new, 4)
     assert _per_gpu(out, 4) == _per_gpu(new, 4)  # same experts per GPU
     kept = int((out == old).sum())
-    best = sum(sum((a & b).values()) for ra, rb in zip(_per_gpu(old, 4), _per_gpu(new, 4)) for a, b in zip(ra, rb))
+    best = sum(
+        sum((a & b).values()) for ra, rb in zip(_per_gpu(old, 4), _per_gpu(new, 4)) for a, b in zip(ra, rb)
+    )
     assert kept == best
     moves = diff_placements(old, out, 4)
     assert np.array_equal(moves.apply(old), out)

@@ -40,8 +40,16 @@ def problems(draw: st.DrawFn) -> tuple[np.ndarray, int, int, int, int]:
     return w, reps, groups, nodes, gpus
 
 
-def check_conventions(w: np.ndarray, reps: int, groups: int, nodes: int, gpus: int,
-                      phy2log: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> None:
+def check_conventions(
+    w: np.ndarray,
+    reps: int,
+    groups: int,
+    nodes: int,
+    gpus: int,
+    phy2log: np.ndarray,
+    log2phy: np.ndarray,
+    logcnt: np.ndarray,
+) -> None:
     layers, experts = w.shape
     assert phy2log.shape == (layers, reps)
     assert log2phy.shape == (layers, experts, reps - experts + 1)

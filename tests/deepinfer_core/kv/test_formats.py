@@ -213,7 +213,9 @@ def test_format_construction_errors() -> None:
         F.get_format("int4")
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]
+)
 def test_raw_formats_are_exact(name: str, dtype: torch.dtype) -> None:
     f = F.get_format(name, dim=96)
     x = torch.randn(5, 7, 96).to(dtype)

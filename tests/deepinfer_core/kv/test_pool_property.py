@@ -24,7 +24,9 @@ from deepinfer_core.kv import PagedKVPool, PrefixIndex
 BS = 4
 # A few shared stems plus random tails over a 3-token vocabulary: many shared prefixes and near misses.
 STEMS = [[], [0, 1, 2, 0, 1, 2, 0, 1], [0] * 8, [0, 1, 2, 0, 1, 2, 0, 2], [1, 2] * 6]
-PROMPT = st.builds(lambda stem, tail: stem + tail, st.sampled_from(STEMS), st.lists(st.integers(0, 2), max_size=10))
+PROMPT = st.builds(
+    lambda stem, tail: stem + tail, st.sampled_from(STEMS), st.lists(st.integers(0, 2), max_size=10)
+)
 KEY = st.sampled_from([None, b"salt"])
 
 

@@ -165,12 +165,19 @@ def test_plan_fits_budget_and_is_maximal(budget: int, seqs: int, bs: int) -> Non
 def test_state_layout_sums_and_tiny_config() -> None:
     for cfg in (KVModelConfig(), KVModelConfig.tiny()):
         lay = StateLayout.build(cfg)
-        swa = (cfg.num_layers + cfg.num_draft_layers) * cfg.ring_tokens * get_format("fp8", cfg.head_dim).bytes_per_token
+        swa = (
+            (cfg.num_layers + cfg.num_draft_layers)
+            * cfg.ring_tokens
+            * get_format("fp8", cfg.head_dim).bytes_per_token
+        )
         acc = sum(cfg.compress_ratios[i] * cfg.accumulator_bytes_per_token for i in cfg.compressing_layers())
         assert lay.bytes_per_seq == swa + acc
         spans = sorted(
             [(o, o + lay.ring_bytes) for o in lay.ring_offsets]
-            + [(lay.accumulator_offsets[k], lay.accumulator_offsets[k] + lay.accumulator_bytes[k]) for k in lay.accumulator_offsets]
+            + [
+                (lay.accumulator_offsets[k], lay.accumulator_offsets[k] + lay.accumulator_bytes[k])
+                for k in lay.accumulator_offsets
+            ]
         )
         assert spans[0][0] == 0 and spans[-1][1] == lay.bytes_per_seq
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # no gaps, no overlaps

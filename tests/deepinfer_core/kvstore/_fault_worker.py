@@ -24,15 +24,24 @@ from deepinfer_core.kvstore.guard import PROBE_KEY
 from deepinfer_core.sampling_params import SamplingParams
 
 EXACT = {"model": "tiny-random", "seed": 5, "dtype": "float64", "quantize": False}
-ENGINE = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 4, "async_scheduling": False, "swa_replay": "exact"}
+ENGINE = {
+    "num_blocks": 256,
+    "block_size": 16,
+    "max_num_seqs": 4,
+    "async_scheduling": False,
+    "swa_replay": "exact",
+}
 GUARD = StoreGuardConfig(read_timeout_s=1.0, write_timeout_s=1.0, backoff_s=0.02, max_backoff_s=0.1)
 
 
 def prompts(seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     prefix = rng.integers(3, 259, 150).tolist()
-    return [prefix + rng.integers(3, 259, 7).tolist(), prefix + rng.integers(3, 259, 20).tolist(),
-            rng.integers(3, 259, 40).tolist()]  # an unrelated short prompt in the same batch
+    return [
+        prefix + rng.integers(3, 259, 7).tolist(),
+        prefix + rng.integers(3, 259, 20).tolist(),
+        rng.integers(3, 259, 40).tolist(),
+    ]  # an unrelated short prompt in the same batch
 
 
 def run(store: FileKVStore, ps: list[list[int]], ref: LLM) -> dict:
@@ -41,11 +50,16 @@ def run(store: FileKVStore, ps: list[list[int]], ref: LLM) -> dict:
     got = llm.generate(ps, p, use_tqdm=False)
     want = ref.generate(ps, p, use_tqdm=False)
     eng = llm.engine
-    return {"errors": [g.error for g in got if g.error], "equal": [g.token_ids for g in got] == [w.token_ids for w in want],
-            "cached": [g.cached_tokens for g in got], "kv_store_errors": dict(eng.prefix.stats.kv_store_errors),
-            "free": eng.kv_pool.num_free_blocks == ENGINE["num_blocks"] - 1
-            and eng.state_pool.num_free_slots == ENGINE["max_num_seqs"],
-            "write_state": eng.prefix.link.guard.state("write"), "llm": llm}
+    return {
+        "errors": [g.error for g in got if g.error],
+        "equal": [g.token_ids for g in got] == [w.token_ids for w in want],
+        "cached": [g.cached_tokens for g in got],
+        "kv_store_errors": dict(eng.prefix.stats.kv_store_errors),
+        "free": eng.kv_pool.num_free_blocks == ENGINE["num_blocks"] - 1
+        and eng.state_pool.num_free_slots == ENGINE["max_num_seqs"],
+        "write_state": eng.prefix.link.guard.state("write"),
+        "llm": llm,
+    }
 
 
 def tmp_files(root: str) -> int:
@@ -69,9 +83,13 @@ def main() -> None:
         r = run(store, prompts(4), ref)
         llm = r.pop("llm")
         r["tmp_left"] = tmp_files(root)
-        r["blocks"] = sum(1 for f in Path(root).rglob("*.kvb") if f != store.path(PROBE_KEY))  # (a probe's empty record fits)
+        r["blocks"] = sum(
+            1 for f in Path(root).rglob("*.kvb") if f != store.path(PROBE_KEY)
+        )  # (a probe's empty record fits)
         out["full"] = r
-        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # space again
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+        )  # space again
         g = llm.engine.prefix.link.guard
         end = time.monotonic() + 10
         while not g.allows("write") and time.monotonic() < end:  # past the back-off a probe finds room
@@ -83,9 +101,12 @@ def main() -> None:
         llm.engine.reset()  # an empty GPU index: the same prompts can only hit the store
         again = llm.generate(ps, p, use_tqdm=False)
         want = ref.generate(ps, p, use_tqdm=False)
-        out["recovered"] = {"written": written, "cached": [g.cached_tokens for g in again],
-                            "equal": [g.token_ids for g in again] == [w.token_ids for w in want],
-                            "errors": [g.error for g in again if g.error]}
+        out["recovered"] = {
+            "written": written,
+            "cached": [g.cached_tokens for g in again],
+            "equal": [g.token_ids for g in again] == [w.token_ids for w in want],
+            "errors": [g.error for g in again if g.error],
+        }
     print(json.dumps(out))
 
 

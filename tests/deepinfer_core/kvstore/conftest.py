@@ -46,8 +46,12 @@ class RedisServer:
         self.exe = shutil.which("redis-server")
         if self.exe is None:
             if os.environ.get("CI"):
-                pytest.fail("redis-server is missing on CI: .ci/run must install it (apt-get install -y redis-server)")
-            pytest.skip("redis-server binary not found (apt-get install -y redis-server; .ci/run installs it)")
+                pytest.fail(
+                    "redis-server is missing on CI: .ci/run must install it (apt-get install -y redis-server)"
+                )
+            pytest.skip(
+                "redis-server binary not found (apt-get install -y redis-server; .ci/run installs it)"
+            )
         self.dir = tempfile.mkdtemp(prefix="dkv-redis-")
         self.proc: subprocess.Popen | None = None
         for _attempt in range(3):  # the free port may be taken between the probe and the server's bind
@@ -65,9 +69,23 @@ class RedisServer:
         import redis
 
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                self.dir,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis.from_url(self.url)
         try:

@@ -59,8 +59,17 @@ class FaultyStore:
     of ``errors``, answer ``slow_s`` late (below the guard's timeout), ``late_s`` late (past it), or hang
     until ``release()``. ``rate``: the share of calls that fault while ``on``; ``rng``: the schedule."""
 
-    def __init__(self, inner, *, seed: int, rate: float, errors: list[BaseException], modes: tuple[str, ...],
-                 slow_s: float = 0.005, late_s: float = 0.3) -> None:
+    def __init__(
+        self,
+        inner,
+        *,
+        seed: int,
+        rate: float,
+        errors: list[BaseException],
+        modes: tuple[str, ...],
+        slow_s: float = 0.005,
+        late_s: float = 0.3,
+    ) -> None:
         self.inner = inner
         self.ttl = getattr(inner, "ttl", None)
         self.rng = random.Random(seed)

@@ -82,11 +82,17 @@ def test_processes_writing_one_key(backend, request, tmp_path):
     ns = "p" + os.urandom(4).hex() + ":"
     where = str(tmp_path) if backend == "file" else request.getfixturevalue("redis_url")
     ttl = TTLPolicy({"agent": 3600.0, "chatbot": 3600.0})
-    store = FileKVStore(where, ttl, fsync=False) if backend == "file" else RedisKVStore(
-        url=where, ttl=ttl, namespace=ns.encode())
+    store = (
+        FileKVStore(where, ttl, fsync=False)
+        if backend == "file"
+        else RedisKVStore(url=where, ttl=ttl, namespace=ns.encode())
+    )
     seeds = [11, 12, 13, 14]
     allowed = {np.random.default_rng(s).integers(0, 256, 300_000, dtype=np.uint8).tobytes() for s in seeds}
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, backend, where, str(s), key.hex(), ns]) for s in seeds]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, backend, where, str(s), key.hex(), ns])
+        for s in seeds
+    ]
     reads = torn = 0
     while any(p.poll() is None for p in procs):
         got = store.get(key)
@@ -132,8 +138,12 @@ def test_writer_killed_mid_block_leaves_old_or_miss(tmp_path, old):
 
 
 @settings(max_examples=40)
-@given(data=st.binary(min_size=1, max_size=2000), cut=st.floats(0, 1, exclude_max=True), flip=st.integers(0, 10**6),
-       mode=st.sampled_from(["truncate", "flip", "append", "other_key"]))
+@given(
+    data=st.binary(min_size=1, max_size=2000),
+    cut=st.floats(0, 1, exclude_max=True),
+    flip=st.integers(0, 10**6),
+    mode=st.sampled_from(["truncate", "flip", "append", "other_key"]),
+)
 def test_damaged_file_is_a_miss(data, cut, flip, mode):
     import tempfile
 

@@ -38,14 +38,22 @@ from .faults import BACKEND_ERRORS, FaultyStore
 EXACT = {"model": "tiny-random", "seed": 5, "dtype": "float64", "quantize": False}
 BS = 16
 # short deadlines and back-offs so that breakers open, probe and close within a test
-FAST = StoreGuardConfig(read_timeout_s=0.05, write_timeout_s=0.05, failure_threshold=3, backoff_s=0.02,
-                        max_backoff_s=0.2, max_hung_calls=4)
+FAST = StoreGuardConfig(
+    read_timeout_s=0.05,
+    write_timeout_s=0.05,
+    failure_threshold=3,
+    backoff_s=0.02,
+    max_backoff_s=0.2,
+    max_hung_calls=4,
+)
 _WANT: dict[tuple, list[int]] = {}
 
 
 @functools.cache
 def reference() -> LLM:
-    return LLM(num_blocks=512, block_size=BS, max_num_seqs=16, async_scheduling=False, prefix_caching=False, **EXACT)
+    return LLM(
+        num_blocks=512, block_size=BS, max_num_seqs=16, async_scheduling=False, prefix_caching=False, **EXACT
+    )
 
 
 def want(prompts, params) -> list[list[int]]:
@@ -65,11 +73,15 @@ def workload(seed: int, n_req: int, lo: int = 80, hi: int = 96):
     tokens), plus a short unrelated one in the same batches; small sizes keep CI fast."""
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(3, 259, int(rng.integers(lo, hi))).tolist() for _ in range(2)]
-    prompts = [prefixes[int(rng.integers(0, 2))] + rng.integers(3, 259, int(rng.integers(0, 12))).tolist()
-               for _ in range(n_req)]
+    prompts = [
+        prefixes[int(rng.integers(0, 2))] + rng.integers(3, 259, int(rng.integers(0, 12))).tolist()
+        for _ in range(n_req)
+    ]
     if n_req > 2:  # a short prompt that never reaches the store, in the same batches
         prompts[-1] = rng.integers(3, 259, int(rng.integers(5, 30))).tolist()
-    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 6)), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 6)), ignore_eos=True) for _ in prompts
+    ]
     return prompts, params
 
 
@@ -148,9 +160,19 @@ def make_inner(backend: str, request, tmpdir: str):
 
 def engine(store, *, tight: bool, spec: bool, async_mode: bool, prompts, params) -> LLM:
     need = max(-(-(len(p) + sp.max_tokens + 8) // BS) for p, sp in zip(prompts, params))
-    return LLM(kv_store=store, kv_store_guard=FAST, num_blocks=need + 4 if tight else 256, block_size=BS,
-               max_num_seqs=4, async_scheduling=async_mode, swa_replay="exact", speculative=spec,
-               num_speculative_tokens=2, preemption_policy="deepinfer" if tight else "guarded", **EXACT)
+    return LLM(
+        kv_store=store,
+        kv_store_guard=FAST,
+        num_blocks=need + 4 if tight else 256,
+        block_size=BS,
+        max_num_seqs=4,
+        async_scheduling=async_mode,
+        swa_replay="exact",
+        speculative=spec,
+        num_speculative_tokens=2,
+        preemption_policy="deepinfer" if tight else "guarded",
+        **EXACT,
+    )
 
 
 @pytest.mark.parametrize("backend", ["memory", "file", "redis"])
@@ -160,18 +182,36 @@ def test_random_faults_cost_hits_never_requests(backend, request, data, caplog):
     caplog.set_level(logging.ERROR)  # the guard's warnings are expected here
     seed = data.draw(st.integers(0, 2**31), "seed")
     prompts, params = workload(seed, data.draw(st.integers(2, 4), "n_req"))
-    spec, tight, async_mode = data.draw(st.booleans(), "spec"), data.draw(st.booleans(), "tight"), data.draw(st.booleans(), "async")
-    errors = data.draw(st.lists(st.sampled_from([e for e, _ in BACKEND_ERRORS]), min_size=1, max_size=4), "errors")
-    modes = tuple(data.draw(st.lists(st.sampled_from(["raise", "raise", "slow", "late", "hang"]), min_size=1,
-                                     max_size=3, unique=True), "modes"))
+    spec, tight, async_mode = (
+        data.draw(st.booleans(), "spec"),
+        data.draw(st.booleans(), "tight"),
+        data.draw(st.booleans(), "async"),
+    )
+    errors = data.draw(
+        st.lists(st.sampled_from([e for e, _ in BACKEND_ERRORS]), min_size=1, max_size=4), "errors"
+    )
+    modes = tuple(
+        data.draw(
+            st.lists(
+                st.sampled_from(["raise", "raise", "slow", "late", "hang"]),
+                min_size=1,
+                max_size=3,
+                unique=True,
+            ),
+            "modes",
+        )
+    )
     rate = data.draw(st.sampled_from([0.15, 0.5, 1.0]), "rate")
     on_at, off_at = data.draw(st.integers(0, 8), "on_at"), data.draw(st.integers(5, 60), "off_at")
-    aborts = data.draw(st.dictionaries(st.integers(0, len(prompts) - 1), st.integers(1, 12), max_size=2), "aborts")
+    aborts = data.draw(
+        st.dictionaries(st.integers(0, len(prompts) - 1), st.integers(1, 12), max_size=2), "aborts"
+    )
     damage_at = data.draw(st.integers(1, 10), "damage_at") if backend == "file" else None
 
     tmp = tempfile.mkdtemp(prefix="dkv-faults-")
-    store = FaultyStore(make_inner(backend, request, tmp), seed=seed, rate=rate, errors=errors, modes=modes,
-                        late_s=0.12)
+    store = FaultyStore(
+        make_inner(backend, request, tmp), seed=seed, rate=rate, errors=errors, modes=modes, late_s=0.12
+    )
     llm = engine(store, tight=tight, spec=spec, async_mode=async_mode, prompts=prompts, params=params)
     link = llm.engine.prefix.link
 
@@ -195,7 +235,9 @@ def test_random_faults_cost_hits_never_requests(backend, request, data, caplog):
         drive(llm, prompts, params, aborts={i: at + 2 for i, at in aborts.items()}, on_step=on_step, tag="s")
         check_free(llm)
         store.release()
-        if damage_at is not None:  # the damaged records stay damaged: they are misses; clear them for the recovery
+        if (
+            damage_at is not None
+        ):  # the damaged records stay damaged: they are misses; clear them for the recovery
             for p in Path(tmp).rglob("*.kvb"):
                 if not p.is_file():
                     p.rmdir() if p.is_dir() else p.unlink()
@@ -248,7 +290,8 @@ def test_read_only_store_of_another_user(tmp_path):
 
     populated, empty = tmp_path / "populated", tmp_path / "empty"
     LLM(kv_store=FileKVStore(populated, fsync=False), **w.ENGINE, **w.EXACT).generate(
-        w.prompts(3), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+        w.prompts(3), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     empty.mkdir()
     tree = [populated, *populated.rglob("*"), empty]
     if os.geteuid() == 0:  # root writes anywhere: the store belongs to nobody, the worker runs without caps
@@ -289,8 +332,11 @@ def test_full_disk_stops_writes_not_steps(tmp_path):
 
 def test_config_errors_are_found_at_construction(redis_server):
     agent_only = InMemoryKVStore(TTLPolicy({"chatbot": 60.0}))
-    with pytest.raises(ValueError, match=r"EngineConfig\.kv_store_traffic_class: 'agent': the store's TTL policy "
-                                         r"knows only \['chatbot'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"EngineConfig\.kv_store_traffic_class: 'agent': the store's TTL policy "
+        r"knows only \['chatbot'\]",
+    ):
         EngineConfig(kv_store=agent_only, kv_store_traffic_class="agent")
     with pytest.raises(ValueError, match=r"capacity_bytes=12288: the store holds less than one block"):
         LLM(kv_store=InMemoryKVStore(capacity_bytes=12288), **EXACT)
@@ -351,7 +397,9 @@ def test_redis_killed_or_stopped_then_restarted(event, redis_server, seed, at, s
         # once the breaker is open a step makes no store call, so it waits for no store timeout: the
         # calls that reached the dead store are the threshold's few (and off-path probes), the rest skipped
         assert g.stats.skipped_reads + g.stats.skipped_writes > 0
-        assert g.stats.op_errors.get("get", 0) + g.stats.op_errors.get("exists", 0) <= 2 * FAST.failure_threshold
+        assert (
+            g.stats.op_errors.get("get", 0) + g.stats.op_errors.get("exists", 0) <= 2 * FAST.failure_threshold
+        )
         check_free(llm)
     finally:
         if event == "stop":

@@ -18,7 +18,13 @@ from deepinfer_core.kvstore import FileKVStore, InMemoryKVStore, TTLPolicy
 from deepinfer_core.sampling_params import SamplingParams
 
 EXACT = {"model": "tiny-random", "seed": 5, "dtype": "float64", "quantize": False}
-ENGINE = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 4, "async_scheduling": False, "swa_replay": "exact"}
+ENGINE = {
+    "num_blocks": 256,
+    "block_size": 16,
+    "max_num_seqs": 4,
+    "async_scheduling": False,
+    "swa_replay": "exact",
+}
 
 
 @functools.cache

@@ -92,7 +92,9 @@ def _settle(g: StoreGuard, side: str, timeout: float = 5.0) -> str:
 K = [os.urandom(16) for _ in range(8)]
 
 
-@pytest.mark.parametrize("exc,kind", BACKEND_ERRORS, ids=[f"{type(e).__name__}-{k}" for e, k in BACKEND_ERRORS])
+@pytest.mark.parametrize(
+    "exc,kind", BACKEND_ERRORS, ids=[f"{type(e).__name__}-{k}" for e, k in BACKEND_ERRORS]
+)
 def test_every_backend_error_is_a_miss_or_a_skipped_write(exc, kind):
     assert classify(exc) == kind and kind in KINDS
     s = Scripted()
@@ -200,8 +202,12 @@ def test_a_probe_that_succeeds_on_a_full_disk_keeps_growing_the_backoff():
 
 
 def test_hung_calls_are_abandoned_at_the_deadline_and_bounded():
-    s = Scripted(bounded=False)  # no call_timeout_s: the guard gives every call a worker thread and a deadline
-    cfg = StoreGuardConfig(read_timeout_s=0.05, write_timeout_s=0.05, failure_threshold=1000, max_hung_calls=3)
+    s = Scripted(
+        bounded=False
+    )  # no call_timeout_s: the guard gives every call a worker thread and a deadline
+    cfg = StoreGuardConfig(
+        read_timeout_s=0.05, write_timeout_s=0.05, failure_threshold=1000, max_hung_calls=3
+    )
     g = StoreGuard(s, cfg)
     s.inner.put(K[0], b"v")
     assert g.get(K[0]) == b"v" and threading.get_ident() not in s.threads
@@ -255,17 +261,31 @@ def test_each_cause_is_logged_once_then_summarised_with_its_rate(caplog):
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["get", "exists", "touch", "put", "delete"]),
-                              st.sampled_from([None, None, "io", "full", "connection", "timeout", "invalid"]),
-                              st.floats(0, 3)), max_size=60),
-       threshold=st.integers(1, 4))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["get", "exists", "touch", "put", "delete"]),
+            st.sampled_from([None, None, "io", "full", "connection", "timeout", "invalid"]),
+            st.floats(0, 3),
+        ),
+        max_size=60,
+    ),
+    threshold=st.integers(1, 4),
+)
 def test_random_calls_never_raise_and_never_reach_an_open_side(ops, threshold):
     """Invariants over random call / outcome / clock sequences: nothing raises, a call reaches the store
     only when its side is closed (or as that side's probe), every error is counted once by its kind."""
-    errs = {"io": OSError(errno.EIO, "eio"), "full": OSError(errno.ENOSPC, "full"),
-            "connection": ConnectionResetError("reset"), "timeout": TimeoutError("t"), "invalid": ValueError("v")}
+    errs = {
+        "io": OSError(errno.EIO, "eio"),
+        "full": OSError(errno.ENOSPC, "full"),
+        "connection": ConnectionResetError("reset"),
+        "timeout": TimeoutError("t"),
+        "invalid": ValueError("v"),
+    }
     clock, s = Clock(), Scripted()
-    g = StoreGuard(s, StoreGuardConfig(failure_threshold=threshold, backoff_s=0.5, max_backoff_s=2.0), clock=clock)
+    g = StoreGuard(
+        s, StoreGuardConfig(failure_threshold=threshold, backoff_s=0.5, max_backoff_s=2.0), clock=clock
+    )
     counted = 0
     for op, err, dt in ops:
         clock.t += dt
@@ -311,10 +331,21 @@ def test_prefetcher_reads_faults_as_misses():
         s.hang.set()
 
 
-@pytest.mark.parametrize("field,value", [("read_timeout_s", 0), ("read_timeout_s", -1.0), ("write_timeout_s", "1"),
-                                         ("failure_threshold", 0), ("failure_threshold", 2.5), ("backoff_s", 0),
-                                         ("max_backoff_s", 0.5), ("max_hung_calls", 0), ("log_interval_s", None),
-                                         ("read_timeout_s", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("read_timeout_s", 0),
+        ("read_timeout_s", -1.0),
+        ("write_timeout_s", "1"),
+        ("failure_threshold", 0),
+        ("failure_threshold", 2.5),
+        ("backoff_s", 0),
+        ("max_backoff_s", 0.5),
+        ("max_hung_calls", 0),
+        ("log_interval_s", None),
+        ("read_timeout_s", True),
+    ],
+)
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"StoreGuardConfig\.{field}="):
         StoreGuardConfig(**{field: value})
@@ -324,4 +355,6 @@ def test_config_errors_name_the_field(field, value):
         EngineConfig(kv_store_guard={"read_timeout": 1.0})
     with pytest.raises(ValueError, match=r"EngineConfig\.kv_store_guard: float: must be None"):
         EngineConfig(kv_store_guard=1.0)
-    assert EngineConfig(kv_store_guard={"read_timeout_s": None}).kv_store_guard == StoreGuardConfig(read_timeout_s=None)
+    assert EngineConfig(kv_store_guard={"read_timeout_s": None}).kv_store_guard == StoreGuardConfig(
+        read_timeout_s=None
+    )

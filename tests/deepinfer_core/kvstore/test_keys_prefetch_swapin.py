@@ -26,8 +26,12 @@ from deepinfer_core.kvstore import (
 
 
 @settings(max_examples=60)
-@given(tokens=st.lists(st.integers(0, 2**31), min_size=0, max_size=70), bs=st.integers(1, 8),
-       pos=st.integers(0, 69), extra=st.one_of(st.none(), st.binary(max_size=8)))
+@given(
+    tokens=st.lists(st.integers(0, 2**31), min_size=0, max_size=70),
+    bs=st.integers(1, 8),
+    pos=st.integers(0, 69),
+    extra=st.one_of(st.none(), st.binary(max_size=8)),
+)
 def test_block_keys_are_prefix_hashes(tokens, bs, pos, extra):
     keys = block_keys(tokens, bs, extra)
     assert len(keys) == len(tokens) // bs and all(len(k) == 16 for k in keys)

@@ -22,7 +22,12 @@ MS = 1_000_000
 TTL = TTLPolicy({"agent": 0.005, "chatbot": 0.012})  # 5 ms / 12 ms: whole ms, so Redis is exact too
 
 op = st.one_of(
-    st.tuples(st.just("put"), st.integers(0, 3), st.binary(min_size=0, max_size=300), st.sampled_from(["agent", "chatbot"])),
+    st.tuples(
+        st.just("put"),
+        st.integers(0, 3),
+        st.binary(min_size=0, max_size=300),
+        st.sampled_from(["agent", "chatbot"]),
+    ),
     st.tuples(st.just("get"), st.integers(0, 3)),
     st.tuples(st.just("exists"), st.integers(0, 3)),
     st.tuples(st.just("touch"), st.integers(0, 3), st.sampled_from([None, "agent", "chatbot"])),
@@ -32,8 +37,10 @@ op = st.one_of(
 
 
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(op, min_size=1, max_size=40), keys=st.lists(st.binary(min_size=16, max_size=32), min_size=4,
-                                                                  max_size=4, unique=True))
+@given(
+    ops=st.lists(op, min_size=1, max_size=40),
+    keys=st.lists(st.binary(min_size=16, max_size=32), min_size=4, max_size=4, unique=True),
+)
 def test_random_ops_match_model(backend, request, ops, keys):
     clock = FakeClock()
     with tempfile.TemporaryDirectory() as d:
@@ -141,8 +148,11 @@ def test_bad_input_names_the_field(tmp_path):
 
 
 @settings(max_examples=30)
-@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=30), cap=st.integers(50, 200),
-       reads=st.lists(st.integers(0, 29), max_size=30))
+@given(
+    sizes=st.lists(st.integers(1, 50), min_size=1, max_size=30),
+    cap=st.integers(50, 200),
+    reads=st.lists(st.integers(0, 29), max_size=30),
+)
 def test_memory_capacity_is_lru(sizes, cap, reads):
     """Oracle: a list in recency order, oldest evicted first until the bytes fit."""
     clock = FakeClock()

@@ -54,7 +54,10 @@ class Spec:
 
     def request(self) -> Request:
         sp = SamplingParams(
-            max_tokens=self.max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_ids
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_ids,
         )
         return Request(self.rid, self.prompt, sp)
 
@@ -123,7 +126,9 @@ class FakeExecutor:
                 toks[0] = self.last[rid]
             assert (toks[: q - k] >= 0).all(), f"{rid}: placeholder not at the row's first token"
             for j, t in enumerate(toks[: q - k].tolist()):
-                assert t == self.oracle.token(rid, start + j), f"{rid}: wrong input token at position {start + j}"
+                assert t == self.oracle.token(rid, start + j), (
+                    f"{rid}: wrong input token at position {start + j}"
+                )
             no = self.oracle.specs[rid].no
             if k:
                 assert self.rng is not None, "verify row without a drafter"

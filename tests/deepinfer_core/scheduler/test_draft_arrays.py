@@ -31,13 +31,23 @@ from .test_properties import MAX_MODEL_LEN, StepChecker, _assert_match_oracle, w
 
 
 def _snapshot(plan: Plan) -> tuple:
-    arrays = (plan.seq_ids, plan.num_tokens, plan.start, plan.sample, plan.num_drafts, plan.token_ids,
-              plan.block_tables, plan.kv_load_seq_ids, plan.kv_load_num_tokens)
+    arrays = (
+        plan.seq_ids,
+        plan.num_tokens,
+        plan.start,
+        plan.sample,
+        plan.num_drafts,
+        plan.token_ids,
+        plan.block_tables,
+        plan.kv_load_seq_ids,
+        plan.kv_load_num_tokens,
+    )
     return (plan.step_type, plan.preempted, tuple(plan.request_ids), *(a.tolist() for a in arrays))
 
 
-def _run(params: dict, specs: list[Spec], async_mode: bool, seed: int, max_drafts: int,
-         form: str) -> tuple[RunResult, list[tuple]]:
+def _run(
+    params: dict, specs: list[Spec], async_mode: bool, seed: int, max_drafts: int, form: str
+) -> tuple[RunResult, list[tuple]]:
     pool = PagedKVPool(params["num_blocks"], params["block_size"])
     cfg = SchedulerConfig(async_mode=async_mode, **params["cfg"])
     sched = Scheduler(pool, cfg, cost_model=params["cost"])
@@ -48,8 +58,16 @@ def _run(params: dict, specs: list[Spec], async_mode: bool, seed: int, max_draft
         chk.after(s, plan)
         plans.append(_snapshot(plan))
 
-    res = drive(sched, specs, lag=1 if async_mode else 0, before_schedule=chk.before, on_plan=on_plan,
-                drafts=np.random.default_rng(seed), max_drafts=max_drafts, draft_form=form)
+    res = drive(
+        sched,
+        specs,
+        lag=1 if async_mode else 0,
+        before_schedule=chk.before,
+        on_plan=on_plan,
+        drafts=np.random.default_rng(seed),
+        max_drafts=max_drafts,
+        draft_form=form,
+    )
     assert not res.max_steps_hit, "workload did not finish"
     assert pool.num_free_blocks == params["num_blocks"] - 1 and pool.impl.num_seqs == 0
     return res, plans
@@ -88,10 +106,18 @@ def test_array_form_plans_exactly_as_dict_form(engine: EngineType, data: st.Data
 def test_equal_forms_cover_caps_and_outstanding_verify_rows() -> None:
     """Guard against a vacuous property: on a fixed workload both forms see drafts capped below the
     ask, asks skipped while a verify row is outstanding (one step ahead), and preemption."""
-    specs = [Spec(no=i, arrive=i % 3, prompt=[1 + i] * 3, max_tokens=12 + i, ignore_eos=True) for i in range(6)]
+    specs = [
+        Spec(no=i, arrive=i % 3, prompt=[1 + i] * 3, max_tokens=12 + i, ignore_eos=True) for i in range(6)
+    ]
     params = {
-        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_num_batched_tokens=20,
-                    max_model_len=MAX_MODEL_LEN, eos_token_id=EOS, preemption_policy=PreemptionPolicy.DEEPINFER),
+        "cfg": dict(
+            engine_type=EngineType.NORMAL,
+            max_num_seqs=6,
+            max_num_batched_tokens=20,
+            max_model_len=MAX_MODEL_LEN,
+            eos_token_id=EOS,
+            preemption_policy=PreemptionPolicy.DEEPINFER,
+        ),
         "cost": CostModel(),
         "num_blocks": 40,
         "block_size": 2,
@@ -109,9 +135,13 @@ def test_equal_forms_cover_caps_and_outstanding_verify_rows() -> None:
 
 # ---- validation ----------------------------------------------------------------------------------------
 def _decoding(n: int = 3, async_mode: bool = False, **sp) -> Scheduler:
-    s = Scheduler(PagedKVPool(200, 4), SchedulerConfig(max_model_len=512, async_mode=async_mode, eos_token_id=EOS))
+    s = Scheduler(
+        PagedKVPool(200, 4), SchedulerConfig(max_model_len=512, async_mode=async_mode, eos_token_id=EOS)
+    )
     for i in range(n):
-        s.add_request(Request(f"r{i}", [1, 2, 3, 4], SamplingParams(**{"max_tokens": 50, "ignore_eos": True, **sp})))
+        s.add_request(
+            Request(f"r{i}", [1, 2, 3, 4], SamplingParams(**{"max_tokens": 50, "ignore_eos": True, **sp}))
+        )
     plan = s.schedule()
     assert plan.step_type is StepType.PREFILL and plan.num_rows == n
     s.update(plan, np.full(n, 5))
@@ -130,12 +160,24 @@ def _seqs(s: Scheduler, *rids: str) -> np.ndarray:
         ([1.0, 2.0], [1, 1], r"draft_seq_ids: must be an integer array, got dtype float64"),
         ([1, 2], [1.5, 1], r"draft_counts: must be an integer array"),
         ([1, 2], np.array([True, False]), r"draft_counts: must be an integer array, got dtype bool"),
-        ([1, 2], np.array([1, -1], np.int32), r"draft_counts\[1\]=-1 \(draft_seq_ids\[1\]=2\): must be in \[0, 64\]"),
-        ([1, 2], np.array([65, 1], np.int32), r"draft_counts\[0\]=65 \(draft_seq_ids\[0\]=1\): must be in \[0, 64\]"),
+        (
+            [1, 2],
+            np.array([1, -1], np.int32),
+            r"draft_counts\[1\]=-1 \(draft_seq_ids\[1\]=2\): must be in \[0, 64\]",
+        ),
+        (
+            [1, 2],
+            np.array([65, 1], np.int32),
+            r"draft_counts\[0\]=65 \(draft_seq_ids\[0\]=1\): must be in \[0, 64\]",
+        ),
         ([1, 2], np.array([1, 2**32 + 1], np.int64), r"draft_counts\[1\]=4294967297 .*must be in \[0, 64\]"),
         ([1, 999], [1, 1], r"draft_seq_ids\[1\]=999: not a live request"),
         ([3, 1, 3], [1, 1, 2], r"draft_seq_ids\[2\]=3: given more than once"),
-        (np.array([2**64 - 1], np.uint64), [1], r"draft_seq_ids\[0\]=18446744073709551615: not a live request"),
+        (
+            np.array([2**64 - 1], np.uint64),
+            [1],
+            r"draft_seq_ids\[0\]=18446744073709551615: not a live request",
+        ),
     ],
 )
 def test_bad_arrays_raise_naming_the_field_and_change_nothing(seqs: object, ks: object, match: str) -> None:

@@ -40,21 +40,40 @@ def adversarial(draw: st.DrawFn) -> tuple[dict, list[Spec]]:
     for _ in range(draw(st.integers(1, 3))):  # the would-be victims: most of the pool each
         p = int(rng.integers(max(1, slots // 3), max(2, slots * 2 // 3)))
         mt = int(max(1, min(slots - p + 1, MAX_MODEL_LEN - p, 40)))
-        specs.append(Spec(no=len(specs), arrive=int(rng.integers(0, 3)), prompt=[1 + len(specs)] * p,
-                          max_tokens=mt, ignore_eos=True))
+        specs.append(
+            Spec(
+                no=len(specs),
+                arrive=int(rng.integers(0, 3)),
+                prompt=[1 + len(specs)] * p,
+                max_tokens=mt,
+                ignore_eos=True,
+            )
+        )
     stream_steps = draw(st.integers(5, 30))
     per_step = draw(st.integers(1, 3))
     for step in range(1, stream_steps + 1):  # short requests every step, as a flood would
         for _ in range(per_step):
             p = int(rng.integers(1, 4))
-            specs.append(Spec(no=len(specs), arrive=step, prompt=[int(x) for x in rng.integers(1, 40, p)],
-                              max_tokens=int(rng.integers(1, min(8, slots - p + 1) + 1)),
-                              ignore_eos=bool(rng.random() < 0.7)))
-    cfg = dict(engine_type=EngineType.NORMAL, max_num_seqs=draw(st.integers(2, 8)),
-               max_num_batched_tokens=draw(st.integers(4, 64)), max_model_len=MAX_MODEL_LEN, eos_token_id=EOS,
-               preemption_policy=PreemptionPolicy.GUARDED, max_preemptions=draw(st.integers(0, 3)),
-               headroom_steps=draw(st.sampled_from([0, 2, 8])),
-               prefill_attempt_interval=draw(st.integers(0, 3)))
+            specs.append(
+                Spec(
+                    no=len(specs),
+                    arrive=step,
+                    prompt=[int(x) for x in rng.integers(1, 40, p)],
+                    max_tokens=int(rng.integers(1, min(8, slots - p + 1) + 1)),
+                    ignore_eos=bool(rng.random() < 0.7),
+                )
+            )
+    cfg = dict(
+        engine_type=EngineType.NORMAL,
+        max_num_seqs=draw(st.integers(2, 8)),
+        max_num_batched_tokens=draw(st.integers(4, 64)),
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_id=EOS,
+        preemption_policy=PreemptionPolicy.GUARDED,
+        max_preemptions=draw(st.integers(0, 3)),
+        headroom_steps=draw(st.sampled_from([0, 2, 8])),
+        prefill_attempt_interval=draw(st.integers(0, 3)),
+    )
     cfg["prefill_any_attempt_interval"] = cfg["prefill_attempt_interval"] + draw(st.integers(0, 4))
     return {"cfg": cfg, "num_blocks": num_blocks, "block_size": block_size}, specs
 
@@ -75,8 +94,14 @@ def test_no_starvation_under_adversarial_arrivals(async_mode: bool, data: st.Dat
     sched = Scheduler(pool, cfg)
     chk = StepChecker(cfg, CostModel())  # includes: nobody preempted more than max_preemptions times
     bound = _step_bound(specs, cfg.max_preemptions)
-    res = drive(sched, specs, lag=1 if async_mode else 0, before_schedule=chk.before, on_plan=chk.after,
-                max_steps=bound)
+    res = drive(
+        sched,
+        specs,
+        lag=1 if async_mode else 0,
+        before_schedule=chk.before,
+        on_plan=chk.after,
+        max_steps=bound,
+    )
     assert not res.max_steps_hit, f"not finished within {bound} steps: starvation or livelock"
     done = {f.request_id: f for f in res.finished}
     assert set(done) == {s.rid for s in specs}
@@ -91,9 +116,17 @@ def _thrash_case(policy: PreemptionPolicy) -> dict:
     """A long-output request among short ones arriving steadily, in a pool that fits the prompts but not
     everyone's growth: under DEEPINFER the long one is the victim again and again."""
     specs = [Spec(no=0, arrive=0, prompt=[3] * 4, max_tokens=30, ignore_eos=True)]
-    specs += [Spec(no=i, arrive=2 * i, prompt=[1 + i % 30] * 3, max_tokens=6, ignore_eos=True) for i in range(1, 40)]
-    cfg = SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS, preemption_policy=policy,
-                          prefill_attempt_interval=0, prefill_any_attempt_interval=0)
+    specs += [
+        Spec(no=i, arrive=2 * i, prompt=[1 + i % 30] * 3, max_tokens=6, ignore_eos=True) for i in range(1, 40)
+    ]
+    cfg = SchedulerConfig(
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_id=EOS,
+        preemption_policy=policy,
+        prefill_attempt_interval=0,
+        prefill_any_attempt_interval=0,
+    )
     res = drive(Scheduler(PagedKVPool(18, 2), cfg), specs, lag=0)
     assert not res.max_steps_hit
     done = {f.request_id: f for f in res.finished}
@@ -107,7 +140,9 @@ def test_guarded_bounds_what_deepinfer_thrashes() -> None:
     seed = _thrash_case(PreemptionPolicy.DEEPINFER)
     guarded = _thrash_case(PreemptionPolicy.GUARDED)
     worst_seed = max(f.num_preemptions for f in seed.values())
-    assert worst_seed > 4, f"premise: the seed's policy should evict one request repeatedly here ({worst_seed})"
+    assert worst_seed > 4, (
+        f"premise: the seed's policy should evict one request repeatedly here ({worst_seed})"
+    )
     assert max(f.num_preemptions for f in guarded.values()) <= SchedulerConfig().max_preemptions
     assert sum(f.num_preemptions for f in guarded.values()) < sum(f.num_preemptions for f in seed.values())
 

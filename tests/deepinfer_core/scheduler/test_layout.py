@@ -46,8 +46,9 @@ class MidFlight:
 
 @given(data=st.data(), lag=st.sampled_from([0, 1]), speculate=st.booleans())
 @pytest.mark.parametrize("engine", [EngineType.NORMAL, EngineType.COMPLETION])
-def test_staged_tokens_match_the_oracle_at_every_step(engine: EngineType, data: st.DataObject, lag: int,
-                                                      speculate: bool) -> None:
+def test_staged_tokens_match_the_oracle_at_every_step(
+    engine: EngineType, data: st.DataObject, lag: int, speculate: bool
+) -> None:
     """Staging flushed right across preemption, abort, finish and multi-token verify rows: mid-flight
     outputs and every finished request's output equal the oracle (aborted ones: a prefix)."""
     params, specs = data.draw(workloads(engine))
@@ -57,8 +58,9 @@ def test_staged_tokens_match_the_oracle_at_every_step(engine: EngineType, data: 
     sched = Scheduler(pool, SchedulerConfig(**params["cfg"], async_mode=bool(lag)), cost_model=params["cost"])
     oracle = Oracle(specs)
     check = MidFlight(oracle)
-    res = drive(sched, specs, lag=lag, before_schedule=check,
-                drafts=np.random.default_rng(7) if speculate else None)
+    res = drive(
+        sched, specs, lag=lag, before_schedule=check, drafts=np.random.default_rng(7) if speculate else None
+    )
     assert not res.max_steps_hit
     for f in res.finished:
         want, _ = oracle.expected(f.request_id, engine)
@@ -92,14 +94,27 @@ def test_plan_arrays_survive_later_plans_and_block_region_growth() -> None:
     sched = Scheduler(pool, SchedulerConfig(max_num_seqs=8, max_model_len=4096, async_mode=True))
     rng = np.random.default_rng(0)
     for i in range(3):
-        sched.add_request(Request(f"r{i}", rng.integers(1, 50, size=500 * (i + 1)), SamplingParams(max_tokens=40)))
+        sched.add_request(
+            Request(f"r{i}", rng.integers(1, 50, size=500 * (i + 1)), SamplingParams(max_tokens=40))
+        )
     held = []
     for _ in range(30):
         plan = sched.schedule()
         tables = pool.block_tables(plan.seq_ids)
         assert (plan.dense_block_tables() == tables[:, : plan.width]).all()
-        copy = {k: getattr(plan, k).copy() for k in ("seq_ids", "num_tokens", "start", "token_ids", "block_offsets",
-                                                        "block_ids", "sample", "cached")}
+        copy = {
+            k: getattr(plan, k).copy()
+            for k in (
+                "seq_ids",
+                "num_tokens",
+                "start",
+                "token_ids",
+                "block_offsets",
+                "block_ids",
+                "sample",
+                "cached",
+            )
+        }
         held.append((plan, copy))
         if len(held) > 1:  # one step ahead: update the older plan after the newer one exists
             old, _ = held[-2]

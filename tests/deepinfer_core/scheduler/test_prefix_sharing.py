@@ -54,7 +54,9 @@ class Memory:
                 assert c <= max(0, known - self.tail) // self.align * self.align
                 for b in range(c // bs):  # the shared blocks hold this request's tokens
                     want = [self.oracle.token(rid, b * bs + j) for j in range(bs)]
-                    assert self.kv[int(table[b])].tolist() == want, f"{rid}: shared block {b} holds other tokens"
+                    assert self.kv[int(table[b])].tolist() == want, (
+                        f"{rid}: shared block {b} holds other tokens"
+                    )
                 if c:
                     self.hits += 1
                     self.shared_admissions += any(self.pool.refcount(int(x)) > 1 for x in table[: c // bs])
@@ -81,20 +83,44 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Spec]]:
     align = block_size * draw(st.sampled_from([1, 2]))
     num_blocks = draw(st.integers(6, 28))
     slots = (num_blocks - 1) * block_size
-    prefixes = [[int(x) for x in rng.integers(1, VOCAB, size=int(rng.integers(1, 30)))] for _ in range(draw(st.integers(1, 3)))]
+    prefixes = [
+        [int(x) for x in rng.integers(1, VOCAB, size=int(rng.integers(1, 30)))]
+        for _ in range(draw(st.integers(1, 3)))
+    ]
     specs = []
     for no in range(draw(st.integers(2, 12))):
-        p = prefixes[int(rng.integers(len(prefixes)))] + [int(x) for x in rng.integers(1, VOCAB, size=int(rng.integers(0, 6)))]
+        p = prefixes[int(rng.integers(len(prefixes)))] + [
+            int(x) for x in rng.integers(1, VOCAB, size=int(rng.integers(0, 6)))
+        ]
         p = p[: max(1, min(40, slots - 1))]
         mt = int(rng.integers(1, max(1, min(24, slots - len(p) + 1, MAX_MODEL_LEN - len(p))) + 1))
-        specs.append(Spec(no=no, arrive=int(rng.integers(0, 30)), prompt=p, max_tokens=mt, ignore_eos=bool(rng.random() < 0.7),
-                          abort_at=int(rng.integers(0, 60)) if rng.random() < 0.1 else None))
-    cfg = dict(max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 48)),
-               max_model_len=MAX_MODEL_LEN, eos_token_id=EOS, watermark_blocks=draw(st.integers(0, 2)),
-               preemption_policy=draw(st.sampled_from(list(PreemptionPolicy))), max_preemptions=draw(st.integers(0, 3)),
-               headroom_steps=draw(st.sampled_from([0, 4])))
-    return {"cfg": cfg, "num_blocks": num_blocks, "block_size": block_size, "align": align,
-            "tail": draw(st.integers(1, 6))}, specs
+        specs.append(
+            Spec(
+                no=no,
+                arrive=int(rng.integers(0, 30)),
+                prompt=p,
+                max_tokens=mt,
+                ignore_eos=bool(rng.random() < 0.7),
+                abort_at=int(rng.integers(0, 60)) if rng.random() < 0.1 else None,
+            )
+        )
+    cfg = dict(
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 48)),
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_id=EOS,
+        watermark_blocks=draw(st.integers(0, 2)),
+        preemption_policy=draw(st.sampled_from(list(PreemptionPolicy))),
+        max_preemptions=draw(st.integers(0, 3)),
+        headroom_steps=draw(st.sampled_from([0, 4])),
+    )
+    return {
+        "cfg": cfg,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "align": align,
+        "tail": draw(st.integers(1, 6)),
+    }, specs
 
 
 @given(w=workloads(), async_mode=st.booleans())
@@ -110,7 +136,9 @@ def test_shared_prefix_admissions_never_write_shared_blocks(w, async_mode) -> No
     for f in res.finished:
         want, why = oracle.expected(f.request_id, sched.config.engine_type)
         got = list(f.output_token_ids)
-        assert got == want[: len(got)] and (f.finish_reason.name == "ABORT" or (got == want and f.finish_reason is why))
+        assert got == want[: len(got)] and (
+            f.finish_reason.name == "ABORT" or (got == want and f.finish_reason is why)
+        )
     assert {f.request_id for f in res.finished} == {s.rid for s in specs}
     assert pool.num_free_blocks == params["num_blocks"] - 1 and pool.impl.num_seqs == 0
     pool.check_invariants()
@@ -170,9 +198,13 @@ def test_admission_revives_its_cached_prefix_instead_of_evicting_it() -> None:
             index.insert(prompt[:28], pool.block_table(int(plan.seq_ids[0]))[:7])
         sched.update(plan, [3] * plan.num_rows)
     assert not sched.has_unfinished() and index.num_evictable_blocks == 7
-    sched.add_request(_req("b", [*prompt[:25], 1, 1, 1]))  # 28 tokens, 31 with its output: 8 blocks, all there are
+    sched.add_request(
+        _req("b", [*prompt[:25], 1, 1, 1])
+    )  # 28 tokens, 31 with its output: 8 blocks, all there are
     plan = sched.schedule()
-    assert plan.cached.tolist() == [16]  # (28 - 5) // 8 * 8: 4 blocks revived, 3 fresh (2 of a's tail evicted)
+    assert plan.cached.tolist() == [
+        16
+    ]  # (28 - 5) // 8 * 8: 4 blocks revived, 3 fresh (2 of a's tail evicted)
     assert [pool.refcount(int(x)) for x in pool.block_table(int(plan.seq_ids[0]))] == [1] * 7  # its 28 tokens
     pool.check_invariants()
 

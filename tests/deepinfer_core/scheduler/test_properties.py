@@ -172,13 +172,17 @@ class StepChecker:
             assert plan.num_rows == 0
 
 
-def run(params: dict, specs: list[Spec], async_mode: bool, draft_seed: int | None = None) -> tuple[dict, StepChecker]:
+def run(
+    params: dict, specs: list[Spec], async_mode: bool, draft_seed: int | None = None
+) -> tuple[dict, StepChecker]:
     pool = PagedKVPool(params["num_blocks"], params["block_size"])
     cfg = SchedulerConfig(async_mode=async_mode, **params["cfg"])
     sched = Scheduler(pool, cfg, cost_model=params["cost"])
     chk = StepChecker(cfg, params["cost"])
     rng = None if draft_seed is None else np.random.default_rng(draft_seed)
-    res = drive(sched, specs, lag=1 if async_mode else 0, before_schedule=chk.before, on_plan=chk.after, drafts=rng)
+    res = drive(
+        sched, specs, lag=1 if async_mode else 0, before_schedule=chk.before, on_plan=chk.after, drafts=rng
+    )
     chk.drafts_fed, chk.drafts_accepted = res.drafts_fed, res.drafts_accepted
     assert not res.max_steps_hit, "workload did not finish"
     ids = [f.request_id for f in res.finished]
@@ -222,8 +226,14 @@ def test_preemption_happens_in_property_workloads(policy: PreemptionPolicy) -> N
     """Guard against a vacuous order check: a tight pool does preempt, and nothing is lost."""
     specs = [Spec(no=i, arrive=i, prompt=[1 + i] * 3, max_tokens=20, ignore_eos=True) for i in range(6)]
     params = {
-        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS,
-                    preemption_policy=policy, headroom_steps=0),
+        "cfg": dict(
+            engine_type=EngineType.NORMAL,
+            max_num_seqs=6,
+            max_model_len=MAX_MODEL_LEN,
+            eos_token_id=EOS,
+            preemption_policy=policy,
+            headroom_steps=0,
+        ),
         "cost": CostModel(),
         "num_blocks": 30,
         "block_size": 2,
@@ -255,8 +265,14 @@ def test_speculative_drafts_are_planned_and_accepted(policy: PreemptionPolicy) -
     and accepted drafts take fewer steps than one token a step."""
     specs = [Spec(no=i, arrive=0, prompt=[1 + i] * 3, max_tokens=30, ignore_eos=True) for i in range(6)]
     params = {
-        "cfg": dict(engine_type=EngineType.NORMAL, max_num_seqs=6, max_model_len=MAX_MODEL_LEN, eos_token_id=EOS,
-                    preemption_policy=policy, headroom_steps=0),
+        "cfg": dict(
+            engine_type=EngineType.NORMAL,
+            max_num_seqs=6,
+            max_model_len=MAX_MODEL_LEN,
+            eos_token_id=EOS,
+            preemption_policy=policy,
+            headroom_steps=0,
+        ),
         "cost": CostModel(),
         "num_blocks": 40,
         "block_size": 2,

@@ -102,7 +102,9 @@ def test_async_finished_request_slot_discarded_blocks_freed_once() -> None:
     with pytest.raises(RuntimeError, match="not yet updated"):
         s.schedule()  # at most one step ahead
     ended = s.update(p1, [EOS])  # output[1] is EOS: the request ends while p2 holds a row for it
-    assert [(f.request_id, f.finish_reason, f.output_token_ids) for f in ended] == [("a", FinishReason.STOP, (7, EOS))]
+    assert [(f.request_id, f.finish_reason, f.output_token_ids) for f in ended] == [
+        ("a", FinishReason.STOP, (7, EOS))
+    ]
     assert pool.num_free_blocks == free0 and not pool.contains(int(p2.seq_ids[0]))
     assert s.update(p2, [9]) == []  # slot discarded: output not extended, nothing reported twice
     assert pool.num_free_blocks == free0
@@ -139,8 +141,10 @@ def test_first_preempted_is_longest_output_and_nothing_is_lost() -> None:
             longest = max(lengths[r] for r in lengths if s.request_info(r)["status"] in (0, 2))
             assert lengths[plan.preempted[0]] == longest
 
-    s = Scheduler(PagedKVPool(41, 1), SchedulerConfig(max_model_len=64, max_num_seqs=4,
-                                                       preemption_policy=PreemptionPolicy.DEEPINFER))
+    s = Scheduler(
+        PagedKVPool(41, 1),
+        SchedulerConfig(max_model_len=64, max_num_seqs=4, preemption_policy=PreemptionPolicy.DEEPINFER),
+    )
     res = drive(s, specs, lag=0, before_schedule=before, on_plan=on_plan)
     assert firsts and firsts[0][0] == "req-0"  # the earliest arrival has generated the most
     oracle = Oracle(specs)
@@ -185,7 +189,11 @@ def test_hard_cap_of_32768_tokens_per_step() -> None:
 def test_budget_too_small_for_one_token_is_rejected() -> None:
     cost = CostModel(base_ns=1e6, token_ns=10.0, ctx_ns=1.0)
     with pytest.raises(ValueError, match="time_budget_ns"):
-        Scheduler(PagedKVPool(64, 16), SchedulerConfig(max_model_len=1000, time_budget_ns=1.0e6 + 500), cost_model=cost)
+        Scheduler(
+            PagedKVPool(64, 16),
+            SchedulerConfig(max_model_len=1000, time_budget_ns=1.0e6 + 500),
+            cost_model=cost,
+        )
 
 
 # ---- validation: a bad request fails alone, the queue is unchanged -----------------------------------
@@ -305,7 +313,9 @@ def test_compact_tables_and_dense_views() -> None:
     dense = plan.block_tables
     assert dense.shape == (4, 4) and dense[0, 1:].tolist() == [0, 0, 0]  # padded with the null block
     np.testing.assert_array_equal(plan.dense_block_tables([2, 0]), dense[[2, 0]])
-    np.testing.assert_array_equal(plan.dense_block_tables(np.array([True, False, False, True])), dense[[0, 3]])
+    np.testing.assert_array_equal(
+        plan.dense_block_tables(np.array([True, False, False, True])), dense[[0, 3]]
+    )
     np.testing.assert_array_equal(plan.dense_block_tables([-1]), dense[[-1]])
     assert plan.dense_block_tables([]).shape == (0, 4)
     with pytest.raises(IndexError, match=r"rows\[1\]=4"):
@@ -322,7 +332,9 @@ def test_core_keeps_the_pool_alive() -> None:
     from deepinfer_core import _C
 
     # Only the C++ scheduler references this pool: nb::keep_alive must stop it being freed.
-    core = _C.scheduler.StepScheduler(_C.kv.BlockPool(32, 4), 0, 4, 64, 64, -1, 0.0, 2, 16, False, 0, [0.0] * 4)
+    core = _C.scheduler.StepScheduler(
+        _C.kv.BlockPool(32, 4), 0, 4, 64, 64, -1, 0.0, 2, 16, False, 0, [0.0] * 4
+    )
     gc.collect()
     core.add_request(1, np.array([1, 2, 3], dtype=np.int32), 2, 0, True, [])
     t = core.schedule(True, True, False)

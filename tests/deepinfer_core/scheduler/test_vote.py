@@ -63,7 +63,11 @@ def test_distributed_vote_two_gloo_ranks(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
     monkeypatch.syspath_prepend(pkg_parent)
     mp.start_processes(
-        _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="forkserver"
+        _worker,
+        args=(2, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="forkserver",
     )
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())

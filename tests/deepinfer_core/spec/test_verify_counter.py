@@ -21,7 +21,9 @@ def _counter_verifier(seed: int):  # type: ignore[no-untyped-def]
     def run(draft_tokens, draft_probs, target_probs, lengths, g):  # type: ignore[no-untyped-def]
         n, d = draft_tokens.shape
         if state["seeds"] is None:
-            state["seeds"] = torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(seed))
+            state["seeds"] = torch.randint(
+                -(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(seed)
+            )
         pos = torch.full((n,), state["step"] * (d + 1), dtype=torch.int64)
         state["step"] += 1
         r = verify(draft_tokens, draft_probs, target_probs, lengths, seeds=state["seeds"], positions=pos)
@@ -45,7 +47,14 @@ def test_counter_mode_harness_catches_a_shared_stream() -> None:
     seeds = torch.randint(0, 2**62, (N,), generator=g)
 
     def stuck(draft_tokens, draft_probs, target_probs, lengths, _g):  # type: ignore[no-untyped-def]
-        r = verify(draft_tokens, draft_probs, target_probs, lengths, seeds=seeds, positions=torch.zeros(N, dtype=torch.int64))
+        r = verify(
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            lengths,
+            seeds=seeds,
+            positions=torch.zeros(N, dtype=torch.int64),
+        )
         return r.num_accepted, r.next_token
 
     seq = _emit_sequences(stuck, g, P, Q, N, D, L)
@@ -131,10 +140,20 @@ def test_counter_mode_is_batch_invariant_and_reproducible() -> None:
     ("kw", "match"),
     [
         ({"seeds": torch.zeros(2, dtype=torch.int64)}, r"seeds / positions: counter mode needs both"),
-        ({"seeds": torch.zeros(3, dtype=torch.int64), "positions": torch.zeros(3, dtype=torch.int64)}, r"seeds: must be an integer tensor of shape \(2,\)"),
-        ({"seeds": torch.zeros(2), "positions": torch.zeros(2, dtype=torch.int64)}, r"seeds: must be an integer tensor"),
         (
-            {"seeds": torch.zeros(2, dtype=torch.int64), "positions": torch.zeros(2, dtype=torch.int64), "generator": torch.Generator()},
+            {"seeds": torch.zeros(3, dtype=torch.int64), "positions": torch.zeros(3, dtype=torch.int64)},
+            r"seeds: must be an integer tensor of shape \(2,\)",
+        ),
+        (
+            {"seeds": torch.zeros(2), "positions": torch.zeros(2, dtype=torch.int64)},
+            r"seeds: must be an integer tensor",
+        ),
+        (
+            {
+                "seeds": torch.zeros(2, dtype=torch.int64),
+                "positions": torch.zeros(2, dtype=torch.int64),
+                "generator": torch.Generator(),
+            },
             r"generator: not used in counter mode",
         ),
     ],
@@ -143,4 +162,11 @@ def test_counter_mode_bad_input(kw: dict, match: str) -> None:
     args = {"generator": None, **kw}
     p = torch.full((2, 4, 4), 0.25)
     with pytest.raises(ValueError, match=match):
-        verify(torch.zeros(2, 3, dtype=torch.int64), torch.full((2, 3, 4), 0.25), p, torch.tensor([1, 2]), args.pop("generator"), **args)
+        verify(
+            torch.zeros(2, 3, dtype=torch.int64),
+            torch.full((2, 3, 4), 0.25),
+            p,
+            torch.tensor([1, 2]),
+            args.pop("generator"),
+            **args,
+        )

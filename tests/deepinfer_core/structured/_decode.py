@@ -87,4 +87,3 @@ def decode_batch(
                 assert shadows[i].accept_token(t)
         live = [i for i in live if mgr.finish_reason(i) is None]
     return out, [mgr.finish_reason(i) for i in range(len(specs))], mgr
-

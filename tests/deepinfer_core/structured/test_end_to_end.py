@@ -104,7 +104,11 @@ def test_generated_text_satisfies_constraint(name: str, vocab: str, backend_for,
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
 def test_mixed_batch_bad_grammar_fails_alone(name: str, backend_for, byte_tok) -> None:
     backend = backend_for(name, "byte")
-    specs = [GrammarSpec("regex", "[a-c]{2,3}"), GrammarSpec("regex", "[a-"), GrammarSpec("ebnf", "root ::= undefined_rule")]
+    specs = [
+        GrammarSpec("regex", "[a-c]{2,3}"),
+        GrammarSpec("regex", "[a-"),
+        GrammarSpec("ebnf", "root ::= undefined_rule"),
+    ]
     outs, reasons, mgr = decode_batch(backend, specs, seed=3)
     assert reasons[0] is FinishReason.STOP and re.fullmatch("[a-c]{2,3}", _text(byte_tok, outs[0]))
     assert reasons[1] is reasons[2] is FinishReason.INVALID_GRAMMAR

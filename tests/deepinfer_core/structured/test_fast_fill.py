@@ -20,12 +20,16 @@ from deepinfer_core.structured import FinishReason, StructuredOutputManager, _fa
 
 from .test_manager import DigitsTokenizer
 
-pytestmark = pytest.mark.skipif(_fastpath._FastFill is None, reason="extension built without csrc/structured/fastfill.cpp")
+pytestmark = pytest.mark.skipif(
+    _fastpath._FastFill is None, reason="extension built without csrc/structured/fastfill.cpp"
+)
 
 BACKENDS = ["xgrammar", "llguidance"]
 
 
-def _pair(backend: object, specs: dict[object, dict]) -> tuple[StructuredOutputManager, StructuredOutputManager]:
+def _pair(
+    backend: object, specs: dict[object, dict]
+) -> tuple[StructuredOutputManager, StructuredOutputManager]:
     fast = StructuredOutputManager(backend, compile_workers=1)
     slow = StructuredOutputManager(backend, compile_workers=1, fast_path=False)
     for mgr in (fast, slow):
@@ -112,7 +116,9 @@ def test_unusual_drafts_take_the_python_path(name: str, backend_for, byte_tok) -
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_batch_shapes_out_and_keywords(name: str, backend_for, byte_tok) -> None:
-    fast, slow = _pair(backend_for(name, "byte"), {"a": {"regex": "[a-z]{2}"}, 7: {"json_schema": {"type": "integer"}}})
+    fast, slow = _pair(
+        backend_for(name, "byte"), {"a": {"regex": "[a-z]{2}"}, 7: {"json_schema": {"type": "integer"}}}
+    )
     a_tok = byte_tok.encode("q")
     before = _calls(fast)
     _both(fast, slow, (("a", []), (7, ())))  # tuple batch, tuple drafts: C++
@@ -159,7 +165,12 @@ def test_misses_raise_the_general_paths_errors(name: str, backend_for) -> None:
 def test_dead_rows_in_draft_free_and_drafted_batches(name: str) -> None:
     # Digits only: "[a-z]+" is dead at row 0, "[0-9]x" after one digit (a draft into it is cut there).
     be = make_backend(name, DigitsTokenizer())
-    specs = {"dead": {"regex": "[a-z]+"}, "live": {"regex": "[0-9]{1,3}"}, "later": {"regex": "[0-9]x"}, "ok": {"regex": "[0-9]{2}"}}
+    specs = {
+        "dead": {"regex": "[a-z]+"},
+        "live": {"regex": "[0-9]{1,3}"},
+        "later": {"regex": "[0-9]x"},
+        "ok": {"regex": "[0-9]{2}"},
+    }
     fast, slow = _pair(be, specs)
     before = _calls(fast)
     a, _ = _both(fast, slow, [("live", [1, 2]), ("later", [5, 5]), ("ok", [3])])
@@ -219,12 +230,34 @@ def test_constructor_rejects_bad_arguments(backend_for) -> None:
 
     mgr = StructuredOutputManager(backend_for("xgrammar", "byte"))
     be = backend_for("xgrammar", "byte")
-    good = dict(kind=0, keys={}, views={}, manager=mgr, fallback=type(mgr).fill_bitmask, fill_keys=be.fill_keys,
-                accept_key=None, batch_mask_type=BatchMask, np_empty=np.empty, np_zeros=np.zeros,
-                dt_int64=np.dtype(np.int64), dt_bool=np.dtype(np.bool_), words=16, vocab=512, tail_keep=-1, eos=0, refuse=[])
+    good = dict(
+        kind=0,
+        keys={},
+        views={},
+        manager=mgr,
+        fallback=type(mgr).fill_bitmask,
+        fill_keys=be.fill_keys,
+        accept_key=None,
+        batch_mask_type=BatchMask,
+        np_empty=np.empty,
+        np_zeros=np.zeros,
+        dt_int64=np.dtype(np.int64),
+        dt_bool=np.dtype(np.bool_),
+        words=16,
+        vocab=512,
+        tail_keep=-1,
+        eos=0,
+        refuse=[],
+    )
     _fastpath._FastFill(**good)
-    for bad, match in (({"kind": 5}, "kind"), ({"vocab": 600}, "vocab"), ({"tail_keep": -2}, "tail_keep"),
-                       ({"eos": 512}, "eos"), ({"refuse": [512]}, "refuse"), ({"fill_keys": None}, "fill_keys"),
-                       ({"kind": 1}, "accept_key")):
+    for bad, match in (
+        ({"kind": 5}, "kind"),
+        ({"vocab": 600}, "vocab"),
+        ({"tail_keep": -2}, "tail_keep"),
+        ({"eos": 512}, "eos"),
+        ({"refuse": [512]}, "refuse"),
+        ({"fill_keys": None}, "fill_keys"),
+        ({"kind": 1}, "accept_key"),
+    ):
         with pytest.raises(ValueError, match=match):
             _fastpath._FastFill(**{**good, **bad})

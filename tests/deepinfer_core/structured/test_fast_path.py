@@ -22,9 +22,14 @@ from deepinfer_core.structured import manager as M
 from ._decode import allowed_ids
 from .test_end_to_end import EBNF, REGEXES, SCHEMA
 
-pytestmark = pytest.mark.skipif(_fastpath.FINISH_PTR is None, reason="extension built without csrc/structured")
+pytestmark = pytest.mark.skipif(
+    _fastpath.FINISH_PTR is None, reason="extension built without csrc/structured"
+)
 
-SPECS = [GrammarSpec("regex", r) for r in REGEXES] + [GrammarSpec("json_schema", SCHEMA), GrammarSpec("ebnf", EBNF)]
+SPECS = [GrammarSpec("regex", r) for r in REGEXES] + [
+    GrammarSpec("json_schema", SCHEMA),
+    GrammarSpec("ebnf", EBNF),
+]
 
 
 def _same(a, b) -> None:
@@ -37,8 +42,14 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("threads", [None, 2])
 @pytest.mark.parametrize("vocab", ["byte", "bpe"])
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
-def test_fast_path_equals_general_path(name: str, vocab: str, threads: int | None, backend_for, tok_for) -> None:
-    backend = backend_for(name, vocab) if threads is None else make_backend(name, tok_for(vocab), mask_threads=threads)
+def test_fast_path_equals_general_path(
+    name: str, vocab: str, threads: int | None, backend_for, tok_for
+) -> None:
+    backend = (
+        backend_for(name, vocab)
+        if threads is None
+        else make_backend(name, tok_for(vocab), mask_threads=threads)
+    )
     V = backend.vocab_size
     rng = np.random.default_rng(zlib.crc32(f"{name}-{vocab}-{threads}".encode()))
     fast = StructuredOutputManager(backend, compile_workers=1)
@@ -107,7 +118,11 @@ def test_fast_path_equals_general_path(name: str, vocab: str, threads: int | Non
     ff = fast._fast_fill
     assert (ff is not None) == (name == "xgrammar" or threads is None)
     if ff is not None:
-        assert ff.fast_calls + ff.tail_calls >= 10 and ff.fallback_calls == 0, (ff.fast_calls, ff.tail_calls, ff.fallback_calls)
+        assert ff.fast_calls + ff.tail_calls >= 10 and ff.fallback_calls == 0, (
+            ff.fast_calls,
+            ff.tail_calls,
+            ff.fallback_calls,
+        )
 
 
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
@@ -162,7 +177,9 @@ def test_cpp_ptr_pass_equals_numpy(seed: int) -> None:
     keep = None if tail_bits == 0 else np.int32(np.uint32((1 << tail_bits) - 1))
     keep_c = -1 if tail_bits == 0 else (1 << tail_bits) - 1
     # Random disjoint (src, end) copy ranges, as the draft path produces them.
-    cuts = np.sort(rng.choice(np.arange(1, rows), size=min(rows - 1, int(rng.integers(0, 6))), replace=False)).tolist()
+    cuts = np.sort(
+        rng.choice(np.arange(1, rows), size=min(rows - 1, int(rng.integers(0, 6))), replace=False)
+    ).tolist()
     bounds = [0, *cuts, rows]
     copies = []
     want = a.copy()
@@ -219,6 +236,8 @@ def test_llguidance_dead_end_and_stop_in_a_draft_free_batch(backend_for, byte_to
         m = mgr.matcher("stop")
         assert m.accept_token(3) and m.accept_token(be.eos_token_id)  # outside the manager
         bm = mgr.fill_bitmask([("live", []), ("dead", []), ("later", []), ("stop", [])])
-        res.append((bm.bitmask.clone(), bm.dead_end.tolist(), [mgr.finish_reason(r) for r in ("dead", "later")]))
+        res.append(
+            (bm.bitmask.clone(), bm.dead_end.tolist(), [mgr.finish_reason(r) for r in ("dead", "later")])
+        )
         assert bm.dead_end.tolist() == [False, True, True, True]
     assert torch.equal(res[0][0], res[1][0]) and res[0][1:] == res[1][1:]

@@ -25,7 +25,9 @@ def allowed(row: torch.Tensor, V: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:V])
 
 
-def decode(mgr: StructuredOutputManager, rid: str, rng: np.random.Generator, max_tokens: int = 400) -> list[int]:
+def decode(
+    mgr: StructuredOutputManager, rid: str, rng: np.random.Generator, max_tokens: int = 400
+) -> list[int]:
     mgr.wait([rid])
     toks: list[int] = []
     while mgr.finish_reason(rid) is None and len(toks) < max_tokens:
@@ -57,8 +59,12 @@ def test_property_order_is_the_schemas(name: str, byte_tok, backend_for, auto) -
     mgr = StructuredOutputManager(backend)
     for i in range(4):
         keys = r.sample(["zeta", "answer", "reasoning", "alpha", "mid", "b2", "a1"], 5)  # not sorted
-        schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 99} for k in keys},
-                  "required": keys, "additionalProperties": False}
+        schema = {
+            "type": "object",
+            "properties": {k: {"type": "integer", "minimum": 0, "maximum": 99} for k in keys},
+            "required": keys,
+            "additionalProperties": False,
+        }
         mgr.add_request(str(i), {"json_schema": json.dumps(schema)})
         toks = decode(mgr, str(i), rng)
         assert mgr.finish_reason(str(i)) is FinishReason.STOP, (seed, mgr.error(str(i)))
@@ -69,8 +75,15 @@ def test_property_order_is_the_schemas(name: str, byte_tok, backend_for, auto) -
 # ----------------------------------------------------------------------------- auto: fallback and metrics
 def test_auto_falls_back_per_request_and_reports_the_engine(auto) -> None:
     mgr = StructuredOutputManager(auto)
-    one_of = {"oneOf": [{"type": "integer"}, {"type": "number", "maximum": 5}]}  # llguidance refuses (overlapping)
-    plain = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    one_of = {
+        "oneOf": [{"type": "integer"}, {"type": "number", "maximum": 5}]
+    }  # llguidance refuses (overlapping)
+    plain = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     mgr.add_request("fallback", {"json_schema": one_of})
     mgr.add_request("first", {"json_schema": plain})
     mgr.add_request("asked", {"json_schema": plain, "engine": "xgrammar"})
@@ -78,7 +91,10 @@ def test_auto_falls_back_per_request_and_reports_the_engine(auto) -> None:
     mgr.add_request("nobody", {"json_schema": {"type": "no-such-type"}})
     mgr.wait(["fallback", "first", "asked", "coerced", "nobody"])
     m = {r: mgr.metrics(r) for r in ("fallback", "first", "asked", "coerced")}
-    assert m["fallback"]["grammar_engine"] == "xgrammar" and "oneOf" in m["fallback"]["grammar_refused"]["llguidance"]
+    assert (
+        m["fallback"]["grammar_engine"] == "xgrammar"
+        and "oneOf" in m["fallback"]["grammar_refused"]["llguidance"]
+    )
     assert m["first"] == {"grammar_engine": "llguidance"}
     assert m["asked"] == {"grammar_engine": "xgrammar"}
     assert m["coerced"] == {"grammar_engine": "llguidance"}  # the engine option made llguidance accept it
@@ -107,15 +123,27 @@ def test_fixed_backend_refuses_another_engine(backend_for) -> None:
         mgr.add_request("x", {"json_schema": {"type": "integer"}, "engine": "llguidance"})
 
 
-@pytest.mark.parametrize(("so_args", "match"), [
-    ({"json_schema": {}, "options": {"vllm": {}}}, r"so_args.options: 'vllm' is not an engine"),
-    ({"json_schema": {}, "options": {"llguidance": {"coerce": True}}}, r"so_args.options.llguidance: 'coerce' is not"),
-    ({"json_schema": {}, "options": {"xgrammar": {"any_whitespace": 1}}}, r"options.xgrammar.any_whitespace: 1 must be a bool"),
-    ({"json_schema": {}, "options": {"xgrammar": {"max_whitespace_cnt": 0}}}, r"max_whitespace_cnt: 0 must be >= 1"),
-    ({"regex": "a", "options": {"xgrammar": {"any_whitespace": True}}}, r"json_schema constraints only"),
-    ({"json_schema": {}, "engine": "outlines"}, r"so_args.engine: 'outlines'"),
-    ({"json_schema": {}, "backend": "x"}, r"so_args: must have exactly one key"),
-])
+@pytest.mark.parametrize(
+    ("so_args", "match"),
+    [
+        ({"json_schema": {}, "options": {"vllm": {}}}, r"so_args.options: 'vllm' is not an engine"),
+        (
+            {"json_schema": {}, "options": {"llguidance": {"coerce": True}}},
+            r"so_args.options.llguidance: 'coerce' is not",
+        ),
+        (
+            {"json_schema": {}, "options": {"xgrammar": {"any_whitespace": 1}}},
+            r"options.xgrammar.any_whitespace: 1 must be a bool",
+        ),
+        (
+            {"json_schema": {}, "options": {"xgrammar": {"max_whitespace_cnt": 0}}},
+            r"max_whitespace_cnt: 0 must be >= 1",
+        ),
+        ({"regex": "a", "options": {"xgrammar": {"any_whitespace": True}}}, r"json_schema constraints only"),
+        ({"json_schema": {}, "engine": "outlines"}, r"so_args.engine: 'outlines'"),
+        ({"json_schema": {}, "backend": "x"}, r"so_args: must have exactly one key"),
+    ],
+)
 def test_options_are_validated(so_args: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GrammarSpec.from_so_args(so_args)
@@ -140,10 +168,15 @@ def test_whitespace_option_changes_the_language(name: str, byte_tok, backend_for
 def utf8_oracle(prefix: bytes, token_bytes: list[bytes], json_controls: bool) -> np.ndarray:
     """Tokens whose bytes keep ``prefix`` a valid UTF-8 prefix (control tokens only on a character
     boundary; for JSON no byte below 0x20), by Python's strict incremental decoder."""
+
     def ok(data: bytes, final: bool) -> bool:
         # a valid prefix has a valid completion (the incremental decoder alone accepts ED A0, the
         # start of a surrogate): only the second byte of a character is restricted beyond 80..BF
-        tails = [b""] if final else [b""] + [bytes([c]) + b"\x80" * n for n in range(3) for c in (0x80, 0x90, 0xA0)]
+        tails = (
+            [b""]
+            if final
+            else [b""] + [bytes([c]) + b"\x80" * n for n in range(3) for c in (0x80, 0x90, 0xA0)]
+        )
         for tail in tails:
             try:
                 codecs.getincrementaldecoder("utf-8")("strict").decode(data + tail, final=True)
@@ -164,13 +197,19 @@ def utf8_oracle(prefix: bytes, token_bytes: list[bytes], json_controls: bool) ->
 
 ADVERSARIAL = [  # (backend, spec, is JSON): grammars that admit bytes which are not UTF-8
     ("llguidance", GrammarSpec("ebnf", "start: <[3-258]>{1,24}"), False),  # any byte tokens, by id
-    ("xgrammar", GrammarSpec("json_schema", {"type": "string", "maxLength": 12}), True),  # surrogates, controls
+    (
+        "xgrammar",
+        GrammarSpec("json_schema", {"type": "string", "maxLength": 12}),
+        True,
+    ),  # surrogates, controls
 ]
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
 @pytest.mark.parametrize(("name", "spec", "is_json"), ADVERSARIAL)
-def test_byte_filter_rows_equal_engine_rows_and_oracle(name, spec, is_json, fast_path, byte_tok, backend_for) -> None:
+def test_byte_filter_rows_equal_engine_rows_and_oracle(
+    name, spec, is_json, fast_path, byte_tok, backend_for
+) -> None:
     """Every row (drafts included) is the engine's own row AND the oracle's, and drafts the filter
     rejects are cut; every document finishing ``stop`` decodes strictly."""
     backend = backend_for(name, "byte")
@@ -187,7 +226,9 @@ def test_byte_filter_rows_equal_engine_rows_and_oracle(name, spec, is_json, fast
         committed: list[int] = []
         while mgr.finish_reason(rid) is None and len(committed) < 60:
             # random drafts, half of them raw bytes the filter may refuse (continuations, ED A0, controls)
-            drafts = [int(rng.choice([rng.integers(3, 259), rng.integers(3 + 0x80, 3 + 0xC0)])) for _ in range(3)]
+            drafts = [
+                int(rng.choice([rng.integers(3, 259), rng.integers(3 + 0x80, 3 + 0xC0)])) for _ in range(3)
+            ]
             bm = mgr.fill_bitmask([(rid, drafts)])
             k = int(bm.num_drafts[0])
             prefix, steps = text_of(byte_tok, committed), 0
@@ -204,7 +245,9 @@ def test_byte_filter_rows_equal_engine_rows_and_oracle(name, spec, is_json, fast
                 assert ref.accept_token(drafts[k]) and not ref.is_terminated()
                 steps += 1
                 ref.fill_next_token_bitmask(ref_buf, 0)
-                after = set(allowed(ref_buf[0], V)) & set(np.flatnonzero(utf8_oracle(prefix + tb[drafts[k]], tb, is_json)))
+                after = set(allowed(ref_buf[0], V)) & set(
+                    np.flatnonzero(utf8_oracle(prefix + tb[drafts[k]], tb, is_json))
+                )
                 assert not after, (seed, committed, drafts)
             ref.rollback(steps)
             if bm.dead_end[0]:
@@ -236,7 +279,13 @@ def test_byte_filter_off_lets_engines_through(byte_tok, backend_for) -> None:
 # ----------------------------------------------------------------------------- post-hoc checks
 def test_violation_is_not_success(byte_tok, backend_for) -> None:
     # xgrammar does not enforce uniqueItems: the grammar accepts ["a","a"], the check does not
-    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "minItems": 2, "maxItems": 2}
+    schema = {
+        "type": "array",
+        "items": {"enum": ["a", "b"]},
+        "uniqueItems": True,
+        "minItems": 2,
+        "maxItems": 2,
+    }
     mgr = StructuredOutputManager(backend_for("xgrammar", "byte"))
     for rid, doc in (("dup", '["a","a"]'), ("ok", '["a","b"]')):
         mgr.add_request(rid, {"json_schema": schema})
@@ -248,10 +297,17 @@ def test_violation_is_not_success(byte_tok, backend_for) -> None:
     assert "non-unique" in mgr.error("dup") and mgr.metrics("dup")["grammar_check"] == "failed"
 
 
-@pytest.mark.parametrize(("data", "ok"), [
-    (b'{"a":1}', True), (b'{"a":1,"a":2}', False), (b'{"a":NaN}', False), (b'"\xed\xa0\x80"', False),
-    (b'"a\x01"', False), (b'{"a":"x"}', False),
-])
+@pytest.mark.parametrize(
+    ("data", "ok"),
+    [
+        (b'{"a":1}', True),
+        (b'{"a":1,"a":2}', False),
+        (b'{"a":NaN}', False),
+        (b'"\xed\xa0\x80"', False),
+        (b'"a\x01"', False),
+        (b'{"a":"x"}', False),
+    ],
+)
 def test_check_document_is_strict(data: bytes, ok: bool) -> None:
     from deepinfer_core.structured.validate import make_validator
 
@@ -261,9 +317,15 @@ def test_check_document_is_strict(data: bytes, ok: bool) -> None:
 
 def test_auto_relaxes_llguidance_when_every_engine_refuses(auto, byte_tok) -> None:
     # an unknown format (llguidance refuses) and an integer bound past int64 (xgrammar refuses)
-    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "mongoId", "maxLength": 6},
-                                               "b": {"type": "integer", "minimum": 0, "maximum": 10**20}},
-              "required": ["a", "b"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "format": "mongoId", "maxLength": 6},
+            "b": {"type": "integer", "minimum": 0, "maximum": 10**20},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
     mgr = StructuredOutputManager(auto)
     rng = np.random.default_rng(random.randrange(2**31))
     for i in range(3):
@@ -282,11 +344,18 @@ def test_auto_fast_paths_equal_the_general_path(auto) -> None:
     from .test_end_to_end import SCHEMA
 
     one_of = {"oneOf": [{"type": "integer"}, {"type": "number", "maximum": 5}]}  # xgrammar serves it
-    specs = [GrammarSpec("json_schema", SCHEMA), GrammarSpec("json_schema", one_of), GrammarSpec("regex", "[a-c\u00e9]{1,9}"),
-             GrammarSpec("json_schema", {"type": "string", "maxLength": 8}, engine="xgrammar")]
+    specs = [
+        GrammarSpec("json_schema", SCHEMA),
+        GrammarSpec("json_schema", one_of),
+        GrammarSpec("regex", "[a-c\u00e9]{1,9}"),
+        GrammarSpec("json_schema", {"type": "string", "maxLength": 8}, engine="xgrammar"),
+    ]
     seed = random.randrange(2**31)
     rng = np.random.default_rng(seed)
-    fast, slow = StructuredOutputManager(auto, compile_workers=1), StructuredOutputManager(auto, compile_workers=1, fast_path=False)
+    fast, slow = (
+        StructuredOutputManager(auto, compile_workers=1),
+        StructuredOutputManager(auto, compile_workers=1, fast_path=False),
+    )
     rids = list(range(2 * len(specs)))
     for r in rids:
         fast.add_request(r, specs[r % len(specs)])
@@ -302,8 +371,10 @@ def test_auto_fast_paths_equal_the_general_path(auto) -> None:
         eng = {r: fast.metrics(r)["grammar_engine"] for r in live}
         groups = [live] + [[r for r in live if eng[r] == e] for e in ("llguidance", "xgrammar")]
         for group in (g for g in groups if g):
-            batch = [(r, [int(rng.integers(0, V)) for _ in range(int(rng.integers(0, 4)))] if step % 2 else [])
-                     for r in group]
+            batch = [
+                (r, [int(rng.integers(0, V)) for _ in range(int(rng.integers(0, 4)))] if step % 2 else [])
+                for r in group
+            ]
             a = fast.fill_bitmask(batch)
             a_bits, a_k, a_dead = a.bitmask.clone(), a.num_drafts.copy(), a.dead_end.copy()
             b = slow.fill_bitmask(batch)

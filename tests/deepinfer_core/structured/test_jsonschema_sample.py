@@ -21,7 +21,11 @@ pytest.importorskip("jsonschema")
 # the development sample beside the checkout when present, else the subset vendored for CI (36 schemas,
 # 4 per set, drawn from it once: tests/data/jsonschema-ci/manifest.json)
 DEV = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "jsonschema-dev"
-SAMPLE = DEV if (DEV / "manifest.json").exists() else Path(__file__).resolve().parents[2] / "data" / "jsonschema-ci"
+SAMPLE = (
+    DEV
+    if (DEV / "manifest.json").exists()
+    else Path(__file__).resolve().parents[2] / "data" / "jsonschema-ci"
+)
 PER_SET = 3  # 10 sets: 30 schemas
 
 

@@ -75,7 +75,11 @@ def _byte_ids(tok, lo: int, hi: int) -> set[int]:
 
 def test_known_difference_unicode_classes_over_byte_tokens(backend_for, byte_tok) -> None:
     bx, bl = backend_for("xgrammar", "byte"), backend_for("llguidance", "byte")
-    ascii_digits = {t for t in range(byte_tok.vocab_size) if byte_tok.token_bytes()[t] in {str(d).encode() for d in range(10)}}
+    ascii_digits = {
+        t
+        for t in range(byte_tok.vocab_size)
+        if byte_tok.token_bytes()[t] in {str(d).encode() for d in range(10)}
+    }
     # \d: xgrammar means [0-9]; llguidance (Rust regex) means Unicode Nd, so it also allows the lead
     # bytes of non-ASCII digits (e.g. Arabic-Indic U+0660 starts with 0xD9).
     sx, sl = _first_mask(bx, GrammarSpec("regex", r"\d")), _first_mask(bl, GrammarSpec("regex", r"\d"))
@@ -87,7 +91,9 @@ def test_known_difference_unicode_classes_over_byte_tokens(backend_for, byte_tok
     assert wx < wl and (wl - wx) <= _byte_ids(byte_tok, 0xC2, 0xF4)
     # '.': xgrammar admits a newline, llguidance (Rust regex default) does not.
     nl = byte_tok.encode("\n")[0]
-    assert nl in _first_mask(bx, GrammarSpec("regex", ".")) and nl not in _first_mask(bl, GrammarSpec("regex", "."))
+    assert nl in _first_mask(bx, GrammarSpec("regex", ".")) and nl not in _first_mask(
+        bl, GrammarSpec("regex", ".")
+    )
 
 
 def _accepts(backend, spec: GrammarSpec, text: bytes, tok) -> bool:
@@ -97,9 +103,12 @@ def _accepts(backend, spec: GrammarSpec, text: bytes, tok) -> bool:
 
 def test_known_difference_json_strings_and_extra_properties(backend_for, byte_tok) -> None:
     bx, bl = backend_for("xgrammar", "byte"), backend_for("llguidance", "byte")
-    s = GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    s = GrammarSpec(
+        "json_schema", {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    )
     bounded = GrammarSpec(
-        "json_schema", {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+        "json_schema",
+        {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]},
     )
     # A raw control character inside a string is invalid JSON. Both refuse it in a plain string, but
     # xgrammar's length-bounded strings (maxLength) admit it; llguidance refuses it there too.

@@ -13,7 +13,10 @@ from deepinfer_core.structured import GrammarSpec, StructuredOutputManager, make
 from ._decode import allowed_ids
 from .test_end_to_end import EBNF, REGEXES, SCHEMA
 
-SPECS = [GrammarSpec("regex", r) for r in REGEXES] + [GrammarSpec("json_schema", SCHEMA), GrammarSpec("ebnf", EBNF)]
+SPECS = [GrammarSpec("regex", r) for r in REGEXES] + [
+    GrammarSpec("json_schema", SCHEMA),
+    GrammarSpec("ebnf", EBNF),
+]
 
 
 def _tail_clear(row: torch.Tensor, vocab: int) -> torch.Tensor:

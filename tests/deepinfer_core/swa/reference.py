@@ -18,8 +18,14 @@ from deepinfer_core.model.model import DeepSeekV41
 
 
 @torch.no_grad()
-def masked_forward(model: DeepSeekV41, tokens: torch.Tensor, enc_floor: int = 0, dec_floor: int = 0,
-                   cached_below: int = 0, _exact: dict | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict]:
+def masked_forward(
+    model: DeepSeekV41,
+    tokens: torch.Tensor,
+    enc_floor: int = 0,
+    dec_floor: int = 0,
+    cached_below: int = 0,
+    _exact: dict | None = None,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict]:
     cfg = model.cfg
     t = tokens.shape[0]
     pos = torch.arange(t)

@@ -80,7 +80,9 @@ def test_hit_ending_inside_a_compression_group():
     assert cfg.align == 2
     p = plan_replay(cfg, 100, 41)
     assert p.hit == 40  # the ratio-2 group [40, 42) is recomputed, not rebuilt from a partial state
-    c4 = ReplayConfig(keep=10, window=8, num_layers=4, encoder_layers=2, compress_ratios=[4, 4, 1, 1], block_size=6)
+    c4 = ReplayConfig(
+        keep=10, window=8, num_layers=4, encoder_layers=2, compress_ratios=[4, 4, 1, 1], block_size=6
+    )
     assert c4.align == 12 and plan_replay(c4, 200, 100).hit == 96
 
 
@@ -105,7 +107,11 @@ def test_masks_truncate_only_the_decoder_in_the_tail():
 
 def test_bad_input_names_the_field():
     cfg = ReplayConfig(keep=22, **TINY)
-    for kw, field in (({"hit": 101}, "hit"), ({"hit": -1}, "hit"), ({"pending_drafts": -1}, "pending_drafts")):
+    for kw, field in (
+        ({"hit": 101}, "hit"),
+        ({"hit": -1}, "hit"),
+        ({"pending_drafts": -1}, "pending_drafts"),
+    ):
         args = {"num_tokens": 100, "hit": 8, **kw}
         with pytest.raises(ValueError, match=field):
             plan_replay(cfg, **args)
@@ -122,10 +128,16 @@ def shapes(draw):
     nl = draw(st.integers(2, 12))
     e = draw(st.integers(1, nl))
     ratios = draw(st.lists(st.sampled_from([0, 1, 2, 4]), min_size=nl, max_size=nl))
-    cfg = ReplayConfig(window=draw(st.integers(1, 40)), num_layers=nl, encoder_layers=e,
-                       keep=draw(st.integers(1, 200)), compress_ratios=ratios, block_size=draw(st.integers(1, 32)),
-                       mode=draw(st.sampled_from(["bounded", "exact"])),
-                       encoder_replay=draw(st.none() | st.integers(1, 100)))
+    cfg = ReplayConfig(
+        window=draw(st.integers(1, 40)),
+        num_layers=nl,
+        encoder_layers=e,
+        keep=draw(st.integers(1, 200)),
+        compress_ratios=ratios,
+        block_size=draw(st.integers(1, 32)),
+        mode=draw(st.sampled_from(["bounded", "exact"])),
+        encoder_replay=draw(st.none() | st.integers(1, 100)),
+    )
     n = draw(st.integers(1, 3000))
     return cfg, n, draw(st.integers(0, n)), draw(st.integers(0, 6)), draw(st.booleans())
 
@@ -142,18 +154,25 @@ def test_plan_invariants(case):
     for s in p.steps:
         assert s.writes_blocks == (s.kind in (PREFILL, ENCODER_PREFILL, TAIL))
         if s.kind == ENCODER_REPLAY:
-            assert 0 <= s.start < s.end == p.hit and s.floor == s.start and s.layers == (0, cfg.encoder_layers)
+            assert (
+                0 <= s.start < s.end == p.hit and s.floor == s.start and s.layers == (0, cfg.encoder_layers)
+            )
     if p.hit:
         tail = p.steps[-1]
         assert tail.kind == TAIL and tail.floor == tail.start
-        assert (tail.floor_layers == (cfg.encoder_layers, cfg.num_layers))
+        assert tail.floor_layers == (cfg.encoder_layers, cfg.num_layers)
         if cfg.decoder_layers:
             want = cfg.exact_tail(d) if cfg.mode == EXACT else max(cfg.keep, cfg.window + d)
             assert tail.num_tokens == want  # the hit never eats into the tail
         # exact mode is exact; bounded mode claims exactness only when its spans reach the exact ones
         if cfg.mode == EXACT:
             assert p.exact
-        enc_ok = p.encoder_restored or p.steps[0].kind != ENCODER_REPLAY or p.steps[0].start == 0 or p.encoder_replay_tokens >= cfg.exact_encoder_replay()
+        enc_ok = (
+            p.encoder_restored
+            or p.steps[0].kind != ENCODER_REPLAY
+            or p.steps[0].start == 0
+            or p.encoder_replay_tokens >= cfg.exact_encoder_replay()
+        )
         dec_ok = not cfg.decoder_layers or tail.start == 0 or tail.num_tokens >= cfg.exact_tail(d)
         assert p.exact == (enc_ok and dec_ok)
         # work: never more than a full prefill plus the bounded replays

@@ -47,9 +47,17 @@ class Rig:
             c1 = min(n_a, c0 + 40)
             xs = [x for x in range(BS, n_a + 1, BS) if c0 < x <= c1]
             sp = xs[-1] if xs else 0  # one snapshot per request and step: the chunk's last boundary
-            out = self.ex.execute(ForwardBatch(token_ids=a[c0:c1], query_lens=[c1 - c0], start_pos=[c0],
-                                               block_tables=table[None], state_slots=[0], num_logits=[1],
-                                               snapshot_pos=[sp]))
+            out = self.ex.execute(
+                ForwardBatch(
+                    token_ids=a[c0:c1],
+                    query_lens=[c1 - c0],
+                    start_pos=[c0],
+                    block_tables=table[None],
+                    state_slots=[0],
+                    num_logits=[1],
+                    snapshot_pos=[sp],
+                )
+            )
             if sp:
                 self.snaps[sp] = out.snapshots[0]
         self.index.insert_seq(1, a)
@@ -61,10 +69,27 @@ class Rig:
         """A's encoder rings at ``x`` from a fresh run whose chunk [x - 8, x + 32) snapshots inside."""
         ex = ModelExecutor(self.model, 96, BS, 4, quantize=False)
         t = self.pool.block_table(1)[None]
-        ex.execute(ForwardBatch(token_ids=self.a[: x - 8], query_lens=[x - 8], start_pos=[0], block_tables=t,
-                                state_slots=[0], num_logits=[0]))
-        out = ex.execute(ForwardBatch(token_ids=self.a[x - 8 : x + 32], query_lens=[40], start_pos=[x - 8],
-                                      block_tables=t, state_slots=[0], num_logits=[1], snapshot_pos=[x]))
+        ex.execute(
+            ForwardBatch(
+                token_ids=self.a[: x - 8],
+                query_lens=[x - 8],
+                start_pos=[0],
+                block_tables=t,
+                state_slots=[0],
+                num_logits=[0],
+            )
+        )
+        out = ex.execute(
+            ForwardBatch(
+                token_ids=self.a[x - 8 : x + 32],
+                query_lens=[40],
+                start_pos=[x - 8],
+                block_tables=t,
+                state_slots=[0],
+                num_logits=[1],
+                snapshot_pos=[x],
+            )
+        )
         return out.snapshots[0]
 
     def hit_b(self, cfg: ReplayConfig, extra: int = 8, host: bool = True):
@@ -90,16 +115,32 @@ def test_snapshot_inside_a_chunk_equals_the_rings_of_a_run_ending_there(model64:
     ex = ModelExecutor(model64, 96, BS, 4, quantize=False)
     pool = PagedKVPool(96, BS)
     assert pool.allocate(1, x)
-    ex.execute(ForwardBatch(token_ids=rig.a[:x], query_lens=[x], start_pos=[0], block_tables=pool.block_table(1)[None],
-                            state_slots=[0], num_logits=[1]))
+    ex.execute(
+        ForwardBatch(
+            token_ids=rig.a[:x],
+            query_lens=[x],
+            start_pos=[0],
+            block_tables=pool.block_table(1)[None],
+            state_slots=[0],
+            num_logits=[1],
+        )
+    )
     want = ex.encoder_rings(0)
     w, ring = model64.cfg.sliding_window, ex.swa_ring
     keep = torch.as_tensor([p % ring for p in range(x - ring, x)])
     f64 = torch.float64  # different chunkings round differently: compare values, not bytes
     assert (rig.snaps[x][:, keep].view(f64) - want[:, keep].view(f64)).abs().max().item() < TOL
     # a snapshot inside a chunk (A's [80, 120) at 88) against the rings of a run ending at 88
-    ex.execute(ForwardBatch(token_ids=rig.a[x:88], query_lens=[8], start_pos=[x], block_tables=pool.block_table(1)[None],
-                            state_slots=[0], num_logits=[1])) if pool.append_slots(1, 8) else None
+    ex.execute(
+        ForwardBatch(
+            token_ids=rig.a[x:88],
+            query_lens=[8],
+            start_pos=[x],
+            block_tables=pool.block_table(1)[None],
+            state_slots=[0],
+            num_logits=[1],
+        )
+    ) if pool.append_slots(1, 8) else None
     keep = torch.as_tensor([p % ring for p in range(88 - ring, 88)])
     got88 = rig.snaps_at(88)
     assert (got88[:, keep].view(f64) - ex.encoder_rings(0)[:, keep].view(f64)).abs().max().item() < TOL
@@ -108,7 +149,9 @@ def test_snapshot_inside_a_chunk_equals_the_rings_of_a_run_ending_there(model64:
 
 @pytest.mark.parametrize("host", [True, False])
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_exact_mode_reproduces_the_no_cache_logits(model64: DeepSeekV41, host: bool, chunk: int | None) -> None:
+def test_exact_mode_reproduces_the_no_cache_logits(
+    model64: DeepSeekV41, host: bool, chunk: int | None
+) -> None:
     rig = Rig(model64, 21)
     plan, table = rig.hit_b(_cfg(model64, EXACT), host=host)
     assert plan.exact and plan.hit == 88  # <= 150 - 61, whole blocks
@@ -125,8 +168,16 @@ def test_exact_mode_reproduces_the_no_cache_logits(model64: DeepSeekV41, host: b
     for _ in range(5):
         seq.append(int(ref[-1].argmax()))
         ref = model64.forward_full(torch.as_tensor(seq))[0]
-        out = rig.ex.execute(ForwardBatch(token_ids=seq[-1:], query_lens=[1], start_pos=[len(seq) - 1],
-                                          block_tables=table[None], state_slots=[1], num_logits=[1]))
+        out = rig.ex.execute(
+            ForwardBatch(
+                token_ids=seq[-1:],
+                query_lens=[1],
+                start_pos=[len(seq) - 1],
+                block_tables=table[None],
+                state_slots=[1],
+                num_logits=[1],
+            )
+        )
         assert (out.logits[-1] - ref[-1]).abs().max().item() < TOL
 
 
@@ -137,8 +188,13 @@ def test_bounded_state_equals_the_masked_reference(model64: DeepSeekV41, host: b
     assert plan.hit == SHARED and not plan.exact
     t0 = plan.tail_start
     enc_floor = 0 if host else plan.steps[0].start
-    logits, keys, _ = masked_forward(model64, torch.as_tensor(rig.b), enc_floor=enc_floor, dec_floor=t0,
-                                     cached_below=0 if host else plan.hit)
+    logits, keys, _ = masked_forward(
+        model64,
+        torch.as_tensor(rig.b),
+        enc_floor=enc_floor,
+        dec_floor=t0,
+        cached_below=0 if host else plan.hit,
+    )
     got = run_plan(rig.ex, plan, rig.b, 1, table, host_rings=rig.rings(plan.hit))
     assert (got - logits[-1]).abs().max().item() < TOL
     n, w = len(rig.b), model64.cfg.sliding_window
@@ -161,13 +217,26 @@ def test_replay_and_restore_refuse_bad_input(model64: DeepSeekV41) -> None:
         rig.ex.replay_encoder(1, rig.b[80:96], 80, np.zeros_like(table), rig.b[:80])
     rig.ex.restore_encoder(1, SHARED, rig.rings(SHARED), rig.b[:SHARED])
     row = dict(query_lens=[4], block_tables=table[None], state_slots=[1], num_logits=[0])
-    with pytest.raises(BatchError, match="decoder_floor"):  # a full step on encoder-only rings needs the floor
-        rig.ex.execute(ForwardBatch(token_ids=rig.b[SHARED:SHARED + 4], start_pos=[SHARED], **row))
+    with pytest.raises(
+        BatchError, match="decoder_floor"
+    ):  # a full step on encoder-only rings needs the floor
+        rig.ex.execute(ForwardBatch(token_ids=rig.b[SHARED : SHARED + 4], start_pos=[SHARED], **row))
     with pytest.raises(BatchError, match="no rollback"):
-        rig.ex.execute(ForwardBatch(token_ids=rig.b[SHARED - 2:SHARED + 2], start_pos=[SHARED - 2], encoder_only=True, **row))
+        rig.ex.execute(
+            ForwardBatch(
+                token_ids=rig.b[SHARED - 2 : SHARED + 2], start_pos=[SHARED - 2], encoder_only=True, **row
+            )
+        )
     with pytest.raises(BatchError, match="snapshot_pos"):
-        rig.ex.execute(ForwardBatch(token_ids=rig.b[SHARED:SHARED + 4], start_pos=[SHARED], encoder_only=True,
-                                    snapshot_pos=[SHARED], **row))
+        rig.ex.execute(
+            ForwardBatch(
+                token_ids=rig.b[SHARED : SHARED + 4],
+                start_pos=[SHARED],
+                encoder_only=True,
+                snapshot_pos=[SHARED],
+                **row,
+            )
+        )
 
 
 def test_persisted_half_bytes(model64: DeepSeekV41) -> None:
@@ -180,4 +249,7 @@ def test_persisted_half_bytes(model64: DeepSeekV41) -> None:
     fp8 = get_format("fp8", cfg.head_dim).bytes_per_token
     assert q.encoder_rings(0).numel() == cfg.encoder_layers * (cfg.sliding_window + 6) * fp8
     big = flash_config()
-    assert big.encoder_layers * (big.sliding_window + 6) * get_format("fp8", big.head_dim).bytes_per_token == 1_415_040
+    assert (
+        big.encoder_layers * (big.sliding_window + 6) * get_format("fp8", big.head_dim).bytes_per_token
+        == 1_415_040
+    )

@@ -65,8 +65,10 @@ def test_digests_chain_and_continue():
     assert all(a != b for a, b in zip(prefix_digests(u, 8), d))
 
 
-@given(st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 5), st.integers(1, 60)), max_size=60),
-       st.integers(0, 150))
+@given(
+    st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 5), st.integers(1, 60)), max_size=60),
+    st.integers(0, 150),
+)
 def test_store_matches_an_lru_model(ops, budget):
     s = HostSWAStore(budget)
     model: OrderedDict[int, int] = OrderedDict()
