@@ -466,7 +466,7 @@ def make_prefix_caching(
             cfg.block_size,
             extra_key=config_key(cfg),
             traffic_class=cfg.kv_store_traffic_class,
-            guard=guard if guard is not None else cfg.kv_store_guard,
-        )  # type: ignore[arg-type]
+            guard=guard if guard is not None else cfg.kv_store_guard,  # type: ignore[arg-type]  # checked by EngineConfig
+        )
         pc.stats.kv_store_errors = pc.link.guard.stats.errors
     return pc

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -99,21 +100,21 @@ class ReplayConfig:
     @classmethod
     def from_model(
         cls,
-        cfg: object,
+        cfg: Any,  # duck-typed ModelConfig: no model import here
         keep: int,
         block_size: int = 1,
         mode: str = BOUNDED,
         encoder_replay: int | None = None,
     ) -> ReplayConfig:
         """From a ``deepinfer_core.model.ModelConfig`` (duck-typed: no model import here)."""
-        n = int(cfg.num_hidden_layers)  # type: ignore[attr-defined]
+        n = int(cfg.num_hidden_layers)
         return cls(
             window=int(cfg.sliding_window),
             num_layers=n,
-            encoder_layers=int(cfg.encoder_layers),  # type: ignore[attr-defined]
+            encoder_layers=int(cfg.encoder_layers),
             keep=keep,
             compress_ratios=tuple(cfg.compress_ratios[:n]),
-            block_size=block_size,  # type: ignore[attr-defined]
+            block_size=block_size,
             mode=mode,
             encoder_replay=encoder_replay,
         )
