@@ -67,6 +67,28 @@ def time_it(fn: Callable[[], Any], repeat: int = 5, number: int = 1, warmup: int
     return statistics.median(samples)
 
 
+def graph_replay_ms(ex: Any, reps: int = 20) -> float:
+    """The executor's most recently replayed decode graph (``ex.graphs()``, LRU order) replayed back to back
+    (same inputs: its cache writes repeat the same bytes at the same slots): synchronised wall ms a replay,
+    the device's own time for the step with the gaps between its kernels and no host work. NaN when no
+    graph was captured. A step's ``ms_per_step`` minus this is the host's exposed share; this minus the
+    kernels' own time, the gaps inside the graph. Needs CUDA (torch imported here: the CPU benchmarks never
+    call it)."""
+    import torch
+
+    graphs = ex.graphs().graphs
+    g = next(reversed(graphs.values()), None) if graphs else None
+    if g is None or g.graph is None:
+        return float("nan")
+    g.graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def out_path(name: str) -> Path:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     return OUT_DIR / name

@@ -47,7 +47,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from _common import emit, log, parser
+from _common import emit, graph_replay_ms, log, parser
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.envs import Envs
@@ -296,22 +296,6 @@ def busy_seconds(prof: Any) -> float:
     return (busy + b - a) / 1e6
 
 
-def replay_ms(ex: Any, reps: int = 20) -> float:
-    """Synchronised wall ms of one replay of the executor's most recently replayed decode graph, back to
-    back (the device's own time for the step, no host work); NaN when no graph was captured."""
-    graphs = ex.graphs().graphs
-    g = next(reversed(graphs.values()), None) if graphs else None
-    if g is None or g.graph is None:
-        return float("nan")
-    g.graph.replay()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.graph.replay()
-    sync()
-    return (time.perf_counter() - t0) / reps * 1e3
-
-
 def trace_paths(eng: LLMEngine, n: int) -> None:
     """Log which executor path the first ``n`` steps take (sync-free / graphs / plain)."""
     from deepinfer_core.model.decode_step import is_pure_decode
@@ -371,7 +355,7 @@ def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
                 emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
                 # engine efficiency (#32): decode-phase tokens/s over what back-to-back replays of the last
                 # decode graph (this batch, the end context) allow: B tokens a replay
-                rep = replay_ms(ex)
+                rep = graph_replay_ms(ex)
                 if rep == rep:
                     emit(BENCH, p, "executor_replay_ms", rep, "ms")
                     emit(BENCH, p, "engine_efficiency", ov["decode_tokens_per_s"] / (b / rep * 1e3), "ratio")

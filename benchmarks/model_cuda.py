@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import emit, log, parser
+from _common import emit, graph_replay_ms, log, parser
 from deepinfer_core.kv import PagedKVPool
 from deepinfer_core.model import DeepSeekV41, ForwardBatch, ModelExecutor
 from deepinfer_core.model.fusion import compiled_count
@@ -378,21 +378,6 @@ def set_mode(ex: ModelExecutor, mode: str) -> None:
         raise SystemExit("this executor has no sync-free path")
 
 
-def replay_ms(dec: Decoder, reps: int = 20) -> float:
-    """The last step's CUDA graph replayed back to back (same inputs: its cache writes repeat the same
-    bytes at the same slots), synchronised wall ms a replay: the device's own time for the step, the gaps
-    between the graph's kernels included and no host work. ``ms_per_step`` minus this is the host's
-    exposed share; this minus ``gpu_ms_per_step`` (the kernels' own time) the gaps inside the graph."""
-    g = next(reversed(dec.ex.graphs().graphs.values()))
-    g.graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
-
-
 def host_issue_ms(dec: Decoder, n: int = 7) -> float:
     """Median wall ms the host takes to issue one step (``execute`` returning, the GPU idle when it starts:
     a synchronisation before each step, none inside the timed part). A step whose ``ms_per_step`` is above
@@ -663,7 +648,7 @@ def main() -> None:
             emit(BENCH, pm, "roofline_pct", 100 * floor_ms / ms, "%")
             emit(BENCH, pm, "tokens_per_s", b / ms * 1e3, "tok/s")
             if mode not in EAGER_MODES:
-                emit(BENCH, pm, "replay_ms_per_step", replay_ms(dec), "ms")
+                emit(BENCH, pm, "replay_ms_per_step", graph_replay_ms(dec.ex), "ms")
             emit(BENCH, pm, "host_issue_ms_per_step", host_issue_ms(dec), "ms")
             keep = out and (not args.profile_batches or str(b) in args.profile_batches.split(","))
             prof = profile_steps(dec, 3, out / f"profile_B{b}_{mode}.txt" if keep else None)
