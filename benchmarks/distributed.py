@@ -35,7 +35,7 @@ from torch import nn
 
 from _common import emit, log, out_path, parser
 from deepinfer_core.distributed import ExpertParallel, ParallelGroups, plan_placement, spawn
-from deepinfer_core.distributed.engine import replan_ep
+from deepinfer_core.distributed.placement import replan_ep
 from deepinfer_core.eplb import EPLBConfig
 from deepinfer_core.eplb.stats import ExpertLoadWindow
 from deepinfer_core.model.config import tiny_config

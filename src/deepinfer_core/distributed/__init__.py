@@ -11,18 +11,12 @@ online EPLB, Engram tables sharded over the engram-parallel group, and the failu
 See docs/distributed.md.
 """
 
-from deepinfer_core.distributed.engine import (
-    DistConfig,
-    DistributedEngine,
-    GroupFailedError,
-    Replan,
-    plan_placement,
-    restart_ep_size,
-)
+from deepinfer_core.distributed.engine import DistConfig, DistributedEngine, GroupFailedError
 from deepinfer_core.distributed.ep import ExpertParallel, ProtocolError, StepSync
 from deepinfer_core.distributed.groups import ParallelGroups, init_groups, shutdown
 from deepinfer_core.distributed.launch import free_port, spawn
 from deepinfer_core.distributed.pd import CompletionEngine, Handoff, PromptEngine, recv_handoff, send_handoff
+from deepinfer_core.distributed.placement import Replan, plan_placement, restart_ep_size
 
 __all__ = [
     "CompletionEngine",

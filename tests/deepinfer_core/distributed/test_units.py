@@ -95,7 +95,7 @@ def _ep_layer_vs_moe(groups, seed: int, trials: int) -> tuple[list[str], int, in
     from torch import nn
 
     from deepinfer_core.distributed import ExpertParallel
-    from deepinfer_core.distributed.engine import replan_ep
+    from deepinfer_core.distributed.placement import replan_ep
     from deepinfer_core.model.config import tiny_config
     from deepinfer_core.model.layers.moe import MoE
 
