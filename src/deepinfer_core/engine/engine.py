@@ -458,7 +458,7 @@ class LLMEngine:
             return out + self._idle(plan)
         prev, overlap = self.order.feed(plan)
         # 3. build, execute, sample (or launch: tokens on the device)
-        step = self.runner.run(plan, prev, overlap)
+        step = self.runner.run(plan, prev, overlap, self.order.land_early)
         for done in self.order.land_after(step):  # 4. the steps whose tokens are on the host now
             out += self._update(done)  # 5. update the requests, build the finished ones' outputs
         return out

@@ -10,11 +10,13 @@ token-side bookkeeping (last token, stop strings) and ``Scheduler.update`` it. O
 
     schedule(N+1) -> build + launch N+1 (inputs fed from N on the device) -> wait N -> land N -> update(N)
 
-A step runs synchronously (the previous step lands first, its tokens fill the placeholders on the host, as
-in the plain async mode) when it needs a host token value before it can be launched: a structured request
-has a row in it (its grammar mask depends on the previous token), or the executor cannot take device
-tokens (Engram tables on the host or sharded: the row ids are hashed from host tokens; logged once at
-start). Stats: ``StepStats.overlap_steps`` / ``host_wait_steps``. Rows launched for a request that ended
+A step with a structured row overlaps too: its forward is launched behind step N, then step N lands
+(``StepOrder.land_early``: the grammars take step N's tokens on the host while the device runs the
+forward), then the step's grammar masks are filled and applied and it samples on the device; its own
+grammars take its tokens when it lands. A step runs synchronously (the previous step lands first, its
+tokens fill the placeholders on the host, as in the plain async mode) only when the executor cannot take
+device tokens (Engram tables on the host or sharded: the row ids are hashed from host tokens; logged once
+at start). Stats: ``StepStats.overlap_steps`` / ``host_wait_steps``. Rows launched for a request that ended
 when the previous step landed (a stop, EOS, length, an abort, a failed row) run but their tokens are
 dropped when they land (``StepRunner.land``: the request is dead or gone by then), so nothing is reported twice or lost; the scheduler
 ignores rows of ended requests, as it does in the plain async mode. docs/engine.md ("Asynchronous overlap").
@@ -57,6 +59,13 @@ class PendingStep:
     seqs: np.ndarray  # int64 their seq ids
     tokens: DeviceTokens
     num_rows: int
+    # bool per row of ``tokens``: the sampler ended its request on this token (a grammar dead end or a
+    # grammar failure: token -1, ``EndHow.BY_TOKEN``), so it lands although the request is dead by then
+    ended_by_token: np.ndarray = attrs.field(factory=lambda: np.zeros(0, bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.ended_by_token.size == 0:
+            self.ended_by_token = np.zeros(self.rows.shape, bool)
 
     def feed_rows(self, hole_seqs: np.ndarray) -> np.ndarray:
         """Row of ``tokens`` for each sequence in ``hole_seqs`` (-1 where this step sampled none for it)."""

@@ -93,12 +93,20 @@ class StepRunner:
         self._feed_ok: dict[Any, bool] = {}  # execute function -> takes a feed (takes_feed)
 
     # ------------------------------------------------------------------ run
-    def run(self, plan: Plan, prev: PendingStep | None = None, overlap: bool = False) -> Launched:
+    def run(
+        self,
+        plan: Plan,
+        prev: PendingStep | None = None,
+        overlap: bool = False,
+        land_early: Callable[[], None] | None = None,
+    ) -> Launched:
         """Execute ``plan`` and sample. ``overlap`` (engine/overlap.py): the tokens stay on the device (a
         ``PendingStep``, landed later); placeholders sampled by the in-flight step ``prev`` are fed from it
-        on the device. Never raises: an unexpected error fails the requests of this batch alone."""
+        on the device. ``land_early`` (``StepOrder.land_early``) lands ``prev`` after this step's forward is
+        launched and before it samples, when a structured row's grammar mask needs ``prev``'s token. Never
+        raises: an unexpected error fails the requests of this batch alone."""
         try:
-            step = self._run(plan, prev, overlap)
+            step = self._run(plan, prev, overlap, land_early)
         except Exception as e:  # fail this batch's requests, keep the engine
             log.exception("engine: step %d failed; its batch's requests fail", plan.step_id)
             step = Launched(plan, self.fail_plan(plan, f"engine step failed: {type(e).__name__}: {e}"))
@@ -106,7 +114,9 @@ class StepRunner:
         self.stats.verify_rows += int((plan.num_drafts > 0).sum())
         return step
 
-    def _run(self, plan: Plan, prev: PendingStep | None, overlap: bool) -> Launched:
+    def _run(
+        self, plan: Plan, prev: PendingStep | None, overlap: bool, land_early: Callable[[], None] | None
+    ) -> Launched:
         t0 = time.perf_counter()
         self._forget_preempted(plan)
         seqs = self.table.seqs
@@ -128,6 +138,8 @@ class StepRunner:
         res = self._execute_rows(w, rows, t0)
         if res is None:  # no row left to run
             return Launched(plan, self._step_tokens(plan, np.zeros(plan.num_rows, np.int32), {}))
+        if overlap and prev is not None and land_early is not None and self.needs_host_tokens(plan):
+            land_early()  # the grammars need prev's tokens; the device runs this step's forward meanwhile
         t0 = time.perf_counter()
         sampled, pending, got = self._sample(w, res, overlap)
         if w.pre is not None:
@@ -248,9 +260,13 @@ class StepRunner:
         seq, ix = plan.seq_ids[srows], w.ix[srows]
         pending = None
         if overlap:  # the tokens stay on the device; engine/overlap.py lands them after the next launch
-            tok_t = self.sampler.sample_device(lg, seq, ix, pos)
+            tok_t, ended = self.sampler.sample_device(lg, seq, ix, pos)
             pending = PendingStep(
-                srows.astype(np.int64), seq.astype(np.int64), DeviceTokens(tok_t), plan.num_rows
+                srows.astype(np.int64),
+                seq.astype(np.int64),
+                DeviceTokens(tok_t),
+                plan.num_rows,
+                ended_by_token=ended,
             )
         else:
             sampled[srows] = self.sampler.sample_rows(lg, seq, ix, pos)
@@ -334,7 +350,11 @@ class StepRunner:
             return StepTokens(out)
         ix = s.ix(pend.seqs)  # looked up now: the table may have compacted since the launch
         live = ~s.dead[ix]  # a request ended since the launch (stop, EOS, abort, failure): token dropped
+        # rows whose request the sampler ended on this step's token (-1: a grammar dead end or failure)
+        out[pend.rows[pend.ended_by_token]] = -1
         rows, lix, ltok = pend.rows[live], ix[live], host[live]
+        if self.table.grammars.manager is not None:  # structured rows: their grammars take the token now
+            ltok = self.sampler.advance_grammars(pend.seqs[live], lix, ltok)
         out[rows] = ltok
         s.last_token[lix] = ltok
         if self.table.stops:

@@ -116,16 +116,54 @@ class TokenSampler:
 
     def sample_device(
         self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray, positions: np.ndarray
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """``sample_rows`` for the asynchronous overlap: the tokens stay a device tensor (never read back
-        here). Only for rows that need no host token value before the next step: no grammar (the caller
-        keeps structured steps synchronous). The host side (last token, stop strings) runs when the
-        tokens land (``engine/overlap.py``); the counts move now, so the next step's min_tokens bans see
-        this token as sampled, exactly as in the synchronous path."""
+        here), with a bool per row: the request ended on this token (-1). Structured rows are masked as in
+        ``sample_rows`` (their grammars must have taken every earlier token: the runner lands the previous
+        step first, ``StepOrder.land_early``); rows of requests that ended meanwhile are not masked (their
+        tokens are dropped when they land). The host side (last token, grammars, stop strings) runs when the
+        tokens land (``advance_grammars``, ``engine/overlap.py``); the counts move now, so the next step's
+        min_tokens bans see this token as sampled, exactly as in the synchronous path."""
+        s = self.table.seqs
+        n = seq.shape[0]
+        ended = np.zeros(n, bool)
         self.ban_early(logits, seq, ix)
+        con = (
+            np.flatnonzero(s.structured[ix] & ~s.dead[ix]) if self.grammars.manager is not None else ended[:0]
+        )
+        dead_end = np.zeros(0, np.int64)
+        if con.size:
+            full, dead_end = self._grammar_masks(seq, con, n, ended)
+            self.apply_mask(logits, full, torch.as_tensor(con))
         tok_t = self._draw(logits, ix, positions)
-        self.table.seqs.n_out[ix] += 1
-        return tok_t
+        g = self.grammars.manager
+        for r in dead_end.tolist():  # the grammar allows no token: the scheduler fails it on a negative token
+            assert g is not None
+            req = self.table.by_seq[int(seq[r])]
+            self.table.end(
+                req,
+                str(g.finish_reason(req.request_id)),
+                "grammar dead end: no token can continue",
+                EndHow.BY_TOKEN,
+            )
+            ended[r] = True
+        if ended.any():  # on the device, without reading the tokens back
+            tok_t = tok_t.masked_fill(h2d(ended, tok_t.device), -1)
+        s.n_out[ix] += 1
+        return tok_t, ended
+
+    def advance_grammars(self, seq: np.ndarray, ix: np.ndarray, tok: np.ndarray) -> np.ndarray:
+        """Landed tokens of live rows (``seq``, ``ix``) into their requests' grammars, as ``sample_rows``
+        does after it samples; the tokens with -1 where a grammar library failed (the request ended)."""
+        s = self.table.seqs
+        con = np.flatnonzero(s.structured[ix] & (tok >= 0))
+        if con.size == 0:
+            return tok
+        tok = tok.copy()
+        for r in con.tolist():
+            if not self._advance(self.table.by_seq[int(seq[r])], int(tok[r])):
+                tok[r] = -1
+        return tok
 
     def ban_early(self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray) -> None:
         """EOS and stop tokens may not end the text before min_tokens: one indexed write for every such

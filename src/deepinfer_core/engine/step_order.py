@@ -6,12 +6,15 @@ once at construction (``make_step_order``).
 - ``AsyncOrder`` (``async_scheduling``, overlap off): step N+1 is planned before step N's tokens are
   applied; they are applied before N+1 is built (its placeholders are filled from them on the host).
 - ``OverlapOrder`` (``async_overlap``, the default): step N+1 is also launched before step N's tokens are
-  read, its placeholders fed from them on the device (engine/overlap.py); a step that needs a host token
-  value first (a structured row, an executor that takes no device feed) waits for them as ``AsyncOrder``.
+  read, its placeholders fed from them on the device (engine/overlap.py); a step with a structured row
+  launches its forward the same way and lands step N before it samples (``land_early``: the grammar
+  masks need step N's tokens on the host; the device is busy with step N+1's forward meanwhile). Only an
+  executor that takes no device feed waits for step N's tokens first, as ``AsyncOrder``.
 
 The engine's step calls, in order: ``land_before(plan)`` (steps whose tokens it must apply before ``plan``
 is built), ``feed(plan)`` (the in-flight step to feed from and whether to leave this step's tokens on the
-device) and ``land_after(step)`` (steps whose tokens it applies now). Every step handed back is landed
+device), ``StepRunner.run`` (which may call ``land_early`` between its forward and its sampling) and
+``land_after(step)`` (steps whose tokens it applies now). Every step handed back is landed
 (``StepRunner.land``: tokens on the host).
 """
 
@@ -46,6 +49,11 @@ class StepOrder(Protocol):
         tokens stay on the device)."""
         ...
 
+    def land_early(self) -> None:
+        """Land the in-flight step the current one was launched behind, now (before the current step
+        samples: its grammar masks need those tokens); ``land_after`` hands it back. A no-op when none."""
+        ...
+
     def land_after(self, step: Launched) -> list[Launched]:
         """``step`` just ran: the landed steps whose tokens are applied now, in order."""
         ...
@@ -65,6 +73,9 @@ class SyncOrder:
 
     def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
         return None, False
+
+    def land_early(self) -> None:
+        return None
 
     def land_after(self, step: Launched) -> list[Launched]:
         return [self.runner.land(step)]
@@ -87,6 +98,9 @@ class AsyncOrder:
     def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
         return None, False
 
+    def land_early(self) -> None:
+        return None
+
     def land_after(self, step: Launched) -> list[Launched]:
         self.inflight = step
         return []
@@ -102,13 +116,15 @@ class OverlapOrder:
         self.stats = stats
         self.inflight: Launched | None = None
         self._prev: Launched | None = None  # the in-flight step the current one is launched behind
+        self._early: Launched | None = None  # ``_prev`` landed by ``land_early`` during the current step
         self._overlap = False  # the current step launches before ``_prev`` lands
 
     def land_before(self, plan: Plan) -> list[Launched]:
         r = self.runner
-        # this step launches before the in-flight one lands, unless it needs a host token value
-        self._overlap = plan.num_rows > 0 and r.takes_feed() and not r.needs_host_tokens(plan)
-        prev, self.inflight, self._prev = self.inflight, None, None
+        # this step launches before the in-flight one lands unless the executor cannot take device tokens
+        # (a structured row launches too: the runner lands the in-flight step before it samples)
+        self._overlap = plan.num_rows > 0 and r.takes_feed()
+        prev, self.inflight, self._prev, self._early = self.inflight, None, None, None
         if prev is None:
             return []
         if self._overlap and prev.pending is not None:
@@ -121,19 +137,28 @@ class OverlapOrder:
     def feed(self, plan: Plan) -> tuple[PendingStep | None, bool]:
         return (self._prev.pending if self._prev is not None else None), self._overlap
 
+    def land_early(self) -> None:
+        if self._prev is None or self._early is not None:
+            return
+        self._early = self._land_prev()
+
     def land_after(self, step: Launched) -> list[Launched]:
-        prev, self._prev = self._prev, None
         self.inflight = step
-        if prev is None:
+        if self._prev is None:
             return []
         if step.pending is not None:
             self.stats.overlap_steps += 1
-        t0 = time.perf_counter()
-        done = self.runner.land(
-            prev
-        )  # this step is queued behind the previous one: now read that one's tokens
-        self.stats.land_wait_s += time.perf_counter() - t0
+        # this step is queued behind the previous one: now read that one's tokens (unless the step did)
+        done = self._early if self._early is not None else self._land_prev()
+        self._prev, self._early = None, None
         return [done]
+
+    def _land_prev(self) -> Launched:
+        assert self._prev is not None
+        t0 = time.perf_counter()
+        done = self.runner.land(self._prev)
+        self.stats.land_wait_s += time.perf_counter() - t0
+        return done
 
 
 def choose_mode(

@@ -236,26 +236,125 @@ def test_failed_step_fails_its_batch_only(monkeypatch: pytest.MonkeyPatch) -> No
     all_free(eng)
 
 
-def test_structured_rows_run_synchronously() -> None:
-    pytest.importorskip("xgrammar")
-    reqs = workload(2, 4, False)
-    reqs.append(
-        ("j", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=16, so_args={"regex": "[a-c]{3,5}"}))
-    )
-    eng = engine()
+STRUCTURED = [
+    {"regex": "[a-c]{3,5}"},
+    {"regex": "(ab|cd)[0-9]{2}x?"},
+    {"choice": ["yes", "no", "maybe"]},
+    {"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+]
+
+
+def structured_workload(seed: int, n: int, sampled: bool) -> list[tuple[str, list[int], SamplingParams]]:
+    """Plain requests and structured ones (regex, choice, JSON schema; ignore_eos on some, so a grammar
+    that accepted its end runs into its dead end), greedy and seeded."""
+    rng = random.Random(seed)
+    reqs = workload(seed, n, sampled)
+    for i in range(n):
+        sp = SamplingParams(
+            temperature=0.9 if sampled and rng.random() < 0.7 else 0.0,
+            seed=rng.randrange(2**31),
+            max_tokens=rng.randint(2, 24),
+            ignore_eos=rng.random() < 0.3,
+            so_args=rng.choice(STRUCTURED),
+        )
+        reqs.append((f"s{i}", [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))], sp))
+    rng.shuffle(reqs)
+    return reqs
+
+
+def spy_overlap(eng: LLMEngine) -> list[bool]:
+    """Record ``overlap`` of every step with a structured row launched behind a step in flight."""
     real, seen = eng.runner.run, []
 
-    def spy(plan, prev=None, overlap=False):  # every step with a structured row runs synchronously
+    def spy(plan, prev=None, overlap=False, land_early=None):
         s = eng.requests.seqs
-        if s.structured[s.ix(plan.seq_ids)].any():
+        if prev is not None and s.structured[s.ix(plan.seq_ids)].any():
             seen.append(overlap)
-        return real(plan, prev, overlap)
+        return real(plan, prev, overlap, land_early)
 
     eng.runner.run = spy  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_structured_rows_overlap(sampled: bool) -> None:
+    """A step with structured rows launches behind the step in flight and lands it before it samples:
+    the tokens, texts and finish reasons equal the synchronous engine's; nothing waits on the host."""
+    pytest.importorskip("xgrammar")
+    reqs = structured_workload(5 + sampled, 6, sampled)
+    eng = engine()
+    seen = spy_overlap(eng)
     got = run(eng, reqs)
     assert got == reference(reqs)
-    assert seen and not any(seen)
-    assert eng.stats.overlap_steps > 0  # the steps without it still overlap
+    assert seen and all(seen)
+    assert eng.stats.host_wait_steps == 0
+    assert eng.stats.overlap_steps > eng.stats.steps // 2
+    all_free(eng)
+
+
+class FaultyGrammars:
+    """A grammar manager proxy that fails on chosen grammar states (request id, tokens taken so far), the
+    same way whatever the step order: ``fill`` raises while building a mask, ``dead`` reports a dead end,
+    ``advance`` raises when the token is taken."""
+
+    def __init__(self, real, fill: set, dead: set, advance: set) -> None:
+        self.real, self.fill, self.dead, self.adv = real, fill, dead, advance
+        self.taken: dict = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def fill_bitmask(self, batch, out=None):
+        keys = [(rid, self.taken.get(rid, 0)) for rid, _ in batch]
+        if any(k in self.fill for k in keys):
+            raise RuntimeError("injected fill failure")
+        m = self.real.fill_bitmask(batch, out)
+        hit = np.array([k in self.dead for k in keys])
+        if hit.any():
+            m.bitmask[torch.as_tensor(np.flatnonzero(hit))] = 0
+            m = type(m)(m.bitmask, m.offsets, m.num_drafts, np.asarray(m.dead_end) | hit)
+        return m
+
+    def advance(self, rid, tokens):
+        k = (rid, self.taken.get(rid, 0))
+        self.taken[rid] = k[1] + len(tokens)
+        if k in self.adv:
+            raise RuntimeError("injected advance failure")
+        return self.real.advance(rid, tokens)
+
+    def finish_reason(self, rid):
+        why = self.real.finish_reason(rid)
+        return "grammar_dead_end" if why is None and any(k[0] == rid for k in self.dead) else why
+
+
+def test_structured_faults_overlap_equal_sync() -> None:
+    """Grammar failures and dead ends under the overlap fail or end exactly the requests they hit, at the
+    same token as on a synchronous engine; the others complete unchanged."""
+    pytest.importorskip("xgrammar")
+    reqs = structured_workload(9, 5, False)
+    rids = [rid for rid, _, sp in reqs if sp.so_args]
+    faults = {"fill": {(rids[0], 2)}, "dead": {(rids[1], 1)}, "advance": {(rids[2], 3)}}
+
+    def faulty(eng: LLMEngine) -> dict:
+        eng.grammars.get()
+        real = eng.grammars.manager
+        eng.grammars.manager = FaultyGrammars(real, **faults)  # type: ignore[assignment]
+        try:
+            for rid, p, sp in reqs:
+                eng.add_request(rid, p, sp)
+            return {k: (o.token_ids, o.finish_reason, o.error) for k, o in drain(eng).items()}
+        finally:
+            eng.grammars.manager = real
+
+    want = faulty(engine(async_scheduling=False))
+    eng = engine()
+    seen = spy_overlap(eng)
+    got = faulty(eng)
+    assert got == want
+    assert seen and all(seen)
+    hit = {rid for rid, (_, _, err) in got.items() if err is not None}
+    assert hit == set(rids[:3]), got  # each fault ends its own request, and only it
+    all_free(eng)
 
 
 def test_host_engram_tables_turn_the_overlap_off() -> None:

@@ -212,7 +212,7 @@ def test_the_engine_owns_one_step_order_per_mode() -> None:
         ("overlap", step_order.OverlapOrder),
     ):
         assert cls.name == mode
-        for name in ("land_before", "feed", "land_after"):
+        for name in ("land_before", "feed", "land_early", "land_after"):
             assert callable(getattr(cls, name))
     with pytest.raises(ValueError, match="step order"):
         step_order.make_step_order("fast", None, None)  # type: ignore[arg-type]
