@@ -502,3 +502,34 @@ def test_graphs_on_and_off_equal_the_cpu_reference_float64() -> None:
         assert max((a - b).abs().max().item() for a, b in zip(lr, lg)) < 1e-9, graphs
         if graphs:
             assert s.ex.graphs().captures >= 2 and not s.ex.graphs().failed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("glue", [False, True], ids=["eager-glue", "fused-glue"])
+def test_big_then_small_batch_both_captured_in_one_process(glue: bool) -> None:
+    """Issue #32: decode at B = 64, then at B = 1, on one executor: both buckets are captured and replayed
+    (2026-12-04: after the B = 64 capture the B = 1 step ran eagerly at 79 ms, a Dynamo guard failing
+    inside the fused glue's capture), no key failed, and B = 1's tokens equal an eager session's."""
+    model = DeepSeekV41.from_config(tiny_config(), seed=5, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(29)
+    prompts = {i: torch.randint(0, 512, (int(n),), generator=g) for i, n in enumerate(range(20, 84))}
+    sessions = {}
+    for graphs in (False, True):
+        s = _cuda_session(model, True, graphs=graphs, slots=64, blocks=1024)
+        s.ex.fuse_glue = glue and graphs
+        last, pos = {}, {}
+        for i, p in prompts.items():
+            _, per = s.step([(i, p, 0, 1)])
+            last[i], pos[i] = int(per[0][-1].argmax()), len(p)
+        toks: list[int] = []
+        for k in range(12):  # 6 steps of all 64 requests, then 6 of request 0 alone
+            ids = list(prompts) if k < 6 else [0]
+            _, per = s.step([(i, torch.tensor([last[i]]), pos[i], 1) for i in ids])
+            for i, lg in zip(ids, per):
+                last[i], pos[i] = int(lg[-1].argmax()), pos[i] + 1
+            toks.append(last[0])
+        sessions[graphs] = (s, toks)
+    gr = sessions[True][0].ex.graphs()
+    assert not gr.failed and not gr.disabled
+    assert {1, 64} <= {k.batch for k in gr.graphs} and gr.replays == 12
+    assert sessions[True][1] == sessions[False][1]
