@@ -130,6 +130,26 @@ def prompts_for(n: int, length: int, vocab: int, seed: int, tokenizer: Any = Non
     return [[rng.randrange(3, min(vocab, 250)) for _ in range(length)] for _ in range(n)]
 
 
+SAMPLING = ("greedy", "sampled", "structured")
+
+
+def params_for(kind: str, n: int, gen: int) -> list[SamplingParams]:
+    """Each request's sampling: ``greedy``; ``sampled`` (temperature 0.8, top-p 0.95, top-k 50, a seed per
+    request: the sampler's top-k / top-p path); ``structured`` (greedy under a regex that never ends before
+    ``gen`` tokens: a grammar mask every step)."""
+    if kind not in SAMPLING:
+        raise SystemExit(f"--sampling: {kind!r}: must be one of {', '.join(SAMPLING)}")
+    if kind == "sampled":
+        return [
+            SamplingParams(
+                temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=gen, ignore_eos=True
+            )
+            for i in range(n)
+        ]
+    so = {"so_args": {"regex": "[a-z_ ()=.:,0-9\\n]{1,100000}"}} if kind == "structured" else {}
+    return [SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True, **so) for _ in range(n)]
+
+
 def code_tokenizer(eng: LLMEngine, model_name: str) -> Any:
     return eng.tokenizer if model_name == "tiny" else None
 
@@ -156,14 +176,20 @@ def run(
     return out, time.perf_counter() - t0, eng.stats.steps - s0
 
 
-def gpu_idle(eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str) -> tuple[float, dict[str, float]]:
+def gpu_idle(
+    eng: LLMEngine,
+    prompts: list[list[int]],
+    gen: int,
+    tag: str,
+    params: list[SamplingParams] | None = None,
+) -> tuple[float, dict[str, float]]:
     """Idle share of the decode phase (prefill the batch, then profile the remaining steps) and the
-    engine's overlap counters over the same steps."""
+    engine's overlap counters over the same steps; greedy unless ``params`` gives each prompt its own."""
     from torch.profiler import ProfilerActivity, profile
 
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", p, sp)
+        eng.add_request(f"{tag}-{i}", p, sp if params is None else params[i])
     start = eng.stats.tokens_sampled
     while eng.has_unfinished() and eng.stats.tokens_sampled - start < len(prompts) * 2:
         eng.step()  # prefill and the first decode steps (graph capture) stay out of the window
@@ -320,55 +346,61 @@ def trace_paths(eng: LLMEngine, n: int) -> None:
 
 
 def throughput(args: Any, rows: list[dict[str, Any]]) -> None:
-    for b in args.batches:
-        for mode in args.modes:
-            eng = make_engine(args.model, b, mode, args.glue, prompt=args.prompt, gen=args.gen)
-            if args.trace:
-                trace_paths(eng, args.trace)
-            prompts = prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))
-            run(eng, prompts[: min(b, 4)], 4, "warm")  # JIT / graph capture for the first buckets
-            st0 = attrs.asdict(eng.stats)
-            toks, wall, steps = run(eng, prompts, args.gen, "run")
-            n = sum(map(len, toks.values()))
-            st1 = attrs.asdict(eng.stats)
-            stages = {k: round(1e3 * (st1[k] - st0[k]) / max(steps, 1), 3) for k in st1 if k.endswith("_s")}
-            p = {
-                "model": args.model,
-                "batch": b,
-                "mode": mode,
-                "glue": args.glue,
-                "fused": args.fused,
-                "prompt": args.prompt,
-                "gen": args.gen,
-            }
-            per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
-            emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
-            emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
-            emit(BENCH, p, "tokens_per_step", n / max(steps, 1), "tokens")
-            emit(BENCH, {**p, "stages_ms_per_step": stages}, "ms_per_step", 1e3 * wall / max(steps, 1), "ms")
-            idle, ov = gpu_idle(eng, prompts, args.gen, "idle")
-            emit(BENCH, {**p, **ov}, "gpu_idle_pct", idle, "%")
-            emit(BENCH, p, "gpu_idle_between_steps_pct", ov.get("idle_between_steps_pct", float("nan")), "%")
-            emit(BENCH, p, "gpu_idle_starved_pct", ov.get("idle_starved_pct", float("nan")), "%")
-            ex = eng.executor
-            if ex.cuda_graphs:
-                emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
-                # engine efficiency (#32): decode-phase tokens/s over what back-to-back replays of the last
-                # decode graph (this batch, the end context) allow: B tokens a replay
-                rep = graph_replay_ms(ex)
-                if rep == rep:
-                    emit(BENCH, p, "executor_replay_ms", rep, "ms")
-                    emit(BENCH, p, "engine_efficiency", ov["decode_tokens_per_s"] / (b / rep * 1e3), "ratio")
-            rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
-            if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
-                write_plot(args, rows)
-            log(
-                f"{args.model} B={b} {mode}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
-                f"(between steps {ov.get('idle_between_steps_pct', float('nan')):.1f}%, gaps >= 10 us "
-                f"{ov.get('idle_starved_pct', float('nan')):.1f}%; overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)"
-            )
-            del eng
-            torch.cuda.empty_cache()
+    for b, mode, kind in [(b, m, k) for b in args.batches for m in args.modes for k in args.sampling]:
+        throughput_point(args, rows, b, mode, kind)
+
+
+def throughput_point(args: Any, rows: list[dict[str, Any]], b: int, mode: str, kind: str) -> None:
+    """One (B, mode, sampling kind) point: the whole run's tokens/s, then the decode phase profiled."""
+    params = params_for(kind, b, args.gen)
+    eng = make_engine(args.model, b, mode, args.glue, prompt=args.prompt, gen=args.gen)
+    if args.trace:
+        trace_paths(eng, args.trace)
+    prompts = prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))
+    run(eng, prompts[: min(b, 4)], 4, "warm", params)  # JIT / graph capture for the first buckets
+    st0 = attrs.asdict(eng.stats)
+    toks, wall, steps = run(eng, prompts, args.gen, "run", params)
+    n = sum(map(len, toks.values()))
+    st1 = attrs.asdict(eng.stats)
+    stages = {k: round(1e3 * (st1[k] - st0[k]) / max(steps, 1), 3) for k in st1 if k.endswith("_s")}
+    p = {
+        "model": args.model,
+        "batch": b,
+        "mode": mode,
+        "sampling": kind,
+        "glue": args.glue,
+        "fused": args.fused,
+        "prompt": args.prompt,
+        "gen": args.gen,
+    }
+    per_gpu, per_user = n / wall, sum(len(t) for t in toks.values()) / len(toks) / wall
+    emit(BENCH, p, "tokens_per_s_per_gpu", per_gpu, "tok/s")
+    emit(BENCH, p, "tokens_per_s_per_user", per_user, "tok/s")
+    emit(BENCH, p, "tokens_per_step", n / max(steps, 1), "tokens")
+    emit(BENCH, {**p, "stages_ms_per_step": stages}, "ms_per_step", 1e3 * wall / max(steps, 1), "ms")
+    idle, ov = gpu_idle(eng, prompts, args.gen, "idle", params)
+    emit(BENCH, {**p, **ov}, "gpu_idle_pct", idle, "%")
+    emit(BENCH, p, "gpu_idle_between_steps_pct", ov.get("idle_between_steps_pct", float("nan")), "%")
+    emit(BENCH, p, "gpu_idle_starved_pct", ov.get("idle_starved_pct", float("nan")), "%")
+    ex = eng.executor
+    if ex.cuda_graphs:
+        emit(BENCH, p, "graphs_captured", ex.graphs().captures, "count")
+        # engine efficiency (#32): decode-phase tokens/s over what back-to-back replays of the last
+        # decode graph (this batch, the end context) allow: B tokens a replay
+        rep = graph_replay_ms(ex)
+        if rep == rep:
+            emit(BENCH, p, "executor_replay_ms", rep, "ms")
+            emit(BENCH, p, "engine_efficiency", ov["decode_tokens_per_s"] / (b / rep * 1e3), "ratio")
+    rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
+    if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
+        write_plot(args, rows)
+    log(
+        f"{args.model} B={b} {mode} {kind}: {per_gpu:.0f} tok/s per GPU, {per_user:.1f} per user, idle {idle:.1f}% "
+        f"(between steps {ov.get('idle_between_steps_pct', float('nan')):.1f}%, gaps >= 10 us "
+        f"{ov.get('idle_starved_pct', float('nan')):.1f}%; overlapped {100 * ov['overlap_share']:.0f}% of steps, waited {ov['land_wait_ms_per_step']:.2f} ms/step)"
+    )
+    del eng
+    torch.cuda.empty_cache()
 
 
 def invariance(args: Any) -> None:
@@ -505,17 +537,19 @@ def plot(rows: list[dict[str, Any]], path: Path, device: str | None = None) -> N
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     models = sorted({r["model"] for r in rows})
-    for model_name, mode in sorted({(r["model"], r["mode"]) for r in rows}):
+    lines = sorted({(r["model"], r["mode"], r.get("sampling", "greedy")) for r in rows})
+    for model_name, mode, kind in lines:
         pts = sorted(
             (r["per_user"], r["per_gpu"], r["batch"])
             for r in rows
-            if r["mode"] == mode and r["model"] == model_name
+            if (r["model"], r["mode"], r.get("sampling", "greedy")) == (model_name, mode, kind)
         )
+        label = mode if kind == "greedy" else f"{mode} {kind}"
         ax.plot(
             [p[0] for p in pts],
             [p[1] for p in pts],
             "o-",
-            label=mode if len(models) == 1 else f"{model_name} {mode}",
+            label=label if len(models) == 1 else f"{model_name} {label}",
         )
         for u, g, b in pts:
             ax.annotate(f"B={b}", (u, g), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -541,6 +575,11 @@ def main() -> None:
     )
     ap.add_argument("--batches", default="1,4,16,64,256")
     ap.add_argument("--modes", default="sync,async,spec")
+    ap.add_argument(
+        "--sampling",
+        default="greedy",
+        help=f"request kinds, comma-separated: {', '.join(SAMPLING)} (each point runs every kind)",
+    )
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--glue", action="store_true", help="fused glue on (DEEPINFER_FUSE_GLUE)")
@@ -583,6 +622,7 @@ def main() -> None:
         return
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.host = [int(x) for x in args.host.split(",") if x]
+    args.sampling = [k for k in args.sampling.split(",") if k]
     args.modes = [m for m in args.modes.split(",") if m]
     args.host_modes = [m for m in args.host_modes.split(",") if m]
     bad = (set(args.modes) | set(args.host_modes)) - set(MODES)
