@@ -1,4 +1,8 @@
-"""CUDA graphs for pure-decode steps, bucketed by batch size (the executor's ``cuda_graphs`` switch).
+"""CUDA graphs for row-path steps, bucketed by row count (the executor's ``cuda_graphs`` switch).
+
+A graph runs a step whose every row is a logits row (``decode_step.is_graph_step``): a pure-decode step
+(one row per request) or a speculative verify step (a request's last token and its drafts, one row each;
+the verification and the next drafts run eagerly on the replay's outputs).
 
 A decode step of the wide config launches thousands of small kernels; replaying a captured graph
 replaces them with one launch. As in vLLM and SGLang the batch is padded up to a bucket size
@@ -111,13 +115,17 @@ class GraphKey:
 def host_inputs(
     b: ForwardBatch, floors: np.ndarray, bucket: int, width: int, engram_ids: np.ndarray | None = None
 ) -> np.ndarray:
-    """The int64 host image of a padded step's inputs: tokens, positions, slots, floors (2 per row),
-    valid, then the block tables [bucket, width] (zero-padded columns), flat; with ``engram_ids``
-    ([L, R, C] hashed Engram row ids) those last, padded to [L, bucket, C] (padded rows repeat row 0's)."""
-    r = b.num_requests
+    """The int64 host image of a padded step's inputs, one entry per row (token) of the step: tokens,
+    positions, slots, floors (2 per row), valid, then the rows' block tables [bucket, width] (zero-padded
+    columns), flat; with ``engram_ids`` ([L, R, C] hashed Engram row ids) those last, padded to
+    [L, bucket, C]. Padded rows repeat row 0 (its slot, position and token: the same bytes written twice).
+    A pure-decode step has one row per request; a verify step a request's last token and its drafts."""
+    r = b.num_tokens
+    req_of_row = np.repeat(np.arange(b.num_requests), b.query_lens)
     tab = np.zeros((r, width), np.int64)
-    tab[:, : b.block_tables.shape[1]] = b.block_tables
-    cols = [pad_rows(a, bucket) for a in (b.token_ids, b.start_pos, b.state_slots)]
+    tab[:, : b.block_tables.shape[1]] = b.block_tables[req_of_row]
+    slots = np.asarray(b.state_slots, np.int64)[req_of_row]
+    cols = [pad_rows(a, bucket) for a in (b.token_ids, b.positions, slots)]
     fl = pad_rows(np.asarray(floors, np.int64).reshape(r, 2), bucket)
     v = np.zeros(bucket, np.int64)
     v[:r] = 1
@@ -169,8 +177,11 @@ def _engram_width(st: ExecutorState, lid: int) -> int:
 
 
 class _Graph:
-    def __init__(self, key: GraphKey, st: ExecutorState, pool: Any, fetch_ids: bool = False) -> None:
+    def __init__(
+        self, key: GraphKey, st: ExecutorState, pool: Any, fetch_ids: bool = False, capture: bool = True
+    ) -> None:
         self.key = key
+        self.capture = capture
         n, w = key.batch, key.width
         dev = st.device
         cfg = st.cfg
@@ -180,7 +191,12 @@ class _Graph:
         self.size = n * 6 + n * w + (int(np.prod(self.id_shape)) if fetch_ids else 0)
         self.dev_buf = torch.zeros(self.size, dtype=torch.int64, device=dev)
         # two pinned staging buffers, alternated; each is rewritten only after its last copy finished
-        self.host = [torch.zeros(self.size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.host = [
+            torch.zeros(self.size, dtype=torch.int64).pin_memory()
+            if capture
+            else torch.zeros(1, dtype=torch.int64)
+            for _ in range(2)
+        ]
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
         d = self.dev_buf
@@ -204,7 +220,7 @@ class _Graph:
         (row 0 of each table: in range)."""
         if not self.fetch_ids:
             return host_inputs(b, floors, self.key.batch, self.key.width)
-        shape = (self.id_shape[0], b.num_requests, self.id_shape[2])
+        shape = (self.id_shape[0], b.num_tokens, self.id_shape[2])
         host = ids.numpy() if ids is not None and ids.device.type == "cpu" else np.zeros(shape, np.int64)
         return host_inputs(b, floors, self.key.batch, self.key.width, host)
 
@@ -216,11 +232,14 @@ class _Graph:
         ev = self.copied[i]
         if ev is not None:
             ev.synchronize()  # the copy that last read this staging buffer is done (not the whole step)
-        self.host[i].numpy()[:] = image
-        self.dev_buf.copy_(self.host[i], non_blocking=True)
-        e = torch.cuda.Event()
-        e.record()
-        self.copied[i] = e
+        if not self.capture:  # the padded step run eagerly (a check of the padding, on any device)
+            self.dev_buf.copy_(torch.from_numpy(image))
+        else:
+            self.host[i].numpy()[:] = image
+            self.dev_buf.copy_(self.host[i], non_blocking=True)
+            e = torch.cuda.Event()
+            e.record()
+            self.copied[i] = e
         if self.fetch_ids:  # ``engram``: the ids; host ids are in the image already
             if isinstance(engram, torch.Tensor) and engram.device.type != "cpu":
                 assert self.inp.engram_ids is not None
@@ -232,7 +251,10 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Captured decode steps of one executor, one per :class:`GraphKey`; :meth:`run` replays."""
+    """Captured row-path steps of one executor, one per :class:`GraphKey`; :meth:`run` replays.
+
+    ``capture=False`` runs each step eagerly on the same padded static inputs a graph would read (no
+    capture, no pinned memory, any device): the padding's contract checked where no CUDA device is."""
 
     def __init__(
         self,
@@ -240,6 +262,7 @@ class DecodeGraphs:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         entry_quantum: int = ENTRY_QUANTUM,
         max_graphs: int = MAX_GRAPHS,
+        capture: bool = True,
     ) -> None:
         if entry_quantum < 1:
             raise ValueError(f"entry_quantum={entry_quantum}: must be >= 1")
@@ -248,7 +271,8 @@ class DecodeGraphs:
         self.st, self.buckets, self.quantum = st, check_buckets(buckets), entry_quantum
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()  # least recently used first
-        self.pool = torch.cuda.graph_pool_handle()
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
         self.replays = 0
         # keys whose capture failed run eagerly (one bad shape costs only its own steps); past
@@ -263,7 +287,7 @@ class DecodeGraphs:
         return len(self.failed) >= MAX_FAILED_KEYS
 
     def key(self, b: ForwardBatch, entries: dict[int, int]) -> GraphKey | None:
-        n = bucket_for(b.num_requests, self.buckets)
+        n = bucket_for(b.num_tokens, self.buckets)  # rows: one per request in pure decode, more to verify
         if n is None:
             return None
         return GraphKey(
@@ -281,8 +305,8 @@ class DecodeGraphs:
         engram_ids: torch.Tensor | None,
         tokens: torch.Tensor | None = None,
     ) -> StepOutputs | None:
-        """(logits [R, V], expert counts, target-layer states [R, D] each) of a pure-decode step, or None
-        when no bucket holds the batch (the caller runs it eagerly). ``engram_ids``: the step's hashed
+        """(logits [R, V], expert counts, target-layer states [R, D] each) of a graph step (R rows:
+        ``decode_step.is_graph_step``), or None when no bucket holds its rows (the caller runs it eagerly). ``engram_ids``: the step's hashed
         Engram row ids [L, R, C] (host or device; None without Engram layers), fetched inside the graph
         where the tables allow (:func:`fetch_in_graph`), else here. ``tokens``: the step's input tokens
         as a device tensor [R] (some of them sampled by the previous step and never read back), copied
@@ -296,9 +320,9 @@ class DecodeGraphs:
                 old, dropped = self.graphs.popitem(last=False)
                 dropped.graph = dropped.out = None  # its memory returns to the shared pool
                 log.info("cuda graph dropped (least recently used): %s", old)
-            g = self.graphs[key] = _Graph(key, self.st, self.pool, self.fetch_ids)
+            g = self.graphs[key] = _Graph(key, self.st, self.pool, self.fetch_ids, self.capture)
         self.graphs.move_to_end(key)
-        r = b.num_requests
+        r = b.num_tokens
         if g.fetch_ids:
             engram: dict[int, torch.Tensor] | torch.Tensor | None = engram_ids
         else:
@@ -306,7 +330,9 @@ class DecodeGraphs:
         g.load(g.image(b, floors, engram_ids), engram, r)
         if tokens is not None:  # padded rows keep request 0's host token (a valid id; outputs dropped)
             g.inp.tokens[:r].copy_(tokens)
-        if g.graph is None:
+        if not self.capture:
+            g.out = self._outputs(decode_body(self.st, g.inp, self.targets))
+        elif g.graph is None:
             try:
                 self._capture(g)
             except Exception as e:  # an op that synchronises or cannot be captured: this key stays eager
@@ -329,6 +355,10 @@ class DecodeGraphs:
         # copies: the static outputs are overwritten by the next replay
         return logits[:r].clone(), counts.clone(), [t[:r].clone() for t in targets]
 
+    def _outputs(self, out: tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]) -> StepOutputs:
+        logits, counts, caps = out
+        return logits, counts, [caps[lid] for lid in self.targets]
+
     def _capture(self, g: _Graph) -> None:
         st = self.st
         side = torch.cuda.Stream()
@@ -338,8 +368,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, counts, caps = decode_body(st, g.inp, self.targets)
-        g.out = (logits, counts, [caps[lid] for lid in self.targets])
+            g.out = self._outputs(decode_body(st, g.inp, self.targets))
         g.graph = graph
         graph.replay()  # the capture ran nothing: this replay is the step
         self.captures += 1

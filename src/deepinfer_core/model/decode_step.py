@@ -48,7 +48,7 @@ StepOutputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]  # logits, e
 
 
 class GraphRunner(Protocol):
-    """Replays pure-decode steps from captured graphs (``cuda_graphs.DecodeGraphs``; a protocol: that
+    """Replays pure-decode and verify steps (:func:`is_graph_step`) from captured graphs (``cuda_graphs.DecodeGraphs``; a protocol: that
     module imports this one)."""
 
     def run(
@@ -94,6 +94,21 @@ def is_pure_decode(b: ForwardBatch) -> bool:
         and bool((b.query_lens == 1).all())
         and bool((b.num_logits == 1).all())
         and (b.verify_lens is None or not b.verify_lens.any())
+    )
+
+
+def is_graph_step(b: ForwardBatch) -> bool:
+    """A row-path step a captured graph can run (:mod:`~deepinfer_core.model.cuda_graphs`, keyed by its
+    row count): every row is a logits row (``num_logits == query_lens``), nothing else asked of it. That is
+    a pure-decode step, and also a speculative verify step (each request feeds its last token and its
+    drafts, all scored); the verification and the next drafts run eagerly on the replay's logits and
+    target states, as the drafter does after a pure-decode replay. Snapshots are the rings after the step
+    for any row-path step (``ExecutorState.take_snapshots``), so they are allowed as for pure decode."""
+    return (
+        not b.encoder_only
+        and not b.capture_layers
+        and b.num_logits.shape == b.query_lens.shape
+        and bool((b.num_logits == b.query_lens).all())
     )
 
 
@@ -407,7 +422,7 @@ def execute_rows(
         feed.apply(tok_t)
     ids = engram_ids(st, b, tok_t, feed, pos=pos, row_slots=slots_np)  # records the token ring
     targets = () if st.spec is None else tuple(st.spec.drafter.target_layers)
-    got = graphs.run(b, floors_np, entries, ids, tok_t) if graphs is not None and is_pure_decode(b) else None
+    got = graphs.run(b, floors_np, entries, ids, tok_t) if graphs is not None and is_graph_step(b) else None
     rows = b.logit_rows()
     if got is not None:
         logits, counts, tstates = got

@@ -92,6 +92,38 @@ def test_host_inputs_layout_and_padding(r: int, extra: int, width: int, seed: in
     assert (got[:, :r] == ids).all() and (got[:, r:] == ids[:, :1]).all()
 
 
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=6), st.integers(0, 5), st.integers(0, 2**31 - 1))
+def test_host_inputs_of_multi_row_requests(qlens: list[int], extra: int, seed: int) -> None:
+    """A verify step's image: one entry per row (token), each with its own position and its request's slot
+    and block table (brute force from the batch), then copies of row 0."""
+    rng = np.random.default_rng(seed)
+    r, width = len(qlens), 3
+    q = np.asarray(qlens)
+    b = ForwardBatch(
+        token_ids=rng.integers(0, 500, int(q.sum())),
+        query_lens=q,
+        start_pos=rng.integers(1, 900, r),
+        block_tables=rng.integers(1, 60, (r, width)),
+        state_slots=rng.permutation(40)[:r],
+        num_logits=q,
+    )
+    n_rows = int(q.sum())
+    floors = rng.integers(0, 5, (n_rows, 2))
+    n, w = n_rows + extra, 4
+    img = cg.host_inputs(b, floors, n, w)
+    tok, pos, slot = img[:n], img[n : 2 * n], img[2 * n : 3 * n]
+    tab = img[6 * n :].reshape(n, w)
+    k = 0
+    for i in range(r):
+        for j in range(qlens[i]):
+            assert (tok[k], pos[k], slot[k]) == (b.token_ids[k], b.start_pos[i] + j, b.state_slots[i])
+            assert (tab[k, :width] == b.block_tables[i]).all() and (tab[k, width:] == 0).all()
+            k += 1
+    assert (pos[n_rows:] == pos[0]).all() and (slot[n_rows:] == slot[0]).all()
+    assert (img[5 * n : 6 * n] == (np.arange(n) < n_rows)).all()
+    assert decode_step.is_graph_step(b) and decode_step.is_pure_decode(b) == bool((q == 1).all())
+
+
 def test_pure_decode_batches_only() -> None:
     rng = np.random.default_rng(0)
     b = _decode_batch(rng, 3, 2)
@@ -111,6 +143,13 @@ def test_pure_decode_batches_only() -> None:
     assert not decode_step.is_pure_decode(ForwardBatch(query_lens=[1, 2, 1], num_logits=[1] * 3, **two))
     assert decode_step.is_pure_decode(
         ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, draft=[1, 0, 1], **kw)
+    )
+    # graph steps: every row a logits row (pure decode, or a verify step scoring each draft)
+    verify = ForwardBatch(query_lens=[1, 2, 1], num_logits=[1, 2, 1], verify_lens=[0, 1, 0], **two)
+    assert decode_step.is_graph_step(verify) and not decode_step.is_pure_decode(verify)
+    assert not decode_step.is_graph_step(ForwardBatch(query_lens=[1, 2, 1], num_logits=[1] * 3, **two))
+    assert not decode_step.is_graph_step(
+        ForwardBatch(query_lens=[1, 1, 1], num_logits=[1] * 3, capture_layers=[2], **kw)
     )
 
 
@@ -533,3 +572,95 @@ def test_big_then_small_batch_both_captured_in_one_process(glue: bool) -> None:
     assert not gr.failed and not gr.disabled
     assert {1, 64} <= {k.batch for k in gr.graphs} and gr.replays == 12
     assert sessions[True][1] == sessions[False][1]
+
+
+# ---------------------------------------------------------------- verify steps through the graph path (CPU)
+
+
+def _padded_static_engine(envs: Any, **kw: Any) -> Any:
+    """A speculative engine whose executor runs the cuda backend's path on the CPU: sync-free row steps,
+    and every graph step (pure decode and verify) through ``DecodeGraphs(capture=False)``: the padded
+    static inputs a captured graph reads, run eagerly."""
+    from deepinfer_core.engine import LLMEngine
+    from deepinfer_core.engine.config import EngineConfig
+
+    eng = LLMEngine(EngineConfig(**kw), envs=envs)
+    ex = eng.executor
+    ex.sync_free = True
+    ex.cuda_graphs = True
+    ex._graphs = cg.DecodeGraphs(ex.state, capture=False)  # the executor's graphs, without CUDA
+    return eng
+
+
+@pytest.mark.parametrize("varlen", [True, False], ids=["mtp_varlen", "fixed_length"])
+def test_verify_steps_run_through_the_graph_path_and_equal_eager(varlen: bool) -> None:
+    """Speculative verify steps (a request's last token and its drafts as rows) take the graph path, keyed
+    by row count and padded like decode steps; the engine's tokens equal the eager speculative engine's
+    and the plain engine's (float64, raw KV), and the rows the graphs ran include multi-row requests."""
+    from deepinfer_core.engine import LLMEngine
+    from deepinfer_core.engine.config import EngineConfig
+    from deepinfer_core.envs import Envs
+    from deepinfer_core.sampling_params import SamplingParams
+
+    kw = dict(
+        model="tiny-random",
+        seed=7,
+        dtype="float64",
+        quantize=False,
+        num_blocks=256,
+        block_size=8,
+        max_num_seqs=8,
+        speculative=True,
+    )
+    envs = Envs(enable_mtp_varlen=varlen)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 40, 6)]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(6, 20, 6)
+    ]
+
+    def tokens(eng: Any) -> dict:
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            eng.add_request(f"r{i}", p, sp)
+        out = {}
+        while eng.has_unfinished():
+            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        return out
+
+    graphed = _padded_static_engine(envs, **kw)
+    rows: list[tuple[int, int]] = []
+    real = graphed.executor.graphs().run
+
+    def spy(b: ForwardBatch, *a: Any, **k: Any) -> Any:
+        rows.append((b.num_requests, b.num_tokens))
+        return real(b, *a, **k)
+
+    graphed.executor.graphs().run = spy  # type: ignore[method-assign]
+    got = tokens(graphed)
+    assert got == tokens(LLMEngine(EngineConfig(**kw), envs=envs))
+    assert got == tokens(LLMEngine(EngineConfig(**{**kw, "speculative": False})))
+    assert any(t > r for r, t in rows), rows  # verify steps (drafts as rows) took the graph path
+    assert graphed.executor.graphs().replays == len(rows)
+
+
+@pytest.mark.gpu
+def test_cuda_verify_steps_replay_graphs_and_equal_eager() -> None:
+    """On the GPU: a speculative engine's verify steps replay captured graphs (keyed by row count) and its
+    greedy tokens equal the same engine's with graphs off (float64, raw KV)."""
+    from deepinfer_core.engine import LLM
+    from deepinfer_core.envs import Envs
+    from deepinfer_core.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 40, 6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw = dict(model="tiny-random", seed=7, dtype="float64", quantize=False, num_blocks=256, max_num_seqs=8)
+    out = {}
+    for graphs in (False, True):
+        llm = LLM(backend="cuda", speculative=True, envs=Envs(cuda_graphs=graphs), **kw)
+        out[graphs] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        if graphs:
+            g = llm.engine.executor.graphs()
+            assert not g.failed and g.replays > 0
+            assert any(k.batch > 8 for k in g.graphs), g.graphs  # > the 6 requests' bucket: rows of drafts
+    assert out[True] == out[False]
