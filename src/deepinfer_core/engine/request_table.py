@@ -254,11 +254,10 @@ class RequestTable:
         if req is None or req.seq < 0:
             return None
         try:
-            info = self.scheduler.request_info(rid)
+            # tokens whose values the scheduler holds: output_len also counts the in-flight step's (async
+            # scheduling), which the builder would otherwise read back in full every step
+            n = self.scheduler.known_output_len(rid)
         except (KeyError, ValueError):  # ended in the scheduler, reported at the next update
             return None
-        # tokens whose values the scheduler holds: output_len also counts the in-flight step's (async
-        # scheduling), which the builder would otherwise read back in full every step
-        n = info["output_len"] - info["pending"]
         stops = self.stops.get(rid)
         return n, (stops.hit.tokens if stops is not None and stops.hit is not None else None)

@@ -331,6 +331,12 @@ class Scheduler:
         )
         return dict(zip(keys, self._impl.request_info(self._seq_of[request_id])))
 
+    def known_output_len(self, request_id: str) -> int:
+        """Output tokens whose values are known (``output_len - pending``: async scheduling counts the
+        in-flight step's tokens as output before their values land); KeyError when not in the scheduler."""
+        info = self._impl.request_info(self._seq_of[request_id])
+        return int(info[6]) - int(info[2])
+
     def output_token_ids(self, request_id: str) -> list[int]:
         return list(self._impl.output_tokens(self._seq_of[request_id]))
 
