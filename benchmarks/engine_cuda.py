@@ -51,7 +51,7 @@ from _common import emit, graph_replay_ms, log, parser
 from deepinfer_core.engine.config import EngineConfig
 from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.envs import Envs
-from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sampling_params import RequestOutputKind, SamplingParams
 
 BENCH = "engine_cuda"
 MODES = ("sync", "async", "async-plain", "spec")
@@ -158,20 +158,21 @@ def run(
     eng: LLMEngine, prompts: list[list[int]], gen: int, tag: str, params: list[SamplingParams] | None = None
 ) -> tuple[dict[str, list[int]], float, int]:
     """({request id: output tokens}, wall seconds, engine steps) of one batch stepped to the end; greedy
-    unless ``params`` gives each prompt its own."""
+    unless ``params`` gives each prompt its own. Streamed as a server streams (``DELTA`` outputs every step,
+    text detokenised incrementally), the tokens collected from the deltas."""
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", p, sp if params is None else params[i])
+        eng.add_request(
+            f"{tag}-{i}", p, sp if params is None else params[i], output_kind=RequestOutputKind.DELTA
+        )
     out: dict[str, list[int]] = {}
     sync()
     s0, t0 = eng.stats.steps, time.perf_counter()
     while eng.has_unfinished():
         for o in eng.step():
-            if not o.finished:  # a streamed output
-                continue
-            if not o.ok:
+            if o.finished and not o.ok:
                 raise RuntimeError(f"{o.request_id} failed: {o.error}")
-            out[o.request_id] = list(o.token_ids)
+            out.setdefault(o.request_id, []).extend(o.token_ids)
     sync()
     return out, time.perf_counter() - t0, eng.stats.steps - s0
 
@@ -189,7 +190,9 @@ def gpu_idle(
 
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", p, sp if params is None else params[i])
+        eng.add_request(
+            f"{tag}-{i}", p, sp if params is None else params[i], output_kind=RequestOutputKind.DELTA
+        )
     start = eng.stats.tokens_sampled
     while eng.has_unfinished() and eng.stats.tokens_sampled - start < len(prompts) * 2:
         eng.step()  # prefill and the first decode steps (graph capture) stay out of the window
@@ -506,7 +509,7 @@ def host_cost(args: Any) -> None:
         for i, pr in enumerate(
             prompts_for(b, args.prompt, eng.vocab_size, b, code_tokenizer(eng, args.model))
         ):
-            eng.add_request(f"h{i}", pr, sp)
+            eng.add_request(f"h{i}", pr, sp, output_kind=RequestOutputKind.DELTA)
         decode_step.decode_body = stub
         try:
             for _ in range(5):
