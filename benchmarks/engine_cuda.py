@@ -394,6 +394,14 @@ def throughput_point(args: Any, rows: list[dict[str, Any]], b: int, mode: str, k
         if rep == rep:
             emit(BENCH, p, "executor_replay_ms", rep, "ms")
             emit(BENCH, p, "engine_efficiency", ov["decode_tokens_per_s"] / (b / rep * 1e3), "ratio")
+            # end to end (#32): the executor-only bound of the whole run (its prefill chunks run by the
+            # executor alone, then gen - 1 decode steps at the replay rate) over the engine's wall time
+            pre = executor_prefill_s(eng, prompts)
+            emit(BENCH, p, "executor_prefill_s", pre, "s")
+            bound = pre + (args.gen - 1) * rep / 1e3
+            emit(
+                BENCH, {**p, "bound_s": bound, "wall_s": wall}, "e2e_fraction_of_bound", bound / wall, "ratio"
+            )
     rows.append({**p, "per_gpu": per_gpu, "per_user": per_user, "idle": idle})
     if args.plot:  # after every point: a run cut at its time limit still leaves the plot so far
         write_plot(args, rows)
@@ -404,6 +412,48 @@ def throughput_point(args: Any, rows: list[dict[str, Any]], b: int, mode: str, k
     )
     del eng
     torch.cuda.empty_cache()
+
+
+def executor_prefill_s(eng: LLMEngine, prompts: list[list[int]], reps: int = 2) -> float:
+    """Seconds the executor alone takes to prefill ``prompts`` in the engine's chunks (whole steps of at
+    most ``max_num_batched_tokens`` tokens, requests packed in order, the last one split), on fresh slots
+    and blocks of the idle engine; the last of ``reps`` runs (the first compiles any new shape)."""
+    import numpy as np
+
+    from deepinfer_core.model import ForwardBatch
+
+    budget, bs = eng.config.max_num_batched_tokens, eng.config.block_size
+    width = -(-max(map(len, prompts)) // bs)
+    tables = 1 + np.arange(len(prompts) * width).reshape(len(prompts), width)  # block 0: the null block
+    steps: list[list[tuple[int, int, int]]] = []  # (request, start, count)
+    done, cur, room = [0] * len(prompts), [], budget
+    for i, pr in enumerate(prompts):
+        while done[i] < len(pr):
+            k = min(room, len(pr) - done[i])
+            cur.append((i, done[i], k))
+            done[i], room = done[i] + k, room - k
+            if room == 0:
+                steps, cur, room = [*steps, cur], [], budget
+    steps += [cur] if cur else []
+    took = 0.0
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        for step in steps:
+            rq = [i for i, _, _ in step]
+            eng.executor.execute(
+                ForwardBatch(
+                    token_ids=np.concatenate([prompts[i][s : s + k] for i, s, k in step]),
+                    query_lens=[k for _, _, k in step],
+                    start_pos=[s for _, s, _ in step],
+                    block_tables=tables[rq],
+                    state_slots=rq,
+                    num_logits=[int(s + k == len(prompts[i])) for i, s, k in step],
+                )
+            )
+        sync()
+        took = time.perf_counter() - t0
+    return took
 
 
 def invariance(args: Any) -> None:
