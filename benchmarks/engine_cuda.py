@@ -699,8 +699,9 @@ def main() -> None:
 
 
 def rows_from_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The plot's points of a recorded run: per (model, batch, mode), its tokens/s per GPU and per user."""
-    pts: dict[tuple[str, int, str], dict[str, Any]] = {}
+    """The plot's points of a recorded run: per (model, batch, mode, sampling), its tokens/s per GPU and
+    per user (``models``: only those models)."""
+    pts: dict[tuple[str, int, str, str], dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         if not line.startswith("{"):
             continue
@@ -718,9 +719,16 @@ def rows_from_jsonl(path: Path) -> list[dict[str, Any]]:
             or "mode" not in p
         ):
             continue
+        kind = p.get("sampling", "greedy")
         row = pts.setdefault(
-            (p["model"], int(p["batch"]), p["mode"]),
-            {"model": p["model"], "batch": int(p["batch"]), "mode": p["mode"], "glue": p.get("glue", False)},
+            (p["model"], int(p["batch"]), p["mode"], kind),
+            {
+                "model": p["model"],
+                "batch": int(p["batch"]),
+                "mode": p["mode"],
+                "sampling": kind,
+                "glue": p.get("glue", False),
+            },
         )
         row[key_of[r["metric"]]] = r["value"]
     return [r for r in pts.values() if "per_gpu" in r and "per_user" in r]

@@ -12,8 +12,9 @@
 #   wide       the same for the wide config (B = 1, 16, 64, 256; async; greedy and sampled)
 #   e2e        the wide model end to end at B = 64, 1,024-token prompts, 256 output tokens: e2e_fraction_of_bound
 #              (the executor-only bound: its prefill chunks alone + 255 decode steps at the replay rate)
-#   spec       speculation on the trained tiny model: tokens/s with speculative=True vs plain at B = 1 and 64
-#              (tokens as the engine returned them; verify steps now replay graphs)
+#   spec       speculation on the trained tiny model at B = 1, 4, 16, 64, 256 (compare with the engine
+#              section's async rows: >= 1.5x plain at B = 1, >= 1.0x at B = 64; tokens as returned)
+#   plot       the throughput-vs-interactivity plot of engine.jsonl so far (plain and speculative)
 #   invariant  batch-invariant mode at batch speed: tokens/s default / invariant / per-request at B = 16, 64,
 #              20 mixes x 2 runs bit-identical (tiny), cost only (wide)
 #   prefill    prefill paths (tiled vs varlen): TTFT vs prompt length, 1 x 8192 and 16 x 512 on the wide
@@ -69,7 +70,7 @@ for section in "$@"; do
       grep -E '"(e2e_fraction_of_bound|executor_prefill_s)"' "$OUT/engine.jsonl" | cut -c1-300 | tee -a "$SUM"
       ;;
     spec)
-      boxed spec $EC --model tiny --batches 1,64 --modes sync,spec --gen 128 --prompt 64 \
+      boxed spec $EC --model tiny --batches 1,4,16,64,256 --modes spec --gen 128 --prompt 64 \
         >>"$OUT/engine.jsonl" 2>>"$OUT/engine.err"
       grep -E '"mode": "(sync|spec)".*"tokens_per_s_per_gpu"' "$OUT/engine.jsonl" | cut -c1-300 | tee -a "$SUM"
       ;;
@@ -90,6 +91,9 @@ for section in "$@"; do
         >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
       grep -E '"sampling"' "$OUT/bench.jsonl" | grep -E '"batch": 256' | cut -c1-300 | tee -a "$SUM"
       ;;
+    plot)  # the throughput-vs-interactivity plot of everything recorded so far (engine + spec sections)
+      python3 benchmarks/engine_cuda.py --replot "$OUT/engine.jsonl" --out "$OUT" 2>&1 | tail -2 | tee -a "$SUM"
+      ;;
     tests-a | tests-b)
       paths="tests/deepinfer_kernels"
       [ "$section" = tests-b ] && paths="tests/deepinfer_core tests/test_*.py"
@@ -98,7 +102,7 @@ for section in "$@"; do
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest.log" | tail -15 | tee -a "$SUM"
       ;;
     *)
-      say "unknown section $section (engine wide e2e spec invariant prefill sampling tests-a tests-b)"
+      say "unknown section $section (engine wide e2e spec plot invariant prefill sampling tests-a tests-b)"
       ;;
   esac
 done
