@@ -8,6 +8,8 @@
 #   bash scripts/build_kernel_libs.sh build [LIB ...]        # GPU side; LIB: flash_mla deep_gemm deep_select
 #   bash scripts/build_kernel_libs.sh install [SITE_ARCHIVE] # GPU side, later calls; default .gpu/kernel_libs_site.tar.xz
 #   bash scripts/build_kernel_libs.sh check                  # GPU side: import each library, print versions
+#   bash scripts/build_kernel_libs.sh unpack                 # either side: unpack only (the CPU tests compare
+#                                                            # our quantisers with the libraries' pure-torch ones)
 #
 # pack reads bare git mirrors (the `fetch` tool's /work/.mirror/<owner>+<name>/repo by default; override
 # with FLASH_MLA_GIT, DEEP_GEMM_GIT, CUTLASS_GIT, FMT_GIT) and keeps only what the builds read: each
@@ -190,8 +192,9 @@ sub=${1:-}
 case $sub in
   pack) cmd_pack "$@" ;;
   build) cmd_build "$@" ;;
+  unpack) unpack_src ;;
   install) cmd_install "$@" ;;
   env) cmd_env ;;
   check) cmd_check ;;
-  *) sed -n '2,9p' "$0"; exit 2 ;;
+  *) sed -n '2,11p' "$0"; exit 2 ;;
 esac

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-LIBRARIES = ("flash_mla", "deep_gemm", "deep_ep", "deep_select", "tile_kernels")
+from deepinfer_kernels.libs.switch import LIBRARIES, require
+
+_require = require
 
 
 def available(lib: str) -> bool:
@@ -33,12 +35,6 @@ def available(lib: str) -> bool:
     if lib not in LIBRARIES:
         raise ValueError(f"lib={lib!r}: must be one of {LIBRARIES}")
     return importlib.util.find_spec(lib) is not None
-
-
-def _require(lib: str) -> Any:
-    if not available(lib):
-        raise RuntimeError(f"{lib} is not importable here; use the torch reference path")
-    return importlib.import_module(lib)
 
 
 # The library adapters, re-exported under the names the callers use.

@@ -26,14 +26,13 @@ from typing import Any
 import torch
 
 from deepinfer_kernels.libs import layouts as L
+from deepinfer_kernels.libs.switch import require
 
 _WEIGHTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _lib() -> Any:
-    from deepinfer_kernels.cuda.adapters import _require
-
-    return _require("deep_gemm")
+    return require("deep_gemm")
 
 
 def fp8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,14 +18,13 @@ from typing import Any
 import torch
 
 from deepinfer_kernels.libs import layouts as L
+from deepinfer_kernels.libs.switch import require
 
 MAX_K = 4096
 
 
 def _lib() -> Any:
-    from deepinfer_kernels.cuda.adapters import _require
-
-    return _require("deep_select")
+    return require("deep_select")
 
 
 def topk(x: torch.Tensor, k: int, sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,15 +19,14 @@ from typing import Any
 import torch
 
 from deepinfer_kernels.libs import layouts as L
+from deepinfer_kernels.libs.switch import require
 
 D_QK = 576
 D_V = 512
 
 
 def _lib() -> Any:
-    from deepinfer_kernels.cuda.adapters import _require
-
-    return _require("flash_mla")
+    return require("flash_mla")
 
 
 def new_sched_meta() -> Any:

@@ -24,14 +24,18 @@ measured yet, so ``auto`` is the TileLang path.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
+from typing import Any
 
 from deepinfer_core.envs import KERNEL_LIBS, kernel_libs
 
 log = logging.getLogger(__name__)
 
 SWITCHABLE = KERNEL_LIBS
+# every library an adapter may call (DeepEP and tile_kernels are used directly, not switched)
+LIBRARIES = ("flash_mla", "deep_gemm", "deep_ep", "deep_select", "tile_kernels")
 AUTO_LIBRARIES: tuple[str, ...] = ()
 _warned: set[str] = set()
 
@@ -41,6 +45,17 @@ def importable(lib: str) -> bool:
     if lib not in SWITCHABLE:
         raise ValueError(f"lib={lib!r}: must be one of {SWITCHABLE}")
     return importlib.util.find_spec(lib) is not None
+
+
+def require(lib: str) -> Any:
+    """The imported library; RuntimeError naming it when it is not importable here."""
+    if lib not in LIBRARIES:
+        raise ValueError(f"lib={lib!r}: must be one of {LIBRARIES}")
+    if importlib.util.find_spec(lib) is None:
+        raise RuntimeError(
+            f"{lib} is not importable here; build it with scripts/build_kernel_libs.sh or use the torch path"
+        )
+    return importlib.import_module(lib)
 
 
 def selected() -> tuple[str, ...]:
