@@ -6,7 +6,7 @@
 #
 #   bash scripts/build_kernel_libs.sh pack  [ARCHIVE]        # CPU side; default .gpu/kernel_src.tar.xz
 #   bash scripts/build_kernel_libs.sh build [LIB ...]        # GPU side; LIB: flash_mla deep_gemm deep_select
-#   bash scripts/build_kernel_libs.sh install [SITE_ARCHIVE] # GPU side, later calls; default .gpu/kernel_libs_site.tar.xz
+#   bash scripts/build_kernel_libs.sh install [ARCHIVE ...]  # GPU side, later calls; default .gpu/klib_*.tar.xz
 #   bash scripts/build_kernel_libs.sh check                  # GPU side: import each library, print versions
 #   bash scripts/build_kernel_libs.sh unpack                 # either side: unpack only (the CPU tests compare
 #                                                            # our quantisers with the libraries' pure-torch ones)
@@ -20,11 +20,12 @@
 # build unpacks to build/kernel_libs/src (an ignored path, so a warm machine keeps it and a second call
 # resumes an interrupted ninja build), builds a wheel per library with
 # `pip wheel --no-build-isolation --no-deps` (SM90 only: TORCH_CUDA_ARCH_LIST=9.0a,
-# FLASH_MLA_DISABLE_SM100=1, DEEP_SELECT_CUDA_ARCHS=90a), installs the wheels into
-# build/kernel_libs/site (pip --target), and writes to $OUT: wheels/*.whl, kernel_libs_site.tar.xz (the
-# installed packages: carry it as .gpu/kernel_libs_site.tar.xz and run `install` to skip the build next
-# time), build_<lib>.log and versions.txt. Each library's build gets KLIBS_BUILD_TIMEOUT_S seconds
-# (default 540): a call has at most 600 s, so build one library a call when the machine is cold.
+# FLASH_MLA_DISABLE_SM100=1, DEEP_SELECT_CUDA_ARCHS=90a), installs each wheel into
+# build/kernel_libs/site_<lib> (pip --target; all of them merged into build/kernel_libs/site, the
+# PYTHONPATH entry), and writes to $OUT (flat, at most 7 files): klib_<lib>.tar.xz (the installed
+# package: carry it as .gpu/klib_<lib>.tar.xz and run `install` to skip the build next time),
+# build_<lib>.log and versions.txt. Each library's build gets KLIBS_BUILD_TIMEOUT_S seconds (default
+# 540): a call has at most 600 s.
 #
 # DeepGEMM compiles its kernels at run time (JIT, nvcc or NVRTC): it needs CUDA_HOME (or nvcc on PATH),
 # finds cute/cutlass in its installed package (its build copies them in), and caches compiled kernels in
@@ -127,16 +128,29 @@ build_one() {
   esac
   local src=$KL/src/kernel_src/$dir
   [ -d "$src" ] || { log "$lib: no source in the archive"; return 1; }
-  mkdir -p "$OUT/wheels" "$KL/wheels"
+  mkdir -p "$OUT" "$KL/wheels"
   local t0=$SECONDS rc
   log "$lib: building in $src"
+  rm -f "$KL"/wheels/"$lib"-*.whl
   (cd "$src" && timeout -s INT "${KLIBS_BUILD_TIMEOUT_S:-540}" \
     python3 -m pip wheel -v --no-build-isolation --no-deps -w "$KL/wheels" .) >"$OUT/build_$lib.log" 2>&1
   rc=$?
   log "$lib: rc=$rc in $((SECONDS - t0)) s (log: build_$lib.log)"
   [ $rc -eq 0 ] || { tail -30 "$OUT/build_$lib.log" >&2; return $rc; }
-  cp "$KL"/wheels/"$lib"-*.whl "$OUT/wheels/" 2>/dev/null
-  python3 -m pip install -q --no-deps --upgrade --target "$KL/site" "$KL"/wheels/"$lib"-*.whl
+  # one installed tree per library, so each comes back as its own archive (at most 16 MiB a file)
+  rm -rf "$KL/site_$lib" && python3 -m pip install -q --no-deps --target "$KL/site_$lib" "$KL"/wheels/"$lib"-*.whl || return 1
+  tar -C "$KL/site_$lib" -c . | xz -T0 -6 >"$OUT/klib_$lib.tar.xz"
+  log "$lib: klib_$lib.tar.xz $(du -h "$OUT/klib_$lib.tar.xz" | cut -f1) (carry it as .gpu/klib_$lib.tar.xz to skip the build)"
+  link_site
+}
+
+# build/kernel_libs/site: every built (or installed) library's tree, merged (the PYTHONPATH entry)
+link_site() {
+  mkdir -p "$KL/site"
+  local d
+  for d in "$KL"/site_*; do
+    [ -d "$d" ] && cp -a "$d"/. "$KL/site"/
+  done
 }
 
 cmd_build() {
@@ -147,10 +161,6 @@ cmd_build() {
   for lib in "${libs[@]}"; do
     build_one "$lib" || failed=1
   done
-  if [ -d "$KL/site" ]; then
-    tar -C "$KL/site" -c . | xz -T0 -3 >"$OUT/kernel_libs_site.tar.xz"
-    log "site archive: $(du -h "$OUT/kernel_libs_site.tar.xz" | cut -f1)"
-  fi
   cp "$KL/src/kernel_src/COMMITS" "$OUT/versions.txt" 2>/dev/null
   return $failed
 }
@@ -164,12 +174,20 @@ cmd_env() {
   echo "export DG_JIT_CACHE_DIR=$KL/dg_jit_cache"
 }
 
-cmd_install() {
-  local archive=${1:-$ROOT/.gpu/kernel_libs_site.tar.xz}
-  if [ ! -d "$KL/site" ] || [ "$archive" -nt "$KL/site" ]; then
-    [ -f "$archive" ] || { log "no site archive at $archive"; return 1; }
-    rm -rf "$KL/site" && mkdir -p "$KL/site" && tar -xJf "$archive" -C "$KL/site" || return 1
-  fi
+cmd_install() {  # install [ARCHIVE ...]: default .gpu/klib_*.tar.xz; a library already built here is kept
+  local a lib
+  local archives=("$@")
+  [ ${#archives[@]} -gt 0 ] || archives=("$ROOT"/.gpu/klib_*.tar.xz)
+  for a in "${archives[@]}"; do
+    [ -f "$a" ] || continue
+    lib=$(basename "$a" .tar.xz)
+    lib=${lib#klib_}
+    if [ ! -d "$KL/site_$lib" ]; then
+      mkdir -p "$KL/site_$lib" && tar -xJf "$a" -C "$KL/site_$lib" || return 1
+      log "$lib: installed from $a"
+    fi
+  done
+  link_site
   mkdir -p "$KL/dg_jit_cache"
   cmd_env
 }
