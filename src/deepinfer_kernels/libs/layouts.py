@@ -268,14 +268,14 @@ def masked_layout(
     x: torch.Tensor, offs: torch.Tensor, max_m: int | None = None, check: bool | None = None
 ) -> GroupedRows:
     """Expert-sorted rows -> DeepGEMM's masked layout: x [E, max_m, K] (expert e's rows first, zeros after),
-    ``groups`` = masked_m int32 [E] (rows of each expert). ``max_m`` defaults to R rounded up to 64, which
-    no expert can exceed; a smaller one is checked on the host (``check``, default: when max_m < R) and an
+    ``groups`` = masked_m int32 [E] (rows of each expert). ``max_m`` defaults to R rounded up to 128 (a
+    whole number of DeepGEMM's M blocks, as its own tests use), which no expert can exceed; a smaller one is checked on the host (``check``, default: when max_m < R) and an
     expert over it raises ValueError rather than losing rows."""
     if x.dim() != 2:
         raise ValueError(f"x: must be [rows, K], got {tuple(x.shape)}")
     r, k = x.shape
     if max_m is None:
-        max_m = max(_ceil(r, 64) * 64, 64)
+        max_m = max(_ceil(r, DG_M_ALIGN) * DG_M_ALIGN, DG_M_ALIGN)
     if max_m < 1:
         raise ValueError(f"max_m={max_m}: must be >= 1")
     starts, counts, rows, e, valid = _expert_of_rows(offs, r, x.device)
