@@ -243,9 +243,11 @@ def contiguous_layout(
     """Expert-sorted rows -> DeepGEMM's contiguous layout: expert e's rows start at a multiple of ``align``;
     ``groups`` = m_indices int32 (the expert of every row, -1 on padding rows).
 
-    ``static`` (default): M = the bound R + E (align - 1) rounded up to ``align``, computed without reading
-    ``offs`` on the host (CUDA-graph safe; the trailing -1 blocks are skipped by the kernel). Otherwise M
-    is the exact sum of the aligned segments (one host sync). Empty experts take no rows."""
+    ``static`` (default): M = the bound R + min(E, R) (align - 1) rounded up to ``align`` (at most
+    min(E, R) experts have rows, each padded by less than ``align``), computed without reading ``offs`` on
+    the host (CUDA-graph safe; the trailing -1 blocks are skipped by the kernel). Otherwise M is the exact
+    sum of the aligned segments (one host sync): prefer it when R is far below E x align (the bound pads
+    a decode batch of R rows over many experts to ~R x align rows). Empty experts take no rows."""
     if x.dim() != 2:
         raise ValueError(f"x: must be [rows, K], got {tuple(x.shape)}")
     if align < 1:
@@ -255,7 +257,7 @@ def contiguous_layout(
     padded = _ceil_t(counts, align) * align
     pstarts = torch.cumsum(padded, 0) - padded
     n_e = offs.numel()
-    m = _ceil(r + n_e * (align - 1), align) * align if static else int(padded.sum())
+    m = _ceil(r + min(n_e, r) * (align - 1), align) * align if static else int(padded.sum())
     pos = torch.where(valid, pstarts[e] + rows - starts[e], m)  # invalid rows go to a dummy row m
     xp = x.new_zeros(m + 1, k)
     xp[pos] = x
@@ -270,7 +272,8 @@ def masked_layout(
     """Expert-sorted rows -> DeepGEMM's masked layout: x [E, max_m, K] (expert e's rows first, zeros after),
     ``groups`` = masked_m int32 [E] (rows of each expert). ``max_m`` defaults to R rounded up to 128 (a
     whole number of DeepGEMM's M blocks, as its own tests use), which no expert can exceed; a smaller one is checked on the host (``check``, default: when max_m < R) and an
-    expert over it raises ValueError rather than losing rows."""
+    expert over it raises ValueError rather than losing rows. The layout holds E x max_m rows: for many
+    experts pass the dispatch's bound on rows per expert (DeepEP's), as DeepGEMM's users do."""
     if x.dim() != 2:
         raise ValueError(f"x: must be [rows, K], got {tuple(x.shape)}")
     r, k = x.shape
