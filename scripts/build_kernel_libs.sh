@@ -128,6 +128,11 @@ build_one() {
   esac
   local src=$KL/src/kernel_src/$dir
   [ -d "$src" ] || { log "$lib: no source in the archive"; return 1; }
+  if [ "$lib" = deep_gemm ] && ! python3 -c 'import wheel.bdist_wheel, packaging' 2>/dev/null; then
+    # DeepGEMM's setup.py imports both; there is no network on the device to fetch them
+    log "deep_gemm: its setup.py needs the 'wheel' and 'packaging' packages (carry them as wheels, .whl)"
+    return 1
+  fi
   mkdir -p "$OUT" "$KL/wheels"
   local t0=$SECONDS rc
   log "$lib: building in $src"
