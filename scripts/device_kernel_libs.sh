@@ -50,9 +50,10 @@ case $sub in
     for lib in "${libs[@]}"; do  # a library installed from a kept archive or built earlier is skipped
       [ -d "build/kernel_libs/site_$lib" ] && say "$lib: already installed" || todo+=("$lib")
     done
-    if [ ${#todo[@]} -gt 0 ]; then
-      KLIBS_BUILD_TIMEOUT_S=$(($(left) - 20)) OUT=$OUT bash scripts/build_kernel_libs.sh build "${todo[@]}" 2>&1 | tee -a "$SUM"
-    fi
+    for lib in "${todo[@]}"; do  # one library at a time, each cut at what is left of the call
+      [ "$(left)" -gt 60 ] || { say "$lib: no time left in this call (call build again)"; continue; }
+      KLIBS_BUILD_TIMEOUT_S=$(($(left) - 30)) OUT=$OUT bash scripts/build_kernel_libs.sh build "$lib" 2>&1 | tee -a "$SUM"
+    done
     bash scripts/build_kernel_libs.sh check 2>&1 | tee -a "$SUM"
     ;;
   test)
