@@ -67,6 +67,9 @@ def _sparse_reference(
     k = idx.shape[-1]
     qf, rf, vf = q.float().view(b * s_q, h, d), rows.view(b * s_q, k, d), valid.view(b * s_q, k)
     out = sink_attention_rows(qf, rf, vf, None, None, sink, scale)[..., :512]
+    # a row with no valid key: FlashMLA gives 0 (lse +inf); the reference gives 0 where the head has a
+    # sink and NaN (0 / 0) where its sink is -inf
+    out = torch.where(vf.any(-1)[:, None, None], out, torch.zeros((), device=out.device))
     logits = (torch.einsum("nhd,nkd->nhk", qf, rf) * scale).masked_fill(~vf[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, -1)
     lse = torch.where(torch.isfinite(lse), lse, float("inf"))
