@@ -1,7 +1,7 @@
 """FlashMLA, DeepGEMM and DeepSelect through their adapters against the project's torch references (GPU).
 
 Each test skips where CUDA or its library is not importable (build them with
-``scripts/build_kernel_libs.sh``; /work/notes/device_todo_36.md has the device sequence). Tolerances:
+``scripts/build_kernel_libs.sh``; ``scripts/device_kernel_libs.sh`` runs the device sequence). Tolerances:
 
 - FlashMLA: bf16 output within 1e-2 (abs and rel) of ``sink_attention_rows`` over the same dequantised
   rows (the kernel multiplies bf16 q with the e4m3 x power-of-two keys, exact in bf16, in fp32); lse
