@@ -28,6 +28,9 @@ takes effect, as when the modules read ``os.environ`` themselves):
 ``DEEPINFER_GG_CONFIGS``               unset      JSON file of tuned grouped-GEMM launches (:func:`gg_configs_path`)
 ``DEEPINFER_TL_ARCH``                  unset      TileLang target arch, e.g. sm_90a, to compile without a GPU
                                                   (:func:`tl_arch`)
+``DEEPINFER_KERNEL_LIBS``              auto       DeepSeek kernel libraries the cuda backend may use: auto, none,
+                                                  or a comma list of flash_mla, deep_gemm, deep_select
+                                                  (:func:`kernel_libs`)
 =====================================  =========  ============================================================
 """
 
@@ -40,7 +43,7 @@ from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["EnvError", "Envs", "fuse_backend", "get_envs", "gg_configs_path", "tl_arch"]
+__all__ = ["EnvError", "Envs", "fuse_backend", "get_envs", "gg_configs_path", "kernel_libs", "tl_arch"]
 
 MAX_DRAFTS = 16  # a bound on the draft length that no drafter in the seeds approaches (DSpark uses 5)
 
@@ -169,3 +172,24 @@ def tl_arch(environ: Mapping[str, str] | None = None) -> str | None:
     if arch is not None and not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise EnvError(f"DEEPINFER_TL_ARCH={arch!r}: expected a CUDA arch such as sm_90 or sm_90a")
     return arch
+
+
+KERNEL_LIBS = ("flash_mla", "deep_gemm", "deep_select")
+
+
+def kernel_libs(environ: Mapping[str, str] | None = None) -> str | tuple[str, ...]:
+    """``DEEPINFER_KERNEL_LIBS``: ``"auto"`` (unset; the measured defaults), ``()`` for ``none``, or the
+    named libraries in the order given (each one of :data:`KERNEL_LIBS`)."""
+    raw = _read("DEEPINFER_KERNEL_LIBS", environ)
+    if raw is None or raw.strip().lower() == "auto":
+        return "auto"
+    if raw.strip().lower() in ("none", ""):
+        return ()
+    names = tuple(dict.fromkeys(p.strip().lower() for p in raw.split(",") if p.strip()))
+    bad = [n for n in names if n not in KERNEL_LIBS]
+    if bad:
+        raise EnvError(
+            f"DEEPINFER_KERNEL_LIBS={raw!r}: unknown {bad}; allowed: auto, none, or a comma list of "
+            f"{', '.join(KERNEL_LIBS)}"
+        )
+    return names

@@ -1,10 +1,20 @@
-"""Thin adapters to DeepSeek's kernel libraries, used only when the library is importable.
+"""Adapters to DeepSeek's kernel libraries, used only when the library is importable.
 
 Each adapter keeps the library's own tensor layout at its boundary (documented per function) and raises
-``RuntimeError`` naming the library when it is absent, so callers pick the torch path explicitly. None of
-flash_mla, deep_gemm, deep_ep or deep_select is installed on the H200 used here (they are built from
-source), so these four are untested against their references in this repository; tile_kernels is
-installed there: its ``engram_hash`` (``cuda/engram.py``) and ``topk_gate`` are tested against torch. See docs/cuda_backend.md.
+``RuntimeError`` naming the library when it is absent, so callers pick the torch path explicitly. The
+conversions from the project's formats are pure torch, in ``deepinfer_kernels.libs.layouts`` (tested on
+the CPU); the calls are per library:
+
+- FlashMLA (``flash_mla_adapter``): sparse FP8 decode over the V3.2 656-byte cache, dense decode;
+- DeepGEMM (``deep_gemm_adapter``): grouped FP8 GEMMs (contiguous, masked) for the MoE with checkpoint
+  FP8 block weights, the indexer's logits (``fp8_mqa_logits``, ``fp8_paged_mqa_logits``);
+- DeepSelect (``deep_select_adapter``): top-k for the indexer and for sampling;
+- DeepEP: the buffer (two or more GPUs; untested here); tile_kernels: gating (tested against torch).
+
+flash_mla, deep_gemm and deep_select are built from source by ``scripts/build_kernel_libs.sh``; their GPU
+tests (tests/deepinfer_kernels/test_kernel_libs_gpu.py) skip where a library is not importable. Which of
+them the cuda ops call is ``DEEPINFER_KERNEL_LIBS`` (``deepinfer_kernels.libs.switch``). See
+docs/cuda_backend.md, "Kernel libraries".
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ from typing import Any
 
 import torch
 
-LIBRARIES = ("flash_mla", "deep_gemm", "deep_ep", "deep_select", "tile_kernels")
+from deepinfer_kernels.libs.switch import LIBRARIES, require
+
+_require = require
 
 
 def available(lib: str) -> bool:
@@ -25,58 +37,30 @@ def available(lib: str) -> bool:
     return importlib.util.find_spec(lib) is not None
 
 
-def _require(lib: str) -> Any:
-    if not available(lib):
-        raise RuntimeError(f"{lib} is not importable here; use the torch reference path")
-    return importlib.import_module(lib)
+# The library adapters, re-exported under the names the callers use.
+def flash_mla_sparse_decode(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`deepinfer_kernels.cuda.flash_mla_adapter.sparse_decode` (our V3.2 cache, positions)."""
+    from deepinfer_kernels.cuda import flash_mla_adapter
 
-
-def flash_mla_sparse_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    indices: torch.Tensor,
-    head_dim_v: int = 512,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashMLA sparse MQA decode over an FP8 paged cache: q [b, s_q, h_q, d], k_cache [blocks, page, 1,
-    bytes], indices int32 [b, s_q, topk] (block * page + offset, -1 invalid) -> (out bf16, lse fp32).
-    SM90 needs h_q in {64, 128} and top-k a multiple of 64 (checked here, before the library sees it)."""
-    fm = _require("flash_mla")
-    if q.dim() != 4 or q.shape[2] not in (64, 128):
-        raise ValueError(f"q: must be [b, s_q, h_q in (64, 128), d], got {tuple(q.shape)}")
-    if indices.dim() != 3 or indices.shape[-1] % 64:
-        raise ValueError(
-            f"indices: must be [b, s_q, topk], topk a multiple of 64, got {tuple(indices.shape)}"
-        )
-    meta = kwargs.pop("tile_scheduler_metadata", None)
-    if meta is None:
-        meta = fm.get_mla_metadata(cache_seqlens, q.shape[1] * q.shape[2], 1)[0]
-    return fm.flash_mla_with_kvcache(
-        q,
-        k_cache,
-        block_table,
-        cache_seqlens,
-        head_dim_v,
-        meta,
-        is_fp8_kvcache=True,
-        indices=indices,
-        **kwargs,
-    )
+    return flash_mla_adapter.sparse_decode(*args, **kwargs)
 
 
 def deep_gemm_grouped_fp8(
-    a: tuple[torch.Tensor, torch.Tensor],
-    b: tuple[torch.Tensor, torch.Tensor],
-    out: torch.Tensor,
-    m_indices: torch.Tensor,
+    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor, masked: bool = True
 ) -> torch.Tensor:
-    """DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``: (a fp8 [M, K], scales), (b fp8 [G, N, K], scales),
-    out bf16 [M, N], m_indices int32 [M] (expert of each row; segments aligned as DeepGEMM requires)."""
-    dg = _require("deep_gemm")
-    dg.m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices)
-    return out
+    """Our MoE contract with FP8 checkpoint weights through DeepGEMM's masked (decode) or contiguous layout;
+    see :mod:`deepinfer_kernels.cuda.deep_gemm_adapter`."""
+    from deepinfer_kernels.cuda import deep_gemm_adapter as dga
+
+    return (dga.grouped_fp8_masked if masked else dga.grouped_fp8_contiguous)(x, w8, w_scale, offs)
+
+
+def deep_select_topk(x: torch.Tensor, k: int, sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """deep_select.topk(x [b, n], k, sorted) -> (values, indices int64), rows shorter than k padded with
+    (-inf, -1); see :mod:`deepinfer_kernels.cuda.deep_select_adapter`."""
+    from deepinfer_kernels.cuda import deep_select_adapter
+
+    return deep_select_adapter.topk(x, k, sorted)
 
 
 def deep_ep_buffer(group: Any, **kwargs: Any) -> Any:
@@ -84,11 +68,6 @@ def deep_ep_buffer(group: Any, **kwargs: Any) -> Any:
     de = _require("deep_ep")
     cls = getattr(de, "ElasticBuffer", None) or de.Buffer
     return cls(group, **kwargs)
-
-
-def deep_select_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """deep_select.topk(x [b, n], k, sorted=False) -> (values, indices)."""
-    return _require("deep_select").topk(x, k, sorted=False)
 
 
 def tile_kernels_topk_gate(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ import torch
 
 from deepinfer_kernels.cuda import _tl
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, torch_dtype_name
+from deepinfer_kernels.libs.switch import enabled
 from deepinfer_kernels.ops import grouped_gemm as ref
 from deepinfer_kernels.ops.grouped_gemm import (
     CANDIDATES,
@@ -192,7 +193,20 @@ def moe_grouped_gemm(
 ) -> torch.Tensor:
     """Same contract as the reference; the shapes of :func:`kernel_takes` run the TileLang kernel (no host
     synchronisation: capturable in a CUDA graph). ``config``: a launch configuration other than the
-    shape's table entry (the sweep, the tests)."""
+    shape's table entry (the sweep, the tests). Where ``DEEPINFER_KERNEL_LIBS`` selects deep_gemm, bf16
+    products with K a multiple of 128 run DeepGEMM's masked FP8 grouped GEMM instead (weights quantised
+    once to 128 x 128 FP8 blocks, activations per token per 128: FP8 numerics, not bf16's)."""
+    if (
+        config is None
+        and x.dtype == torch.bfloat16
+        and x.is_cuda
+        and w.shape[-1] % 128 == 0
+        and enabled("deep_gemm")
+    ):
+        from deepinfer_kernels.cuda import deep_gemm_adapter as dga
+
+        ref.check_grouped_gemm_inputs(x, w, offs)
+        return dga.grouped_fp8_masked(x, *dga.fp8_weights(w), offs)
     if not kernel_takes(x, w, config):
         return ref.moe_grouped_gemm(x, w, offs)
     r, k, e, n = ref.check_grouped_gemm_inputs(x, w, offs)

@@ -1,4 +1,5 @@
-"""TileLang ``indexer_scores`` (+ ``indexer_topk`` through deep_select when importable, else torch.topk).
+"""TileLang ``indexer_scores`` (+ ``indexer_topk`` through torch.topk); DeepGEMM's ``fp8_mqa_logits`` and
+DeepSelect's top-k in their place where ``DEEPINFER_KERNEL_LIBS`` selects them (``libs.switch``).
 
 One CTA per (query token, block of ``_BS`` keys): Q_t [H, D] and the key block [BS, D] go to shared
 memory, one tensor-core GEMM gives the [H, BS] head logits in fp32, then relu, the per-head weights and a
@@ -11,11 +12,10 @@ counts that are not a multiple of 16 (the MMA tile's M; the tiny test config has
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations of the prim_funcs.
-import importlib.util
-
 import torch
 
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, T, compile_kernel, torch_dtype_name
+from deepinfer_kernels.libs.switch import enabled
 from deepinfer_kernels.ops import indexer as ref
 from deepinfer_kernels.registry import register
 
@@ -68,7 +68,19 @@ def _build(h: int, d: int, dtype: str):
 def indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor, key_end: torch.Tensor
 ) -> torch.Tensor:
-    """Same contract as the reference; bf16 / fp16 q and keys run the TileLang kernel (fp32 accumulation)."""
+    """Same contract as the reference; bf16 / fp16 q and keys run the TileLang kernel (fp32 accumulation),
+    or DeepGEMM's ``fp8_mqa_logits`` where selected (32 or 64 heads: q and keys rounded to FP8)."""
+    if (
+        enabled("deep_gemm")
+        and q.device.type == "cuda"
+        and q.dim() == 3
+        and q.shape[1] in (32, 64)
+        and q.shape[2] in (32, 64, 128)
+    ):
+        from deepinfer_kernels.cuda import deep_gemm_adapter
+
+        ref.check_indexer_inputs(q, weights, keys, key_start, key_end)
+        return deep_gemm_adapter.mqa_logits(q, weights, keys, key_start, key_end)
     if (
         not HAVE_TILELANG
         or q.device.type != "cuda"
@@ -95,18 +107,19 @@ def indexer_scores(
     return out
 
 
-_HAVE_DEEP_SELECT = importlib.util.find_spec("deep_select") is not None
-
-
 @register("indexer_topk", "cuda")
 def indexer_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """deep_select.topk when importable (its (values, indices) layout, unsorted), else the torch.topk reference.
+    """DeepSelect's top-k where selected (bf16 / float32 scores, k <= 4096; unsorted, -1 after the valid
+    ones), else the torch.topk reference."""
+    if (
+        enabled("deep_select")
+        and scores.device.type == "cuda"
+        and scores.dim() == 2
+        and scores.dtype in (torch.bfloat16, torch.float32)
+        and isinstance(k, int)
+        and 1 <= k <= 4096
+    ):
+        from deepinfer_kernels.cuda import deep_select_adapter
 
-    Not run here: deep_select is not installed on the GPU machine (it is built from source with arch 90a).
-    """
-    if not _HAVE_DEEP_SELECT or scores.device.type != "cuda" or scores.shape[1] < k:
-        return ref.indexer_topk(scores, k)
-    import deep_select
-
-    vals, idx = deep_select.topk(scores, k, sorted=False)
-    return torch.where(torch.isfinite(vals), idx, -1).to(torch.int32)
+        return deep_select_adapter.indexer_topk(scores, k)
+    return ref.indexer_topk(scores, k)
