@@ -37,6 +37,7 @@ from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, chec
 from deepinfer_core.model.decode_step import execute_rows
 from deepinfer_core.model.engram_context import engram_fetch, make_engram_tables, resolve_fed
 from deepinfer_core.model.fused_kernels import kernel_defaults
+from deepinfer_core.model.invariant import row_chunked
 from deepinfer_core.model.model import DeepSeekV41
 from deepinfer_core.model.prefill import execute_requests
 from deepinfer_core.model.speculative import SpecState
@@ -132,6 +133,7 @@ class ModelExecutor:
     prefill_tile: _StateField[int] = _StateField()
     prefill_budget: _StateField[int] = _StateField()
     prefill_index_op: _StateField[bool] = _StateField()
+    invariant_rows: _StateField[int] = _StateField()
 
     def __init__(
         self,
@@ -232,12 +234,13 @@ class ModelExecutor:
         st = self.state
         validation.validate(st, batch)
         self._begin_step(batch)
-        if st.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= st.backtrack + 1:
-            # decode / verify steps: every row's window and group are in the rings after this step's
-            # writes, so attention runs on all rows at once (no per-request loop)
-            graphs = self.graphs() if st.sync_free and st.cuda_graphs else None
-            return execute_rows(st, batch, feed, graphs)
-        return execute_requests(st, batch, feed)
+        with row_chunked(st.invariant_rows):  # batch-invariant mode: fixed-shape products (model.invariant)
+            if st.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= st.backtrack + 1:
+                # decode / verify steps: every row's window and group are in the rings after this step's
+                # writes, so attention runs on all rows at once (no per-request loop)
+                graphs = self.graphs() if st.sync_free and st.cuda_graphs else None
+                return execute_rows(st, batch, feed, graphs)
+            return execute_requests(st, batch, feed)
 
     def _begin_step(self, batch: ForwardBatch) -> None:
         """Per-slot resets and this step's snapshot requests, as indexed writes (no per-request loop):
