@@ -29,21 +29,50 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from deepinfer_core.kv import PagedKVPool, StatePool  # noqa: E402
-from deepinfer_core.model.batch import ForwardBatch  # noqa: E402
-from deepinfer_core.model.checkpoint import load_model  # noqa: E402
-from deepinfer_core.model.executor import ModelExecutor  # noqa: E402
-from deepinfer_core.model.invariant import RowChunkedProducts  # noqa: E402
-from deepinfer_core.model.layers.moe import MoE  # noqa: E402
-
+from deepinfer_core.kv import PagedKVPool, StatePool
+from deepinfer_core.model.batch import ForwardBatch
+from deepinfer_core.model.checkpoint import load_model
+from deepinfer_core.model.executor import ModelExecutor
+from deepinfer_core.model.invariant import RowChunkedProducts
+from deepinfer_core.model.layers.moe import MoE
 
 # calls that move or convert values without computing (exact whatever the batch): not recorded, so that
 # the two runs' call lists stay aligned where the batch size changes how a tensor is indexed or padded
 _MOVES = {
-    "__getitem__", "__setitem__", "reshape", "view", "contiguous", "clone", "split", "transpose", "t",
-    "expand", "new_zeros", "new_empty", "zeros_like", "empty", "detach", "to", "float", "cat", "stack",
-    "index_select", "gather", "masked_fill", "where", "repeat_interleave", "flatten", "unflatten",
-    "permute", "squeeze", "unsqueeze", "narrow", "select", "__get__", "chunk", "unbind",
+    "__getitem__",
+    "__setitem__",
+    "reshape",
+    "view",
+    "contiguous",
+    "clone",
+    "split",
+    "transpose",
+    "t",
+    "expand",
+    "new_zeros",
+    "new_empty",
+    "zeros_like",
+    "empty",
+    "detach",
+    "to",
+    "float",
+    "cat",
+    "stack",
+    "index_select",
+    "gather",
+    "masked_fill",
+    "where",
+    "repeat_interleave",
+    "flatten",
+    "unflatten",
+    "permute",
+    "squeeze",
+    "unsqueeze",
+    "narrow",
+    "select",
+    "__get__",
+    "chunk",
+    "unbind",
 }
 
 
@@ -192,7 +221,7 @@ def main() -> None:
     target = 0
     for rows in (0, a.rows):
         alone, logit0 = run_mix(model, rows, prompts, nexts, [target], target, rec)
-        for m in range(a.mixes):
+        for _m in range(a.mixes):
             size = rng.choice([2, 3, 7, 16, 33, 64])
             others = rng.sample(range(1, nreq), size - 1)
             order = others[:]

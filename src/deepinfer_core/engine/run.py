@@ -30,6 +30,7 @@ from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.stats import StepStats
 from deepinfer_core.kv import StatePool
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
+from deepinfer_core.model.invariant import default_rows
 from deepinfer_core.protocols import ModelExecutor
 from deepinfer_core.scheduler import Plan, StepType
 
@@ -86,6 +87,8 @@ class StepRunner:
         self.sampler = sampler
         self.stats = stats
         self.batch_invariant = batch_invariant
+        if batch_invariant:
+            enable_invariant_rows(executor)
         self.apply_mask = apply_mask
         self._snapshots: dict[int, torch.Tensor] = {}  # the last execute's encoder-ring snapshots, by request
         # the speculative side of a step (verify seeds and grammar masks, verified rows collected)
@@ -399,7 +402,8 @@ class StepRunner:
         kw = (
             {} if feed is None else {"feed": feed}
         )  # executors without the overlap keep their one-argument call
-        if not self.batch_invariant or batch.num_requests == 1:
+        if not self.batch_invariant or batch.num_requests == 1 or invariant_rows(self.executor) > 0:
+            # batch-invariant mode runs batched where the executor computes it invariantly (model.invariant)
             outs = [self.executor.execute(batch, **kw)]
         else:
             outs = self._execute_each(batch, feed)
@@ -417,7 +421,9 @@ class StepRunner:
         return logits, spec
 
     def _execute_each(self, batch: ForwardBatch, feed: TokenFeed | None) -> list[ForwardOutput]:
-        """Batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch."""
+        """Batch-invariant mode over an executor without the invariant products (``invariant_rows``: a
+        wrapper installed over it, another implementation): every request alone, so no kernel's reduction
+        order depends on the batch."""
         self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
         off = batch.offsets
         outs = []
@@ -439,6 +445,19 @@ class StepRunner:
             sub = {} if feed is None else {"feed": feed.sub(int(off[i]), int(off[i + 1]))}
             outs.append(self.executor.execute(one, **sub))
         return outs
+
+
+def invariant_rows(executor: object) -> int:
+    """The executor's batch-invariant chunk rows (model.invariant; 0: it has none, or they are off)."""
+    return int(getattr(executor, "invariant_rows", 0) or 0)
+
+
+def enable_invariant_rows(executor: object) -> None:
+    """Switch the executor's batch-invariant products on (its device's default chunk), if it has them."""
+    if hasattr(executor, "invariant_rows") and not invariant_rows(executor):
+        dev = getattr(executor, "device", None)
+        rows = default_rows(dev if isinstance(dev, torch.device) else torch.device("cpu"))
+        executor.invariant_rows = rows  # type: ignore[attr-defined]
 
 
 def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:

@@ -91,6 +91,9 @@ class ModelExecutor:
     (:mod:`~deepinfer_core.model.fusion`, torch.compile; the first step of each new shape compiles).
     ``draft_context=False`` keeps no drafter context (no drafts or verification from this executor,
     and none of the drafter's per-step work) for a model that has a drafter.
+    ``invariant_rows`` > 0 is the batch-invariant mode (:mod:`~deepinfer_core.model.invariant`; the engine's
+    ``batch_invariant``): every row product of a step in fixed chunks of that many rows, so a row's logits
+    are bitwise the same whatever else its batch holds, with the batch still one call.
     These attributes may be changed between steps. ``prefill_path`` ("tiled" / "dense"), ``row_path``
     (False: decode steps on the per-request path too) and the kernel switches (``fused_attention``,
     ``fused_moe``, ``fused_head``, ``fused_sinkhorn``) likewise.
@@ -181,6 +184,7 @@ class ModelExecutor:
             defaults["fused_head"],
         )
         self._graphs: DecodeGraphs | None = None
+        self._graphs_buckets: tuple[int, ...] = ()
         # Engram: the tables of the chosen placement
         st.engram_tables = make_engram_tables(model, engram_placement, engram_group)
         st.engram_placement = engram_placement
@@ -190,8 +194,14 @@ class ModelExecutor:
 
     def graphs(self) -> DecodeGraphs:
         """This executor's captured decode graphs (made on first use; ``cuda_graphs`` must be on)."""
-        if self._graphs is None:
-            self._graphs = DecodeGraphs(self.state, self._graph_buckets)
+        rows = self.state.invariant_rows
+        # batch-invariant mode: every graph a whole number of chunks (a lone request replays the C-row graph
+        # a full batch does: the same kernels, whatever the batch, up to C rows)
+        buckets = self._graph_buckets
+        if rows:
+            buckets = tuple(sorted({-(-b // rows) * rows for b in buckets}))
+        if self._graphs is None or self._graphs_buckets != buckets:
+            self._graphs, self._graphs_buckets = DecodeGraphs(self.state, buckets), buckets
         return self._graphs
 
     def cache_bytes(self) -> dict[str, int]:

@@ -179,9 +179,7 @@ class RowChunkedProducts(TorchFunctionMode):
         self.rows = rows
         self.calls = 0  # products chunked (a test's evidence that the mode ran)
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         h = _HANDLERS.get(func)
         if h is not None:
