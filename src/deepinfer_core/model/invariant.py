@@ -35,8 +35,27 @@ from torch.overrides import TorchFunctionMode
 # the default chunk: 64 rows on a GPU (decode GEMMs up to 64 rows stream the weights once: a padded chunk
 # costs what the real rows do), 32 on the CPU (the reference model's products are compute-bound there)
 DEFAULT_ROWS = {"cuda": 64, "cpu": 32}
+# the MoE loop's expert products (a few rows each, see smaller_chunks) on the CPU
+EXPERT_ROWS = 8
 # the chunk rows of the innermost active row_chunked (0: none)
 _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("row_chunked", default=0)
+
+
+# a smaller chunk for the products of one call site (smaller_chunks), 0: the mode's own
+_SITE: contextvars.ContextVar[int] = contextvars.ContextVar("row_chunked_site", default=0)
+
+
+@contextlib.contextmanager
+def smaller_chunks(rows: int) -> Iterator[None]:
+    """Inside :func:`row_chunked`, the products here run in chunks of ``min(rows, the mode's)`` rows: for a
+    site whose calls get few rows each whatever the batch (the MoE's loop over an expert's rows: a few rows
+    per expert at small batches, each call padded to a whole chunk). Any fixed chunk is invariant; this
+    one is fixed per site. Outside the mode nothing changes."""
+    token = _SITE.set(max(int(rows), 0))
+    try:
+        yield
+    finally:
+        _SITE.reset(token)
 
 
 def active() -> int:
@@ -65,6 +84,11 @@ def _chunked(
     """``fn(*args, **kwargs)`` computed ``rows`` rows at a time over dim 0 of the args at ``which``."""
     n = args[which[0]].shape[0]
     total = -(-n // rows) * rows
+    if total == rows == n:  # one whole chunk: the call itself (on contiguous rows)
+        part = list(args)
+        for i in which:
+            part[i] = args[i].contiguous()
+        return fn(*part, **kwargs)
     padded = {i: _pad_rows(args[i], total) for i in which}
     outs = []
     for lo in range(0, total, rows):
@@ -142,8 +166,10 @@ def _elementwise(rows: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
     ):
         return NotImplemented
     n = x.numel()
-    flat = x.reshape(-1)
     pad = (-n) % _VEC_PAD
+    if not pad and x.is_contiguous():
+        return NotImplemented  # whole vectors already: the plain call
+    flat = x.reshape(-1)
     if pad:
         flat = torch.cat((flat, flat.new_zeros(pad)))
     y = fn(flat.contiguous(), *args[1:], **kwargs)
@@ -180,10 +206,11 @@ class RowChunkedProducts(TorchFunctionMode):
         self.calls = 0  # products chunked (a test's evidence that the mode ran)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
         h = _HANDLERS.get(func)
+        kwargs = kwargs or {}
         if h is not None:
-            out = h(self.rows, func, args, kwargs)
+            site = _SITE.get()
+            out = h(min(site, self.rows) if site else self.rows, func, args, kwargs)
             if out is not NotImplemented:
                 self.calls += 1
                 return out
