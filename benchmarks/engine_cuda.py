@@ -471,7 +471,9 @@ def invariance(args: Any) -> None:
     rng = random.Random(11)
     results: list[list[list[int]]] = [[], []]
     p = {"model": args.model, "mixes": 20, "runs": 2, "glue": args.glue, "targets": "greedy,seeded"}
-    invariance_cost(args, args.gen, p)
+    invariance_cost(
+        args, args.gen, {"model": args.model, "glue": args.glue, "gen": args.gen, "prompt": args.prompt}
+    )
     if args.invariance_only_cost:
         return
     for rep in range(2):

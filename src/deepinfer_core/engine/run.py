@@ -457,7 +457,7 @@ def enable_invariant_rows(executor: object) -> None:
     if hasattr(executor, "invariant_rows") and not invariant_rows(executor):
         dev = getattr(executor, "device", None)
         rows = default_rows(dev if isinstance(dev, torch.device) else torch.device("cpu"))
-        executor.invariant_rows = rows  # type: ignore[attr-defined]
+        executor.invariant_rows = rows
 
 
 def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:

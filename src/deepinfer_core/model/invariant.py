@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +100,7 @@ def _chunked(
     return out if total == n else out[:n]
 
 
-def _is_t(x: Any) -> bool:
+def _is_t(x: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(x, torch.Tensor)
 
 

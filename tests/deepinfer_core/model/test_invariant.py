@@ -209,3 +209,33 @@ def test_cuda_executor_row_logits_are_the_same_in_any_batch(graphs: bool) -> Non
     alone = run([0])
     for order in ([3, 0, 1], [*range(1, 32), 0, *range(32, 64)], [*range(1, 100), 0]):
         assert torch.equal(run(order), alone), len(order)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["torch_grouped_mm", "backend_moe_grouped_gemm"])
+def test_cuda_grouped_expert_products_do_not_depend_on_group_sizes(impl: str) -> None:
+    # the static MoE's grouped products are not row-chunked (one kernel over all experts' rows): a row's
+    # result must not depend on how many rows its expert or the others got (no split-K, one tile config)
+    from deepinfer_core.model.layers.moe_static import _torch_grouped
+    from deepinfer_kernels import get_backend
+
+    if impl == "torch_grouped_mm" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm needs sm_90")
+    gg = _torch_grouped if impl == "torch_grouped_mm" else get_backend("cuda").op("moe_grouped_gemm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, k, n = 8, 1024, 512
+    w = torch.randn(e, n, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(300, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    want = gg(rows[:1], w, torch.ones(e, dtype=torch.int32, device="cuda"))  # expert 0: the one row
+    for counts in (
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [5, 3, 0, 9, 1, 0, 2, 7],
+        [64, 64, 0, 0, 64, 1, 1, 1],
+        [150, 50, 0, 0, 0, 0, 0, 100],
+    ):
+        ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        for at in (0, counts[0] - 1):  # the watched row first and last of expert 0's group
+            x = rows[1 : 1 + sum(counts)].clone()
+            x[at] = rows[0]
+            assert torch.equal(gg(x, w, ends)[at : at + 1], want), (counts, at)
