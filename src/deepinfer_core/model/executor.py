@@ -184,7 +184,7 @@ class ModelExecutor:
             defaults["fused_head"],
         )
         self._graphs: DecodeGraphs | None = None
-        self._graphs_buckets: tuple[int, ...] = ()
+        self._graphs_rows = 0  # the invariant_rows the graphs were made for
         # Engram: the tables of the chosen placement
         st.engram_tables = make_engram_tables(model, engram_placement, engram_group)
         st.engram_placement = engram_placement
@@ -195,13 +195,14 @@ class ModelExecutor:
     def graphs(self) -> DecodeGraphs:
         """This executor's captured decode graphs (made on first use; ``cuda_graphs`` must be on)."""
         rows = self.state.invariant_rows
-        # batch-invariant mode: every graph a whole number of chunks (a lone request replays the C-row graph
-        # a full batch does: the same kernels, whatever the batch, up to C rows)
-        buckets = self._graph_buckets
-        if rows:
-            buckets = tuple(sorted({-(-b // rows) * rows for b in buckets}))
-        if self._graphs is None or self._graphs_buckets != buckets:
-            self._graphs, self._graphs_buckets = DecodeGraphs(self.state, buckets), buckets
+        if self._graphs is None or self._graphs_rows != rows:
+            # batch-invariant mode: every graph a whole number of chunks (a lone request replays the C-row
+            # graph a full batch does: the same kernels whatever the batch, up to C rows)
+            buckets = self._graph_buckets
+            if rows:
+                buckets = tuple(sorted({-(-b // rows) * rows for b in buckets}))
+            capture = self._graphs is None or self._graphs.capture
+            self._graphs, self._graphs_rows = DecodeGraphs(self.state, buckets, capture=capture), rows
         return self._graphs
 
     def cache_bytes(self) -> dict[str, int]:

@@ -166,6 +166,35 @@ def test_the_default_mode_is_the_control(model: DeepSeekV41) -> None:
     assert not torch.equal(_target_logits(model, 0, prompts, [5, 0, 7, 9], 1), alone)
 
 
+def test_the_graph_path_is_batch_invariant_on_the_cpu(model: DeepSeekV41) -> None:
+    # the cuda backend's flow without CUDA: sync-free steps (the MoE's static mode) and every decode step
+    # through the padded static inputs a captured graph reads (DecodeGraphs(capture=False)); in the mode
+    # the graphs' buckets are whole chunks, so a lone request runs padded to the chunk a full batch fills
+    from deepinfer_core.model import cuda_graphs as cg
+
+    prompts = _prompts(6, 20, model.cfg.vocab_size)
+    rows = 8
+
+    def run(order: list[int]) -> torch.Tensor:
+        s = Session(model, quantize=True, num_blocks=256, slots=len(order) + 1)
+        ex = s.ex
+        ex.invariant_rows = rows
+        ex.sync_free = ex.cuda_graphs = True
+        ex._graphs = cg.DecodeGraphs(ex.state, capture=False)  # made again for the mode, still uncaptured
+        for sid in order:
+            s.step([(sid, torch.from_numpy(prompts[sid][:-1]), 0, 1)])
+        _, per = s.step(
+            [(sid, torch.from_numpy(prompts[sid][-1:]), len(prompts[sid]) - 1, 1) for sid in order]
+        )
+        g = ex.graphs()
+        assert not g.capture and all(b % rows == 0 for b in g.buckets) and g.graphs  # the graph path ran
+        return per[order.index(0)]
+
+    alone = run([0])
+    for order in ([4, 0], [*range(1, 8), 0], [3, 0, *range(4, 20), 1, 2]):  # 2, 8 (one chunk) and 20 rows
+        assert torch.equal(run(order), alone), order
+
+
 # ---------------------------------------------------------------- GPU: the cuda backend, graphs on
 
 
