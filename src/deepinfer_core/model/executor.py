@@ -37,7 +37,7 @@ from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, chec
 from deepinfer_core.model.decode_step import execute_rows
 from deepinfer_core.model.engram_context import engram_fetch, make_engram_tables, resolve_fed
 from deepinfer_core.model.fused_kernels import kernel_defaults
-from deepinfer_core.model.invariant import row_chunked
+from deepinfer_core.model.invariant import PREFILL_FACTOR, row_chunked
 from deepinfer_core.model.model import DeepSeekV41
 from deepinfer_core.model.prefill import execute_requests
 from deepinfer_core.model.speculative import SpecState
@@ -245,8 +245,10 @@ class ModelExecutor:
         st = self.state
         validation.validate(st, batch)
         self._begin_step(batch)
-        with row_chunked(st.invariant_rows):  # batch-invariant mode: fixed-shape products (model.invariant)
-            if st.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= st.backtrack + 1:
+        rows = st.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= st.backtrack + 1
+        # batch-invariant mode: fixed-shape products (model.invariant), a chunk per path
+        with row_chunked(st.invariant_rows * (1 if rows else PREFILL_FACTOR)):
+            if rows:
                 # decode / verify steps: every row's window and group are in the rings after this step's
                 # writes, so attention runs on all rows at once (no per-request loop)
                 graphs = self.graphs() if st.sync_free and st.cuda_graphs else None

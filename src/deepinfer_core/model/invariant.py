@@ -35,23 +35,27 @@ from torch.overrides import TorchFunctionMode
 # the default chunk: 64 rows on a GPU (decode GEMMs up to 64 rows stream the weights once: a padded chunk
 # costs what the real rows do), 32 on the CPU (the reference model's products are compute-bound there)
 DEFAULT_ROWS = {"cuda": 64, "cpu": 32}
-# the MoE loop's expert products (a few rows each, see smaller_chunks) on the CPU
-EXPERT_ROWS = 8
+# prefill steps (the per-request path; a request takes the same path alone and in any batch, see
+# engine/run.py StepRunner._parts): their row counts are prompt chunks, so their products use chunks this
+# many times the decode chunk (a chunk is fixed per path: invariant all the same)
+PREFILL_FACTOR = 4
+# the MoE loop's expert products (an expert gets a few of the step's rows) use a quarter of the chunk
+EXPERT_DIVISOR = 4
 # the chunk rows of the innermost active row_chunked (0: none)
 _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("row_chunked", default=0)
 
 
-# a smaller chunk for the products of one call site (smaller_chunks), 0: the mode's own
+# the chunk divisor of one call site (smaller_chunks), 0: the mode's own chunk
 _SITE: contextvars.ContextVar[int] = contextvars.ContextVar("row_chunked_site", default=0)
 
 
 @contextlib.contextmanager
-def smaller_chunks(rows: int) -> Iterator[None]:
-    """Inside :func:`row_chunked`, the products here run in chunks of ``min(rows, the mode's)`` rows: for a
-    site whose calls get few rows each whatever the batch (the MoE's loop over an expert's rows: a few rows
-    per expert at small batches, each call padded to a whole chunk). Any fixed chunk is invariant; this
-    one is fixed per site. Outside the mode nothing changes."""
-    token = _SITE.set(max(int(rows), 0))
+def smaller_chunks(divisor: int) -> Iterator[None]:
+    """Inside :func:`row_chunked`, the products here run in chunks of ``max(the mode's // divisor, 1)``
+    rows: for a site whose calls get a few of the step's rows each (the MoE's loop over an expert's rows,
+    each call padded to a whole chunk). Any fixed chunk is invariant; this one is fixed per site and
+    path. Outside the mode nothing changes."""
+    token = _SITE.set(max(int(divisor), 0))
     try:
         yield
     finally:
@@ -210,7 +214,7 @@ class RowChunkedProducts(TorchFunctionMode):
         kwargs = kwargs or {}
         if h is not None:
             site = _SITE.get()
-            out = h(min(site, self.rows) if site else self.rows, func, args, kwargs)
+            out = h(max(self.rows // site, 1) if site else self.rows, func, args, kwargs)
             if out is not NotImplemented:
                 self.calls += 1
                 return out

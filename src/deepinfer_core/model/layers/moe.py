@@ -394,7 +394,7 @@ class MoE(nn.Module):
         bounds = torch.cumsum(per_slot, 0).tolist()
         start = 0
         # batch-invariant mode: an expert's products in chunks of a few rows (it gets a few rows a step)
-        with invariant.smaller_chunks(invariant.EXPERT_ROWS):
+        with invariant.smaller_chunks(invariant.EXPERT_DIVISOR):
             for slot, end in enumerate(bounds):
                 if end > start:
                     e = slot if weight_of is None else weight_of[slot]
