@@ -6,15 +6,15 @@ GEMV), with 7 others or with 63 others can come out different in the last bit (m
 CPU: float32 rows differ between M = 1, 2, 3, ..., 16; bf16 rows between M = 16 and M = 80 at K = 1,024).
 A last-bit difference can flip a near-tie of the sampler, so a request's tokens would depend on its batch.
 
-Inside :func:`row_chunked` every product whose left operand is a stack of rows (``x @ W``, ``mm``,
-``linear``, a row-led ``einsum``, a per-row ``bmm``) runs as calls of exactly ``rows`` rows: the rows are
+Inside :func:`row_chunked` every product of a stack of rows with one matrix (``x @ W``, ``mm``,
+``linear``, a row-led ``einsum`` whose other operands lack the row index) runs as calls of exactly ``rows`` rows: the rows are
 padded with zeros up to a multiple of ``rows`` and each chunk is its own call. Every call then has the same
 shape whatever the batch, so the same kernel with the same reduction order computes every row, and a
 row's result does not depend on its position inside the chunk either (checked by
 ``scripts/probe_batch_invariance.py`` and tests/deepinfer_core/model/test_invariant.py). This is the
 batched form of DeepInfer's batch-invariant mode (SGLang and Thinking Machines fix the kernel instead:
-split-K off, one tile shape); norms, softmaxes and the per-row attention are row-wise reductions already
-(probed bitwise on the CPU; a GPU test checks the cuda backend).
+split-K off, one tile shape); norms, softmaxes and batched per-row products (the attention's) are
+row-wise already (probed bitwise on the CPU; a GPU test checks the cuda backend).
 
 The mode is a ``TorchFunctionMode``, so the model code keeps its plain ``@`` and the products of every
 path (the row path, prefill, the MoE's grouped loop over an expert's rows, the drafter) are covered without
@@ -114,8 +114,9 @@ def _matmul(rows: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if b.dim() == 2:  # rows (or [rows, ..., K]) times a weight
         return _chunked(rows, fn, list(args), (0,), kwargs)
-    if a.dim() >= 3 and b.dim() >= 3 and a.shape[0] == b.shape[0]:  # a product per row (batched)
-        return _chunked(rows, fn, list(args), (0, 1), kwargs)
+    # a batched product (a GEMM per batch item, e.g. per row: the attention's scores): each item's shape is
+    # its own, whatever the batch count (probed on the CPU; a GPU's decode graphs fix the count anyway),
+    # and padding a few items (the prefill's per-request attention tiles) to a whole chunk costs ~C x
     return NotImplemented
 
 
@@ -140,8 +141,8 @@ def _einsum(rows: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
     if out[0] != r or ops[0].shape[0] == 0:
         return NotImplemented
     which = [i for i, t in enumerate(terms) if t.startswith(r)]
-    if any(r in t for i, t in enumerate(terms) if i not in which):
-        return NotImplemented  # the row index elsewhere than leading: not a per-row product
+    if len(which) > 1 or any(r in t for t in terms[1:]):
+        return NotImplemented  # a batched product per row (see _matmul), or not a per-row product
 
     def run(*o: torch.Tensor) -> torch.Tensor:
         return fn(args[0], *o)
