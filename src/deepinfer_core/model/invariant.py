@@ -128,8 +128,9 @@ def _linear(rows: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _einsum(rows: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """A row-led equation (the first operand's first index leads the output, e.g. ``tc,skc->tsk`` or
-    ``nhd,nad->nha``): the operands that carry it are chunked over it, the others (weights) kept whole."""
+    """A row-led equation whose other operands lack the row index (the first operand's first index leads
+    the output, e.g. the mHC's ``tc,skc->tsk``, the output projection's ``ngk,grk->ngr``): the first
+    operand is chunked over it, the others (weights) kept whole."""
     if kwargs or len(args) < 2 or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
         return NotImplemented
     ops = list(args[1:])
@@ -195,8 +196,6 @@ _HANDLERS: dict[Any, Callable[[int, Callable, tuple, dict], Any]] = {
     torch.Tensor.__matmul__: _matmul,
     torch.mm: _matmul,
     torch.Tensor.mm: _matmul,
-    torch.bmm: _matmul,
-    torch.Tensor.bmm: _matmul,
     F.linear: _linear,
     torch.einsum: _einsum,
 }
