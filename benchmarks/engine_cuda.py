@@ -24,8 +24,10 @@ DSpark drafter, up to 5 drafts, synchronous). Reported per (B, mode):
 
 ``--invariance``: batch-invariant mode (``EngineConfig(batch_invariant=True)``) with graphs on: a greedy
 and a seeded sampled request's tokens alone and inside 20 random batch mixes of greedy and seeded
-requests, twice, bit-identical (``seeded_target_differs_from_greedy`` checks that the seeded one samples); tokens/s at batch 64 in
-that mode beside the default mode. ``--plot`` writes tokens/s per GPU against tokens/s per user (engine_cuda.png).
+requests, twice, bit-identical (``seeded_target_differs_from_greedy`` checks that the seeded one samples);
+first its cost at each ``--invariance-batches`` B: tokens/s of the default mode, the mode batched (one
+executor call a step, row-chunked products: model/invariant.py) and the mode's old per-request loop, side
+by side in ``--invariance-rounds`` alternating rounds (``..._ratio_to_default``). ``--plot`` writes tokens/s per GPU against tokens/s per user (engine_cuda.png).
 
     python benchmarks/engine_cuda.py [--model tiny|wide] [--batches 1,4,16,64,256] [--modes sync,async,async-plain,spec]
                                      [--gen 32] [--prompt 64] [--glue] [--invariance] [--plot] [--out DIR]
@@ -39,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -462,7 +465,7 @@ def invariance(args: Any) -> None:
     twice (fresh engines): each target's tokens must be bit-identical every time (batch-invariant mode and
     the seeded sampler, graphs on)."""
     targets = prompts_for(2, args.prompt, 250, 7)
-    gen = min(args.gen, 12)  # batch-invariant mode runs each request alone: keep the 42 batches short
+    gen = min(args.gen, 12)  # 42 batches: keep them short
     greedy = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     t_params = [
         greedy,
@@ -471,19 +474,11 @@ def invariance(args: Any) -> None:
     rng = random.Random(11)
     results: list[list[list[int]]] = [[], []]
     p = {"model": args.model, "mixes": 20, "runs": 2, "glue": args.glue, "targets": "greedy,seeded"}
-    for inv in (False, True):  # the cost first: a run cut at its time limit still has it
-        eng = make_engine(args.model, 64, "sync", args.glue, invariant=inv, prompt=args.prompt, gen=args.gen)
-        prompts = prompts_for(64, args.prompt, eng.vocab_size, 3)
-        run(eng, prompts[:4], 4, "warm")
-        toks, wall, _ = run(eng, prompts, gen, "run")
-        emit(
-            BENCH,
-            {**p, "batch": 64, "batch_invariant": inv},
-            "tokens_per_s_per_gpu",
-            sum(map(len, toks.values())) / wall,
-            "tok/s",
-        )
-        del eng
+    invariance_cost(
+        args, args.gen, {"model": args.model, "glue": args.glue, "gen": args.gen, "prompt": args.prompt}
+    )
+    if args.invariance_only_cost:
+        return
     for rep in range(2):
         eng = make_engine(args.model, 64, "sync", args.glue, invariant=True, prompt=args.prompt, gen=args.gen)
         alone, _, _ = run(eng, [*targets, targets[1]], gen, f"alone{rep}", [*t_params, greedy])
@@ -532,6 +527,57 @@ def invariance(args: Any) -> None:
             float(same),
             "bool",
         )
+
+
+# the three ways of a step: the default mode, batch-invariant mode batched (one executor call, row-chunked
+# products: model/invariant.py) and batch-invariant mode's old per-request loop (StepRunner._execute_each,
+# what it falls back to over an executor without the invariant products: invariant_rows = 0 here)
+INVARIANT_WAYS = ("default", "invariant", "per_request")
+
+
+def invariance_cost(args: Any, gen: int, p: dict) -> None:
+    """Output tokens/s of the three ways side by side at each ``--invariance-batches`` B (same prompts,
+    greedy, sync scheduling), and each way's ratio to the default mode's. The three engines are built
+    first and then run in turn, ``--invariance-rounds`` rounds, so load that comes and goes on a shared
+    machine hits all three alike; per way the median round. Besides wall time, the process's CPU time
+    (``tokens_per_cpu_s``: the reference backend's figure on a contended CPU, one torch thread). The cost
+    first in a run: a run cut at its time limit still has it."""
+    for b in args.invariance_batches:
+        engs = {}
+        for way in INVARIANT_WAYS:
+            eng = engs[way] = make_engine(
+                args.model, b, "sync", args.glue, invariant=way != "default", prompt=args.prompt, gen=gen
+            )
+            if way == "per_request":
+                eng.executor.invariant_rows = 0  # type: ignore[attr-defined]
+        prompts = prompts_for(b, args.prompt, engs["default"].vocab_size, 3)
+        for eng in engs.values():
+            run(eng, prompts[:4], 4, "warm")
+            run(eng, prompts, 3, "warm-batch")  # graphs of this batch's bucket captured outside the timing
+        wall: dict[str, list[float]] = {w: [] for w in engs}
+        cpu: dict[str, list[float]] = {w: [] for w in engs}
+        for r in range(args.invariance_rounds):
+            for way, eng in engs.items():
+                c0 = time.process_time()
+                toks, secs, _ = run(eng, prompts, gen, f"run{r}")
+                n = sum(map(len, toks.values()))
+                wall[way].append(n / secs)
+                cpu[way].append(n / (time.process_time() - c0))
+        for way in engs:
+            q = {**p, "batch": b, "way": way, "batch_invariant": way != "default", "rounds": len(wall[way])}
+            for metric, rates, unit in (
+                ("tokens_per_s_per_gpu", wall, "tok/s"),
+                ("tokens_per_cpu_s", cpu, "tok/cpu-s"),
+            ):
+                emit(BENCH, q, metric, statistics.median(rates[way]), unit)
+                if way != "default":
+                    ratio = statistics.median(rates[way]) / statistics.median(rates["default"])
+                    emit(BENCH, q, f"{metric}_ratio_to_default", ratio, "ratio")
+            log(
+                f"invariance cost {args.model} B={b} {way}: {statistics.median(wall[way]):.0f} tok/s wall, "
+                f"{statistics.median(cpu[way]):.0f} tok per CPU s"
+            )
+        del engs
 
 
 def host_cost(args: Any) -> None:
@@ -645,6 +691,15 @@ def main() -> None:
     )
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument(
+        "--invariance-batches",
+        default="64",
+        help="with --invariance: the batches of its tokens/s side by side (default, invariant, per_request)",
+    )
+    ap.add_argument(
+        "--invariance-only-cost", action="store_true", help="with --invariance: skip the 20 mixes"
+    )
+    ap.add_argument("--invariance-rounds", type=int, default=3, help="with --invariance: rounds of the cost")
+    ap.add_argument(
         "--host", default="", help="batches for the host-cost section (model stubbed), e.g. 1,16,64"
     )
     ap.add_argument("--host-modes", default="sync,async", help="engine modes of the host-cost section")
@@ -674,6 +729,7 @@ def main() -> None:
         log("engine_cuda: needs a CUDA device; nothing to measure here")
         return
     args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.invariance_batches = [int(x) for x in args.invariance_batches.split(",") if x]
     args.host = [int(x) for x in args.host.split(",") if x]
     args.sampling = [k for k in args.sampling.split(",") if k]
     args.modes = [m for m in args.modes.split(",") if m]

@@ -63,8 +63,9 @@ class EngineConfig:
     ``async_scheduling`` plans step N+1 before step N's tokens are applied (DeepInfer's one-step-ahead
     mode; same tokens as synchronous); ``async_overlap`` (with it) launches step N+1 before the host reads
     step N's tokens, which stay on the device for N+1's inputs (engine/overlap.py; off: the host waits for
-    each step's tokens before planning the next). ``batch_invariant`` (None: ``DEEPINFER_BATCH_INVARIANT``) runs
-    each request of a step as its own executor call, so no kernel ever sees another request's rows.
+    each step's tokens before planning the next). ``batch_invariant`` (None: ``DEEPINFER_BATCH_INVARIANT``) makes a
+    request's tokens bitwise independent of its batch: the step stays one executor call whose products run
+    in fixed-shape row chunks (model/invariant.py; an executor without them runs each request alone).
     ``speculative`` turns on DSpark drafts verified inside the step, ``num_speculative_tokens`` drafts at
     most per request and step (None: ``DEEPINFER_USE_NEXTN_DECODE``; 0: off), how many of them each step
     verifies picked by ``spec.MTPVarlen`` (``DEEPINFER_ENABLE_MTP_VARLEN``; off: all of them). Only greedy,

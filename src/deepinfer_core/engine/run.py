@@ -10,6 +10,7 @@ the step is ended through ``RequestTable.end``.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from deepinfer_core.engine.speculative import DraftBook
 from deepinfer_core.engine.stats import StepStats
 from deepinfer_core.kv import StatePool
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
+from deepinfer_core.model.invariant import default_rows
 from deepinfer_core.protocols import ModelExecutor
 from deepinfer_core.scheduler import Plan, StepType
 
@@ -86,6 +88,8 @@ class StepRunner:
         self.sampler = sampler
         self.stats = stats
         self.batch_invariant = batch_invariant
+        if batch_invariant:
+            enable_invariant_rows(executor)
         self.apply_mask = apply_mask
         self._snapshots: dict[int, torch.Tensor] = {}  # the last execute's encoder-ring snapshots, by request
         # the speculative side of a step (verify seeds and grammar masks, verified rows collected)
@@ -396,49 +400,82 @@ class StepRunner:
     ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """Logits of the sampled rows, request by request, and the DSpark outputs (numpy; empty when
         nothing drafts or verifies). ``feed``: batch tokens still on the device (engine/overlap.py)."""
-        kw = (
-            {} if feed is None else {"feed": feed}
-        )  # executors without the overlap keep their one-argument call
-        if not self.batch_invariant or batch.num_requests == 1:
-            outs = [self.executor.execute(batch, **kw)]
+        parts = self._parts(batch)
+        if len(parts) == 1:  # executors without the overlap keep their one-argument call
+            outs = [self.executor.execute(batch, **({} if feed is None else {"feed": feed}))]
         else:
-            outs = self._execute_each(batch, feed)
+            self.executor.validate(batch)  # refuse before any cache is written, as one call would
+            off = batch.offsets
+            outs = []
+            for lo, hi in parts:
+                sub = {} if feed is None else {"feed": feed.sub(int(off[lo]), int(off[hi]))}
+                outs.append(self.executor.execute(_requests(batch, lo, hi), **sub))
         logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
         self._snapshots = (
             outs[0].snapshots
             if len(outs) == 1
-            else {i: o.snapshots[0] for i, o in enumerate(outs) if o.snapshots}
+            else {lo + j: s for (lo, _), o in zip(parts, outs) for j, s in o.snapshots.items()}
         )
         spec: dict[str, np.ndarray] = {}
         if self.drafts is not None:
             for name in ("num_accepted", "next_token", "drafts", "draft_confidence"):
-                parts = [_spec_field(o, name, batch.num_requests if len(outs) == 1 else 1) for o in outs]
-                spec[name] = np.concatenate(parts)
+                spec[name] = np.concatenate(
+                    [_spec_field(o, name, hi - lo) for (lo, hi), o in zip(parts, outs)]
+                )
         return logits, spec
 
-    def _execute_each(self, batch: ForwardBatch, feed: TokenFeed | None) -> list[ForwardOutput]:
-        """Batch-invariant mode: every request alone, so no kernel's reduction order depends on the batch."""
-        self.executor.validate(batch)  # refuse before any cache is written, as a batched call would
-        off = batch.offsets
-        outs = []
-        for i in range(batch.num_requests):
-            sl = slice(i, i + 1)
-            opt = {
-                n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
-                for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")
-            }
-            one = ForwardBatch(
-                token_ids=batch.token_ids[off[i] : off[i + 1]],
-                query_lens=batch.query_lens[sl],
-                start_pos=batch.start_pos[sl],
-                block_tables=batch.block_tables[sl],
-                state_slots=batch.state_slots[sl],
-                num_logits=batch.num_logits[sl],
-                **opt,
-            )
-            sub = {} if feed is None else {"feed": feed.sub(int(off[i]), int(off[i + 1]))}
-            outs.append(self.executor.execute(one, **sub))
-        return outs
+    def _parts(self, batch: ForwardBatch) -> list[tuple[int, int]]:
+        """The request ranges [lo, hi) of a step's executor calls (in request order): one call, except in
+        batch-invariant mode. There the step stays batched where the executor has the invariant products
+        (``invariant_rows``, model/invariant.py), but a request must take the same executor path alone and
+        in any batch: the row path runs a step whose every request feeds <= backtrack + 1 tokens, so a short
+        prefill chunk next to a long one would take the per-request path instead (other attention code,
+        other bits). The step is cut where the requests' own path changes (a prefill step mixing short and
+        long chunks: 2-3 calls; decode and verify steps: one). An executor without the products gets the
+        old loop: every request alone."""
+        n = batch.num_requests
+        if not self.batch_invariant or n == 1 or batch.encoder_only or batch.capture_layers:
+            return [(0, n)]
+        if invariant_rows(self.executor) <= 0:
+            return [(i, i + 1) for i in range(n)]
+        back = getattr(self.executor, "backtrack", None)
+        if not isinstance(back, int):
+            return [(0, n)]
+        row = batch.query_lens <= back + 1
+        edges = [0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist(), n]
+        return list(itertools.pairwise(edges))
+
+
+def _requests(batch: ForwardBatch, lo: int, hi: int) -> ForwardBatch:
+    """Requests [lo, hi) of ``batch`` as a batch of their own."""
+    off = batch.offsets
+    sl = slice(lo, hi)
+    opt = {
+        n: None if getattr(batch, n) is None else getattr(batch, n)[sl]
+        for n in ("verify_lens", "draft", "temperature", "decoder_floor", "snapshot_pos")
+    }
+    return ForwardBatch(
+        token_ids=batch.token_ids[off[lo] : off[hi]],
+        query_lens=batch.query_lens[sl],
+        start_pos=batch.start_pos[sl],
+        block_tables=batch.block_tables[sl],
+        state_slots=batch.state_slots[sl],
+        num_logits=batch.num_logits[sl],
+        **opt,
+    )
+
+
+def invariant_rows(executor: object) -> int:
+    """The executor's batch-invariant chunk rows (model.invariant; 0: it has none, or they are off)."""
+    return int(getattr(executor, "invariant_rows", 0) or 0)
+
+
+def enable_invariant_rows(executor: object) -> None:
+    """Switch the executor's batch-invariant products on (its device's default chunk), if it has them."""
+    if hasattr(executor, "invariant_rows") and not invariant_rows(executor):
+        dev = getattr(executor, "device", None)
+        rows = default_rows(dev if isinstance(dev, torch.device) else torch.device("cpu"))
+        executor.invariant_rows = rows
 
 
 def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:

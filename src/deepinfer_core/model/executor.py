@@ -37,6 +37,7 @@ from deepinfer_core.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, chec
 from deepinfer_core.model.decode_step import execute_rows
 from deepinfer_core.model.engram_context import engram_fetch, make_engram_tables, resolve_fed
 from deepinfer_core.model.fused_kernels import kernel_defaults
+from deepinfer_core.model.invariant import PREFILL_FACTOR, row_chunked
 from deepinfer_core.model.model import DeepSeekV41
 from deepinfer_core.model.prefill import execute_requests
 from deepinfer_core.model.speculative import SpecState
@@ -90,6 +91,9 @@ class ModelExecutor:
     (:mod:`~deepinfer_core.model.fusion`, torch.compile; the first step of each new shape compiles).
     ``draft_context=False`` keeps no drafter context (no drafts or verification from this executor,
     and none of the drafter's per-step work) for a model that has a drafter.
+    ``invariant_rows`` > 0 is the batch-invariant mode (:mod:`~deepinfer_core.model.invariant`; the engine's
+    ``batch_invariant``): every row product of a step in fixed chunks of that many rows, so a row's logits
+    are bitwise the same whatever else its batch holds, with the batch still one call.
     These attributes may be changed between steps. ``prefill_path`` ("tiled" / "dense"), ``row_path``
     (False: decode steps on the per-request path too) and the kernel switches (``fused_attention``,
     ``fused_moe``, ``fused_head``, ``fused_sinkhorn``) likewise.
@@ -132,6 +136,7 @@ class ModelExecutor:
     prefill_tile: _StateField[int] = _StateField()
     prefill_budget: _StateField[int] = _StateField()
     prefill_index_op: _StateField[bool] = _StateField()
+    invariant_rows: _StateField[int] = _StateField()
 
     def __init__(
         self,
@@ -179,6 +184,7 @@ class ModelExecutor:
             defaults["fused_head"],
         )
         self._graphs: DecodeGraphs | None = None
+        self._graphs_rows = 0  # the invariant_rows the graphs were made for
         # Engram: the tables of the chosen placement
         st.engram_tables = make_engram_tables(model, engram_placement, engram_group)
         st.engram_placement = engram_placement
@@ -188,8 +194,15 @@ class ModelExecutor:
 
     def graphs(self) -> DecodeGraphs:
         """This executor's captured decode graphs (made on first use; ``cuda_graphs`` must be on)."""
-        if self._graphs is None:
-            self._graphs = DecodeGraphs(self.state, self._graph_buckets)
+        rows = self.state.invariant_rows
+        if self._graphs is None or self._graphs_rows != rows:
+            # batch-invariant mode: every graph a whole number of chunks (a lone request replays the C-row
+            # graph a full batch does: the same kernels whatever the batch, up to C rows)
+            buckets = self._graph_buckets
+            if rows:
+                buckets = tuple(sorted({-(-b // rows) * rows for b in buckets}))
+            capture = self._graphs is None or self._graphs.capture
+            self._graphs, self._graphs_rows = DecodeGraphs(self.state, buckets, capture=capture), rows
         return self._graphs
 
     def cache_bytes(self) -> dict[str, int]:
@@ -232,12 +245,15 @@ class ModelExecutor:
         st = self.state
         validation.validate(st, batch)
         self._begin_step(batch)
-        if st.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= st.backtrack + 1:
-            # decode / verify steps: every row's window and group are in the rings after this step's
-            # writes, so attention runs on all rows at once (no per-request loop)
-            graphs = self.graphs() if st.sync_free and st.cuda_graphs else None
-            return execute_rows(st, batch, feed, graphs)
-        return execute_requests(st, batch, feed)
+        rows = st.row_path and not batch.encoder_only and int(batch.query_lens.max()) <= st.backtrack + 1
+        # batch-invariant mode: fixed-shape products (model.invariant), a chunk per path
+        with row_chunked(st.invariant_rows * (1 if rows else PREFILL_FACTOR)):
+            if rows:
+                # decode / verify steps: every row's window and group are in the rings after this step's
+                # writes, so attention runs on all rows at once (no per-request loop)
+                graphs = self.graphs() if st.sync_free and st.cuda_graphs else None
+                return execute_rows(st, batch, feed, graphs)
+            return execute_requests(st, batch, feed)
 
     def _begin_step(self, batch: ForwardBatch) -> None:
         """Per-slot resets and this step's snapshot requests, as indexed writes (no per-request loop):

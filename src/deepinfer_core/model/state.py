@@ -92,6 +92,9 @@ class ExecutorState:
     prefill_tile: int = DEFAULT_TILE
     prefill_budget: int = DEFAULT_BUDGET
     prefill_index_op: bool = True
+    # batch-invariant mode (model.invariant): every row product of a step in chunks of this many rows
+    # (0: off), so a row's logits do not depend on the other rows of its batch
+    invariant_rows: int = 0
 
     # ------------------------------------------------------------------ the cache layout
     def entry_slots(self, table: torch.Tensor, idx: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -210,13 +210,13 @@ _PREFIX_CFG = dict(seed=7, num_blocks=128, max_num_seqs=8, batch_invariant=True)
 
 
 def _prefix_rounds(
-    groups, rounds: list[list[str]], params: object
+    groups, rounds: list[list[str]], params: list[list[object]]
 ) -> tuple[list[list[tuple[int, ...]]], tuple, int]:
     from deepinfer_core.distributed import DistributedEngine
     from deepinfer_core.engine import EngineConfig
 
     eng = DistributedEngine(groups, EngineConfig(**_PREFIX_CFG), DistConfig())
-    got = [[o.token_ids for o in eng.generate(r, params)] for r in rounds]
+    got = [[o.token_ids for o in eng.generate(r, p)] for r, p in zip(rounds, params)]
     prefix = getattr(eng.engine, "prefix", None)
     st = prefix.stats if prefix is not None else None
     return (
@@ -240,9 +240,13 @@ def test_dp_engine_with_prefix_hits_equals_single_process() -> None:
     a = "".join(rng.choice("abcdefghij klmnop") for _ in range(120))
     rounds = [[a, a[:60] + "zz"], [a + " more", a[:100] + " and so", "other " * 8]]
     sp = SamplingParams(temperature=0.7, seed=seed % 1000, max_tokens=5, ignore_eos=True)
-    res = spawn(_prefix_rounds, 2, args=(rounds, sp), timeout_s=60)
+    # rank 0 serves items 0 and 2 of the second round: its item 2 outlives rank 1's only request, so rank 1
+    # joins rank 0's last forwards with empty batches (batch-invariant mode batches a step: one forward each)
+    longer = SamplingParams(temperature=0.7, seed=seed % 1000, max_tokens=9, ignore_eos=True)
+    params = [[sp, sp], [sp, sp, longer]]
+    res = spawn(_prefix_rounds, 2, args=(rounds, params), timeout_s=60)
     llm = LLM(**_PREFIX_CFG)
-    want = [[o.token_ids for o in llm.generate(r, sp, use_tqdm=False)] for r in rounds]
+    want = [[o.token_ids for o in llm.generate(r, p, use_tqdm=False)] for r, p in zip(rounds, params)]
     for rank, (got, stats, _) in enumerate(res):
         assert got == want, f"seed {seed}: rank {rank}"
         assert stats is None or stats[0] > 0, (

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from deepinfer_core.model import invariant
 from deepinfer_core.model.config import LAYER_FULL, LAYER_REINDEX, ModelConfig
 from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.compressor import Compressor
@@ -166,7 +167,8 @@ class Attention(nn.Module):
         """[N, H, d] -> [N, hidden] through the grouped low-rank output projection."""
         n = o.shape[0]
         og = o.reshape(n, self.o_groups, -1)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or invariant.active():
+            # (batch-invariant mode: the einsum is row-chunked, the bmm through ``out=`` is not)
             mid = torch.einsum("ngk,grk->ngr", og, self.wo_a)
         else:
             # the batched product (over groups) written straight into [N, G, R] layout through a transposed

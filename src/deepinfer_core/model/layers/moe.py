@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer_core.model import invariant
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.moe_static import (
@@ -392,14 +393,16 @@ class MoE(nn.Module):
         buf = x.new_empty(n * self.top_k, x.shape[1])
         bounds = torch.cumsum(per_slot, 0).tolist()
         start = 0
-        for slot, end in enumerate(bounds):
-            if end > start:
-                e = slot if weight_of is None else weight_of[slot]
-                t = tok[start:end]
-                xs = x[t]
-                h = clamped_swiglu(xs @ self.w1[e].t(), xs @ self.w3[e].t(), self.limit)
-                buf[order[start:end]] = (h @ self.w2[e].t()) * wts[start:end, None]
-            start = end
+        # batch-invariant mode: an expert's products in chunks of a few rows (it gets a few rows a step)
+        with invariant.smaller_chunks(invariant.EXPERT_DIVISOR):
+            for slot, end in enumerate(bounds):
+                if end > start:
+                    e = slot if weight_of is None else weight_of[slot]
+                    t = tok[start:end]
+                    xs = x[t]
+                    h = clamped_swiglu(xs @ self.w1[e].t(), xs @ self.w3[e].t(), self.limit)
+                    buf[order[start:end]] = (h @ self.w2[e].t()) * wts[start:end, None]
+                start = end
         out = buf.view(n, self.top_k, -1).sum(1)
         if self.shared:
             out = out + self._shared(x)
