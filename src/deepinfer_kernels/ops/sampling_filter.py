@@ -171,7 +171,7 @@ def survivor_threshold(
     n = tp[:, -1].to(torch.int64).clamp(min=1)
     qv = torch.div(gep - gtp, n, rounding_mode="floor").clamp(min=1)  # the mass of each tied token
     fit = torch.div(thr - gtp + qv - 1, qv, rounding_mode="floor").clamp(min=1)  # ties before the bound
-    ip = _nth(tp, torch.minimum(fit, n))
+    ip = _nth(tp, fit)
     p_first = p_on & ((vp > vk) | ((vp == vk) & (ip < ik)))
     ti = torch.where(p_first, ip, ik)
     tv = x.gather(1, ti[:, None]).squeeze(1)
