@@ -120,16 +120,17 @@ def _level(
     """``(v, ge, gt)``: the largest key ``v`` with ``W(key >= v) >= target`` (a present key when the target
     is reachable), ``W(key >= v)`` and ``W(key > v)``, where ``W`` sums ``w``. A radix select: per digit one
     scatter-add of the weights whose higher digits match the prefix chosen so far into ``2**bits`` bins
-    (others into a dump bin), then a binary search over the bins' prefix sums."""
+    (the others add 0 to their own digit's bin: no single hot bin for the GPU's atomics), then a binary
+    search over the bins' prefix sums."""
     b, nb = w.shape[0], 1 << bits
     above = torch.zeros(b, dtype=torch.int64, device=w.device)
     prefix = torch.zeros_like(above)
     ge = above
     match: torch.Tensor | None = None
     for i, dig in enumerate(digits):
-        idx = dig if match is None else torch.where(match, dig, nb)
-        h = torch.zeros(b, nb + 1, dtype=torch.int64, device=w.device).scatter_add_(1, idx, w)
-        d, ge, above = _pick(h[:, :nb], above, target)
+        wi = w if match is None else torch.where(match, w, 0)
+        h = torch.zeros(b, nb, dtype=torch.int64, device=w.device).scatter_add_(1, dig, wi)
+        d, ge, above = _pick(h, above, target)
         prefix = prefix * nb + d
         if i + 1 < len(digits):
             m = dig == d[:, None]
