@@ -5,11 +5,14 @@ mass is within float rounding of top_p)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer_kernels.ops import sampling_filter
 from deepinfer_kernels.ops.sampling import sample, sample_sorted
 from deepinfer_kernels.ops.sampling_filter import MASS_BITS, survivor_threshold, survivors_sorted
 
@@ -22,16 +25,32 @@ def _oracle_threshold(logits, temperature, top_k, top_p):
     return vals.gather(1, last).squeeze(1), idx.gather(1, last).squeeze(1), torch.isfinite(vals[:, 0])
 
 
+@contextlib.contextmanager
+def _candidates(n: int):
+    """The eager path's candidate count, lowered so that many rows fall through to the radix select."""
+    old = sampling_filter.CANDIDATES
+    sampling_filter.CANDIDATES = n
+    try:
+        yield
+    finally:
+        sampling_filter.CANDIDATES = old
+
+
 def _assert_same(logits, temperature, top_k, top_p, seeds=None, positions=None) -> None:
+    """Every path of the finder (graph-safe radix; eager candidates + radix, with the default and with 8
+    candidates) gives the oracle's last survivor, and ``sample`` its tokens."""
     b = logits.shape[0]
     tv0, ti0, live = _oracle_threshold(logits, temperature, top_k, top_p)
-    _, tv, ti, mode = survivor_threshold(logits, temperature, top_k, top_p)
-    assert torch.equal(mode == 2, ~live)
-    bad = live & ((tv != tv0) | (ti.long() != ti0))
-    assert not bad.any(), (
-        f"rows {bad.nonzero().flatten().tolist()}: finder {tv[bad].tolist()}/{ti[bad].tolist()}, "
-        f"oracle {tv0[bad].tolist()}/{ti0[bad].tolist()}, top_k {top_k[bad].tolist()}, top_p {top_p[bad].tolist()}"
-    )
+    for graph_safe, cands in ((True, None), (False, None), (False, 8)):
+        with _candidates(cands or sampling_filter.CANDIDATES):
+            _, tv, ti, mode = survivor_threshold(logits, temperature, top_k, top_p, graph_safe=graph_safe)
+        assert torch.equal(mode == 2, ~live)
+        bad = live & ((tv != tv0) | (ti.long() != ti0))
+        assert not bad.any(), (
+            f"graph_safe={graph_safe} candidates={cands} rows {bad.nonzero().flatten().tolist()}: finder "
+            f"{tv[bad].tolist()}/{ti[bad].tolist()}, oracle {tv0[bad].tolist()}/{ti0[bad].tolist()}, "
+            f"top_k {top_k[bad].tolist()}, top_p {top_p[bad].tolist()}"
+        )
     seeds = torch.arange(b) * 7919 if seeds is None else seeds
     positions = torch.arange(b) + 3 if positions is None else positions
     args = (logits, temperature, top_k, top_p, seeds, positions)
@@ -195,13 +214,14 @@ def test_no_data_dependent_shape_or_control_flow() -> None:
         torch.rand(b, generator=g),
     ]
     rng = [torch.arange(b), torch.arange(b)]
-    meta = survivor_threshold(*[a.to("meta") for a in args])
+    meta = survivor_threshold(*[a.to("meta") for a in args])  # a non-CPU device: the graph-safe path
     assert [tuple(t.shape) for t in meta] == [(b,)] * 4
     assert sample(*[a.to("meta") for a in args + rng]).shape == (b,)
     torch._dynamo.reset()
     compiled = torch.compile(survivor_threshold, fullgraph=True, backend="eager")
-    for got, want in zip(compiled(*args), survivor_threshold(*args)):
-        assert torch.equal(got, want)
+    for graph_safe in (None, True):  # None: traced, so graph-safe by itself
+        for got, want in zip(compiled(*args, graph_safe=graph_safe), survivor_threshold(*args)):
+            assert torch.equal(got, want)
     compiled_sample = torch.compile(sample, fullgraph=True, backend="eager")
     assert torch.equal(compiled_sample(*args, *rng), sample(*args, *rng))
 

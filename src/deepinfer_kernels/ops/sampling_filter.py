@@ -18,13 +18,16 @@ same boundary with a fixed number of passes over the unsorted row and no data-de
 synchronisation (so it can be captured in a CUDA graph): a radix select (16 bits a digit) over the
 order-preserving integer bits of ``x``, by count for top-k and by mass for top-p, and the tie among equal
 values resolved by token id with a cumsum. Every decision is integer arithmetic, so the two agree bit for
-bit; ``exp`` is evaluated once, on the unsorted row, by both.
+bit; ``exp`` is evaluated once, on the unsorted row, by both. On the CPU (eager, where a host decision is
+free) a ``topk`` of the first ``CANDIDATES`` tokens settles most rows first (small top-k, a peaked top-p
+nucleus); the rest take the radix select.
 """
 
 from __future__ import annotations
 
 import torch
 
+CANDIDATES = 256  # the eager path's topk: rows whose survivors end within them skip the radix select
 MASS_BITS = 36  # q <= 2**36 and Z <= vocab * 2**36 < 2**53: exact in int64 and in float64
 _EMPTY = -(2**31)  # the key of a non-finite logit: below every finite value's key
 
@@ -149,24 +152,18 @@ def _nth(ties: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     return i.clamp(max=ties.shape[1] - 1)
 
 
-def survivor_threshold(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(t, tv, ti, mode)`` per row: the temperature used, the last survivor's scaled value and id (int32),
-    and the mode (0 greedy, 1 sample, 2 no finite logit: token -1). Same boundary as ``survivors_sorted``,
-    by fixed-shape passes over the unsorted row: no sort, no host synchronisation."""
-    greedy, t, x = scale(logits, temperature)
-    ok, fin, q = masses(x)
-    key = order_keys(x, fin)
+def _radix_boundary(
+    key: torch.Tensor, fin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The last survivor's id per row by the radix select: fixed shapes, no host synchronisation."""
     digits, bits = _digits(key)
-    k = effective_k(top_k.to(x.device), fin.sum(dim=1), x.shape[1])
     # top-k: the k-th token of the order (its value by count, then the right one among equal values)
     vk, _, gtk = _level(digits, bits, fin.to(torch.int64), k)
     ik = _nth(_ties(key, vk), k - gtk)
     z = torch.where(key > vk[:, None], q, 0).sum(dim=1)
     z = z + (k - gtk) * q.gather(1, ik[:, None]).squeeze(1)
     # top-p: the last token whose mass before it is < thr (its value by mass, then the ties that fit)
-    p_on, thr = p_target(top_p.to(x.device), z)
+    p_on, thr = p_target(top_p, z)
     vp, gep, gtp = _level(digits, bits, q, thr)
     tp = _ties(key, vp)
     n = tp[:, -1].to(torch.int64).clamp(min=1)
@@ -174,7 +171,62 @@ def survivor_threshold(
     fit = torch.div(thr - gtp + qv - 1, qv, rounding_mode="floor").clamp(min=1)  # ties before the bound
     ip = _nth(tp, fit)
     p_first = p_on & ((vp > vk) | ((vp == vk) & (ip < ik)))
-    ti = torch.where(p_first, ip, ik)
+    return torch.where(p_first, ip, ik)
+
+
+def _candidate_boundary(
+    key: torch.Tensor, fin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ti, resolved)``: the last survivor's id from the first ``CANDIDATES`` tokens of the order (one
+    ``topk`` over keys that pack the value above the inverted id, so they are exactly the stable sort's
+    prefix), and whether that settles the row: top-k at most the candidates, or off, and the survivors end
+    inside them. Fixed shapes too, but the rows it does not settle need ``_radix_boundary``."""
+    v = key.shape[1]
+    c = min(v, CANDIDATES)
+    ids = torch.arange(v, device=key.device)
+    packed = key.to(torch.int64) * (1 << 32) + ((1 << 32) - 1 - ids)
+    pos = torch.topk(packed, c, dim=1).indices
+    n_fin = fin.sum(dim=1)
+    inside = torch.arange(c, device=key.device)[None, :] < k[:, None]
+    qk = torch.where(inside, q.gather(1, pos), 0)
+    z = torch.where(k >= n_fin, q.sum(dim=1), qk.sum(dim=1))  # exact where the row is settled
+    p_on, thr = p_target(top_p, z)
+    keep = inside & (~p_on[:, None] | ((qk.cumsum(dim=1) - qk) < thr[:, None]))
+    keep[:, 0] = True
+    n = keep.sum(dim=1)
+    beyond = (n == c) & (k > c) & (~p_on | (qk.sum(dim=1) < thr))  # the next token would survive too
+    resolved = ((k <= c) | (k >= n_fin)) & ~beyond
+    return pos.gather(1, (n - 1)[:, None]).squeeze(1), resolved
+
+
+def survivor_threshold(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    graph_safe: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(t, tv, ti, mode)`` per row: the temperature used, the last survivor's scaled value and id (int32),
+    and the mode (0 greedy, 1 sample, 2 no finite logit: token -1). Same boundary as ``survivors_sorted``.
+
+    ``graph_safe`` (default: on for a CUDA / non-CPU device and under ``torch.compile``): the radix select alone, fixed-shape passes
+    with no host synchronisation (capturable in a CUDA graph). Off (the CPU default): the first
+    ``CANDIDATES`` tokens by ``topk`` settle most rows (top-k <= CANDIDATES, or a top-p nucleus inside
+    them); only the other rows, picked on the host, take the radix select. Both give the same boundary."""
+    if graph_safe is None:  # a host decision costs nothing on the CPU, unless it is being traced
+        graph_safe = logits.device.type != "cpu" or torch.compiler.is_compiling()
+    greedy, t, x = scale(logits, temperature)
+    ok, fin, q = masses(x)
+    key = order_keys(x, fin)
+    k = effective_k(top_k.to(x.device), fin.sum(dim=1), x.shape[1])
+    top_p = top_p.to(x.device)
+    if graph_safe:
+        ti = _radix_boundary(key, fin, q, k, top_p)
+    else:
+        ti, resolved = _candidate_boundary(key, fin, q, k, top_p)
+        rest = torch.nonzero(~resolved).squeeze(1)  # a host decision: eager only
+        if rest.numel():
+            ti[rest] = _radix_boundary(key[rest], fin[rest], q[rest], k[rest], top_p[rest])
     tv = x.gather(1, ti[:, None]).squeeze(1)
     mode = torch.where(ok, torch.where(greedy, 0, 1), 2).to(torch.int32)
     return t, tv, ti.to(torch.int32), mode
