@@ -93,17 +93,19 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    graph_safe: bool | None = None,
 ) -> torch.Tensor:
     """Draw one token per row. Rows with ``temperature == 0`` are greedy (argmax, lowest id on ties).
 
     ``top_k`` < 1 disables top-k; ``top_p`` >= 1 disables top-p (the rule: ``ops/sampling_filter.py``).
     Masked logits (-inf, e.g. from a grammar bitmask) are never drawn while any finite logit remains; a row
-    with no finite logit (or a NaN / +inf) returns -1. No sort, no host synchronisation.
+    with no finite logit (or a NaN / +inf) returns -1. No sort; ``graph_safe`` (``survivor_threshold``'s,
+    default on for CUDA and under ``torch.compile``): no host synchronisation either.
     """
     _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
     if logits.shape[1] == 0:
         return torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
-    t, tv, ti, mode = survivor_threshold(logits, temperature, top_k, top_p)
+    t, tv, ti, mode = survivor_threshold(logits, temperature, top_k, top_p, graph_safe)
     x = logits.float() / t[:, None]
     return draw(x, keep_mask(x, tv, ti), mode, seeds, positions)
 
