@@ -38,7 +38,7 @@ def _candidates(n: int):
 
 def _assert_same(logits, temperature, top_k, top_p, seeds=None, positions=None) -> None:
     """Every path of the finder (graph-safe radix; eager candidates + radix, with the default and with 8
-    candidates) gives the oracle's last survivor, and ``sample`` its tokens."""
+    candidates) gives the oracle's last survivor, and ``sample`` (its sparse and dense draws) its tokens."""
     b = logits.shape[0]
     tv0, ti0, live = _oracle_threshold(logits, temperature, top_k, top_p)
     for graph_safe, cands in ((True, None), (False, None), (False, 8)):
@@ -54,7 +54,11 @@ def _assert_same(logits, temperature, top_k, top_p, seeds=None, positions=None) 
     seeds = torch.arange(b) * 7919 if seeds is None else seeds
     positions = torch.arange(b) + 3 if positions is None else positions
     args = (logits, temperature, top_k, top_p, seeds, positions)
-    assert torch.equal(sample(*args), sample_sorted(*args))
+    want = sample_sorted(*args)  # the dense draw over the sorted survivors
+    assert torch.equal(sample(*args), want)  # CPU eager: random numbers for the survivors only
+    assert torch.equal(sample(*args, graph_safe=True), want)  # the dense draw
+    with _candidates(8):
+        assert torch.equal(sample(*args), want)
 
 
 def _logits(kind: int, b: int, v: int, g: torch.Generator) -> torch.Tensor:

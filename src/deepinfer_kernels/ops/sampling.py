@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.ops.sampling_filter import survivor_threshold, survivors_sorted
+from deepinfer_kernels.ops.sampling_filter import default_graph_safe, survivor_threshold, survivors_sorted
 from deepinfer_kernels.registry import register
 
 # splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
@@ -41,7 +41,12 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, num: int) -> t
     positions = positions.to(torch.int64)
     key = mix64(seeds) ^ (positions * _POS_MUL)  # one key per (request, position)
     j = torch.arange(num, device=seeds.device, dtype=torch.int64)
-    h = mix64(key[:, None] ^ mix64(j)[None, :])
+    return _uniform(key[:, None], j[None, :])
+
+
+def _uniform(key: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """The uniform of token ``j`` under a (request, position) key, elementwise (broadcast)."""
+    h = mix64(key ^ mix64(j))
     # Top 24 bits -> a float32 exactly representable; +0.5 keeps it strictly inside (0, 1).
     return (_lsr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
@@ -79,6 +84,27 @@ def draw(
     return torch.where(mode == 2, torch.full_like(out, -1), out)
 
 
+def draw_sparse(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    mode: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """``draw`` with random numbers for the survivors only (the same token: the same float operations per
+    token, the maximum score's lowest id). Its (row, token) pairs are a data-dependent shape: eager only,
+    where top-k / top-p leave a few tokens of a large vocabulary and the full-row RNG would dominate."""
+    b, v = x.shape
+    rows, ids = torch.nonzero(keep & (mode == 1)[:, None], as_tuple=True)
+    key = mix64(seeds.to(torch.int64)) ^ (positions.to(torch.int64) * _POS_MUL)
+    score = x[rows, ids] + -torch.log(-torch.log(_uniform(key[rows], ids)))
+    best = torch.full((b,), float("-inf"), device=x.device).scatter_reduce(0, rows, score, "amax")
+    first = torch.where(score == best[rows], ids, v)
+    pick = torch.full((b,), v, dtype=torch.int64, device=x.device).scatter_reduce(0, rows, first, "amin")
+    out = torch.where(mode == 0, x.argmax(dim=-1), pick)
+    return torch.where(mode == 2, torch.full_like(out, -1), out)
+
+
 def keep_mask(x: torch.Tensor, tv: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
     """The survivors described by the last one: ``x > tv`` or (``x == tv`` and id ``<= ti``)."""
     ids = torch.arange(x.shape[1], device=x.device)[None, :]
@@ -99,15 +125,18 @@ def sample(
 
     ``top_k`` < 1 disables top-k; ``top_p`` >= 1 disables top-p (the rule: ``ops/sampling_filter.py``).
     Masked logits (-inf, e.g. from a grammar bitmask) are never drawn while any finite logit remains; a row
-    with no finite logit (or a NaN / +inf) returns -1. No sort; ``graph_safe`` (``survivor_threshold``'s,
-    default on for CUDA and under ``torch.compile``): no host synchronisation either.
+    with no finite logit (or a NaN / +inf) returns -1. No sort; ``graph_safe`` (default on for CUDA and
+    under ``torch.compile``): no host synchronisation or data-dependent shape either. Off (the CPU
+    default), the survivors are searched from ``topk`` candidates and only they get random numbers.
     """
     _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
     if logits.shape[1] == 0:
         return torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    if graph_safe is None:
+        graph_safe = default_graph_safe(logits)
     t, tv, ti, mode = survivor_threshold(logits, temperature, top_k, top_p, graph_safe)
     x = logits.float() / t[:, None]
-    return draw(x, keep_mask(x, tv, ti), mode, seeds, positions)
+    return (draw if graph_safe else draw_sparse)(x, keep_mask(x, tv, ti), mode, seeds, positions)
 
 
 def sample_sorted(

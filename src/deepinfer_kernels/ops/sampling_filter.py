@@ -73,6 +73,12 @@ def order_keys(x: torch.Tensor, fin: torch.Tensor) -> torch.Tensor:
     return torch.where(fin, o, _EMPTY)
 
 
+def default_graph_safe(logits: torch.Tensor) -> bool:
+    """Fixed shapes and no host decision unless on the CPU, eager: there a host decision is free (no
+    device to wait for), unless the code is being traced (``torch.compile``)."""
+    return logits.device.type != "cpu" or torch.compiler.is_compiling()
+
+
 def survivors_sorted(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,8 +219,8 @@ def survivor_threshold(
     with no host synchronisation (capturable in a CUDA graph). Off (the CPU default): the first
     ``CANDIDATES`` tokens by ``topk`` settle most rows (top-k <= CANDIDATES, or a top-p nucleus inside
     them); only the other rows, picked on the host, take the radix select. Both give the same boundary."""
-    if graph_safe is None:  # a host decision costs nothing on the CPU, unless it is being traced
-        graph_safe = logits.device.type != "cpu" or torch.compiler.is_compiling()
+    if graph_safe is None:
+        graph_safe = default_graph_safe(logits)
     greedy, t, x = scale(logits, temperature)
     ok, fin, q = masses(x)
     key = order_keys(x, fin)
