@@ -119,8 +119,11 @@ def _digits(key: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     levels of 65,536 bins), 8 below 2**16 entries a row (4 levels of 256: the bins stay smaller than the
     row). int64: ``scatter_add_`` indexes with int64."""
     bits = 16 if key.shape[1] >= 1 << 16 else 8
-    u = key.to(torch.int64) - _EMPTY  # 0 .. 2**32 - 1, ordered as the keys
-    return [(u >> s) & ((1 << bits) - 1) for s in range(32 - bits, -1, -bits)], bits
+    # the digits of key - _EMPTY (0 .. 2**32 - 1, ordered as the keys), shifted in int32 (cheaper): the
+    # top one is the arithmetic shift offset by half its range, the others the plain bit fields
+    top = (key >> (32 - bits)) + (1 << (bits - 1))
+    rest = [(key >> s) & ((1 << bits) - 1) for s in range(32 - 2 * bits, -1, -bits)]
+    return [d.to(torch.int64) for d in [top, *rest]], bits
 
 
 def _level(
