@@ -14,8 +14,9 @@ a ``topk`` of 256 candidates first, the radix select for the rows it does not se
 warm-up), plus the TileLang ``sample`` op eager and replayed from a CUDA graph (the finder has no host
 synchronisation, so the whole op captures).
 
-Logits: ``gauss`` (N(0, 2^2): flat, top-p 0.9 at T = 0.8 keeps about 11 % of the vocabulary, ~14k tokens) and ``peaked`` (one
-dominant head over a long tail, as a language model's next-token logits: top-p 0.9 keeps a few dozen).
+Logits: ``gauss`` (N(0, 2^2): flat, top-p 0.9 at T = 0.8 keeps about 11 % of the vocabulary, ~14k
+tokens) and ``peaked`` (one dominant head over a long tail, as a language model's next-token logits:
+top-p 0.9 keeps a few dozen).
 """
 
 # ruff: noqa: B023  (the timing lambdas capture loop variables on purpose: each is used in its iteration)

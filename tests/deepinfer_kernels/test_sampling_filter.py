@@ -171,9 +171,9 @@ def test_all_equal_values_exact_fractions(vocab: int) -> None:
 
 
 def _float_rule(logits, temperature, top_k, top_p):
-    """The float rule the integer one replaced, in float64: softmax over the top-k sorted values, cumsum, ``before <
-    top_p``. Returns the survivor mask (token order) and, per row, how close its boundary decisions came to
-    top_p (float64 distance of ``before`` from top_p at the first cut and the last kept token)."""
+    """The float rule the integer one replaced, in float64: softmax over the top-k sorted values, cumsum,
+    ``before < top_p``. Returns the survivor mask (token order) and, per row, how close a decision came to
+    top_p (the smallest float64 distance of ``before`` from top_p inside the top-k)."""
     x = logits.float() / temperature[:, None]
     v = x.shape[1]
     vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)

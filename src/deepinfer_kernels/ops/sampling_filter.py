@@ -218,10 +218,11 @@ def survivor_threshold(
     """``(t, tv, ti, mode)`` per row: the temperature used, the last survivor's scaled value and id (int32),
     and the mode (0 greedy, 1 sample, 2 no finite logit: token -1). Same boundary as ``survivors_sorted``.
 
-    ``graph_safe`` (default: on for a CUDA / non-CPU device and under ``torch.compile``): the radix select alone, fixed-shape passes
-    with no host synchronisation (capturable in a CUDA graph). Off (the CPU default): the first
-    ``CANDIDATES`` tokens by ``topk`` settle most rows (top-k <= CANDIDATES, or a top-p nucleus inside
-    them); only the other rows, picked on the host, take the radix select. Both give the same boundary."""
+    ``graph_safe`` (default: on for a CUDA / non-CPU device and under ``torch.compile``): the radix select
+    alone, fixed-shape passes with no host synchronisation (capturable in a CUDA graph). Off (the CPU
+    default): the first ``CANDIDATES`` tokens by ``topk`` settle most rows (top-k <= CANDIDATES, or a
+    top-p nucleus inside them); only the other rows, picked on the host, take the radix select. Both give
+    the same boundary."""
     if graph_safe is None:
         graph_safe = default_graph_safe(logits)
     greedy, t, x = scale(logits, temperature)
