@@ -3,7 +3,8 @@
 The survivor set of the reference (top-k then top-p over the stable descending sort, at least one token,
 finite logits only) is a prefix of that sort, so it is described by its last member: a threshold value
 ``tv`` and id ``ti``; token ``i`` survives iff ``x_i > tv`` or (``x_i == tv`` and ``i <= ti``). That
-threshold comes from the same torch sort / softmax / cumsum the reference runs (on the GPU). The kernel
+threshold comes from the reference's own sort-free finder (``ops/sampling_filter.survivor_threshold``:
+fixed-shape torch passes, no host synchronisation, so the whole op can be captured in a CUDA graph). The kernel
 then makes one pass over the unsorted logits: ``x_i / T + gumbel(seed, position, i)`` for survivors, and
 an argmax whose key packs the score (order-preserving bits) above ``~i``, so ties go to the lowest id.
 
@@ -18,9 +19,12 @@ run on the same GPU. Against the CPU reference a last-bit difference of ``log`` 
 import torch
 
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, KERNEL_DTYPES, T, compile_kernel, torch_dtype_name
-from deepinfer_kernels.ops.sampling import _check, survivors
+from deepinfer_kernels.ops.sampling import _check
 from deepinfer_kernels.ops.sampling import sample as _reference
+from deepinfer_kernels.ops.sampling_filter import survivor_threshold
 from deepinfer_kernels.registry import register
+
+__all__ = ["sample", "survivor_threshold"]
 
 _THREADS = 512
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -89,19 +93,6 @@ def _build(vocab: int, dtype: str):
                 out[bx] = T.if_then_else(mode[bx] == 2, T.int64(-1), idx)
 
     return sample
-
-
-def survivor_threshold(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(temperature used, threshold value, threshold id, mode) per row, by the reference's own torch ops."""
-    greedy, t, vals, idx, keep = survivors(logits, temperature, top_k, top_p)
-    last = (keep.sum(dim=1) - 1).clamp(min=0)[:, None]  # keep is a prefix of the sorted order
-    thr_val = vals.gather(1, last).squeeze(1)
-    thr_idx = idx.gather(1, last).squeeze(1).to(torch.int32)
-    ok = torch.isfinite(vals[:, 0])
-    mode = torch.where(ok, torch.where(greedy, 0, 1), 2).to(torch.int32)
-    return t, thr_val, thr_idx, mode
 
 
 _GOLDEN_S = _GOLDEN - (1 << 64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_kernels.ops.sampling_filter import default_graph_safe, survivor_threshold, survivors_sorted
 from deepinfer_kernels.registry import register
 
 # splitmix64 constants, written as signed int64 (torch has no uint64 arithmetic).
@@ -40,7 +41,12 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, num: int) -> t
     positions = positions.to(torch.int64)
     key = mix64(seeds) ^ (positions * _POS_MUL)  # one key per (request, position)
     j = torch.arange(num, device=seeds.device, dtype=torch.int64)
-    h = mix64(key[:, None] ^ mix64(j)[None, :])
+    return _uniform(key[:, None], j[None, :])
+
+
+def _uniform(key: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """The uniform of token ``j`` under a (request, position) key, elementwise (broadcast)."""
+    h = mix64(key ^ mix64(j))
     # Top 24 bits -> a float32 exactly representable; +0.5 keeps it strictly inside (0, 1).
     return (_lsr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
@@ -53,38 +59,56 @@ def _check(logits: torch.Tensor, **rows: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected shape ({logits.shape[0]},), got {tuple(t.shape)}")
 
 
-def survivors(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tokens that top-k and top-p leave, as a prefix of each row's stable descending sort.
-
-    Returns ``(greedy, t, vals, idx, keep)``: greedy rows, the temperature used per row (1 for greedy rows),
-    the sorted scaled logits and their token ids, and the survivor mask over sorted positions. Shared by
-    the reference sampler and the CUDA kernel's threshold, so both filter by the same float operations.
-    """
-    v = logits.shape[1]
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = logits.float() / t[:, None]
-    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=x.device)[None, :]
-    k = torch.where(top_k >= 1, top_k, torch.full_like(top_k, v)).clamp(max=v)
-    keep = rank < k[:, None]
-    probs = torch.softmax(vals.masked_fill(~keep, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-    before = torch.cumsum(probs, dim=-1) - probs
-    keep &= before < top_p.float()[:, None]
-    keep[:, 0] = True
-    keep &= torch.isfinite(vals)
-    return greedy, t, vals, idx, keep
-
-
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``sample`` of rows that are all greedy, without its sort and random numbers: the argmax (lowest id
     on ties), -1 where the row's largest value is not finite (no finite logit, or a NaN / +inf, which the
     sort puts first). The caller decides that every row is greedy (host-side temperatures)."""
     mx, am = logits.float().max(dim=-1)  # NaN propagates to mx (and its index), as in the sort
     return torch.where(torch.isfinite(mx), am, torch.full_like(am, -1))
+
+
+def draw(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    mode: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """The token of each row given its scaled logits ``x`` and survivor mask ``keep`` (token order): the
+    Gumbel-max over the survivors, the argmax for greedy rows (``mode`` 0), -1 for dead rows (``mode`` 2).
+    Ties go to the lowest id (``argmax`` returns the first maximum), as in the CUDA kernel."""
+    u = counter_uniform(seeds, positions, x.shape[1])
+    gumbel = -torch.log(-torch.log(u))
+    score = torch.where(keep, x + gumbel, torch.full_like(x, float("-inf")))
+    out = torch.where(mode == 0, x.argmax(dim=-1), score.argmax(dim=-1))
+    return torch.where(mode == 2, torch.full_like(out, -1), out)
+
+
+def draw_sparse(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    mode: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """``draw`` with random numbers for the survivors only (the same token: the same float operations per
+    token, the maximum score's lowest id). Its (row, token) pairs are a data-dependent shape: eager only,
+    where top-k / top-p leave a few tokens of a large vocabulary and the full-row RNG would dominate."""
+    b, v = x.shape
+    rows, ids = torch.nonzero(keep & (mode == 1)[:, None], as_tuple=True)
+    key = mix64(seeds.to(torch.int64)) ^ (positions.to(torch.int64) * _POS_MUL)
+    score = x[rows, ids] + -torch.log(-torch.log(_uniform(key[rows], ids)))
+    best = torch.full((b,), float("-inf"), device=x.device).scatter_reduce(0, rows, score, "amax")
+    first = torch.where(score == best[rows], ids, v)
+    pick = torch.full((b,), v, dtype=torch.int64, device=x.device).scatter_reduce(0, rows, first, "amin")
+    out = torch.where(mode == 0, x.argmax(dim=-1), pick)
+    return torch.where(mode == 2, torch.full_like(out, -1), out)
+
+
+def keep_mask(x: torch.Tensor, tv: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+    """The survivors described by the last one: ``x > tv`` or (``x == tv`` and id ``<= ti``)."""
+    ids = torch.arange(x.shape[1], device=x.device)[None, :]
+    return (x > tv[:, None]) | ((x == tv[:, None]) & (ids <= ti[:, None]))
 
 
 @register("sample")
@@ -95,18 +119,41 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    graph_safe: bool | None = None,
 ) -> torch.Tensor:
     """Draw one token per row. Rows with ``temperature == 0`` are greedy (argmax, lowest id on ties).
 
-    ``top_k`` < 1 disables top-k; ``top_p`` = 1 disables top-p. Masked logits (-inf, e.g. from a grammar
-    bitmask) are never drawn while any finite logit remains; a row with no finite logit returns -1.
+    ``top_k`` < 1 disables top-k; ``top_p`` >= 1 disables top-p (the rule: ``ops/sampling_filter.py``).
+    Masked logits (-inf, e.g. from a grammar bitmask) are never drawn while any finite logit remains; a row
+    with no finite logit (or a NaN / +inf) returns -1. No sort; ``graph_safe`` (default on for CUDA and
+    under ``torch.compile``): no host synchronisation or data-dependent shape either. Off (the CPU
+    default), the survivors are searched from ``topk`` candidates and only they get random numbers.
     """
     _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
-    greedy, _, vals, idx, keep = survivors(logits, temperature, top_k, top_p)
-    u = counter_uniform(seeds, positions, logits.shape[1])
-    gumbel = -torch.log(-torch.log(u))
-    score = torch.where(keep, vals + gumbel.gather(1, idx), torch.full_like(vals, float("-inf")))
-    pick = idx.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
-    # Greedy rows: the first position of the stable descending sort is the lowest id among the maxima.
-    out = torch.where(greedy, idx[:, 0], pick)
-    return torch.where(torch.isfinite(vals[:, 0]), out, torch.full_like(out, -1))
+    if logits.shape[1] == 0:
+        return torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    if graph_safe is None:
+        graph_safe = default_graph_safe(logits)
+    t, tv, ti, mode = survivor_threshold(logits, temperature, top_k, top_p, graph_safe)
+    x = logits.float() / t[:, None]
+    return (draw if graph_safe else draw_sparse)(x, keep_mask(x, tv, ti), mode, seeds, positions)
+
+
+def sample_sorted(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """``sample`` with the survivors found by the full stable sort (``survivors_sorted``): the oracle the
+    tests and benchmarks compare ``sample`` against."""
+    _check(logits, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions)
+    if logits.shape[1] == 0:
+        return torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    greedy, t, vals, idx, keep_sorted = survivors_sorted(logits, temperature, top_k, top_p)
+    keep = torch.zeros_like(keep_sorted).scatter_(1, idx, keep_sorted)
+    ok = torch.isfinite(vals[:, 0])
+    mode = torch.where(ok, torch.where(greedy, 0, 1), 2)
+    return draw(logits.float() / t[:, None], keep, mode, seeds, positions)
