@@ -286,7 +286,9 @@ def entries_host(
     pk.add(f"e{ratio}.slots", slots)
     pk.add(f"e{ratio}.first_row", np.repeat(first[t.req], t.tile))
     pk.add(f"e{ratio}.vis", ((pos_tile + 1) // ratio).ravel())
-    pk.add(f"e{ratio}.first", first[t.req])
+    # a tile's keys start at its request's first entry; a request with none yet reads (masked) the last
+    # entry of the concatenation rather than one past it
+    pk.add(f"e{ratio}.first", np.minimum(first[t.req], max(int(e.sum()) - 1, 0)))
     pk.add(f"e{ratio}.last", np.maximum(e - 1, 0)[t.req])
     pk.add(f"e{ratio}.arange", np.arange(width))
     es = 4 if ranged else st.dtype.itemsize  # the score op's scores are float32
