@@ -39,7 +39,7 @@ from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.model import AttendFn
-from deepinfer_core.model.prefill_plan import ATTENTION_RANGE, INDEXER_RANGE, make_plan
+from deepinfer_core.model.prefill_plan import ATTENTION_RANGE, INDEXER_RANGE, LAYER_RANGE, make_plan
 from deepinfer_core.model.prefill_tiled import attend_request, rows_per_piece, select_entries
 from deepinfer_core.model.prefill_varlen import varlen_attend, varlen_source
 from deepinfer_core.model.state import DEFAULT_BUDGET, DEFAULT_TILE, ExecutorState, last_rows
@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_TILE",
     "INDEXER_RANGE",
+    "LAYER_RANGE",
     "attend_prefill",
     "attend_request",
     "execute_requests",
@@ -391,7 +392,8 @@ def step_attention(st: ExecutorState, b: ForwardBatch, positions: torch.Tensor) 
     pools: dict = {}
 
     def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
-        return attend_prefill(st, lid, a, x, positions, reqs, sel, pools)
+        with record_function(LAYER_RANGE):
+            return attend_prefill(st, lid, a, x, positions, reqs, sel, pools)
 
     def source(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
         cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)

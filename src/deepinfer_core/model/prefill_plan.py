@@ -37,6 +37,9 @@ from deepinfer_core.model.state import ExecutorState, last_rows
 # time by them; re-exported by model.prefill); a record_function outside a profiler costs about a microsecond
 ATTENTION_RANGE = "prefill.attention"
 INDEXER_RANGE = "prefill.indexer"
+# around a whole layer's attention of a prefill step (projections, ring writes, compression included): the
+# ops a prefill path owns (benchmarks/prefill_batching.py counts them)
+LAYER_RANGE = "prefill.layer_attention"
 
 # an indexer piece: (first tile, end tile, entries its rows score, first and end entry of the concatenation
 # it reads)

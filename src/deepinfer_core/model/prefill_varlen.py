@@ -45,6 +45,7 @@ from deepinfer_core.model.layers.window_attention import window_sink_attention, 
 from deepinfer_core.model.prefill_plan import (
     ATTENTION_RANGE,
     INDEXER_RANGE,
+    LAYER_RANGE,
     Compression,
     Entries,
     Piece,
@@ -282,7 +283,8 @@ def varlen_attend(
     """The step's ``attend`` (``model.run_layers``): ``rows_of(a, x)`` gives a layer's products."""
 
     def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
-        return attend_layer(a.kind, VarlenAttention(st, lid, a, plan, rows_of(a, x)))
+        with record_function(LAYER_RANGE):
+            return attend_layer(a.kind, VarlenAttention(st, lid, a, plan, rows_of(a, x)))
 
     return attend
 
