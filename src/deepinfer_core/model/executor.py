@@ -90,7 +90,10 @@ class ModelExecutor:
     (:mod:`~deepinfer_core.model.fusion`, torch.compile; the first step of each new shape compiles).
     ``draft_context=False`` keeps no drafter context (no drafts or verification from this executor,
     and none of the drafter's per-step work) for a model that has a drafter.
-    These attributes may be changed between steps. ``prefill_path`` ("tiled" / "dense"), ``row_path``
+    These attributes may be changed between steps. ``prefill_path`` ("varlen": every request of a prefill
+    step at once, the default with a backend on a CUDA device; "tiled": request by request, the default
+    elsewhere; "dense": the oracle), ``prefill_budget`` (bytes of intermediates per piece of prefill rows:
+    512 MiB on CUDA, 32 MiB on the CPU), ``row_path``
     (False: decode steps on the per-request path too) and the kernel switches (``fused_attention``,
     ``fused_moe``, ``fused_head``, ``fused_sinkhorn``) likewise.
 
@@ -168,6 +171,10 @@ class ModelExecutor:
         self._graph_buckets = check_buckets(cuda_graph_buckets)
         # the sync-free step's small functions compiled into fused kernels (model.fusion; torch.compile)
         st.fuse_glue = bool(fuse_glue) and st.sync_free
+        # prefill steps of every request at once (model.prefill_varlen: a number of kernel launches per layer
+        # that does not grow with the requests) on the cuda backend; the per-request tiled path elsewhere
+        # (equal speed on the CPU, docs/performance.md)
+        st.prefill_path = "varlen" if st.sync_free else "tiled"
         # each decode layer's attention as the backend's one-kernel ``sink_attention_rows`` (TileLang on the
         # cuda backend) instead of two batched GEMMs and the softmax between them; the MoE's expert products
         # as its ``moe_grouped_gemm``; the LM head as that kernel with one group (a [V, D] weight stream).

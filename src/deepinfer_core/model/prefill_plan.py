@@ -42,8 +42,8 @@ INDEXER_RANGE = "prefill.indexer"
 LAYER_RANGE = "prefill.layer_attention"
 
 # an indexer piece: (first tile, end tile, entries its rows score, first and end entry of the concatenation
-# it reads)
-Piece = tuple[int, int, int, int, int]
+# it reads, whether its tiles are all of one request)
+Piece = tuple[int, int, int, int, int, bool]
 
 
 def starts(counts: np.ndarray) -> np.ndarray:
@@ -149,6 +149,7 @@ class VarlenPlan:
     (dequantised entries per source layer, their global ids)."""
 
     tiles: Tiles
+    padded: bool  # some request's last tile is padded (else the tile layout is the row layout)
     tile_rows: torch.Tensor  # [T, tile] batch row of each tile row
     out_slot: torch.Tensor  # [N] each batch row's place in the tile layout
     windows: list[Window]  # by floor kind: encoder, decoder
@@ -163,6 +164,14 @@ class VarlenPlan:
     sel: dict = attrs.field(factory=dict)
     pools: dict = attrs.field(factory=dict)
     memo: dict = attrs.field(factory=dict)
+
+    def tile_rows_of(self, x: torch.Tensor, ta: int, tb: int) -> torch.Tensor:
+        """Rows of tiles ta .. tb - 1 of a per-row tensor ``x`` [N, ...] as [tb - ta, tile, ...] (a view when
+        no tile is padded)."""
+        t = self.tiles.tile
+        if not self.padded:
+            return x[ta * t : tb * t].view(tb - ta, t, *x.shape[1:])
+        return x[self.tile_rows[ta:tb]]
 
     def once(self, key: Any, make: Any) -> Any:
         if key not in self.memo:
@@ -214,11 +223,13 @@ def window_host(st: ExecutorState, b: ForwardBatch, t: Tiles, kind: int, pk: Pac
 
 
 def index_pieces(
-    t: Tiles, first: np.ndarray, ratio: int, per_elem: int, budget: int, ranged: bool
+    t: Tiles, first: np.ndarray, widest: int, ratio: int, per_elem: int, budget: int, ranged: bool
 ) -> list[Piece]:
-    """Runs of whole tiles whose indexer scores fit ``budget``: each tile row scores the entries its tile's
-    last row sees (the causal half of a long request is never scored); ``ranged``: the score op reads
-    one key range of the concatenation for the whole piece (the row width is that range)."""
+    """Runs of whole tiles whose indexer scores fit ``budget``, each row counted at the ``widest``
+    request's entry count (as the tiled path counts a request's rows: no larger pieces than its, so the
+    causal half of a long request is skipped as finely); ``ranged``: the score op reads one key range of
+    the concatenation for the whole piece, counted instead where it is wider. Each tile row then scores
+    the entries the piece's last rows see, not ``widest``."""
     vis = (t.pos0 + t.rows) // ratio
     lo_t = first[t.req]
     hi_t = lo_t + vis
@@ -229,11 +240,11 @@ def index_pieces(
         tb = ta + 1
         while tb < t.count:
             e2, lo2, hi2 = max(e, int(vis[tb])), min(lo, int(lo_t[tb])), max(hi, int(hi_t[tb]))
-            width = max(e2, hi2 - lo2) if ranged else e2
+            width = max(widest, hi2 - lo2) if ranged else widest
             if (tb + 1 - ta) * t.tile * width * per_elem > budget:
                 break
             e, lo, hi, tb = e2, lo2, hi2, tb + 1
-        out.append((ta, tb, e, lo, hi))
+        out.append((ta, tb, e, lo, hi, bool(t.req[ta] == t.req[tb - 1])))
         ta = tb
     return out
 
@@ -296,7 +307,7 @@ def entries_host(
     pk.add(f"e{ratio}.arange", np.arange(width))
     es = 4 if ranged else st.dtype.itemsize  # the score op's scores are float32
     per_elem = 2 * st.cfg.index_n_heads * es + 4 * es + 3 * 8  # as the tiled path's select_entries
-    pieces = index_pieces(t, first, ratio, per_elem, st.prefill_budget, ranged)
+    pieces = index_pieces(t, first, width, ratio, per_elem, st.prefill_budget, ranged)
     n_new = compression_host(st, b, ratio, slots, pk)
     return int(e.sum()), width, pieces, n_new
 
@@ -352,6 +363,7 @@ def make_plan(st: ExecutorState, b: ForwardBatch, ranged: bool = False) -> Varle
     ]
     return VarlenPlan(
         tiles=t,
+        padded=bool((t.rows != t.tile).any()),
         tile_rows=d["tile_rows"],
         out_slot=d["out_slot"],
         windows=windows,

@@ -40,7 +40,13 @@ from deepinfer_core.model.attend import attend_layer
 from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.attention import Attention
-from deepinfer_core.model.layers.indexer import candidate_pool, mask_scores, select_topk, select_topk_keyed
+from deepinfer_core.model.layers.indexer import (
+    candidate_pool,
+    index_scores,
+    mask_scores,
+    select_topk,
+    select_topk_keyed,
+)
 from deepinfer_core.model.layers.window_attention import window_sink_attention, window_width
 from deepinfer_core.model.prefill_plan import (
     ATTENTION_RANGE,
@@ -151,10 +157,10 @@ class VarlenAttention:
                     kb = keys[gid[ta * t.tile : tb * t.tile]].view(tb - ta, t.tile, k, d)
                     vb = valid[ta * t.tile : tb * t.tile].view(tb - ta, t.tile, k)
                 kw = self.keys[self.win.idx[ta:tb]]
-                qt = q[p.tile_rows[ta:tb]]
+                qt = p.tile_rows_of(q, ta, tb)
                 outs.append(window_sink_attention(qt, kw, self.win.mask[ta:tb], kb, vb, a.attn_sink, a.scale))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            return out.view(-1, h, d)[p.out_slot]
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(-1, h, d)
+            return out[p.out_slot] if p.padded else out
 
 
 def _entry_keys(st: ExecutorState, pool: torch.Tensor, ent: Entries, kind: str, dim: int) -> torch.Tensor:
@@ -243,7 +249,7 @@ def _select_piece(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Tiles ta .. tb - 1 of :func:`select_tiles`: (ids, valid, their candidate pool [rows, width] when
     ``make_pool``), each row scoring the ``e_p`` entries the piece's rows can see at most."""
-    ta, tb, e_p, lo, hi = piece
+    ta, tb, e_p, lo, hi, one = piece
     tile = plan.tiles.tile
     r0, r1 = ta * tile, tb * tile
     m, dev = r1 - r0, qi.device
@@ -252,16 +258,17 @@ def _select_piece(
         pool = torch.zeros(m, ent.width, dtype=torch.bool, device=dev) if make_pool else None
         return ent.arange[: ent.k].expand(m, -1), torch.zeros(m, ent.k, dtype=torch.bool, device=dev), pool
     ar = ent.arange[:e_p]
-    if score_op is None:
+    q_t, w_t = plan.tile_rows_of(qi, ta, tb), plan.tile_rows_of(wi, ta, tb)
+    if score_op is not None:  # the backend's op over one key range of the concatenation, then each row's
+        start = ent.first_row[r0:r1] - lo
+        full = score_op(q_t.flatten(0, 1), w_t.flatten(0, 1), ik[lo:hi], start, start + vis)
+        sc = full.gather(1, (start[:, None] + ar[None, :]).clamp_(max=hi - lo - 1))  # own columns
+    elif one:  # one request's tiles: its entries are one slice of keys for every row (no gather)
+        sc = index_scores(q_t.flatten(0, 1), w_t.flatten(0, 1), ik[lo : lo + e_p])
+    else:
         # each tile's own request's entries 0 .. e_p - 1 (past its last one: clamped, masked below)
         kidx = torch.minimum(ar[None, :], ent.last[ta:tb, None]) + ent.first[ta:tb, None]
-        rows = plan.tile_rows[ta:tb]
-        sc = tile_scores(qi[rows], wi[rows], ik[kidx])
-    else:  # the backend's op over one key range of the concatenation, then each row's own columns
-        rows = plan.tile_rows[ta:tb].reshape(-1)
-        start = ent.first_row[r0:r1] - lo
-        full = score_op(qi[rows], wi[rows], ik[lo:hi], start, start + vis)
-        sc = full.gather(1, (start[:, None] + ar[None, :]).clamp_(max=hi - lo - 1))
+        sc = tile_scores(q_t, w_t, ik[kidx])
     sc = mask_scores(sc, ar[None, :] < vis[:, None])
     if candidates is not None:
         sc = mask_scores(sc, candidates[r0:r1, :e_p])
