@@ -18,9 +18,9 @@ Per (config, shape, path), one JSON line each:
   read back, per path; ``--plot`` draws TTFT against the prompt length (benchmarks/out/prefill_ttft_*.png).
 
 Configs: ``tiny`` (the test config, float32 on the CPU) and ``wide`` (the released V4.1-Flash widths cut to 6
-layers, benchmarks/model.py; bf16 on CUDA). On the CPU ``wide`` also cuts the MoE to 2 experts of width 256
-and the vocabulary to 8,192 (identical work on both paths; the full model does not fit a 24 GiB shared host)
-and its default shapes are 1 x 2048 and 16 x 128 (the attention widths of 1 x 8192 cost minutes a step
+layers, benchmarks/model.py; bf16 on CUDA). On the CPU ``wide`` also cuts the experts' width to 256 and the
+vocabulary to 8,192 and drops the drafter (identical work on both paths; the full model does not fit a 24 GiB shared host)
+and its default shapes are 1 x 1024 and 16 x 64 (the attention widths of 1 x 8192 cost minutes a step
 on 2 cores); the CUDA run uses the full wide config at 1 x 8192 and 16 x 512.
 
     python benchmarks/prefill_batching.py [--configs tiny,wide] [--shapes 1x8192,16x512] [--paths tiled,varlen]
@@ -60,7 +60,13 @@ def make_config(name: str, dev: torch.device) -> ModelConfig:
     if dev.type == "cpu":  # see the module docstring: only the MoE and the vocabulary are cut
         import attrs
 
-        cfg = attrs.evolve(cfg, n_routed_experts=2, moe_intermediate_size=256, vocab_size=8192)
+        cfg = attrs.evolve(
+            cfg,
+            moe_intermediate_size=256,
+            vocab_size=8192,
+            dspark_noise_token_id=8191,
+            num_nextn_predict_layers=0,
+        )
     return cfg
 
 
@@ -247,7 +253,7 @@ def main() -> None:
     ap = parser(__doc__ or "")
     ap.add_argument("--configs", default="tiny,wide")
     ap.add_argument(
-        "--shapes", default="", help="RxT,... (default 1x8192,16x512; wide on the CPU 1x2048,16x128)"
+        "--shapes", default="", help="RxT,... (default 1x8192,16x512; wide on the CPU 1x1024,16x64)"
     )
     ap.add_argument("--paths", default="tiled,varlen")
     ap.add_argument("--device", default="cpu")
@@ -270,7 +276,7 @@ def main() -> None:
         cfg = make_config(name, dev)
         dtype = torch.bfloat16 if (cuda and name == "wide") else torch.float32
         model = DeepSeekV41.from_config(cfg, seed=0, dtype=dtype, device=dev, init_on_device=cuda)
-        shapes = args.shapes or ("1x2048,16x128" if (name == "wide" and not cuda) else "1x8192,16x512")
+        shapes = args.shapes or ("1x1024,16x64" if (name == "wide" and not cuda) else "1x8192,16x512")
         if args.quick:
             shapes = "1x256,4x64"
         for shape in shapes.split(","):

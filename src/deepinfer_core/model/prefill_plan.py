@@ -5,9 +5,12 @@ tables, floors), never on the activations, so it is done once a step on the host
 request at once, and sent to the device as ONE int64 buffer (:class:`Pack`: one copy, views by name).
 Every layer then reads it with a constant number of gathers, whatever the number of requests:
 
-- **tiles**: each request's rows cut into query tiles of ``tile`` rows (a request's last tile padded by
-  repeating its last row); every per-row tensor of the attention and the indexer is laid out by tile
-  ([tiles * tile, ...]) and the real rows are picked back with ``out_slot`` at the end of a layer;
+- **tiles**: each request's rows cut into query tiles that never cross a request (its last tile padded
+  by repeating its last row), of ``min(tile, n)`` rows rounded up to a power of two (so a one-row decode
+  request beside a long prompt is not padded to 64 rows); requests of one tile size form a bucket
+  (at most log2(tile) + 1 buckets, whatever the number of requests); every per-row tensor of the
+  attention and the indexer is laid out by tile, bucket after bucket, and the real rows are picked
+  back with ``out_slot`` at the end of a layer;
 - **windows** (one per floor kind, encoder / decoder): the ring slots of every request's history keys
   (positions [h0, s), h0 as the per-request path computes it) and, per tile, the index of each of its
   ``window_width(tile, w)`` window keys in ``cat(history keys, chunk keys)`` with the tile's mask
@@ -41,9 +44,9 @@ INDEXER_RANGE = "prefill.indexer"
 # ops a prefill path owns (benchmarks/prefill_batching.py counts them)
 LAYER_RANGE = "prefill.layer_attention"
 
-# an indexer piece: (first tile, end tile, entries its rows score, first and end entry of the concatenation
-# it reads, whether its tiles are all of one request)
-Piece = tuple[int, int, int, int, int, bool]
+# an indexer piece: (bucket, first tile, end tile (in the bucket), entries its rows score, first and end entry
+# of the concatenation it reads, whether its tiles are all of one request)
+Piece = tuple[int, int, int, int, int, int, bool]
 
 
 def starts(counts: np.ndarray) -> np.ndarray:
@@ -84,7 +87,7 @@ class Pack:
 
 @attrs.define(eq=False)
 class Tiles:
-    """The step's query tiles (host arrays, one entry per tile) and its row counts."""
+    """One bucket's query tiles (host arrays, one entry per tile): all of ``tile`` rows."""
 
     tile: int
     req: np.ndarray  # request of each tile
@@ -92,18 +95,20 @@ class Tiles:
     rows: np.ndarray  # its real rows (<= tile)
     pos0: np.ndarray  # position of its first row
     count: int  # tiles
-    n_rows: int  # batch rows
+    base: int  # the bucket's first tile row in the step's tile layout
+    n_rows: int  # batch rows of the step
+    tile_rows: np.ndarray  # [count, tile] batch row of each tile row
 
 
 @attrs.define(eq=False)
 class Window:
-    """One floor kind's window: history ring slots [H], the tiles' key index [T, W] into
+    """One floor kind's window: history ring slots [H] and, per bucket, the tiles' key index [T, W] into
     ``cat(history keys, chunk keys)`` and their mask [T, tile, W]."""
 
     hist: torch.Tensor
     n_hist: int
-    idx: torch.Tensor
-    mask: torch.Tensor
+    idx: list[torch.Tensor]
+    mask: list[torch.Tensor]
 
 
 @attrs.define(eq=False)
@@ -125,7 +130,7 @@ class Compression:
 class Entries:
     """One compress ratio's entries for the step: all requests' entries concatenated (request i's from
     ``first`` of its rows), their cache slots [E], each tile row's first entry and visible count
-    [T * tile], per tile the first and last entry index [T], the widest request's count (``width``) and
+    [tile rows], per bucket and tile the first and last entry index [T], the widest request's count (``width``) and
     the selection width ``k`` = min(index_topk, width); the indexer pieces and the compression."""
 
     ratio: int
@@ -135,8 +140,8 @@ class Entries:
     slots: torch.Tensor
     first_row: torch.Tensor
     vis: torch.Tensor
-    first: torch.Tensor
-    last: torch.Tensor
+    first: list[torch.Tensor]
+    last: list[torch.Tensor]
     arange: torch.Tensor
     pieces: list[Piece]
     comp: Compression
@@ -148,9 +153,9 @@ class VarlenPlan:
     later layers read: ``sel`` (top-k per index source), ``pools`` (candidate pools) and ``memo``
     (dequantised entries per source layer, their global ids)."""
 
-    tiles: Tiles
-    padded: bool  # some request's last tile is padded (else the tile layout is the row layout)
-    tile_rows: torch.Tensor  # [T, tile] batch row of each tile row
+    buckets: list[Tiles]
+    identity: bool  # one bucket, no tile padded: the tile layout is the row layout
+    tile_rows: list[torch.Tensor]  # per bucket [T, tile]: batch row of each tile row
     out_slot: torch.Tensor  # [N] each batch row's place in the tile layout
     windows: list[Window]  # by floor kind: encoder, decoder
     entries: dict[int, Entries]
@@ -165,13 +170,13 @@ class VarlenPlan:
     pools: dict = attrs.field(factory=dict)
     memo: dict = attrs.field(factory=dict)
 
-    def tile_rows_of(self, x: torch.Tensor, ta: int, tb: int) -> torch.Tensor:
-        """Rows of tiles ta .. tb - 1 of a per-row tensor ``x`` [N, ...] as [tb - ta, tile, ...] (a view when
-        no tile is padded)."""
-        t = self.tiles.tile
-        if not self.padded:
+    def tile_rows_of(self, x: torch.Tensor, bucket: int, ta: int, tb: int) -> torch.Tensor:
+        """Rows of tiles ta .. tb - 1 of a bucket of a per-row tensor ``x`` [N, ...] as [tb - ta, tile, ...]
+        (a view when the tile layout is the row layout)."""
+        t = self.buckets[bucket].tile
+        if self.identity:
             return x[ta * t : tb * t].view(tb - ta, t, *x.shape[1:])
-        return x[self.tile_rows[ta:tb]]
+        return x[self.tile_rows[bucket][ta:tb]]
 
     def once(self, key: Any, make: Any) -> Any:
         if key not in self.memo:
@@ -179,22 +184,31 @@ class VarlenPlan:
         return self.memo[key]
 
 
-def make_tiles(b: ForwardBatch, tile: int) -> tuple[Tiles, np.ndarray, np.ndarray]:
-    """(the tiles, the batch row of each tile row [T, tile], each row's place in that layout [N])."""
+def make_buckets(b: ForwardBatch, tile: int) -> tuple[list[Tiles], np.ndarray]:
+    """(the buckets of tiles, each batch row's place in the step's tile layout [N]): request i's tiles have
+    ``min(tile, next power of two >= n_i)`` rows."""
     n = b.query_lens.astype(np.int64)
-    nt = -(-n // tile)
-    req, j = ranges(np.zeros_like(nt), nt)
-    row0 = b.offsets[:-1][req] + j * tile
-    rows = np.minimum(tile, n[req] - j * tile)
-    pos0 = b.start_pos.astype(np.int64)[req] + j * tile
-    tile_rows = row0[:, None] + np.minimum(np.arange(tile)[None, :], rows[:, None] - 1)
-    rreq, off = ranges(np.zeros_like(n), n)
-    out_slot = (starts(nt)[rreq] + off // tile) * tile + off % tile
-    t = Tiles(tile, req, row0, rows, pos0, int(nt.sum()), int(n.sum()))
-    return t, tile_rows, out_slot
+    size = np.minimum(tile, 1 << np.ceil(np.log2(np.maximum(n, 1))).astype(np.int64))
+    r0, s = b.offsets[:-1], b.start_pos.astype(np.int64)
+    out_slot = np.zeros(int(n.sum()), np.int64)
+    buckets, base = [], 0
+    for sz in sorted({int(x) for x in size}, reverse=True):  # at most log2(tile) + 1 of them
+        reqs = np.flatnonzero(size == sz)
+        nt = -(-n[reqs] // sz)
+        k, j = ranges(np.zeros_like(nt), nt)
+        req = reqs[k]
+        row0 = r0[req] + j * sz
+        rows = np.minimum(sz, n[req] - j * sz)
+        tile_rows = row0[:, None] + np.minimum(np.arange(sz)[None, :], rows[:, None] - 1)
+        rk, off = ranges(np.zeros_like(reqs), n[reqs])
+        out_slot[r0[reqs][rk] + off] = base + (starts(nt)[rk] + off // sz) * sz + off % sz
+        count = int(nt.sum())
+        buckets.append(Tiles(sz, req, row0, rows, s[req] + j * sz, count, base, len(out_slot), tile_rows))
+        base += count * sz
+    return buckets, out_slot
 
 
-def window_host(st: ExecutorState, b: ForwardBatch, t: Tiles, kind: int, pk: Pack) -> int:
+def window_host(st: ExecutorState, b: ForwardBatch, buckets: list[Tiles], kind: int, pk: Pack) -> int:
     """Floor kind ``kind``'s window arrays into ``pk`` (``w<kind>.*``); returns the history key count."""
     w, ring = st.cfg.sliding_window, st.swa_ring
     s, n = b.start_pos.astype(np.int64), b.query_lens.astype(np.int64)
@@ -204,26 +218,36 @@ def window_host(st: ExecutorState, b: ForwardBatch, t: Tiles, kind: int, pk: Pac
     hreq, hpos = ranges(h0, hn)
     n_hist = int(hn.sum())
     pk.add(f"w{kind}.hist", b.state_slots[hreq].astype(np.int64) * ring + hpos % ring)
-    width = window_width(t.tile, w)
-    rq = t.req
-    kpos = t.pos0[:, None] - (w - 1) + np.arange(width)[None, :]
-    s_t = s[rq][:, None]
-    idx = np.where(
-        kpos >= s_t,
-        n_hist + b.offsets[:-1][rq][:, None] + kpos - s_t,
-        starts(hn)[rq][:, None] + kpos - h0[rq][:, None],
-    )
-    exists = (kpos >= h0[rq][:, None]) & (kpos < (s + n)[rq][:, None]) & (kpos >= floor[rq][:, None])
-    pk.add(f"w{kind}.idx", np.clip(idx, 0, max(n_hist + t.n_rows - 1, 0)))
-    pk.add(f"w{kind}.exists", exists)
-    if "band" not in pk.host:
-        i, jj = np.arange(t.tile)[:, None], np.arange(width)[None, :]
-        pk.add("band", (jj >= i) & (jj <= i + (w - 1)))  # query i of a tile sees columns i .. i + w - 1
+    for i, t in enumerate(buckets):
+        width = window_width(t.tile, w)
+        rq = t.req
+        kpos = t.pos0[:, None] - (w - 1) + np.arange(width)[None, :]
+        s_t = s[rq][:, None]
+        idx = np.where(
+            kpos >= s_t,
+            n_hist + b.offsets[:-1][rq][:, None] + kpos - s_t,
+            starts(hn)[rq][:, None] + kpos - h0[rq][:, None],
+        )
+        exists = (kpos >= h0[rq][:, None]) & (kpos < (s + n)[rq][:, None]) & (kpos >= floor[rq][:, None])
+        pk.add(f"w{kind}.{i}.idx", np.clip(idx, 0, max(n_hist + t.n_rows - 1, 0)))
+        pk.add(f"w{kind}.{i}.exists", exists)
+        if f"{i}.band" not in pk.host:
+            q, jj = np.arange(t.tile)[:, None], np.arange(width)[None, :]
+            pk.add(
+                f"{i}.band", (jj >= q) & (jj <= q + (w - 1))
+            )  # query q of a tile sees columns q .. q + w - 1
     return n_hist
 
 
 def index_pieces(
-    t: Tiles, first: np.ndarray, widest: int, ratio: int, per_elem: int, budget: int, ranged: bool
+    bucket: int,
+    t: Tiles,
+    first: np.ndarray,
+    widest: int,
+    ratio: int,
+    per_elem: int,
+    budget: int,
+    ranged: bool,
 ) -> list[Piece]:
     """Runs of whole tiles whose indexer scores fit ``budget``, each row counted at the ``widest``
     request's entry count (as the tiled path counts a request's rows: no larger pieces than its, so the
@@ -244,7 +268,7 @@ def index_pieces(
             if (tb + 1 - ta) * t.tile * width * per_elem > budget:
                 break
             e, lo, hi, tb = e2, lo2, hi2, tb + 1
-        out.append((ta, tb, e, lo, hi, bool(t.req[ta] == t.req[tb - 1])))
+        out.append((bucket, ta, tb, e, lo, hi, bool(t.req[ta] == t.req[tb - 1])))
         ta = tb
     return out
 
@@ -287,7 +311,7 @@ def compression_host(st: ExecutorState, b: ForwardBatch, ratio: int, ent_slots: 
 
 
 def entries_host(
-    st: ExecutorState, b: ForwardBatch, t: Tiles, ratio: int, pos_tile: np.ndarray, ranged: bool, pk: Pack
+    st: ExecutorState, b: ForwardBatch, buckets: list[Tiles], ratio: int, ranged: bool, pk: Pack
 ) -> tuple[int, int, list[Piece], int]:
     """Ratio ``ratio``'s entry arrays into ``pk`` (``e<ratio>.*``, ``c<ratio>.*``): returns (entries of
     all requests, the widest request's, the indexer pieces, new entries)."""
@@ -298,16 +322,19 @@ def entries_host(
     slots = entry_slots(st, b.block_tables[ereq], ent, ratio)
     width = int(e.max()) if e.size else 0
     pk.add(f"e{ratio}.slots", slots)
-    pk.add(f"e{ratio}.first_row", np.repeat(first[t.req], t.tile))
-    pk.add(f"e{ratio}.vis", ((pos_tile + 1) // ratio).ravel())
-    # a tile's keys start at its request's first entry; a request with none yet reads (masked) the last
-    # entry of the concatenation rather than one past it
-    pk.add(f"e{ratio}.first", np.minimum(first[t.req], max(int(e.sum()) - 1, 0)))
-    pk.add(f"e{ratio}.last", np.maximum(e - 1, 0)[t.req])
-    pk.add(f"e{ratio}.arange", np.arange(width))
+    pos = b.positions
+    pk.add(f"e{ratio}.first_row", np.concatenate([np.repeat(first[t.req], t.tile) for t in buckets]))
+    pk.add(f"e{ratio}.vis", np.concatenate([((pos[t.tile_rows] + 1) // ratio).ravel() for t in buckets]))
     es = 4 if ranged else st.dtype.itemsize  # the score op's scores are float32
     per_elem = 2 * st.cfg.index_n_heads * es + 4 * es + 3 * 8  # as the tiled path's select_entries
-    pieces = index_pieces(t, first, width, ratio, per_elem, st.prefill_budget, ranged)
+    pieces: list[Piece] = []
+    for i, t in enumerate(buckets):
+        # a tile's keys start at its request's first entry; a request with none yet reads (masked) the
+        # last entry of the concatenation rather than one past it
+        pk.add(f"e{ratio}.{i}.first", np.minimum(first[t.req], max(int(e.sum()) - 1, 0)))
+        pk.add(f"e{ratio}.{i}.last", np.maximum(e - 1, 0)[t.req])
+        pieces += index_pieces(i, t, first, width, ratio, per_elem, st.prefill_budget, ranged)
+    pk.add(f"e{ratio}.arange", np.arange(width))
     n_new = compression_host(st, b, ratio, slots, pk)
     return int(e.sum()), width, pieces, n_new
 
@@ -345,29 +372,35 @@ def snapshot_host(st: ExecutorState, b: ForwardBatch, pk: Pack) -> list[int]:
 def make_plan(st: ExecutorState, b: ForwardBatch, ranged: bool = False) -> VarlenPlan:
     """The index plan of prefill step ``b`` (validated), sent to the device in one copy; ``ranged``: the
     indexer scores through a score op over key ranges (the pieces' widths count the range)."""
-    t, tile_rows, out_slot = make_tiles(b, st.prefill_tile)
-    pos = b.positions
+    buckets, out_slot = make_buckets(b, st.prefill_tile)
     pk = Pack()
-    pk.add("tile_rows", tile_rows)
+    for i, t in enumerate(buckets):
+        pk.add(f"{i}.tile_rows", t.tile_rows)
     pk.add("out_slot", out_slot)
     kinds = 2 if st.cfg.encoder_layers < st.cfg.num_hidden_layers else 1
-    n_hist = [window_host(st, b, t, k, pk) for k in range(kinds)]
-    ents = {r: entries_host(st, b, t, r, pos[tile_rows], ranged, pk) for r in st.entry_ratios}
-    every = ring_host(st, b, pos, pk)
+    n_hist = [window_host(st, b, buckets, k, pk) for k in range(kinds)]
+    ents = {r: entries_host(st, b, buckets, r, ranged, pk) for r in st.entry_ratios}
+    every = ring_host(st, b, b.positions, pk)
     snap_reqs = snapshot_host(st, b, pk)
     d = pk.send(st.device)
-    band = d["band"] != 0
+    nb = range(len(buckets))
+    bands = [d[f"{i}.band"] != 0 for i in nb]
     windows = [
-        Window(d[f"w{k}.hist"], n_hist[k], d[f"w{k}.idx"], band[None] & (d[f"w{k}.exists"] != 0)[:, None, :])
+        Window(
+            d[f"w{k}.hist"],
+            n_hist[k],
+            [d[f"w{k}.{i}.idx"] for i in nb],
+            [bands[i][None] & (d[f"w{k}.{i}.exists"] != 0)[:, None, :] for i in nb],
+        )
         for k in range(kinds)
     ]
     return VarlenPlan(
-        tiles=t,
-        padded=bool((t.rows != t.tile).any()),
-        tile_rows=d["tile_rows"],
+        buckets=buckets,
+        identity=len(buckets) == 1 and bool((buckets[0].rows == buckets[0].tile).all()),
+        tile_rows=[d[f"{i}.tile_rows"] for i in nb],
         out_slot=d["out_slot"],
         windows=windows,
-        entries={r: _entries(d, r, *ents[r], st.cfg.index_topk) for r in ents},
+        entries={r: _entries(d, r, len(buckets), *ents[r], st.cfg.index_topk) for r in ents},
         ring_keep=None if every else d["ring_keep"],
         ring_slot=d["ring_slot"],
         ring_pos=d["ring_pos"],
@@ -379,7 +412,14 @@ def make_plan(st: ExecutorState, b: ForwardBatch, ranged: bool = False) -> Varle
 
 
 def _entries(
-    d: dict[str, torch.Tensor], r: int, total: int, width: int, pieces: list[Piece], n_new: int, topk: int
+    d: dict[str, torch.Tensor],
+    r: int,
+    n_buckets: int,
+    total: int,
+    width: int,
+    pieces: list[Piece],
+    n_new: int,
+    topk: int,
 ) -> Entries:
     comp = Compression(
         old=d.get(f"c{r}.old"),
@@ -398,8 +438,8 @@ def _entries(
         slots=d[f"e{r}.slots"],
         first_row=d[f"e{r}.first_row"],
         vis=d[f"e{r}.vis"],
-        first=d[f"e{r}.first"],
-        last=d[f"e{r}.last"],
+        first=[d[f"e{r}.{i}.first"] for i in range(n_buckets)],
+        last=[d[f"e{r}.{i}.last"] for i in range(n_buckets)],
         arange=d[f"e{r}.arange"],
         pieces=pieces,
         comp=comp,

@@ -137,30 +137,40 @@ class VarlenAttention:
         return self.attend((keys, gid, valid))
 
     def attend(self, compressed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The window (+ the compressed keys: (entry keys [E, d], global ids and validity [T * tile, k]))
-        attention of every row, in pieces of whole tiles: [N, H, d]."""
-        st, p, a = self.st, self.plan, self.a
+        """The window (+ the compressed keys: (entry keys [E, d], global ids and validity [tile rows, k]))
+        attention of every row, bucket by bucket in pieces of whole tiles: [N, H, d]."""
+        p = self.plan
+        h, d = self.rows["q"].shape[1:]
+        with record_function(ATTENTION_RANGE):
+            outs = [
+                o.view(-1, h, d) for i in range(len(p.buckets)) for o in self.attend_bucket(i, compressed)
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            return out if p.identity else out[p.out_slot]
+
+    def attend_bucket(
+        self, i: int, compressed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        st, p, a, t = self.st, self.plan, self.a, self.plan.buckets[i]
         q = self.rows["q"]
         _, h, d = q.shape
-        t = p.tiles
         k = 0 if compressed is None else compressed[1].shape[1]
         width = window_width(t.tile, self.cfg.sliding_window)
         per_row = q.element_size() * (4 * h * (width + k + 1) + 2 * k * d)  # the tiled path's estimate
         step = rows_per_piece(per_row, st.prefill_budget, t.tile) // t.tile
         outs = []
-        with record_function(ATTENTION_RANGE):
-            for ta in range(0, t.count, step):
-                tb = min(t.count, ta + step)
-                kb = vb = None
-                if compressed is not None:
-                    keys, gid, valid = compressed
-                    kb = keys[gid[ta * t.tile : tb * t.tile]].view(tb - ta, t.tile, k, d)
-                    vb = valid[ta * t.tile : tb * t.tile].view(tb - ta, t.tile, k)
-                kw = self.keys[self.win.idx[ta:tb]]
-                qt = p.tile_rows_of(q, ta, tb)
-                outs.append(window_sink_attention(qt, kw, self.win.mask[ta:tb], kb, vb, a.attn_sink, a.scale))
-            out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(-1, h, d)
-            return out[p.out_slot] if p.padded else out
+        for ta in range(0, t.count, step):
+            tb = min(t.count, ta + step)
+            r0, r1 = t.base + ta * t.tile, t.base + tb * t.tile
+            kb = vb = None
+            if compressed is not None:
+                keys, gid, valid = compressed
+                kb = keys[gid[r0:r1]].view(tb - ta, t.tile, k, d)
+                vb = valid[r0:r1].view(tb - ta, t.tile, k)
+            kw = self.keys[self.win.idx[i][ta:tb]]
+            qt = p.tile_rows_of(q, i, ta, tb)
+            outs.append(window_sink_attention(qt, kw, self.win.mask[i][ta:tb], kb, vb, a.attn_sink, a.scale))
+        return outs
 
 
 def _entry_keys(st: ExecutorState, pool: torch.Tensor, ent: Entries, kind: str, dim: int) -> torch.Tensor:
@@ -249,16 +259,16 @@ def _select_piece(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Tiles ta .. tb - 1 of :func:`select_tiles`: (ids, valid, their candidate pool [rows, width] when
     ``make_pool``), each row scoring the ``e_p`` entries the piece's rows can see at most."""
-    ta, tb, e_p, lo, hi, one = piece
-    tile = plan.tiles.tile
-    r0, r1 = ta * tile, tb * tile
+    i, ta, tb, e_p, lo, hi, one = piece
+    t = plan.buckets[i]
+    r0, r1 = t.base + ta * t.tile, t.base + tb * t.tile
     m, dev = r1 - r0, qi.device
     vis = ent.vis[r0:r1]
     if e_p == 0:  # no entry visible yet: the stable sort lists the masked entries in index order
         pool = torch.zeros(m, ent.width, dtype=torch.bool, device=dev) if make_pool else None
         return ent.arange[: ent.k].expand(m, -1), torch.zeros(m, ent.k, dtype=torch.bool, device=dev), pool
     ar = ent.arange[:e_p]
-    q_t, w_t = plan.tile_rows_of(qi, ta, tb), plan.tile_rows_of(wi, ta, tb)
+    q_t, w_t = plan.tile_rows_of(qi, i, ta, tb), plan.tile_rows_of(wi, i, ta, tb)
     if score_op is not None:  # the backend's op over one key range of the concatenation, then each row's
         start = ent.first_row[r0:r1] - lo
         full = score_op(q_t.flatten(0, 1), w_t.flatten(0, 1), ik[lo:hi], start, start + vis)
@@ -267,7 +277,7 @@ def _select_piece(
         sc = index_scores(q_t.flatten(0, 1), w_t.flatten(0, 1), ik[lo : lo + e_p])
     else:
         # each tile's own request's entries 0 .. e_p - 1 (past its last one: clamped, masked below)
-        kidx = torch.minimum(ar[None, :], ent.last[ta:tb, None]) + ent.first[ta:tb, None]
+        kidx = torch.minimum(ar[None, :], ent.last[i][ta:tb, None]) + ent.first[i][ta:tb, None]
         sc = tile_scores(q_t, w_t, ik[kidx])
     sc = mask_scores(sc, ar[None, :] < vis[:, None])
     if candidates is not None:

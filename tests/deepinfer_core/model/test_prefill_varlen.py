@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepinfer_core.model import prefill
 from deepinfer_core.model.batch import ForwardBatch
 from deepinfer_core.model.config import ModelConfig, tiny_config
 from deepinfer_core.model.executor import ModelExecutor
@@ -212,7 +213,7 @@ def test_selection_equals_pick_entries_per_request(
     width = max(e)
     pool_rows = torch.rand(n_rows, width, generator=g) < 0.5
     if cfg.uses_candidates(lid):  # a pool from the candidate source first, in the tile layout
-        plan.pools[POOL_KEY] = pool_rows[plan.tile_rows.reshape(-1)]
+        plan.pools[POOL_KEY] = pool_rows[torch.cat([tr.reshape(-1) for tr in plan.tile_rows])]
     ent = plan.entries[ratio]
     score_op = get_op("indexer_scores", "reference") if op else None
     ids, valid = select_tiles(cfg, lid, qi, wi, ik, ent, plan, score_op=score_op)
@@ -240,6 +241,31 @@ def test_selection_equals_pick_entries_per_request(
         r0, e0 = r0 + n, e0 + ei
 
 
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=40), tile=st.integers(1, 64))
+def test_tiles_pad_at_most_twice_the_rows(lens: list[int], tile: int) -> None:
+    """Each request's tiles have min(tile, n) rows rounded up to a power of two: one-row decode requests
+    beside long prompts (a mixed step) are not padded to whole tiles, the tile layout has fewer than twice
+    the step's rows, every row has one place in it, and there are at most log2(tile) + 2 buckets."""
+    from deepinfer_core.model.prefill_plan import make_buckets
+
+    b = ForwardBatch(
+        token_ids=np.zeros(sum(lens), np.int64),
+        query_lens=lens,
+        start_pos=[0] * len(lens),
+        block_tables=np.zeros((len(lens), 1), np.int64),
+        state_slots=list(range(len(lens))),
+        num_logits=[1] * len(lens),
+    )
+    buckets, out_slot = make_buckets(b, tile)
+    layout = sum(t.count * t.tile for t in buckets)
+    assert layout < 2 * sum(lens) + tile
+    assert len(buckets) <= int(np.log2(tile)) + 2
+    assert sorted(set(out_slot.tolist())) == sorted(out_slot.tolist()) and out_slot.max() < layout
+    rows = np.concatenate([t.tile_rows.ravel() for t in buckets])
+    assert np.array_equal(rows[out_slot], np.arange(sum(lens)))  # each row's slot holds that row
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched that compute (views, whose outputs alias an input, launch nothing;
     each other op is at least one kernel launch on a GPU)."""
@@ -255,18 +281,21 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_ops(path: str, n_req: int, n: int, history: int) -> int:
-    """Aten ops of one prefill step of ``n_req`` requests of ``n`` tokens each, after ``history`` tokens."""
+def _step_ops(path: str, n_req: int, n: int, history: int, mixed: bool = False) -> int:
+    """Aten ops of the layers' attention in one prefill step of ``n_req`` requests of ``n`` tokens each,
+    after ``history`` tokens (``mixed``: the first request feeds 40 tokens, the others one, as decode rows
+    beside a prompt). Only the attention: the eager MoE's op count follows which experts got tokens."""
     model = model_of("r2r1")
     ex = ModelExecutor(model, 256, 16, 16, quantize=True)
     ex.prefill_path = path
     tables = np.arange(1, 1 + 16 * 12, dtype=np.int64).reshape(16, 12)[:n_req]
-    toks = np.random.default_rng(0).integers(0, 512, (n_req, history + n))
+    toks = np.random.default_rng(0).integers(0, 512, (n_req, history + max(n, 40)))
 
     def step(s: int, k: int) -> ForwardBatch:
+        lens = [k] * n_req if not (mixed and s) else [40] + [1] * (n_req - 1)
         return ForwardBatch(
-            token_ids=toks[:, s : s + k].reshape(-1),
-            query_lens=[k] * n_req,
+            token_ids=np.concatenate([toks[i, s : s + m] for i, m in enumerate(lens)]),
+            query_lens=lens,
             start_pos=[s] * n_req,
             block_tables=tables,
             state_slots=list(range(n_req)),
@@ -275,20 +304,39 @@ def _step_ops(path: str, n_req: int, n: int, history: int) -> int:
 
     if history:
         ex.execute(step(0, history))
-    with OpCounter() as c:
+    counter = OpCounter()
+    real = prefill.step_attention
+
+    def counted(*args: Any) -> Any:
+        attend, source = real(*args)
+
+        def attend_counted(lid: int, a: Any, x: torch.Tensor) -> torch.Tensor:
+            with counter:
+                return attend(lid, a, x)
+
+        return attend_counted, source
+
+    prefill.step_attention = counted  # type: ignore[assignment]
+    try:
         ex.execute(step(history, n))
-    return sum(c.ops.values())
+    finally:
+        prefill.step_attention = real  # type: ignore[assignment]
+    return sum(counter.ops.values())
 
 
 @pytest.mark.parametrize("history", [0, 30])
 def test_varlen_op_count_does_not_grow_with_requests(history: int) -> None:
-    """A varlen prefill step of 16 requests dispatches exactly as many torch ops as one of 4 requests of
-    the same lengths (fresh, or continuing after 30 tokens: ring history, partial compressor groups), while
-    the tiled path's count grows with the requests."""
+    """The layers' attention in a varlen prefill step of 16 requests dispatches exactly as many torch ops
+    as with 4 requests of the same lengths (fresh, or continuing after 30 tokens: ring history, partial
+    compressor groups; or one prompt beside one-row requests), while the tiled path's count grows with
+    the requests."""
     varlen = {r: _step_ops("varlen", r, 12, history) for r in (4, 16)}
     tiled = {r: _step_ops("tiled", r, 12, history) for r in (4, 16)}
     assert varlen[16] == varlen[4], varlen
-    assert tiled[16] > 3 * tiled[4] / 2 and tiled[16] > 2 * varlen[16], (tiled, varlen)
+    assert tiled[16] > 3 * tiled[4] and tiled[16] > 8 * varlen[16], (tiled, varlen)
+    if history:  # one prompt of 40 beside 3 or 15 one-row (decode) requests: two buckets either way
+        mixed = {r: _step_ops("varlen", r, 12, history, mixed=True) for r in (4, 16)}
+        assert mixed[16] == mixed[4], mixed
 
 
 @pytest.mark.gpu
