@@ -135,7 +135,14 @@ def timed(run: Callable[[], object], cuda: bool) -> float:
 
 
 def bench_shape(
-    model: DeepSeekV41, name: str, reqs: int, tokens: int, paths: list[str], rounds: int, rate: float | None
+    model: DeepSeekV41,
+    name: str,
+    reqs: int,
+    tokens: int,
+    paths: list[str],
+    rounds: int,
+    rate: float | None,
+    budget: int = 0,
 ) -> None:
     """One step of ``reqs`` x ``tokens`` per path: ops, time (interleaved rounds), ratios, agreement."""
     cfg, dev = model.cfg, next(model.parameters()).device
@@ -150,6 +157,7 @@ def bench_shape(
     for path in paths:
         ex = ModelExecutor(model, blocks, BLOCK, reqs, quantize=True, backend=backend, draft_context=False)
         ex.prefill_path = path
+        ex.prefill_budget = budget or ex.prefill_budget
         runs[path] = lambda ex=ex: ex.execute(b).logits
         logits[path] = runs[path]().float()  # warm-up
         stats[path] = profile_step(runs[path], cuda)
@@ -162,6 +170,7 @@ def bench_shape(
         **base,
         "tokens_each": tokens,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "budget_mib": ex.prefill_budget >> 20,
     }
     med = {p: statistics.median(v) for p, v in secs.items()}
     for p in paths:
@@ -259,6 +268,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: shared machine)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--budget-mib", type=int, default=0, help="prefill_budget in MiB (default: the executor's, by device)"
+    )
     ap.add_argument("--ttft", default="", help="CUDA: prompt lengths for the TTFT sweep, e.g. 512,2048,8192")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -281,7 +293,9 @@ def main() -> None:
             shapes = "1x256,4x64"
         for shape in shapes.split(","):
             r, t = (int(x) for x in shape.split("x"))
-            bench_shape(model, name, r, t, paths, 1 if args.quick else args.rounds, rate)
+            bench_shape(
+                model, name, r, t, paths, 1 if args.quick else args.rounds, rate, args.budget_mib << 20
+            )
         if cuda and args.ttft and name == "wide":
             bench_ttft(model, [int(x) for x in args.ttft.split(",")], paths, args.plot)
         del model
