@@ -8,8 +8,9 @@ done once on the host (:mod:`~deepinfer_core.model.prefill_plan`, one copy to th
 runs a fixed sequence of batched ops over all of the step's rows:
 
 - **window**: one gather of every request's ring history, one ring write of every request's last ``ring``
-  rows, one gather + one scatter for the snapshots; the attention in query tiles of ``tile`` rows that never
-  cross a request (a request's last tile padded), each tile's window keys gathered from
+  rows, one gather + one scatter for the snapshots; the attention in query tiles that never cross a
+  request (a request's last tile padded; tiles of min(tile, n) rows rounded up to a power of two, so at
+  most log2(tile) + 1 buckets of tile sizes, whatever the requests), each tile's window keys gathered from
   ``cat(history, chunk keys)`` with the plan's masks, all tiles as one batched GEMM
   (:func:`~deepinfer_core.model.layers.window_attention.window_sink_attention`, the tiled path's maths);
 - **compression**: one gather of the compressor rings' partial groups, one gather of every new entry's

@@ -366,3 +366,55 @@ def test_cuda_varlen_prefill_matches_the_cpu_oracle(small_pieces: None) -> None:
     rel = ((out["varlen"] - out["tiled"]).norm() / out["tiled"].norm()).item()
     assert rel < 0.15
     assert (out["varlen"].argmax(-1) == out["tiled"].argmax(-1)).float().mean().item() > 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_launches_do_not_grow_with_requests() -> None:
+    """On the GPU with the cuda backend (bf16, quantised caches, the default path there): the kernels
+    launched inside the layers' attention (``prefill.layer_attention``) of a prefill step of 16 requests
+    equal those of 4 requests, continuing after 30 tokens; the tiled path launches more than 3x as many
+    at 16 requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer_core.model.prefill_plan import LAYER_RANGE
+    from deepinfer_kernels import get_backend
+
+    model = DeepSeekV41.from_config(
+        tiny_config(index_n_heads=16), seed=2, dtype=torch.bfloat16, device="cuda"
+    )
+
+    def launches(path: str, n_req: int) -> int:
+        ex = ModelExecutor(
+            model, 256, 16, 16, quantize=True, backend=get_backend("cuda"), draft_context=False
+        )
+        assert path == "tiled" or ex.prefill_path == "varlen"  # the cuda backend's default
+        ex.prefill_path = path
+        tables = np.arange(1, 1 + 16 * 12, dtype=np.int64).reshape(16, 12)[:n_req]
+        toks = np.random.default_rng(0).integers(0, 512, (n_req, 42))
+
+        def step(s: int, k: int) -> ForwardBatch:
+            return ForwardBatch(
+                token_ids=toks[:, s : s + k].reshape(-1),
+                query_lens=[k] * n_req,
+                start_pos=[s] * n_req,
+                block_tables=tables,
+                state_slots=list(range(n_req)),
+                num_logits=[1] * n_req,
+            )
+
+        ex.execute(step(0, 30))
+        ex.execute(step(0, 30))  # warm (kernel compiles)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ex.execute(step(30, 12))
+            torch.cuda.synchronize()
+        count, stack = 0, [(e, False) for e in prof.events() if e.cpu_parent is None]
+        while stack:
+            e, inside = stack.pop()
+            inside = inside or e.name == LAYER_RANGE
+            count += len(e.kernels) if inside else 0  # the device kernels this op launched
+            stack.extend((c, inside) for c in e.cpu_children)
+        return count
+
+    varlen = {r: launches("varlen", r) for r in (4, 16)}
+    assert varlen[16] == varlen[4] > 0, varlen
+    assert launches("tiled", 16) > 3 * varlen[16], varlen
