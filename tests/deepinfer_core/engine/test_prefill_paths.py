@@ -20,11 +20,17 @@ def _prompts(seed: int) -> list[str]:
     base = random_prompts(seed, 6, 20, 260)
     shared = base[0][:150] if len(base[0]) >= 150 else base[0] * 2
     # follow-ups sharing a long prefix with earlier prompts (prefix-cache hits once those are cached)
-    return base + [shared + p for p in random_prompts(seed + 1, 4, 5, 90)] + [base[1] + base[2][: rng.randint(1, 40)]]
+    return (
+        base
+        + [shared + p for p in random_prompts(seed + 1, 4, 5, 90)]
+        + [base[1] + base[2][: rng.randint(1, 40)]]
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_varlen_prefill_gives_the_tiled_paths_greedy_tokens(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_varlen_prefill_gives_the_tiled_paths_greedy_tokens(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plans = {"n": 0}
     real = prefill.make_plan
 
