@@ -154,6 +154,29 @@ def test_varlen_with_quantised_caches_equals_tiled(small_pieces: None) -> None:
     assert (got["tiled"] - got["varlen"]).abs().max().item() < TOL
 
 
+def test_bf16_backend_varlen_scores_over_key_ranges() -> None:
+    """A bf16 executor with a backend scores the varlen indexer through its ``indexer_scores`` over one key
+    range per piece (the path the cuda backend's TileLang kernel takes): three requests, two chunks, near
+    the tiled path (which scores each request's rows through the same op). Measured equal (0.0) on the
+    development CPU; bf16 GEMMs of other shapes may round differently, hence a bound."""
+    from deepinfer_kernels import get_backend
+
+    m = DeepSeekV41.from_config(tiny_config(), seed=1, dtype=torch.bfloat16)
+    seqs = [torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    out = {}
+    for path in ("tiled", "varlen"):
+        s = Session(m, quantize=True)
+        s.ex = ModelExecutor(m, 128, 16, 8, quantize=True, backend=get_backend("reference"))
+        s.ex.prefill_path = path
+        assert s.ex.state.index_score_op() is not None
+        a, _ = s.step([(i, seqs[i][: 30 + 20 * i], 0, 30 + 20 * i) for i in range(3)])
+        b, _ = s.step([(i, seqs[i][30 + 20 * i :], 30 + 20 * i, 90 - 20 * i) for i in range(3)])
+        out[path] = torch.cat((a.logits, b.logits)).float()
+    rel = ((out["varlen"] - out["tiled"]).norm() / out["tiled"].norm()).item()
+    assert rel < 0.05, rel
+    assert (out["varlen"].argmax(-1) == out["tiled"].argmax(-1)).float().mean().item() > 0.9
+
+
 def _plan_for(
     lens: list[int], starts: list[int], tile: int, budget: int, ranged: bool
 ) -> tuple[Any, ModelExecutor]:
