@@ -144,7 +144,7 @@ def prefill_flops(model: DeepSeekV41, tokens: int) -> float:
     return f + 2 * cfg.vocab_size * cfg.hidden_size
 
 
-PREFILL_PATHS = ("dense", "tiled", "glue")
+PREFILL_PATHS = ("dense", "tiled", "glue", "varlen")
 
 
 def gpu_time_split(events: list) -> dict[str, float]:
@@ -178,7 +178,8 @@ def bench_prefill(
 ) -> None:
     """One request's prefill (eager; prefill steps are not graphed) per path: ``dense`` (the plain path:
     [n, n] window masks, whole indexer matrices), ``tiled`` (model.prefill: query tiles, bounded row pieces,
-    keyed top-k), ``glue`` (tiled with its small functions compiled, ``fuse_glue``). Reported:
+    keyed top-k), ``glue`` (tiled with its small functions compiled, ``fuse_glue``), ``varlen``
+    (model.prefill_varlen; benchmarks/prefill_batching.py compares it on many requests). Reported:
 
     - ``prefill_pct_of_matmul_rate``: weight-product FLOPs (:func:`prefill_flops`) over the wall time, as a
       share of the bf16 matmul rate measured in the same run;
@@ -210,7 +211,7 @@ def bench_prefill(
         for path in paths:
             if path not in PREFILL_PATHS:
                 raise SystemExit(f"--prefill-paths: unknown path {path!r} ({', '.join(PREFILL_PATHS)})")
-            ex.prefill_path = "dense" if path == "dense" else "tiled"
+            ex.prefill_path = path if path in ("dense", "varlen") else "tiled"
             ex.fuse_glue = path == "glue"
             t0 = time.perf_counter()
             logits[path] = ex.execute(batch).logits.float()  # warm-up (the glue compiles here)
@@ -571,7 +572,8 @@ def main() -> None:
     ap.add_argument(
         "--prefill-paths",
         default="dense,tiled",
-        help="prefill paths to time: dense (plain), tiled (model.prefill), glue (tiled + fused glue)",
+        help="prefill paths to time: dense (plain), tiled (model.prefill), glue (tiled + fused glue), "
+        "varlen (model.prefill_varlen: every request at once)",
     )
     ap.add_argument(
         "--prefill-tile", type=int, default=0, help="query rows per window tile (default: the executor's)"

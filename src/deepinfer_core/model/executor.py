@@ -94,7 +94,10 @@ class ModelExecutor:
     ``invariant_rows`` > 0 is the batch-invariant mode (:mod:`~deepinfer_core.model.invariant`; the engine's
     ``batch_invariant``): every row product of a step in fixed chunks of that many rows, so a row's logits
     are bitwise the same whatever else its batch holds, with the batch still one call.
-    These attributes may be changed between steps. ``prefill_path`` ("tiled" / "dense"), ``row_path``
+    These attributes may be changed between steps. ``prefill_path`` ("varlen": every request of a prefill
+    step at once, the default with a backend on a CUDA device; "tiled": request by request, the default
+    elsewhere; "dense": the oracle), ``prefill_budget`` (bytes of intermediates per piece of prefill rows:
+    512 MiB on CUDA, 32 MiB on the CPU), ``row_path``
     (False: decode steps on the per-request path too) and the kernel switches (``fused_attention``,
     ``fused_moe``, ``fused_head``, ``fused_sinkhorn``) likewise.
 
@@ -173,6 +176,10 @@ class ModelExecutor:
         self._graph_buckets = check_buckets(cuda_graph_buckets)
         # the sync-free step's small functions compiled into fused kernels (model.fusion; torch.compile)
         st.fuse_glue = bool(fuse_glue) and st.sync_free
+        # prefill steps of every request at once (model.prefill_varlen: a number of kernel launches per layer
+        # that does not grow with the requests) on the cuda backend; the per-request tiled path elsewhere
+        # (equal speed on the CPU, docs/performance.md)
+        st.prefill_path = "varlen" if st.sync_free else "tiled"
         # each decode layer's attention as the backend's one-kernel ``sink_attention_rows`` (TileLang on the
         # cuda backend) instead of two batched GEMMs and the softmax between them; the MoE's expert products
         # as its ``moe_grouped_gemm``; the LM head as that kernel with one group (a [V, D] weight stream).

@@ -39,18 +39,19 @@ from deepinfer_core.model.fusion import fused_glue
 from deepinfer_core.model.layers.attention import Attention, sink_attention
 from deepinfer_core.model.layers.indexer import index_scores, mask_scores, pick_entries
 from deepinfer_core.model.model import AttendFn
+from deepinfer_core.model.prefill_plan import ATTENTION_RANGE, INDEXER_RANGE, LAYER_RANGE, make_plan
 from deepinfer_core.model.prefill_tiled import attend_request, rows_per_piece, select_entries
+from deepinfer_core.model.prefill_varlen import varlen_attend, varlen_source
 from deepinfer_core.model.state import DEFAULT_BUDGET, DEFAULT_TILE, ExecutorState, last_rows
 
-# profiler ranges around the prefill's attention and indexer work (benchmarks/model_cuda.py splits the GPU
-# time by them); a record_function outside a profiler costs about a microsecond
-ATTENTION_RANGE = "prefill.attention"
-INDEXER_RANGE = "prefill.indexer"
-# attend_request, rows_per_piece and select_entries (the tiled maths) live in prefill_tiled and stay
-# importable from here
+# attend_request, rows_per_piece and select_entries (the tiled maths) live in prefill_tiled, the profiler
+# ranges in prefill_plan; all stay importable from here
 __all__ = [
+    "ATTENTION_RANGE",
     "DEFAULT_BUDGET",
     "DEFAULT_TILE",
+    "INDEXER_RANGE",
+    "LAYER_RANGE",
     "attend_prefill",
     "attend_request",
     "execute_requests",
@@ -58,6 +59,9 @@ __all__ = [
     "select_entries",
 ]
 
+
+# the prefill paths (ModelExecutor.prefill_path)
+PREFILL_PATHS = ("varlen", "tiled", "dense")
 
 # (first row, end row, start position, state slot, block table)
 Request = tuple[int, int, int, int, torch.Tensor]
@@ -279,7 +283,7 @@ def attend_prefill(
     """The per-request path's ``attend`` (``prefill_path``: "tiled", or "dense": every query against every
     chunk key through a dense mask, the oracle of the tiled path's tests and the benchmark's baseline)."""
     if st.prefill_path not in ("tiled", "dense"):
-        raise ValueError(f"prefill_path={st.prefill_path!r}: must be 'tiled' or 'dense'")
+        raise ValueError(f"prefill_path={st.prefill_path!r}: the per-request paths are 'tiled' and 'dense'")
     tiled = st.prefill_path == "tiled"
     # the tiled path's small functions run compiled under fuse_glue, as the decode glue does
     with fused_glue(st.fuse_glue and tiled):
@@ -321,7 +325,7 @@ def compress(
 
 
 def execute_requests(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None = None) -> ForwardOutput:
-    """A validated step on the per-request path (prefill chunks, encoder-only steps, the row path off)."""
+    """A validated step on the prefill paths (prefill chunks, encoder-only steps, the row path off)."""
     dev = st.device
     tokens = torch.as_tensor(b.token_ids, device=dev)
     if feed is not None:
@@ -329,26 +333,10 @@ def execute_requests(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None 
         tokens = tokens.clone()
         feed.apply(tokens)
     positions = torch.as_tensor(b.positions, device=dev)
-    off = b.offsets.tolist()
-    reqs = [
-        (
-            off[i],
-            off[i + 1],
-            int(b.start_pos[i]),
-            int(b.state_slots[i]),
-            torch.as_tensor(b.block_tables[i], dtype=torch.long, device=dev),
-        )
-        for i in range(b.num_requests)
-    ]
-    sel: dict = {}
-    pools: dict = {}
     rows = engram_rows(st, b, tokens, feed)
-
-    def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
-        return attend_prefill(st, lid, a, x, positions, reqs, sel, pools)
-
+    attend, source = step_attention(st, b, positions)
     if b.encoder_only:
-        return _encoder_only(st, b, tokens, attend, reqs, rows)
+        return _encoder_only(st, b, tokens, attend, source, rows)
     targets = () if st.spec is None else st.spec.drafter.target_layers
     # run_layers fills a state for every key it is given
     capture = cast(dict[int, torch.Tensor], dict.fromkeys((*b.capture_layers, *targets)))
@@ -375,16 +363,37 @@ def execute_requests(st: ExecutorState, b: ForwardBatch, feed: TokenFeed | None 
     )
 
 
-def _encoder_only(
-    st: ExecutorState,
-    b: ForwardBatch,
-    tokens: torch.Tensor,
-    attend: AttendFn,
-    reqs: list[Request],
-    rows: dict[int, torch.Tensor],
-) -> ForwardOutput:
-    """An encoder-only step (CED prefix prefill): the encoder layers, then the first decoder layer's global
-    KV written from its input (``source_only``); no logits."""
+def step_attention(st: ExecutorState, b: ForwardBatch, positions: torch.Tensor) -> tuple[AttendFn, AttendFn]:
+    """The step's ``attend`` and (an encoder-only step's) ``source_only`` on ``st.prefill_path``: "varlen"
+    (every request at once: :mod:`~deepinfer_core.model.prefill_varlen`), or request by request, "tiled"
+    or "dense" (:class:`RequestAttention`)."""
+    if st.prefill_path == "varlen":
+        # the index plan of the whole step, once (one host-to-device copy); the indexer's widths count
+        # the score op's key ranges where the backend scores (bf16 / fp16)
+        plan = make_plan(st, b, ranged=st.index_score_op() is not None)
+        return (
+            varlen_attend(st, plan, lambda a, x: layer_rows(st, a, x, positions)),
+            varlen_source(st, plan),
+        )
+    _check_path(st.prefill_path)
+    dev = st.device
+    off = b.offsets.tolist()
+    reqs = [
+        (
+            off[i],
+            off[i + 1],
+            int(b.start_pos[i]),
+            int(b.state_slots[i]),
+            torch.as_tensor(b.block_tables[i], dtype=torch.long, device=dev),
+        )
+        for i in range(b.num_requests)
+    ]
+    sel: dict = {}
+    pools: dict = {}
+
+    def attend(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
+        with record_function(LAYER_RANGE):
+            return attend_prefill(st, lid, a, x, positions, reqs, sel, pools)
 
     def source(lid: int, a: Attention, x: torch.Tensor) -> torch.Tensor:
         cstate = torch.cat((a.compressor.project(x), a.index_compressor.project(x)), dim=-1)
@@ -392,6 +401,24 @@ def _encoder_only(
             compress(st, lid, a, cstate[r0:r1], s, r1 - r0, slot, table)
         return x
 
+    return attend, source
+
+
+def _check_path(path: str) -> None:
+    if path not in PREFILL_PATHS:
+        raise ValueError(f"prefill_path={path!r}: must be one of {', '.join(map(repr, PREFILL_PATHS))}")
+
+
+def _encoder_only(
+    st: ExecutorState,
+    b: ForwardBatch,
+    tokens: torch.Tensor,
+    attend: AttendFn,
+    source: AttendFn,
+    rows: dict[int, torch.Tensor],
+) -> ForwardOutput:
+    """An encoder-only step (CED prefix prefill): the encoder layers, then the first decoder layer's global
+    KV written from its input (``source``); no logits."""
     _, counts = st.model.run_layers(tokens, attend, source_only=source, engram_rows=rows)
     st.slot_end[b.state_slots] = b.start_pos + b.query_lens
     st.encoder_only[b.state_slots] = True

@@ -13,7 +13,7 @@ import torch
 
 from deepinfer_core.model.batch import BatchError, ForwardBatch
 from deepinfer_core.model.engram_context import engram_rows
-from deepinfer_core.model.prefill import attend_prefill
+from deepinfer_core.model.prefill import step_attention
 from deepinfer_core.model.state import ExecutorState
 
 # the per-slot host arrays a slot's state includes (ExecutorState fields)
@@ -159,15 +159,13 @@ def replay_encoder(
     st.floor[slot, 0] = start
     dev = st.device
     tokens, positions = torch.as_tensor(toks, device=dev), torch.as_tensor(b.positions, device=dev)
-    reqs = [(0, n, start, slot, torch.as_tensor(b.block_tables[0], dtype=torch.long, device=dev))]
-    sel: dict = {}
-    pools: dict = {}
+    attend, _ = step_attention(st, b, positions)  # the executor's prefill path
     rows = engram_rows(st, b, tokens)
     st.no_block_writes = True
     try:
         st.model.run_layers(
             tokens,
-            lambda lid, a, x: attend_prefill(st, lid, a, x, positions, reqs, sel, pools),
+            attend,
             source_only=lambda lid, a, x: x,
             engram_rows=rows,
         )

@@ -29,6 +29,10 @@ if TYPE_CHECKING:  # the drafter's state refers back to this object through mode
     from deepinfer_core.model.speculative import SpecState
 
 DEFAULT_BUDGET = 512 << 20  # bytes of intermediates per piece of prefill rows (the dense path: ~n^2 * H * 8)
+# the CPU's default: pieces that stay in cache and skip the indexer's causal half more finely; one request
+# of 8,192 tokens (tiny config) prefills ~15-25 % faster than at 512 MiB on both prefill paths (8-128 MiB
+# within noise of each other; benchmarks/prefill_batching.py, docs/performance.md)
+CPU_BUDGET = 32 << 20
 DEFAULT_TILE = 64  # query rows per window tile: window + 63 keys per tile (1.5x the window at w = 128)
 
 
@@ -249,6 +253,7 @@ def make_state(
         floor=np.zeros((num_state_slots, 2), np.int64),
         min_start=np.zeros(num_state_slots, np.int64),
         tokens=np.full((num_state_slots, tok_ring), -1, np.int64),
+        prefill_budget=DEFAULT_BUDGET if dev.type == "cuda" else CPU_BUDGET,
     )
 
 
