@@ -17,8 +17,8 @@
 #   plot       the throughput-vs-interactivity plot of engine.jsonl so far (plain and speculative)
 #   invariant  batch-invariant mode at batch speed: tokens/s default / invariant / per-request at B = 16, 64,
 #              20 mixes x 2 runs bit-identical (tiny), cost only (wide)
-#   prefill    prefill paths (tiled vs varlen): TTFT vs prompt length, 1 x 8192 and 16 x 512 on the wide
-#              config, GEMM share of the bf16 matmul rate
+#   prefill    prefill paths (tiled vs varlen, benchmarks/prefill_batching.py): kernel launches, TTFT vs
+#              prompt length (plot), 1 x 8192 and 16 x 512 on the wide config, GEMM share of the matmul rate
 #   sampling   the sort-free top-k / top-p threshold vs the sort, B = 1..256 x 129,280 (CUDA events)
 #   tests-a    pytest -m gpu, tests/deepinfer_kernels (TileLang kernels)
 #   tests-b    pytest -m gpu, tests/deepinfer_core and the rest
@@ -82,9 +82,10 @@ for section in "$@"; do
       grep -E 'ratio_to_default|batch_invariant_identical' "$OUT/engine.jsonl" | cut -c1-300 | tee -a "$SUM"
       ;;
     prefill)
-      boxed prefill python3 -u benchmarks/prefill_paths.py --device cuda --model wide \
-        >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
-      grep -E 'ttft|pct_of_matmul' "$OUT/bench.jsonl" | cut -c1-300 | tee -a "$SUM"
+      boxed prefill python3 -u benchmarks/prefill_batching.py --device cuda --configs wide,tiny \
+        --shapes 1x8192,16x512 --ttft 512,1024,2048,4096,8192,16384 --plot >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err"
+      cp benchmarks/out/prefill_ttft_*.png "$OUT/" 2>/dev/null
+      grep -E 'ttft_ms|pct_of_matmul_rate|kernel_launches' "$OUT/bench.jsonl" | cut -c1-300 | tee -a "$SUM"
       ;;
     sampling)
       boxed sampling python3 -u benchmarks/sampling.py --device cuda --batches 1,16,64,256 --logits gauss,peaked \

@@ -156,14 +156,17 @@ def test_executor_row_logits_are_bitwise_the_same_in_any_batch(model: DeepSeekV4
     assert torch.equal(_target_logits(model, rows, prompts, order, q), alone)
 
 
-def test_executor_prefill_chunks_are_batch_invariant_too(model: DeepSeekV41) -> None:
-    # prefill steps (the per-request path): the target's prompt in one step with other prompts
+@pytest.mark.parametrize("path", ["tiled", "varlen"])
+def test_executor_prefill_chunks_are_batch_invariant_too(model: DeepSeekV41, path: str) -> None:
+    # prefill steps (the per-request tiled path, and varlen: every request of the step at once, the cuda
+    # backend's default): the target's prompt in one step with other prompts
     prompts = _prompts(4, 6, model.cfg.vocab_size)
     prompts[5] = prompts[5][:5]
 
     def run(order: list[int], target: int = 0) -> torch.Tensor:
         s = Session(model, quantize=True, num_blocks=256, slots=8)
         s.ex.invariant_rows = 32
+        s.ex.prefill_path = path
         _, per = s.step([(sid, torch.from_numpy(prompts[sid]), 0, 1) for sid in order])
         return per[order.index(target)]
 
