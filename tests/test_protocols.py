@@ -140,6 +140,7 @@ CASES: list[tuple[str, Callable[[], Any]]] = [
     ("GrammarMatcher", _grammar_matcher),
     ("EngramTable", _engram_table),
     ("ModelExecutor", _executor),
+    ("InvariantRows", _executor),  # the executor's optional batch-invariant products
     ("SpecControl", _spec_control),
     ("Backend", _backend),
     ("Tokenizer", _tokenizer),
@@ -218,8 +219,12 @@ def test_engine_uses_only_the_executor_protocol() -> None:
     from pathlib import Path
 
     engine = Path(P.__file__).resolve().parents[1] / "engine"
-    members = set(getattr(P.ModelExecutor, "__annotations__", {})) | {
-        n for n in vars(P.ModelExecutor) if not n.startswith("_")
+    # and the optional capability the engine checks with isinstance before use (InvariantRows)
+    members = {
+        n
+        for proto in (P.ModelExecutor, P.InvariantRows)
+        for n in (*getattr(proto, "__annotations__", {}), *vars(proto))
+        if not n.startswith("_")
     }
     used: dict[str, str] = {}
     for path in sorted(engine.glob("*.py")):

@@ -138,12 +138,13 @@ def _implements_protocol(cls: type) -> str | None:
     """The name of a protocol of ``deepinfer_core.protocols`` that ``cls`` implements (by its members), or None."""
     import deepinfer_core.protocols as P
 
+    # the widest protocol it satisfies (an executor also satisfies the narrow optional InvariantRows)
+    best: tuple[int, str] | None = None
     for name in P.__all__:
-        proto = getattr(P, name)
-        members = _protocol_members(proto)
-        if members and all(hasattr(cls, m) for m in members):
-            return name
-    return None
+        members = _protocol_members(getattr(P, name))
+        if members and all(hasattr(cls, m) for m in members) and (best is None or len(members) > best[0]):
+            best = (len(members), name)
+    return None if best is None else best[1]
 
 
 def _cross_imports(components: set[str]) -> list[tuple[str, str, str, str]]:

@@ -32,7 +32,7 @@ from deepinfer_core.engine.stats import StepStats
 from deepinfer_core.kv import StatePool
 from deepinfer_core.model import BatchError, ForwardBatch, ForwardOutput
 from deepinfer_core.model.invariant import default_rows
-from deepinfer_core.protocols import ModelExecutor
+from deepinfer_core.protocols import InvariantRows, ModelExecutor
 from deepinfer_core.scheduler import Plan, StepType
 
 log = logging.getLogger(__name__)
@@ -438,10 +438,8 @@ class StepRunner:
             return [(0, n)]
         if invariant_rows(self.executor) <= 0:
             return [(i, i + 1) for i in range(n)]
-        back = getattr(self.executor, "backtrack", None)
-        if not isinstance(back, int):
-            return [(0, n)]
-        row = batch.query_lens <= back + 1
+        assert isinstance(self.executor, InvariantRows)  # invariant_rows > 0
+        row = batch.query_lens <= self.executor.backtrack + 1
         edges = [0, *(np.flatnonzero(row[1:] != row[:-1]) + 1).tolist(), n]
         return list(itertools.pairwise(edges))
 
@@ -467,15 +465,13 @@ def _requests(batch: ForwardBatch, lo: int, hi: int) -> ForwardBatch:
 
 def invariant_rows(executor: object) -> int:
     """The executor's batch-invariant chunk rows (model.invariant; 0: it has none, or they are off)."""
-    return int(getattr(executor, "invariant_rows", 0) or 0)
+    return int(executor.invariant_rows or 0) if isinstance(executor, InvariantRows) else 0
 
 
 def enable_invariant_rows(executor: object) -> None:
     """Switch the executor's batch-invariant products on (its device's default chunk), if it has them."""
-    if hasattr(executor, "invariant_rows") and not invariant_rows(executor):
-        dev = getattr(executor, "device", None)
-        rows = default_rows(dev if isinstance(dev, torch.device) else torch.device("cpu"))
-        executor.invariant_rows = rows
+    if isinstance(executor, InvariantRows) and not executor.invariant_rows:
+        executor.invariant_rows = default_rows(executor.device)
 
 
 def _spec_field(out: ForwardOutput, name: str, r: int) -> np.ndarray:

@@ -10,7 +10,7 @@ from deepinfer_core.protocols.engram import EngramTable
 from deepinfer_core.protocols.eplb import ExpertPlacementPolicy
 from deepinfer_core.protocols.kv import KVBlockPool, PrefixIndex, StatePool
 from deepinfer_core.protocols.kvstore import KVBlockStore
-from deepinfer_core.protocols.model import Backend, ModelExecutor, SpecControl
+from deepinfer_core.protocols.model import Backend, InvariantRows, ModelExecutor, SpecControl
 from deepinfer_core.protocols.scheduler import Scheduler, StepVote
 from deepinfer_core.protocols.spec import VerifyScheduler
 from deepinfer_core.protocols.structured import GrammarBackend, GrammarMatcher
@@ -23,6 +23,7 @@ __all__ = [
     "ExpertPlacementPolicy",
     "GrammarBackend",
     "GrammarMatcher",
+    "InvariantRows",
     "KVBlockPool",
     "KVBlockStore",
     "ModelExecutor",

@@ -22,6 +22,21 @@ class SpecControl(Protocol):
 
 
 @runtime_checkable
+class InvariantRows(Protocol):
+    """An executor's optional batch-invariant products (``model.invariant``): the engine's
+    ``batch_invariant`` mode runs a step batched on an executor that has them (``isinstance``), and request
+    by request on one that does not."""
+
+    #: rows per fixed-shape chunk of every row product (0: the mode is off)
+    invariant_rows: int
+    #: the most tokens a request may feed for the step to take the row path (a request must take the same
+    #: path alone and in any batch: the engine cuts a step where its requests' paths change)
+    backtrack: int
+    #: where the executor runs (the mode's default chunk depends on it)
+    device: torch.device
+
+
+@runtime_checkable
 class ModelExecutor(Protocol):
     """Runs one step of the model over a flat batch of query tokens, and keeps the per-sequence state the
     steps need (paged KV, SWA rings, token context) between them. These members are everything the engine
