@@ -96,3 +96,22 @@ def out_path(name: str) -> Path:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def cuda_time(fn: Callable[[], Any], reps: int = 50, warmup: int = 5) -> float:
+    """Median seconds per call of ``fn`` on the current CUDA stream, by CUDA events around each call
+    (after ``warmup`` calls and a synchronisation)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+import _common
 from _common import emit, log, parser
 
 BENCH = "kernel_libs"
@@ -117,18 +117,7 @@ def dry_run(args: Any) -> None:
 
 def cuda_time(reps: int, fn: Callable[..., Any], *args: Any, warmup: int = 3, **kw: Any) -> float:
     """Median seconds of ``fn(*args, **kw)`` by CUDA events, each call timed alone."""
-    for _ in range(warmup):
-        fn(*args, **kw)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*args, **kw)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    return _common.cuda_time(lambda: fn(*args, **kw), reps=reps, warmup=warmup)
 
 
 def have(lib: str, section: str) -> bool:

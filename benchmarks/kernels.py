@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,27 +28,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, log, out_path, parser
+from _common import cuda_time, emit, log, out_path, parser
 from deepinfer_kernels import get_op
 
 ROWS: list[dict[str, Any]] = []
 SKIP_REFERENCE = False  # --no-reference: skip the (slow, already recorded) torch reference timings
-
-
-def cuda_time(fn: Callable[[], Any], reps: int = 50, warmup: int = 5) -> float:
-    """Median seconds per call, by CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def graph_time(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:

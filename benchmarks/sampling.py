@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, log, parser
+from _common import cuda_time, emit, log, parser
 from deepinfer_kernels.ops.sampling import sample, sample_sorted
 from deepinfer_kernels.ops.sampling_filter import survivor_threshold, survivors_sorted
 
@@ -73,18 +73,7 @@ def side_by_side(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
 
 
 def cuda_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return 1e3 * cuda_time(fn, reps=reps, warmup=warmup)
 
 
 def graph_ms(fn: Callable[[], Any], reps: int = 20) -> float:
