@@ -293,3 +293,31 @@ def test_cuda_grouped_expert_products_do_not_depend_on_group_sizes(impl: str) ->
             x = rows[1 : 1 + sum(counts)].clone()
             x[at] = rows[0]
             assert torch.equal(gg(x, w, ends)[at : at + 1], want), (counts, at)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["varlen", "tiled"])
+def test_cuda_prefill_logits_are_the_same_in_any_batch(path: str) -> None:
+    """Prefill steps on the cuda backend (varlen: every request of the step at once, the default there;
+    tiled: request by request): a prompt's logits alone == beside other prompts in one step. The varlen
+    path batches the attention's per-tile products across requests (batched GEMMs whose kernel may depend
+    on the batch count: what this checks)."""
+    from deepinfer_core.model.executor import ModelExecutor
+    from deepinfer_kernels import get_backend
+
+    model = DeepSeekV41.from_config(tiny_config(), seed=11, dtype=torch.bfloat16, device="cuda")
+    prompts = _prompts(6, 40, model.cfg.vocab_size)
+    prompts = [np.concatenate([p] * 8) for p in prompts]  # 24-312 tokens: the prefill path, several tiles
+
+    def run(order: list[int]) -> torch.Tensor:
+        s = Session(model, quantize=True, num_blocks=2048, slots=len(order) + 1)
+        s.ex = ModelExecutor(model, 2048, 16, len(order) + 1, quantize=True, backend=get_backend("cuda"))
+        s.ex.invariant_rows = 64
+        s.ex.prefill_path = path
+        _, per = s.step([(sid, torch.from_numpy(prompts[sid]), 0, 1) for sid in order])
+        return per[order.index(0)].float().cpu()
+
+    alone = run([0])
+    for order in ([3, 0, 1], [*range(1, 16), 0], [*range(1, 40), 0]):
+        assert torch.equal(run(order), alone), (path, len(order))
