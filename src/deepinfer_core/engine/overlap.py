@@ -61,11 +61,9 @@ class PendingStep:
     num_rows: int
     # bool per row of ``tokens``: the sampler ended its request on this token (a grammar dead end or a
     # grammar failure: token -1, ``EndHow.BY_TOKEN``), so it lands although the request is dead by then
-    ended_by_token: np.ndarray = attrs.field(factory=lambda: np.zeros(0, bool))
-
-    def __attrs_post_init__(self) -> None:
-        if self.ended_by_token.size == 0:
-            self.ended_by_token = np.zeros(self.rows.shape, bool)
+    ended_by_token: np.ndarray = attrs.field(
+        default=attrs.Factory(lambda self: np.zeros(self.rows.shape, bool), takes_self=True)
+    )
 
     def feed_rows(self, hole_seqs: np.ndarray) -> np.ndarray:
         """Row of ``tokens`` for each sequence in ``hole_seqs`` (-1 where this step sampled none for it)."""

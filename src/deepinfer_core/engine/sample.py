@@ -54,25 +54,10 @@ class TokenSampler:
         n = seq.shape[0]
         if n == 0:
             return np.zeros(0, np.int32)
-        self.ban_early(logits, seq, ix)
-        con = np.flatnonzero(s.structured[ix])
-        failed = np.zeros(n, bool)  # rows whose grammar raised: they fail alone
-        dead_end = np.zeros(0, np.int64)
-        if con.size:
-            full, dead_end = self._grammar_masks(seq, con, n, failed)
-            self.apply_mask(logits, full, torch.as_tensor(con))
+        con, failed, dead_end = self._mask(logits, seq, ix)
         tok = self._draw(logits, ix, positions).cpu().numpy().astype(np.int64)
-        g = self.grammars.manager
-        for r in dead_end.tolist():  # the grammar allows no token: the scheduler fails it on a negative token
-            req = self.table.by_seq[int(seq[r])]
-            assert g is not None
-            self.table.end(
-                req,
-                str(g.finish_reason(req.request_id)),
-                "grammar dead end: no token can continue",
-                EndHow.BY_TOKEN,
-            )
-            tok[r] = -1
+        self._end_dead(seq, dead_end)
+        tok[dead_end] = -1
         tok[failed] = -1
         s.last_token[ix] = tok
         s.n_out[ix] += 1
@@ -124,20 +109,37 @@ class TokenSampler:
         tokens are dropped when they land). The host side (last token, grammars, stop strings) runs when the
         tokens land (``advance_grammars``, ``engine/overlap.py``); the counts move now, so the next step's
         min_tokens bans see this token as sampled, exactly as in the synchronous path."""
+        _, ended, dead_end = self._mask(logits, seq, ix)
+        tok_t = self._draw(logits, ix, positions)
+        self._end_dead(seq, dead_end)
+        ended[dead_end] = True
+        if ended.any():  # on the device, without reading the tokens back
+            tok_t = tok_t.masked_fill(h2d(ended, tok_t.device), -1)
+        self.table.seqs.n_out[ix] += 1
+        return tok_t, ended
+
+    def _mask(
+        self, logits: torch.Tensor, seq: np.ndarray, ix: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """min_tokens bans and the grammar masks of the live structured rows, in place on ``logits``:
+        (the masked rows, bool per row whose grammar raised (ended: it fails alone), the dead-end rows)."""
         s = self.table.seqs
         n = seq.shape[0]
-        ended = np.zeros(n, bool)
         self.ban_early(logits, seq, ix)
-        con = (
-            np.flatnonzero(s.structured[ix] & ~s.dead[ix]) if self.grammars.manager is not None else ended[:0]
-        )
+        failed = np.zeros(n, bool)
         dead_end = np.zeros(0, np.int64)
+        if self.grammars.manager is None:
+            return dead_end, failed, dead_end
+        con = np.flatnonzero(s.structured[ix] & ~s.dead[ix])
         if con.size:
-            full, dead_end = self._grammar_masks(seq, con, n, ended)
+            full, dead_end = self._grammar_masks(seq, con, n, failed)
             self.apply_mask(logits, full, torch.as_tensor(con))
-        tok_t = self._draw(logits, ix, positions)
+        return con, failed, dead_end
+
+    def _end_dead(self, seq: np.ndarray, dead_end: np.ndarray) -> None:
+        """The grammar allows no token: the scheduler fails each such request on its negative token."""
         g = self.grammars.manager
-        for r in dead_end.tolist():  # the grammar allows no token: the scheduler fails it on a negative token
+        for r in dead_end.tolist():
             assert g is not None
             req = self.table.by_seq[int(seq[r])]
             self.table.end(
@@ -146,11 +148,6 @@ class TokenSampler:
                 "grammar dead end: no token can continue",
                 EndHow.BY_TOKEN,
             )
-            ended[r] = True
-        if ended.any():  # on the device, without reading the tokens back
-            tok_t = tok_t.masked_fill(h2d(ended, tok_t.device), -1)
-        s.n_out[ix] += 1
-        return tok_t, ended
 
     def advance_grammars(self, seq: np.ndarray, ix: np.ndarray, tok: np.ndarray) -> np.ndarray:
         """Landed tokens of live rows (``seq``, ``ix``) into their requests' grammars, as ``sample_rows``

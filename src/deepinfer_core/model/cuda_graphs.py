@@ -191,11 +191,9 @@ class _Graph:
         self.size = n * 6 + n * w + (int(np.prod(self.id_shape)) if fetch_ids else 0)
         self.dev_buf = torch.zeros(self.size, dtype=torch.int64, device=dev)
         # two pinned staging buffers, alternated; each is rewritten only after its last copy finished
+        # (none without capture: the image is copied straight in)
         self.host = [
-            torch.zeros(self.size, dtype=torch.int64).pin_memory()
-            if capture
-            else torch.zeros(1, dtype=torch.int64)
-            for _ in range(2)
+            torch.zeros(self.size, dtype=torch.int64).pin_memory() for _ in range(2 if capture else 0)
         ]
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0

@@ -48,8 +48,8 @@ StepOutputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]  # logits, e
 
 
 class GraphRunner(Protocol):
-    """Replays pure-decode and verify steps (:func:`is_graph_step`) from captured graphs (``cuda_graphs.DecodeGraphs``; a protocol: that
-    module imports this one)."""
+    """Replays pure-decode and verify steps (:func:`is_graph_step`) from captured graphs
+    (``cuda_graphs.DecodeGraphs``; a protocol: that module imports this one)."""
 
     def run(
         self,

@@ -184,15 +184,14 @@ class SpecState:
             for j in np.flatnonzero(v > 0).tolist():
                 dprob[j, : v[j]] = self.probs[int(slots[j])][: v[j]]
         lengths = torch.as_tensor(v, device=dev)
-        probs = dprob
         cs = self.counter_seeds
         if cs is not None and all(int(b.state_slots[i]) in cs for i in idx):
             seeds = torch.as_tensor([cs[int(b.state_slots[i])] for i in idx], dtype=torch.int64, device=dev)
             first = torch.as_tensor(
                 b.start_pos[idx] + b.query_lens[idx] - vl[idx], dtype=torch.int64, device=dev
             )
-            return verify(dtok, probs, tp, lengths, None, greedy=greedy, seeds=seeds, positions=first), True
-        return verify(dtok, probs, tp, lengths, self.gen, greedy=greedy), False
+            return verify(dtok, dprob, tp, lengths, None, greedy=greedy, seeds=seeds, positions=first), True
+        return verify(dtok, dprob, tp, lengths, self.gen, greedy=greedy), False
 
     def _draft(
         self,
