@@ -325,7 +325,7 @@ def bench_sampling(ceil: dict[str, float], quick: bool) -> None:
         record_ref("sample_torch_reference", p, lambda: ref(*args), 10, b * vocab * 4, ceil=ceil)
         # the fused kernel alone (RNG + Gumbel + filter + argmax), given the threshold
         t, tv, ti, mode = cs.survivor_threshold(args[0], args[1], args[2], args[3])
-        keys = cs._row_keys(args[4], args[5])
+        keys = cs.row_keys(args[4], args[5])
         kern = cs.compile_kernel(("sample", vocab, "float32"), lambda: cs._build(vocab, "float32"))
         out = torch.empty(b, dtype=torch.int64, device="cuda")
         record(

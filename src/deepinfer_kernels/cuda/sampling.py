@@ -19,7 +19,7 @@ run on the same GPU. Against the CPU reference a last-bit difference of ``log`` 
 import torch
 
 from deepinfer_kernels.cuda._tl import HAVE_TILELANG, KERNEL_DTYPES, T, compile_kernel, torch_dtype_name
-from deepinfer_kernels.ops.sampling import _check
+from deepinfer_kernels.ops.sampling import _check, row_keys
 from deepinfer_kernels.ops.sampling import sample as _reference
 from deepinfer_kernels.ops.sampling_filter import survivor_threshold
 from deepinfer_kernels.registry import register
@@ -95,16 +95,6 @@ def _build(vocab: int, dtype: str):
     return sample
 
 
-_GOLDEN_S = _GOLDEN - (1 << 64)
-_M1_S, _M2_S, _POS_MUL_S = _M1 - (1 << 64), _M2 - (1 << 64), _POS_MUL - (1 << 64)
-
-
-def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    from deepinfer_kernels.ops.sampling import mix64
-
-    return mix64(seeds.to(torch.int64)) ^ (positions.to(torch.int64) * _POS_MUL_S)
-
-
 @register("sample", "cuda")
 def sample(
     logits: torch.Tensor,
@@ -126,7 +116,7 @@ def sample(
         return out.fill_(-1)
     dev = logits.device
     t, thr_val, thr_idx, mode = survivor_threshold(logits, temperature.to(dev), top_k.to(dev), top_p.to(dev))
-    keys = _row_keys(seeds.to(dev), positions.to(dev))
+    keys = row_keys(seeds.to(dev), positions.to(dev))
     dt = torch_dtype_name(logits.dtype)
     kern = compile_kernel(("sample", vocab, dt), lambda: _build(vocab, dt))
     kern(logits.contiguous(), t.contiguous(), keys.contiguous(), thr_val.contiguous(), thr_idx, mode, out)

@@ -37,11 +37,14 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, num: int) -> torch.Tensor:
     """float32 uniforms in (0, 1), shape [B, num]: element (b, j) depends only on (seeds[b], positions[b], j)."""
-    seeds = seeds.to(torch.int64)
-    positions = positions.to(torch.int64)
-    key = mix64(seeds) ^ (positions * _POS_MUL)  # one key per (request, position)
+    key = row_keys(seeds, positions)
     j = torch.arange(num, device=seeds.device, dtype=torch.int64)
     return _uniform(key[:, None], j[None, :])
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The RNG key of each (request seed, position): int64, one per row (the CUDA kernel takes these)."""
+    return mix64(seeds.to(torch.int64)) ^ (positions.to(torch.int64) * _POS_MUL)
 
 
 def _uniform(key: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,7 @@ def draw_sparse(
     where top-k / top-p leave a few tokens of a large vocabulary and the full-row RNG would dominate."""
     b, v = x.shape
     rows, ids = torch.nonzero(keep & (mode == 1)[:, None], as_tuple=True)
-    key = mix64(seeds.to(torch.int64)) ^ (positions.to(torch.int64) * _POS_MUL)
+    key = row_keys(seeds, positions)
     score = x[rows, ids] + -torch.log(-torch.log(_uniform(key[rows], ids)))
     best = torch.full((b,), float("-inf"), device=x.device).scatter_reduce(0, rows, score, "amax")
     first = torch.where(score == best[rows], ids, v)
