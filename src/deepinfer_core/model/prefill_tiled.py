@@ -108,17 +108,35 @@ def _select_piece(
         sc = mask_scores(index_scores(qi[c0:c1], wi[c0:c1], ik[:e_c]), ent[None, :e_c] < vis[:, None])
     else:
         sc = score_op(qi[c0:c1], wi[c0:c1], ik[:e_c], torch.zeros_like(vis), vis)
-    if candidates is not None:
-        sc = mask_scores(sc, candidates[c0:c1, :e_c])
+    cand = None if candidates is None else candidates[c0:c1, :e_c]
+    return pick_scored(cfg, sc, vis, cand, make_pool, sel, ent, e_all, k_out)
+
+
+def pick_scored(
+    cfg: ModelConfig,
+    sc: torch.Tensor,
+    vis: torch.Tensor,
+    cand: torch.Tensor | None,
+    make_pool: bool,
+    sel: Callable[[torch.Tensor, int], Selected],
+    ent: torch.Tensor,
+    width: int,
+    k_out: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A piece of rows' selection from its scores ``sc`` [m, e] over entries 0 .. e - 1 (the tiled and the
+    varlen prefill alike): the candidate mask ``cand`` applied, the candidate pool padded to ``width``
+    when ``make_pool``, the top-k by ``sel``, padded to ``k_out`` with entries e .. (``ent``: the entry ids
+    0, 1, ...), masked, in index order, as the stable sort over all entries lists them."""
+    m, e = sc.shape
+    if cand is not None:
+        sc = mask_scores(sc, cand)
     pool = None
     if make_pool:
         pool = candidate_pool(sc, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-        pool = torch.cat((pool, pool.new_zeros(m, e_all - e_c)), 1)
+        pool = torch.cat((pool, pool.new_zeros(m, width - e)), 1)
     ids, valid = sel(sc, cfg.index_topk)
     if ids.shape[1] < k_out:
-        # entries e_c .. E - 1 are masked for these rows; the stable sort puts them after the piece's
-        # own masked entries, in index order
-        tail = ent[e_c : e_c + k_out - ids.shape[1]].expand(m, -1)
+        tail = ent[e : e + k_out - ids.shape[1]].expand(m, -1)
         ids = torch.cat((ids, tail), 1)
         valid = torch.cat((valid, torch.zeros_like(tail, dtype=torch.bool)), 1)
     return ids, valid, pool

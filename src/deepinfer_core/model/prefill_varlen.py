@@ -42,7 +42,6 @@ from deepinfer_core.model.config import ModelConfig
 from deepinfer_core.model.fusion import fusable
 from deepinfer_core.model.layers.attention import Attention
 from deepinfer_core.model.layers.indexer import (
-    candidate_pool,
     index_scores,
     mask_scores,
     select_topk,
@@ -58,7 +57,7 @@ from deepinfer_core.model.prefill_plan import (
     Piece,
     VarlenPlan,
 )
-from deepinfer_core.model.prefill_tiled import rows_per_piece
+from deepinfer_core.model.prefill_tiled import pick_scored, rows_per_piece
 from deepinfer_core.model.state import ExecutorState
 
 Selected = tuple[torch.Tensor, torch.Tensor]  # (ids [T * tile, k], valid [T * tile, k]) in the tile layout
@@ -281,18 +280,8 @@ def _select_piece(
         kidx = torch.minimum(ar[None, :], ent.last[i][ta:tb, None]) + ent.first[i][ta:tb, None]
         sc = tile_scores(q_t, w_t, ik[kidx])
     sc = mask_scores(sc, ar[None, :] < vis[:, None])
-    if candidates is not None:
-        sc = mask_scores(sc, candidates[r0:r1, :e_p])
-    pool = None
-    if make_pool:
-        pool = candidate_pool(sc, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-        pool = torch.cat((pool, pool.new_zeros(m, ent.width - e_p)), 1)
-    ids, valid = sel(sc, cfg.index_topk)
-    if ids.shape[1] < ent.k:  # entries e_p .. follow, masked, in index order (as the stable sort has them)
-        tail = ent.arange[e_p : e_p + ent.k - ids.shape[1]].expand(m, -1)
-        ids = torch.cat((ids, tail), 1)
-        valid = torch.cat((valid, torch.zeros_like(tail, dtype=torch.bool)), 1)
-    return ids, valid, pool
+    cand = None if candidates is None else candidates[r0:r1, :e_p]
+    return pick_scored(cfg, sc, vis, cand, make_pool, sel, ent.arange, ent.width, ent.k)
 
 
 def varlen_attend(
